@@ -1,0 +1,357 @@
+"""Wire types shared by the training workers, the node agent and the supervisor.
+
+Standard library only: the in-training library imports this module, and it must stay cheap and
+free of the supervisor's dependencies.
+
+Three hops, one vocabulary:
+
+1. worker -> agent: one JSON object per datagram on a local Unix datagram socket whose path the
+   agent passes in ``TRAINWARDEN_AGENT_SOCKET``.  Messages are ``StepReport``, ``WorkerEvent``
+   and ``CheckpointReport`` (the ``type`` field tells which).  A send never blocks: when the
+   agent is absent or its queue is full the message is dropped and counted.
+2. agent -> supervisor: ``POST /api/v1/ingest`` with an ``IngestBatch`` holding the worker
+   messages plus agent items (``heartbeat``, ``exit``, ``command_result``).  Batches carry a
+   per-agent sequence number so a replayed batch is stored once.
+3. supervisor -> agent: the ingest reply carries pending ``Command`` objects.  A ``restart``
+   command carries a ``ResumePlan`` that the agent writes to a JSON file and names in
+   ``TRAINWARDEN_RESUME_PLAN`` for the next torchrun attempt.
+
+Floats that are not finite (a NaN loss) are sent as the JSON tokens ``NaN``/``Infinity`` that
+Python's ``json`` reads and writes; receivers must keep them (a NaN loss is the signal).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, TypedDict
+
+PROTOCOL_VERSION = 1
+
+# Environment variables the agent sets for the workers it launches.
+ENV_AGENT_SOCKET = "TRAINWARDEN_AGENT_SOCKET"
+ENV_RESUME_PLAN = "TRAINWARDEN_RESUME_PLAN"
+ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
+ENV_RUN = "TRAINWARDEN_RUN"
+ENV_NODE = "TRAINWARDEN_NODE"
+
+# A datagram larger than this is refused by the sender (and counted as dropped).
+MAX_DATAGRAM_BYTES = 60_000
+
+
+class StepReport(TypedDict, total=False):
+    """One optimiser step on one rank. ``step`` is 0-based: the index of the step just trained."""
+
+    type: Literal["step"]
+    v: int
+    attempt: int  # the run attempt (TRAINWARDEN_ATTEMPT), 0 for the first
+    rank: int
+    local_rank: int
+    world_size: int
+    pid: int
+    step: int
+    t: float  # unix time at the end of the step
+    batch_index: int | None  # global index of the batch trained at this step
+    loss: float | None
+    samples: int | None
+    tokens: int | None
+    lr: float | None
+    grad_norm: float | None
+    data_s: float | None  # waiting for the batch
+    compute_s: float | None  # compute before the first blocking collective
+    step_s: float | None  # the whole step, wall time
+    dropped: int  # reports this rank dropped before this one (agent absent, queue full)
+
+
+# Names of worker events.  Free-form names are allowed; these are the ones the system acts on.
+EVENT_STARTED = "worker_started"
+EVENT_COLLECTIVE_TIMEOUT = "collective_timeout"
+EVENT_DISTRIBUTED_ERROR = "distributed_error"
+EVENT_EXCEPTION = "worker_exception"
+EVENT_RESUMED = "resumed"
+EVENT_BATCHES_SKIPPED = "batches_skipped"
+EVENT_CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint passed over on resume
+EVENT_CHECKPOINT_FAILED = "checkpoint_failed"
+EVENT_FINISHED = "worker_finished"
+
+
+class WorkerEvent(TypedDict, total=False):
+    type: Literal["event"]
+    v: int
+    attempt: int
+    rank: int
+    local_rank: int
+    pid: int
+    t: float
+    name: str
+    step: int | None
+    message: str
+    details: dict[str, Any]
+
+
+class CheckpointReport(TypedDict, total=False):
+    """Sent by rank 0 once a checkpoint is complete on disk (validated)."""
+
+    type: Literal["checkpoint"]
+    v: int
+    attempt: int
+    rank: int
+    t: float
+    step: int  # steps done: resuming from it continues at this step index
+    path: str
+    bytes: int
+    save_s: float  # from the save call to complete
+    async_save: bool
+    lineage: str  # id of the chain of attempts that wrote it (see ResumePlan.lineage)
+
+
+WorkerMessage = StepReport | WorkerEvent | CheckpointReport
+
+
+def encode_datagram(message: WorkerMessage) -> bytes:
+    """Compact JSON, one message per datagram."""
+    return json.dumps(message, separators=(",", ":")).encode()
+
+
+def decode_datagram(data: bytes) -> dict[str, Any]:
+    """Parse one datagram; raises ``ValueError`` with the reason when it is not a message."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a JSON datagram: {e}") from None
+    if not isinstance(obj, dict) or obj.get("type") not in ("step", "event", "checkpoint"):
+        raise ValueError("datagram is not a step, event or checkpoint message")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume plans: written by the agent, read by the in-training library at start-up.
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Multiply the LR by ``scale`` for ``steps`` steps, then ramp back linearly over
+    ``ramp_steps`` steps, all counted from ``start_step`` (the first step index trained after
+    the resume).
+
+    For step index ``s`` and ``j = s - start_step``:
+    ``j < steps`` -> ``scale``; ``steps <= j < steps + ramp_steps`` ->
+    ``scale + (1 - scale) * (j - steps + 1) / ramp_steps`` (the last ramp step is back at 1.0);
+    afterwards (and before ``start_step``) -> 1.0.
+    """
+
+    scale: float
+    steps: int
+    ramp_steps: int = 0
+    start_step: int | None = None  # filled in when the plan is applied
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.scale <= 10.0) or not math.isfinite(self.scale):
+            raise ValueError(f"lr scale must be in (0, 10], got {self.scale}")
+        if self.steps < 0 or self.ramp_steps < 0:
+            raise ValueError("lr steps and ramp_steps must be >= 0")
+
+    def factor(self, step: int) -> float:
+        if self.start_step is None:
+            raise ValueError("LRSchedule.start_step is not set: apply the plan first")
+        j = step - self.start_step
+        if j < 0:
+            return 1.0
+        if j < self.steps:
+            return self.scale
+        j -= self.steps
+        if j < self.ramp_steps:
+            return self.scale + (1.0 - self.scale) * (j + 1) / self.ramp_steps
+        return 1.0
+
+    def end_step(self) -> int:
+        """First step index at which the factor is back to 1.0 for good."""
+        assert self.start_step is not None
+        return self.start_step + self.steps + self.ramp_steps
+
+
+def normalize_ranges(ranges: Any) -> list[tuple[int, int]]:
+    """Validate inclusive batch-index ranges ``[[a, b], ...]`` and merge overlaps.
+
+    Raises ``ValueError`` naming the bad range."""
+    if ranges is None:
+        return []
+    if not isinstance(ranges, list | tuple):
+        raise ValueError("skip must be a list of [from, to] batch-index ranges")
+    out: list[tuple[int, int]] = []
+    for r in ranges:
+        if (
+            not isinstance(r, list | tuple)
+            or len(r) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        ):
+            raise ValueError(f"skip range {r!r} must be two integers [from, to]")
+        a, b = int(r[0]), int(r[1])
+        if a < 0 or b < a:
+            raise ValueError(f"skip range [{a}, {b}] must satisfy 0 <= from <= to")
+        out.append((a, b))
+    out.sort()
+    merged: list[tuple[int, int]] = []
+    for a, b in out:
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What the next attempt of a run should do when it starts.
+
+    JSON form (the file named by ``TRAINWARDEN_RESUME_PLAN``)::
+
+        {"version": 1,
+         "checkpoint": "/ckpt/step_400" | null,   # null: the newest complete checkpoint
+         "skip": [[1200, 1499]],                  # inclusive global batch-index ranges
+         "lr": {"scale": 0.5, "steps": 200, "ramp_steps": 100} | null,
+         "attempt": 3, "lineage": "a3", "reason": "loss spike at step 1234",
+         "action_id": 17}
+    """
+
+    checkpoint: str | None = None
+    skip: tuple[tuple[int, int], ...] = ()
+    lr: LRSchedule | None = None
+    attempt: int | None = None
+    lineage: str | None = None
+    reason: str = ""
+    action_id: int | None = None
+    version: int = PROTOCOL_VERSION
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["skip"] = [list(r) for r in self.skip]
+        if self.lr is not None:
+            d["lr"] = {"scale": self.lr.scale, "steps": self.lr.steps,
+                       "ramp_steps": self.lr.ramp_steps}
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ResumePlan:
+        if not isinstance(d, dict):
+            raise ValueError("resume plan must be a JSON object")
+        unknown = set(d) - {f.name for f in _fields(cls)}
+        if unknown:
+            raise ValueError(f"resume plan has unknown fields: {sorted(unknown)}")
+        if d.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            raise ValueError(f"resume plan version {d.get('version')} is not {PROTOCOL_VERSION}")
+        lr = d.get("lr")
+        sched = None
+        if lr is not None:
+            if not isinstance(lr, dict) or not {"scale", "steps"} <= set(lr):
+                raise ValueError('resume plan "lr" needs "scale" and "steps"')
+            sched = LRSchedule(scale=float(lr["scale"]), steps=int(lr["steps"]),
+                               ramp_steps=int(lr.get("ramp_steps", 0)))
+        ckpt = d.get("checkpoint")
+        if ckpt is not None and not isinstance(ckpt, str):
+            raise ValueError('resume plan "checkpoint" must be a path or null')
+        return cls(
+            checkpoint=ckpt,
+            skip=tuple(normalize_ranges(d.get("skip"))),
+            lr=sched,
+            attempt=d.get("attempt"),
+            lineage=d.get("lineage"),
+            reason=str(d.get("reason", "")),
+            action_id=d.get("action_id"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ResumePlan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"resume plan is not JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+def _fields(cls: type) -> tuple[Any, ...]:
+    return dataclasses.fields(cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agent <-> supervisor (HTTP, JSON).  The supervisor validates these shapes with pydantic.
+
+
+class RegisterRequest(TypedDict, total=False):
+    run: str
+    node: str
+    hostname: str
+    pid: int
+    command: list[str]
+    nproc_per_node: int | None
+    checkpoint_root: str | None
+    agent_version: str
+
+
+class RegisterReply(TypedDict):
+    agent_id: int
+    run_id: int
+    attempt: int  # the run's current attempt; the agent launches with it
+    next_seq: int  # first sequence number the supervisor has not stored for this agent
+    heartbeat_interval_s: float
+
+
+class HeartbeatItem(TypedDict, total=False):
+    type: Literal["heartbeat"]
+    t: float
+    attempt: int
+    state: str  # "starting" | "running" | "stopping" | "stopped" | "finished" | "failed"
+    workers: list[dict[str, Any]]  # {rank, local_rank, pid, cpu_percent, rss_bytes}
+    disk_free_bytes: int | None
+
+
+class ExitItem(TypedDict, total=False):
+    """torchrun (the local worker group) ended."""
+
+    type: Literal["exit"]
+    t: float
+    attempt: int
+    exit_code: int | None
+    signal: int | None
+    # "completed" (exit 0), "crashed" (a worker failed), "stopped" (by a command or signal)
+    outcome: str
+    failed_ranks: list[dict[str, Any]]  # {rank, local_rank, exit_code, signal, pid, message}
+
+
+class CommandResultItem(TypedDict, total=False):
+    type: Literal["command_result"]
+    t: float
+    command_id: int
+    status: str  # "delivered" | "done" | "failed"
+    detail: str
+
+
+class IngestBatch(TypedDict, total=False):
+    agent_id: int
+    seq: int
+    sent_at: float
+    attempt: int
+    dropped: int  # items the agent dropped (spool full), cumulative
+    items: list[dict[str, Any]]
+
+
+COMMAND_RESTART = "restart"
+COMMAND_STOP = "stop"
+
+
+class Command(TypedDict, total=False):
+    id: int
+    kind: str  # "restart" | "stop"
+    attempt: int  # for restart: the attempt number the new torchrun runs as
+    plan: dict[str, Any] | None  # ResumePlan as a dict, for restart
+    not_before: float | None  # unix time: backoff before relaunching
+    reason: str
+
+
+class IngestReply(TypedDict):
+    seq: int
+    duplicate: bool
+    attempt: int
+    commands: list[Command]
