@@ -1,0 +1,64 @@
+"""The in-training API: a few calls a training script adds to become supervisable.
+
+Importable without the supervisor's dependencies (no FastAPI, SQLAlchemy or HTTP client).
+
+    info = init_distributed(timeout=60)
+    loader = ResumableLoader(dataset, batch_size=32, rank=info.rank,
+                             world_size=info.world_size, seed=args.seed)
+    ckpt = Checkpointer(args.checkpoint_dir, model, optimizer, loader=loader, interval_s=300)
+    start = resume(ckpt)                       # reads TRAINWARDEN_RESUME_PLAN when set
+    batches = iter(loader)
+    for step in range(start, args.steps):
+        batch = next(batches)                  # batch.index is the global batch index
+        for g in optimizer.param_groups:
+            g["lr"] = base_lr * ckpt.lr_factor(step)
+        ...
+        report_step(step, loss=loss_value, samples=n, lr=lr, timer=timer)
+        if ckpt.due(step + 1):
+            ckpt.save(step + 1, loss=loss_value)
+    ckpt.close()
+"""
+
+from agent.protocol import LRSchedule, ResumePlan
+from agent.worker.checkpoint import (
+    CheckpointInfo,
+    Checkpointer,
+    ResumeInfo,
+    list_checkpoints,
+    load_resume_plan,
+    read_meta,
+    validate_checkpoint,
+)
+from agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
+from agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
+from agent.worker.report import PhaseTimer, Reporter, get_reporter, report_event, report_step
+
+
+def resume(checkpointer: Checkpointer, plan: ResumePlan | None | str = "env") -> int:
+    """Restore everything the resume plan asks for; returns the step index to continue from."""
+    return checkpointer.resume(plan).start_step
+
+
+__all__ = [
+    "Batch",
+    "CheckpointInfo",
+    "Checkpointer",
+    "DistInfo",
+    "GlobalBatchOrder",
+    "LRSchedule",
+    "PhaseTimer",
+    "Reporter",
+    "attach_compute_timer",
+    "ResumableLoader",
+    "ResumeInfo",
+    "ResumePlan",
+    "get_reporter",
+    "init_distributed",
+    "list_checkpoints",
+    "load_resume_plan",
+    "read_meta",
+    "report_event",
+    "report_step",
+    "resume",
+    "validate_checkpoint",
+]

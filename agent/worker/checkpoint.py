@@ -1,0 +1,521 @@
+"""DCP checkpoints a long run can trust.
+
+Layout: ``<root>/step_<N>/`` holds the state after ``N`` steps (resuming from it continues at
+step index ``N``).  A save is written into ``<root>/step_<N>.partial/`` and renamed into place by
+rank 0 once DCP has written ``.metadata`` (which DCP writes last) and the checkpoint validates,
+so a directory named ``step_<N>`` is only ever a finished save.  Completeness is still checked on
+load: ``.metadata`` exists, and every shard file it names is present with exactly the size its
+items need.  A checkpoint that fails the check is passed over, with a log line saying why.
+
+What is saved: model and optimiser through ``get_state_dict`` (DDP and FSDP2 alike); for every
+rank, under a key of its own (TORCH-CPU-NOTES trap 2), its data-loader position and RNG states;
+and, replicated, the seed, the run's configuration, the step, the last loss, the active skip
+ranges and LR schedule, and which attempt wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from agent.protocol import (
+    EVENT_BATCHES_SKIPPED,
+    EVENT_CHECKPOINT_FAILED,
+    EVENT_CHECKPOINT_SKIPPED,
+    EVENT_RESUMED,
+    ENV_RESUME_PLAN,
+    LRSchedule,
+    ResumePlan,
+    normalize_ranges,
+)
+from agent.worker.data import ResumableLoader
+from agent.worker.report import Reporter, current_attempt, get_reporter
+
+log = logging.getLogger("trainwarden")
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+PARTIAL_SUFFIX = ".partial"
+META_FILE = "trainwarden.json"  # written beside the DCP files, readable without torch
+PIN_FILE = "PINNED"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Validation:
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool
+    reason: str = ""
+    nbytes: int = 0
+    pinned: bool = False
+
+
+def validate_checkpoint(path: str | os.PathLike[str], *, require_meta: bool = True
+                        ) -> Validation:
+    """Is this DCP directory complete?  ``.metadata`` present and every shard at full size."""
+    p = Path(path)
+    if not p.is_dir():
+        return Validation(False, "not a directory")
+    if not (p / ".metadata").is_file():
+        return Validation(False, "no .metadata (the save never finished)")
+    if require_meta and not (p / META_FILE).is_file():
+        return Validation(False, f"no {META_FILE} (not written by trainwarden)")
+    try:
+        md = dcp.FileSystemReader(str(p)).read_metadata()
+    except Exception as e:
+        return Validation(False, f"unreadable .metadata: {type(e).__name__}: {e}")
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    if not need:
+        return Validation(False, ".metadata names no shard")
+    total = (p / ".metadata").stat().st_size
+    for rel, size in sorted(need.items()):
+        f = p / rel
+        if not f.is_file():
+            return Validation(False, f"shard {rel} is missing")
+        actual = f.stat().st_size
+        if actual != size:
+            return Validation(False, f"shard {rel} has {actual} bytes, .metadata says {size}")
+        total += actual
+    return Validation(True, "", total)
+
+
+def list_checkpoints(root: str | os.PathLike[str], *, validate: bool = True
+                     ) -> list[CheckpointInfo]:
+    """Checkpoints under ``root``, oldest first (partial save directories are not listed)."""
+    out: list[CheckpointInfo] = []
+    r = Path(root)
+    if not r.is_dir():
+        return out
+    for child in r.iterdir():
+        m = STEP_DIR.match(child.name)
+        if not m or not child.is_dir():
+            continue
+        v = validate_checkpoint(child) if validate else Validation(True)
+        out.append(CheckpointInfo(int(m.group(1)), child, v.ok, v.reason, v.nbytes,
+                                  (child / PIN_FILE).exists()))
+    out.sort(key=lambda c: c.step)
+    return out
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The replicated metadata of a checkpoint (from the file beside the DCP shards)."""
+    return json.loads((Path(path) / META_FILE).read_text())  # type: ignore[no-any-return]
+
+
+def load_resume_plan(path: str | None = None) -> ResumePlan | None:
+    """The plan named by ``TRAINWARDEN_RESUME_PLAN`` (or ``path``); None when there is none.
+
+    A plan that is named but cannot be read is an error: silently ignoring it would resume
+    from the wrong place."""
+    path = path if path is not None else os.environ.get(ENV_RESUME_PLAN)
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read the resume plan {path}: {e}") from None
+    try:
+        return ResumePlan.from_json(text)
+    except ValueError as e:
+        raise ValueError(f"resume plan {path} is invalid: {e}") from None
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    partial: Path
+    final: Path
+    started: float
+    meta: dict[str, Any]
+    future: Future[Any] | None = None
+
+
+@dataclass
+class ResumeInfo:
+    """What ``Checkpointer.resume`` did."""
+
+    start_step: int
+    checkpoint: Path | None = None
+    plan: ResumePlan | None = None
+    skip: list[tuple[int, int]] = field(default_factory=list)
+    lr_schedule: LRSchedule | None = None
+    passed_over: list[tuple[Path, str]] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue exactly where it was.
+
+    ``interval_s`` saves on wall-clock time (``due()`` agrees across ranks: rank clocks are
+    combined with one tiny all-reduce every ``sync_every`` steps); ``every_steps`` saves every
+    N steps.  ``keep`` complete checkpoints are retained, plus pinned ones.  With
+    ``async_save`` the write runs in the background on a process group of its own (on the
+    default group it breaks gloo: TORCH-CPU-NOTES trap 3).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, *, loader: ResumableLoader | None = None,
+                 interval_s: float | None = None, every_steps: int | None = None,
+                 keep: int = 3, async_save: bool = False, seed: int | None = None,
+                 config: dict[str, Any] | None = None, sync_every: int = 10,
+                 reporter: Reporter | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if interval_s is not None and interval_s <= 0:
+            raise ValueError("interval_s must be > 0 (or None to save on steps only)")
+        if every_steps is not None and every_steps <= 0:
+            raise ValueError("every_steps must be > 0 (or None to save on time only)")
+        if keep < 1:
+            raise ValueError("keep must be >= 1: retention never deletes the newest checkpoint")
+        if sync_every < 1:
+            raise ValueError("sync_every must be >= 1")
+        self.root = Path(root)
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.interval_s, self.every_steps, self.keep = interval_s, every_steps, keep
+        self.async_save, self.sync_every = async_save, sync_every
+        self.seed, self.config = seed, dict(config or {})
+        self.reporter = reporter or get_reporter()
+        self.clock = clock
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.attempt = current_attempt()
+        self.last_loss: float | None = None
+        self.lr_schedule: LRSchedule | None = None
+        self.resumed_from: str | None = None
+        self.lineage = f"a{self.attempt}"
+        self._last_save = clock()
+        self._pending: _PendingSave | None = None
+        self._group = None
+        if async_save and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # ---- schedule -----------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Should ``step`` (steps done) be saved now?  The same answer on every rank."""
+        self.poll()
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        if self.interval_s is None or step % self.sync_every != 0:
+            return False
+        late = self.clock() - self._last_save >= self.interval_s
+        if self.world_size > 1:
+            flag = torch.tensor([1 if late else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            late = bool(flag.item())
+        return late
+
+    def lr_factor(self, step: int) -> float:
+        """LR multiplier for step index ``step`` from the active resume plan (1.0 without)."""
+        return self.lr_schedule.factor(step) if self.lr_schedule is not None else 1.0
+
+    # ---- save ---------------------------------------------------------------------------
+    def save(self, step: int, *, loss: float | None = None) -> None:
+        """Save the state after ``step`` steps into ``step_<step>``.  Collective: every rank."""
+        self.wait()  # one save in flight at a time
+        if loss is not None:
+            self.last_loss = float(loss)
+        final = self.root / f"step_{step}"
+        partial = self.root / f"step_{step}{PARTIAL_SUFFIX}"
+        if self.rank == 0 and partial.exists():  # left by a process that died mid-save
+            shutil.rmtree(partial, ignore_errors=True)
+        if self.world_size > 1:
+            dist.barrier()  # nobody writes into the partial directory before it is clean
+        meta = self._meta(step)
+        state = self._state_dict(meta)
+        pending = _PendingSave(step, partial, final, time.monotonic(), meta)
+        self._last_save = self.clock()
+        try:
+            if self.async_save:
+                pending.future = dcp.async_save(state, checkpoint_id=str(partial),
+                                                process_group=self._group)
+                self._pending = pending
+            else:
+                dcp.save(state, checkpoint_id=str(partial))
+                self._finalize(pending)
+        except Exception as e:
+            self._failed(pending, e)
+            raise
+
+    def poll(self) -> None:
+        """Finish a background save that is done (cheap when nothing is pending)."""
+        p = self._pending
+        if p is not None and p.future is not None and p.future.done():
+            self._pending = None
+            try:
+                p.future.result()
+            except Exception as e:
+                self._failed(p, e)
+                return
+            self._finalize(p)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete."""
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        try:
+            if p.future is not None:
+                p.future.result()
+        except Exception as e:
+            self._failed(p, e)
+            return
+        self._finalize(p)
+
+    def _failed(self, p: _PendingSave, e: BaseException) -> None:
+        log.error("trainwarden: checkpoint at step %d failed: %s", p.step, e)
+        self.reporter.event(EVENT_CHECKPOINT_FAILED, f"{type(e).__name__}: {e}", step=p.step,
+                            details={"path": str(p.final)})
+
+    def _finalize(self, p: _PendingSave) -> None:
+        if self.rank != 0:
+            return
+        v = validate_checkpoint(p.partial, require_meta=False)
+        if not v.ok:
+            self._failed(p, RuntimeError(f"saved checkpoint does not validate: {v.reason}"))
+            return
+        (p.partial / META_FILE).write_text(json.dumps(p.meta, indent=1))
+        if p.final.exists():  # a step redone after a rollback: the new branch replaces it
+            shutil.rmtree(p.final)
+        os.replace(p.partial, p.final)
+        _fsync_dir(self.root)
+        save_s = time.monotonic() - p.started
+        log.info("trainwarden: checkpoint step_%d complete (%d bytes, %.2fs)", p.step, v.nbytes,
+                 save_s)
+        self.reporter.checkpoint(step=p.step, path=str(p.final.resolve()), nbytes=v.nbytes,
+                                 save_s=save_s, async_save=self.async_save,
+                                 lineage=self.lineage)
+        self.apply_retention()
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        skip = [list(r) for r in self.loader.skip] if self.loader is not None else []
+        lr = self.lr_schedule
+        return {
+            "format": FORMAT_VERSION, "step": step, "loss": self.last_loss, "seed": self.seed,
+            "config": self.config, "time": time.time(), "attempt": self.attempt,
+            "lineage": self.lineage, "resumed_from": self.resumed_from,
+            "world_size": self.world_size, "skip": skip,
+            "lr_schedule": None if lr is None else {
+                "scale": lr.scale, "steps": lr.steps, "ramp_steps": lr.ramp_steps,
+                "start_step": lr.start_step},
+        }
+
+    def _state_dict(self, meta: dict[str, Any]) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        rank_state = {"rng": _rng_state(),
+                      "data": self.loader.state_dict() if self.loader is not None else None}
+        return {"model": msd, "optim": osd, "trainwarden/meta": json.dumps(meta),
+                f"trainwarden/rank{self.rank}": json.dumps(rank_state)}
+
+    # ---- retention ----------------------------------------------------------------------
+    def apply_retention(self) -> list[Path]:
+        """Keep the newest ``keep`` complete checkpoints plus pinned ones; rank 0 only."""
+        if self.rank != 0:
+            return []
+        cps = list_checkpoints(self.root)
+        complete = [c for c in cps if c.complete]
+        keep = {c.path for c in complete[-self.keep:]} | {c.path for c in cps if c.pinned}
+        removed = []
+        for c in complete:
+            if c.path not in keep:
+                shutil.rmtree(c.path, ignore_errors=True)
+                removed.append(c.path)
+        in_flight = self._pending.partial if self._pending else None
+        for child in self.root.glob(f"step_*{PARTIAL_SUFFIX}"):
+            if child != in_flight:  # a save that died with its process
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+        return removed
+
+    def pin(self, step: int, reason: str = "") -> None:
+        """Never delete ``step_<step>`` by retention."""
+        (self.root / f"step_{step}" / PIN_FILE).write_text(reason + "\n")
+
+    def unpin(self, step: int) -> None:
+        (self.root / f"step_{step}" / PIN_FILE).unlink(missing_ok=True)
+
+    # ---- load / resume ------------------------------------------------------------------
+    def newest_complete(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest complete checkpoint, and the newer ones passed over with the reason."""
+        passed: list[tuple[Path, str]] = []
+        for c in reversed(list_checkpoints(self.root)):
+            if c.complete:
+                return c.path, passed
+            passed.append((c.path, c.reason))
+        return None, passed
+
+    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore model, optimiser, this rank's data position and RNG; returns the metadata."""
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        rank_key = f"trainwarden/rank{self.rank}"
+        state: dict[str, Any] = {"model": msd, "optim": osd, "trainwarden/meta": "",
+                                 rank_key: ""}
+        meta_probe = read_meta(path)
+        if meta_probe.get("world_size", self.world_size) != self.world_size:
+            raise ValueError(
+                f"checkpoint {path} was written by {meta_probe.get('world_size')} ranks, this "
+                f"run has {self.world_size}: resume with the same world size")
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        meta: dict[str, Any] = json.loads(state["trainwarden/meta"])
+        rank_state = json.loads(state[rank_key])
+        _set_rng_state(rank_state["rng"])
+        if self.loader is not None and rank_state.get("data") is not None:
+            self.loader.load_state_dict(rank_state["data"])
+        self.last_loss = meta.get("loss")
+        return meta
+
+    def resume(self, plan: ResumePlan | None | str = "env") -> ResumeInfo:
+        """Restore the run as the resume plan says; returns where to continue.
+
+        ``plan="env"`` reads the plan named by ``TRAINWARDEN_RESUME_PLAN`` (none: resume from
+        the newest complete checkpoint, or start fresh).  Rank 0 chooses the checkpoint and
+        every rank loads that one.  Skip ranges from the checkpoint and the plan are merged;
+        the plan's LR schedule starts at the resumed step, else a schedule saved in the
+        checkpoint continues where it was.
+        """
+        if plan == "env":
+            plan = load_resume_plan()
+        assert plan is None or isinstance(plan, ResumePlan)
+        info = ResumeInfo(start_step=0, plan=plan)
+        chosen: list[Any] = [None, []]
+        if self.rank == 0:
+            if plan is not None and plan.checkpoint:
+                v = validate_checkpoint(plan.checkpoint)
+                if not v.ok:
+                    chosen[:] = [("error", f"resume plan names checkpoint {plan.checkpoint}, "
+                                  f"which is not complete: {v.reason}"), []]
+                else:
+                    chosen[:] = [str(plan.checkpoint), []]
+            else:
+                path, passed = self.newest_complete()
+                chosen[:] = [str(path) if path else None, [(str(p), r) for p, r in passed]]
+        if self.world_size > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        target, passed = chosen
+        if isinstance(target, tuple | list):
+            raise ValueError(target[1])
+        for p, reason in passed:
+            info.passed_over.append((Path(p), reason))
+            log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
+            if self.rank == 0:
+                self.reporter.event(EVENT_CHECKPOINT_SKIPPED, f"incomplete checkpoint {p}: "
+                                    f"{reason}", details={"path": p, "reason": reason})
+        meta: dict[str, Any] = {}
+        if target is not None:
+            meta = self.load(target)
+            info.checkpoint = Path(target)
+            info.start_step = int(meta["step"])
+            self.resumed_from = str(target)
+        skips = normalize_ranges([list(r) for r in meta.get("skip", [])] +
+                                 [list(r) for r in (plan.skip if plan else ())])
+        if self.loader is not None:
+            self.loader.add_skips(skips)
+            position = self.loader.position
+            for a, b in skips:
+                if a < position:
+                    log.warning("trainwarden: skip range [%d, %d] starts before the resumed "
+                                "data position %d; batches before it were already trained",
+                                a, b, position)
+        elif skips:
+            raise ValueError("the resume plan skips batches but the Checkpointer has no "
+                             "loader: pass loader=ResumableLoader(...)")
+        info.skip = skips
+        if plan is not None and plan.lr is not None:
+            self.lr_schedule = LRSchedule(plan.lr.scale, plan.lr.steps, plan.lr.ramp_steps,
+                                          start_step=info.start_step)
+        elif meta.get("lr_schedule"):
+            s = meta["lr_schedule"]
+            saved = LRSchedule(s["scale"], s["steps"], s["ramp_steps"], start_step=s["start_step"])
+            self.lr_schedule = saved if saved.end_step() > info.start_step else None
+        info.lr_schedule = self.lr_schedule
+        if plan is not None and plan.lineage:
+            self.lineage = plan.lineage
+        self._last_save = self.clock()
+        if self.rank == 0:
+            details = {"checkpoint": str(info.checkpoint) if info.checkpoint else None,
+                       "step": info.start_step, "skip": [list(r) for r in skips],
+                       "lr_schedule": meta_lr(self.lr_schedule),
+                       "action_id": plan.action_id if plan else None,
+                       "reason": plan.reason if plan else ""}
+            self.reporter.event(EVENT_RESUMED, f"resumed at step {info.start_step} from "
+                                f"{info.checkpoint or 'scratch'}", step=info.start_step,
+                                details=details)
+            if skips:
+                self.reporter.event(EVENT_BATCHES_SKIPPED, f"will skip batches {skips}",
+                                    step=info.start_step,
+                                    details={"skip": [list(r) for r in skips]})
+        log.info("trainwarden: resuming at step %d from %s", info.start_step,
+                 info.checkpoint or "scratch")
+        return info
+
+    def close(self) -> None:
+        """Finish the save in flight; call before the process exits."""
+        self.wait()
+
+
+def meta_lr(s: LRSchedule | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    return {"scale": s.scale, "steps": s.steps, "ramp_steps": s.ramp_steps,
+            "start_step": s.start_step}
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        if torch.cuda.is_available() else None,
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda"]])
+    n = s["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
+    p = s["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass

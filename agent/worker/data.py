@@ -1,0 +1,176 @@
+"""A deterministic, addressable data order with a resumable, skippable position.
+
+Every *global batch* has an index ``g = 0, 1, 2, ...``.  Global batch ``g`` is made of
+``world_size`` per-rank batches: rank ``r`` gets ``batch_size`` samples at positions
+``((g mod B) * world_size + r) * batch_size ...`` of epoch ``g div B``'s permutation (``B``
+global batches per epoch; the permutation is drawn from ``seed`` and the epoch).  So the data a
+rank sees is a pure function of (seed, g, rank): the saved position is just the next ``g``, and
+a resumed run sees exactly the batches it would have seen.  Skipping is "never yield these
+global indices"; what was skipped is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from agent.protocol import normalize_ranges
+
+log = logging.getLogger("trainwarden")
+
+
+@dataclass(frozen=True)
+class Batch:
+    index: int  # global batch index
+    data: Any
+
+
+class GlobalBatchOrder:
+    """Which dataset samples rank ``rank`` trains for global batch ``g``."""
+
+    def __init__(self, dataset_len: int, *, batch_size: int, rank: int, world_size: int,
+                 seed: int, shuffle: bool = True) -> None:
+        if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError("need batch_size > 0, world_size > 0 and 0 <= rank < world_size")
+        per_global = batch_size * world_size
+        if dataset_len < per_global:
+            raise ValueError(f"dataset of {dataset_len} samples is smaller than one global "
+                             f"batch ({batch_size} x {world_size} ranks)")
+        self.dataset_len = dataset_len
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.batches_per_epoch = dataset_len // per_global  # the remainder is dropped
+        self._epoch = -1
+        self._perm: list[int] = []
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(self.dataset_len, generator=g).tolist()
+            else:
+                self._perm = list(range(self.dataset_len))
+            self._epoch = epoch
+        return self._perm
+
+    def indices(self, g: int) -> list[int]:
+        epoch, k = divmod(g, self.batches_per_epoch)
+        start = (k * self.world_size + self.rank) * self.batch_size
+        return self._permutation(epoch)[start:start + self.batch_size]
+
+
+class _BatchSampler:
+    """Yields index lists from ``start``; records each global index it hands to the loader."""
+
+    def __init__(self, order: GlobalBatchOrder, start: int,
+                 skip: Sequence[tuple[int, int]], limit: int | None,
+                 issued: deque[int]) -> None:
+        self.order, self.start, self.skip, self.limit, self.issued = (
+            order, start, list(skip), limit, issued)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        g = self.start
+        while self.limit is None or g < self.limit:
+            nxt = _next_unskipped(g, self.skip)
+            if nxt != g:
+                g = nxt
+                continue
+            self.issued.append(g)
+            yield self.order.indices(g)
+            g += 1
+
+
+def _next_unskipped(g: int, skip: Sequence[tuple[int, int]]) -> int:
+    for a, b in skip:
+        if a <= g <= b:
+            return b + 1
+    return g
+
+
+class ResumableLoader:
+    """Iterates ``Batch(index, data)`` in the global order, from a restorable position.
+
+    ``state_dict()`` holds the next global index this rank will consume (not the one the
+    loader's workers have prefetched), the skip ranges, and what was skipped.  Batches are
+    built by a regular ``torch.utils.data.DataLoader`` (``num_workers`` as you like); the
+    DataLoader preserves order, so the consumed position is exact.
+    """
+
+    def __init__(self, dataset: Dataset[Any], *, batch_size: int, rank: int, world_size: int,
+                 seed: int, shuffle: bool = True, num_workers: int = 0,
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
+                 num_batches: int | None = None,
+                 on_skip: Callable[[int, int], None] | None = None) -> None:
+        self.order = GlobalBatchOrder(len(dataset), batch_size=batch_size,  # type: ignore[arg-type]
+                                      rank=rank, world_size=world_size, seed=seed,
+                                      shuffle=shuffle)
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.num_batches = num_batches
+        self.on_skip = on_skip
+        self.position = 0
+        self.skip: list[tuple[int, int]] = []
+        self.skipped: list[tuple[int, int]] = []
+
+    # ---- position -----------------------------------------------------------------------
+    def add_skips(self, ranges: Any) -> None:
+        """Never yield the global batch indices in these inclusive ranges."""
+        self.skip = normalize_ranges([list(r) for r in self.skip] +
+                                     [list(r) for r in normalize_ranges(ranges)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "skip": [list(r) for r in self.skip],
+            "skipped": [list(r) for r in self.skipped],
+            "batch_size": self.order.batch_size,
+            "world_size": self.order.world_size,
+            "rank": self.order.rank,
+            "seed": self.order.seed,
+            "dataset_len": self.order.dataset_len,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, mine in (("batch_size", self.order.batch_size),
+                          ("world_size", self.order.world_size),
+                          ("seed", self.order.seed), ("dataset_len", self.order.dataset_len)):
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"checkpoint data position was saved with {key}={state[key]} but this run "
+                    f"has {key}={mine}: resume with the same {key} (the batch order depends "
+                    "on it)")
+        self.position = int(state["position"])
+        self.skip = normalize_ranges(state.get("skip", []))
+        self.skipped = [tuple(r) for r in state.get("skipped", [])]  # type: ignore[misc]
+
+    # ---- iteration ----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        issued: deque[int] = deque()
+        sampler = _BatchSampler(self.order, self.position, self.skip, self.num_batches, issued)
+        loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
+                            collate_fn=self.collate_fn)
+        for data in loader:
+            g = issued.popleft()
+            if g > self.position:  # indices in [position, g) were skipped
+                self._record_skip(self.position, g - 1)
+            self.position = g + 1
+            yield Batch(g, data)
+
+    def _record_skip(self, a: int, b: int) -> None:
+        self.skipped.append((a, b))
+        log.warning("trainwarden: skipped global batches %d-%d (rank %d)", a, b, self.order.rank)
+        if self.on_skip is not None:
+            try:
+                self.on_skip(a, b)
+            except Exception:
+                log.exception("trainwarden: on_skip callback failed")

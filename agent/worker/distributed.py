@@ -1,0 +1,177 @@
+"""Process-group start-up that survives restarts, and failure reporting on the way out."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from agent.protocol import (
+    EVENT_COLLECTIVE_TIMEOUT,
+    EVENT_DISTRIBUTED_ERROR,
+    EVENT_EXCEPTION,
+    EVENT_STARTED,
+)
+from agent.worker.report import PhaseTimer, current_attempt, get_reporter
+
+# Python stacks of every thread go to stderr on this signal (the agent sends it to a hung
+# worker before killing it, and reads the stacks from the worker's output).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+_COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier",
+    "monitored_barrier", "all_to_all", "all_to_all_single", "gather", "gather_object",
+    "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+}
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    attempt: int
+
+
+def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = None) -> DistInfo:
+    """Start the default process group with an explicit collective timeout.
+
+    Works on every torchrun attempt: torchrun's store keeps the addresses of the previous
+    attempt's workers, and gloo then connects to dead peers (TORCH-CPU-NOTES trap 1).  We
+    rendezvous ourselves and prefix the store with the attempt, so each attempt meets only its
+    own peers.  Without torchrun (no WORLD_SIZE) this starts a one-process group.
+
+    A collective timeout or other distributed error that ends the process is reported to the
+    agent (rank, collective, message) before the process exits non-zero.
+    """
+    if isinstance(timeout, int | float):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout <= timedelta(0):
+        raise ValueError("init_distributed(timeout=...) must be positive")
+    use_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    attempt = current_attempt()
+    if "WORLD_SIZE" in os.environ:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"trainwarden/attempt_{attempt}_{restarts}/", store)
+    else:
+        store, rank, world_size = dist.HashStore(), 0, 1
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda and backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    install_failure_reporting()
+    reporter = get_reporter()
+    reporter.rank, reporter.world_size = rank, world_size
+    reporter.event(EVENT_STARTED, f"rank {rank}/{world_size} started",
+                   details={"backend": backend, "timeout_s": timeout.total_seconds(),
+                            "local_rank": local_rank})
+    return DistInfo(rank, world_size, local_rank, backend, device, attempt)
+
+
+def install_failure_reporting() -> None:
+    """Report an uncaught exception to the agent before the default hook prints it."""
+    try:
+        faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
+    except (AttributeError, ValueError, RuntimeError):  # not on this platform / not main thread
+        pass
+    previous = sys.excepthook
+    if getattr(previous, "_trainwarden", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException,
+             tb: TracebackType | None) -> None:
+        try:
+            report_exception(exc)
+        finally:
+            previous(exc_type, exc, tb)
+
+    hook._trainwarden = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def classify_exception(exc: BaseException) -> tuple[str, str]:
+    """(event name, collective) for an exception that is about to end a worker."""
+    msg = str(exc)
+    low = msg.lower()
+    collective = collective_from_traceback(exc.__traceback__) or _collective_from_message(low)
+    dist_error = isinstance(exc, dist.DistError) or any(
+        s in low for s in ("gloo", "nccl", "connection reset by peer", "connection closed by peer",
+                           "process group", "c10d"))
+    if ("timed out" in low or "timeout" in low) and (dist_error or collective != "unknown"):
+        return EVENT_COLLECTIVE_TIMEOUT, collective
+    if dist_error:
+        return EVENT_DISTRIBUTED_ERROR, collective
+    return EVENT_EXCEPTION, collective
+
+
+def collective_from_traceback(tb: TracebackType | None) -> str | None:
+    """The innermost torch.distributed collective (or DDP's backward sync) in a traceback."""
+    found: str | None = None
+    saw_backward = False
+    for frame, _ in traceback.walk_tb(tb):
+        name = frame.f_code.co_name
+        fname = frame.f_code.co_filename
+        if "torch/distributed" in fname and name in _COLLECTIVES:
+            found = name
+        if name in ("backward", "_engine_run_backward"):
+            saw_backward = True
+    if found is None and saw_backward:
+        return "all_reduce (gradient sync in backward)"
+    return found
+
+
+def _collective_from_message(low: str) -> str:
+    for op in ("recv", "send", "allreduce", "allgather", "broadcast", "barrier"):
+        if f"{op} operation" in low or f" {op}" in low:
+            return op
+    return "unknown"
+
+
+def report_exception(exc: BaseException) -> None:
+    """Send the event for an exception that ends this worker; waits briefly, never raises."""
+    try:
+        name, collective = classify_exception(exc)
+        reporter = get_reporter()
+        reporter.event(
+            name, f"{type(exc).__name__}: {exc}".strip(),
+            details={"collective": collective, "exception": type(exc).__name__,
+                     "rank": reporter.rank},
+            blocking=True,
+        )
+    except Exception:
+        pass
+
+
+def attach_compute_timer(ddp_model: torch.nn.Module, timer: PhaseTimer,
+                         process_group: dist.ProcessGroup | None = None) -> None:
+    """Mark ``timer.compute_done()`` each time DDP hands a gradient bucket to the all-reduce.
+
+    The last bucket of a step is ready when this rank's own backward compute is finished, so
+    ``compute_s`` measures the work before the wait on the slowest peer (rule 7: in synchronous
+    training every rank's wall step time is the same; this part is not).  The hook then runs
+    DDP's default all-reduce.
+    """
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+        timer.compute_done()
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp_model.register_comm_hook(process_group or dist.group.WORLD, hook)  # type: ignore[operator]

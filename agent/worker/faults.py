@@ -1,0 +1,107 @@
+"""Fault injection for the examples and tests: ``--inject KIND@STEP[:key=value...]``.
+
+Kinds: ``crash`` (SIGKILL of the rank during the step), ``hang`` (the rank stops making
+progress), ``slow`` (the rank's compute takes ``factor`` times as long from that step on),
+``spike`` (the *data* of global batches STEP..STEP+len-1 is corrupted, so the loss jumps; a
+property of those batches, so it comes back if they are trained again) and ``nan`` (the input
+of global batch STEP is made non-finite, so the loss is NaN at the step that trains it).
+``crash``, ``hang`` and ``slow`` fire on the first attempt only; ``spike`` and ``nan`` are
+tied to batch indices and fire whenever those batches are trained.  ``rank`` defaults to 1 for
+crash/hang/slow where the world has a rank 1 (else 0); spike and nan hit every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from agent.worker.report import current_attempt
+
+KINDS = ("crash", "hang", "slow", "spike", "nan")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    length: int = 20
+    factor: float = 1.5
+    scale: float = 30.0
+
+
+def parse_fault(spec: str) -> Fault:
+    """``KIND@STEP[:rank=R][:len=L][:factor=F][:scale=S]``; ValueError says what is wrong."""
+    head, *opts = spec.split(":")
+    kind, sep, step = head.partition("@")
+    if not sep or kind not in KINDS:
+        raise ValueError(f"--inject {spec!r}: expected KIND@STEP with KIND one of {KINDS}")
+    try:
+        at = int(step)
+    except ValueError:
+        raise ValueError(f"--inject {spec!r}: STEP must be an integer") from None
+    if at < 0:
+        raise ValueError(f"--inject {spec!r}: STEP must be >= 0")
+    kw: dict[str, float | int] = {}
+    for opt in opts:
+        key, eq, val = opt.partition("=")
+        names = {"rank": "rank", "len": "length", "factor": "factor", "scale": "scale"}
+        if not eq or key not in names:
+            raise ValueError(f"--inject {spec!r}: unknown option {opt!r} "
+                             "(rank=R, len=L, factor=F, scale=S)")
+        try:
+            kw[names[key]] = float(val) if key in ("factor", "scale") else int(val)
+        except ValueError:
+            raise ValueError(f"--inject {spec!r}: {key} must be a number") from None
+    fault = Fault(kind, at, **kw)  # type: ignore[arg-type]
+    if fault.length < 1 or fault.factor < 1.0:
+        raise ValueError(f"--inject {spec!r}: len must be >= 1 and factor >= 1")
+    return fault
+
+
+class FaultInjector:
+    """Applies the parsed faults to this rank's training loop."""
+
+    def __init__(self, faults: list[Fault], *, rank: int, world_size: int,
+                 attempt: int | None = None) -> None:
+        self.rank = rank
+        if attempt is None:
+            attempt = current_attempt() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.first_attempt = attempt == 0
+        default_rank = 1 if world_size > 1 else 0
+        self.faults = [f for f in faults
+                       if f.kind in ("spike", "nan")
+                       or (self.first_attempt and (f.rank if f.rank is not None
+                                                   else default_rank) == rank)]
+
+    def before_step(self, step: int) -> None:
+        """Crash or hang here when a fault says so."""
+        for f in self.faults:
+            if f.step == step and f.kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if f.step == step and f.kind == "hang":
+                while True:  # alive, making no progress: what a stuck collective looks like
+                    time.sleep(3600)
+
+    def slowdown(self, step: int, compute_s: float) -> None:
+        """Sleep so this step's compute takes ``factor`` times as long (a straggler)."""
+        for f in self.faults:
+            if f.kind == "slow" and step >= f.step:
+                time.sleep(compute_s * (f.factor - 1.0))
+
+    def corrupt(self, batch_index: int, x: torch.Tensor, y: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Corrupt the data of the batches a spike or nan fault names."""
+        for f in self.faults:
+            if f.kind == "spike" and f.step <= batch_index < f.step + f.length:
+                # Large, wrong targets: a loss jump whose gradients wreck the weights and
+                # inflate Adam's second moments, so the loss stays high for a long while.
+                x = x * f.scale
+                y = -y * f.scale + f.scale
+            if f.kind == "nan" and batch_index == f.step:
+                x = torch.full_like(x, float("nan"))
+        return x, y

@@ -1,0 +1,106 @@
+"""Data-parallel training (DDP) made supervisable by trainwarden.
+
+    torchrun --nproc_per_node=2 examples/train_ddp.py --steps 600 --checkpoint-dir /tmp/ckpt
+
+Runs on CPU with gloo by default, on CUDA with NCCL where available.  Killed at any moment and
+restarted, it resumes from the newest complete checkpoint to the same result.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import common
+from agent.worker import (
+    Checkpointer,
+    PhaseTimer,
+    ResumableLoader,
+    attach_compute_timer,
+    init_distributed,
+    report_step,
+    resume,
+)
+from agent.worker.faults import FaultInjector
+
+
+def build_model(hidden: int) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(common.IN_DIM, hidden), torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+        torch.nn.Linear(hidden, common.OUT_DIM))
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    torch.set_num_threads(1)
+    info = init_distributed(timeout=args.timeout)
+    common.setup_logging(info.rank)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+
+    model = DDP(build_model(args.hidden).to(info.device))
+    timer = PhaseTimer()
+    attach_compute_timer(model, timer)  # per-rank compute before the gradient all-reduce
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loader = ResumableLoader(common.make_data(args.seed, 16_384, split=0),
+                             batch_size=args.batch_size, rank=info.rank,
+                             world_size=info.world_size, seed=args.seed,
+                             collate_fn=common.collate)
+    ckpt = Checkpointer(args.checkpoint_dir, model, optimizer, loader=loader,
+                        interval_s=args.checkpoint_every, every_steps=args.checkpoint_every_steps,
+                        keep=args.keep, async_save=args.async_checkpoint, seed=args.seed,
+                        config=vars(args) | {"inject": [str(f) for f in args.inject]})
+    start = resume(ckpt)
+    faults = FaultInjector(args.inject, rank=info.rank, world_size=info.world_size)
+    log = common.BatchLog(args.batch_log, info.rank)
+    held_out = common.make_data(args.seed, 1024, split=1)
+
+    batches = iter(loader)
+    loss_value = float("nan")
+    t_start = time.time()
+    for step in range(start, args.steps):
+        timer.start()
+        batch = next(batches)
+        x, y = faults.corrupt(batch.index, *batch.data)
+        x, y = x.to(info.device), y.to(info.device)
+        timer.data_ready()
+        faults.before_step(step)
+        lr = args.lr * ckpt.lr_factor(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        t_compute = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        faults.slowdown(step, time.perf_counter() - t_compute)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.stop()
+
+        loss_value = loss.item()
+        log.write(step, batch.index, lr)
+        report_step(step, loss=loss_value, samples=len(x) * info.world_size, lr=lr,
+                    grad_norm=grad_norm, timer=timer, batch_index=batch.index)
+        if ckpt.due(step + 1):
+            ckpt.save(step + 1, loss=loss_value)
+    ckpt.close()
+
+    final_train = common.mean_over_ranks(loss_value)
+    final_eval = common.eval_loss(model, held_out, info.device)
+    digest = common.weights_sha256(model)
+    common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
+                         final_eval_loss=final_eval, weights_sha256=digest,
+                         attempt=info.attempt, started_at_step=start,
+                         resumed_from=ckpt.resumed_from,
+                         skipped=[list(r) for r in loader.skipped], wall_s=time.time() - t_start)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Fully sharded data-parallel training (FSDP2, ``fully_shard`` per block) under trainwarden.
+
+    torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 600 --checkpoint-dir /tmp/ckpt
+
+Parameters, gradients and optimiser state are sharded across ranks; checkpoints are DCP
+shards, one per rank.  CPU/gloo by default, CUDA/NCCL where available.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import common
+from agent.worker import Checkpointer, PhaseTimer, ResumableLoader, init_distributed, report_step, resume
+from agent.worker.faults import FaultInjector
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.ff = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                      torch.nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ff(self.norm(x))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, hidden: int, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(common.IN_DIM, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden) for _ in range(depth))
+        self.out = torch.nn.Linear(hidden, common.OUT_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    torch.set_num_threads(1)
+    info = init_distributed(timeout=args.timeout)
+    common.setup_logging(info.rank)
+    torch.manual_seed(args.seed)
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    model = Model(args.hidden).to(info.device)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loader = ResumableLoader(common.make_data(args.seed, 16_384, split=0),
+                             batch_size=args.batch_size, rank=info.rank,
+                             world_size=info.world_size, seed=args.seed,
+                             collate_fn=common.collate)
+    ckpt = Checkpointer(args.checkpoint_dir, model, optimizer, loader=loader,
+                        interval_s=args.checkpoint_every, every_steps=args.checkpoint_every_steps,
+                        keep=args.keep, async_save=args.async_checkpoint, seed=args.seed,
+                        config=vars(args) | {"inject": [str(f) for f in args.inject]})
+    start = resume(ckpt)
+    faults = FaultInjector(args.inject, rank=info.rank, world_size=info.world_size)
+    log = common.BatchLog(args.batch_log, info.rank)
+    held_out = common.make_data(args.seed, 1024, split=1)
+    timer = PhaseTimer()
+
+    batches = iter(loader)
+    loss_value = float("nan")
+    t_start = time.time()
+    for step in range(start, args.steps):
+        timer.start()
+        batch = next(batches)
+        x, y = faults.corrupt(batch.index, *batch.data)
+        x, y = x.to(info.device), y.to(info.device)
+        timer.data_ready()
+        faults.before_step(step)
+        lr = args.lr * ckpt.lr_factor(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        t_compute = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        faults.slowdown(step, time.perf_counter() - t_compute)
+        # FSDP gathers parameters inside forward, so "compute before the collective" is the
+        # forward pass here (it includes the all-gathers); DDP measures it more sharply.
+        timer.compute_done()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.stop()
+
+        loss_value = loss.item()
+        log.write(step, batch.index, lr)
+        report_step(step, loss=loss_value, samples=len(x) * info.world_size, lr=lr,
+                    grad_norm=grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                    else grad_norm, timer=timer, batch_index=batch.index)
+        if ckpt.due(step + 1):
+            ckpt.save(step + 1, loss=loss_value)
+    ckpt.close()
+
+    final_train = common.mean_over_ranks(loss_value)
+    final_eval = common.eval_loss(model, held_out, info.device)
+    digest = common.weights_sha256(model)
+    common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
+                         final_eval_loss=final_eval, weights_sha256=digest,
+                         attempt=info.attempt, started_at_step=start,
+                         resumed_from=ckpt.resumed_from,
+                         skipped=[list(r) for r in loader.skipped], wall_s=time.time() - t_start)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
