@@ -22,9 +22,9 @@ Python's ``json`` reads and writes; receivers must keep them (a NaN loss is the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
 

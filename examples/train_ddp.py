@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import time
 
+import common
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import common
 from agent.worker import (
     Checkpointer,
     PhaseTimer,

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import time
 
+import common
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import common
-from agent.worker import Checkpointer, PhaseTimer, ResumableLoader, init_distributed, report_step, resume
+from agent.worker import (
+    Checkpointer,
+    PhaseTimer,
+    ResumableLoader,
+    init_distributed,
+    report_step,
+    resume,
+)
 from agent.worker.faults import FaultInjector
 
 

@@ -21,8 +21,8 @@ Importable without the supervisor's dependencies (no FastAPI, SQLAlchemy or HTTP
 
 from agent.protocol import LRSchedule, ResumePlan
 from agent.worker.checkpoint import (
-    CheckpointInfo,
     Checkpointer,
+    CheckpointInfo,
     ResumeInfo,
     list_checkpoints,
     load_resume_plan,
@@ -34,7 +34,7 @@ from agent.worker.distributed import DistInfo, attach_compute_timer, init_distri
 from agent.worker.report import PhaseTimer, Reporter, get_reporter, report_event, report_step
 
 
-def resume(checkpointer: Checkpointer, plan: ResumePlan | None | str = "env") -> int:
+def resume(checkpointer: Checkpointer, plan: ResumePlan | str | None = "env") -> int:
     """Restore everything the resume plan asks for; returns the step index to continue from."""
     return checkpointer.resume(plan).start_step
 
@@ -48,10 +48,10 @@ __all__ = [
     "LRSchedule",
     "PhaseTimer",
     "Reporter",
-    "attach_compute_timer",
     "ResumableLoader",
     "ResumeInfo",
     "ResumePlan",
+    "attach_compute_timer",
     "get_reporter",
     "init_distributed",
     "list_checkpoints",

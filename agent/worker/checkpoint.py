@@ -35,11 +35,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from agent.protocol import (
+    ENV_RESUME_PLAN,
     EVENT_BATCHES_SKIPPED,
     EVENT_CHECKPOINT_FAILED,
     EVENT_CHECKPOINT_SKIPPED,
     EVENT_RESUMED,
-    ENV_RESUME_PLAN,
     LRSchedule,
     ResumePlan,
     normalize_ranges,
@@ -252,8 +252,10 @@ class Checkpointer:
         self._last_save = self.clock()
         try:
             if self.async_save:
-                pending.future = dcp.async_save(state, checkpoint_id=str(partial),
-                                                process_group=self._group)
+                response = dcp.async_save(state, checkpoint_id=str(partial),
+                                          process_group=self._group)
+                # Newer DCP may answer with an AsyncSaveResponse holding the upload future.
+                pending.future = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
                 self._pending = pending
             else:
                 dcp.save(state, checkpoint_id=str(partial))
@@ -392,7 +394,7 @@ class Checkpointer:
         self.last_loss = meta.get("loss")
         return meta
 
-    def resume(self, plan: ResumePlan | None | str = "env") -> ResumeInfo:
+    def resume(self, plan: ResumePlan | str | None = "env") -> ResumeInfo:
         """Restore the run as the resume plan says; returns where to continue.
 
         ``plan="env"`` reads the plan named by ``TRAINWARDEN_RESUME_PLAN`` (none: resume from
@@ -439,7 +441,7 @@ class Checkpointer:
         if self.loader is not None:
             self.loader.add_skips(skips)
             position = self.loader.position
-            for a, b in skips:
+            for a, b in (plan.skip if plan else ()):
                 if a < position:
                     log.warning("trainwarden: skip range [%d, %d] starts before the resumed "
                                 "data position %d; batches before it were already trained",
@@ -489,7 +491,7 @@ def meta_lr(s: LRSchedule | None) -> dict[str, Any] | None:
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     py_state = random.getstate()
     return {
         "torch": torch.get_rng_state().tolist(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -87,10 +88,9 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
 
 def install_failure_reporting() -> None:
     """Report an uncaught exception to the agent before the default hook prints it."""
-    try:
+    # Not on every platform, and only from the main thread.
+    with contextlib.suppress(AttributeError, ValueError, RuntimeError):
         faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
-    except (AttributeError, ValueError, RuntimeError):  # not on this platform / not main thread
-        pass
     previous = sys.excepthook
     if getattr(previous, "_trainwarden", False):
         return

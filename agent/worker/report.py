@@ -7,6 +7,7 @@ dropped and counted, and training goes on.  Nothing here raises into the trainin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -158,7 +159,7 @@ class PhaseTimer:
     for every gradient bucket); the last call counts.  Without any call, compute is unknown.
     """
 
-    __slots__ = ("_t0", "_t_compute", "_t_data", "data_s", "compute_s", "step_s")
+    __slots__ = ("_t0", "_t_compute", "_t_data", "compute_s", "data_s", "step_s")
 
     def __init__(self) -> None:
         self._t0 = self._t_data = self._t_compute = 0.0
@@ -209,7 +210,5 @@ def report_step(step: int, *, loss: Any = None, samples: int | None = None,
 def report_event(name: str, message: str = "", *, step: int | None = None,
                  details: dict[str, Any] | None = None) -> None:
     """Report a worker event (free-form name); never blocks, never raises."""
-    try:
+    with contextlib.suppress(Exception):
         get_reporter().event(name, message, step=step, details=details)
-    except Exception:
-        pass

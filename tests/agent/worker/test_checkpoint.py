@@ -1,0 +1,201 @@
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from agent.protocol import LRSchedule, ResumePlan
+from agent.worker import Checkpointer, ResumableLoader, list_checkpoints, read_meta
+from agent.worker.checkpoint import PARTIAL_SUFFIX, validate_checkpoint
+from agent.worker.report import Reporter
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+
+def make(root: Path, *, keep: int = 3, **kw):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
+    loader = ResumableLoader(data, batch_size=4, rank=0, world_size=1, seed=1)
+    ckpt = Checkpointer(root, model, opt, loader=loader, keep=keep, seed=1,
+                        config={"lr": 1e-2}, reporter=Reporter(""), **kw)
+    return model, opt, loader, ckpt
+
+
+def train(model, opt, batches, n: int) -> float:  # type: ignore[no-untyped-def]
+    loss = torch.tensor(0.0)
+    for _ in range(n):
+        x, y = next(batches).data
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return float(loss.detach())
+
+
+def test_save_and_resume_restore_everything(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    batches = iter(loader)
+    loss = train(model, opt, batches, 5)
+    ckpt.save(5, loss=loss)
+    saved_weights = [p.detach().clone() for p in model.parameters()]
+    saved_exp_avg = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+    expected_next = [next(batches).index for _ in range(3)]
+    train(model, opt, batches, 2)  # the run goes on after the save, then dies
+
+    model2, opt2, loader2, ckpt2 = make(tmp_path)
+    info = ckpt2.resume(None)
+    assert info.start_step == 5 and info.checkpoint == tmp_path / "step_5"
+    for a, b in zip(model2.parameters(), saved_weights, strict=True):
+        assert torch.equal(a, b)
+    p0 = next(iter(model2.parameters()))
+    assert torch.equal(opt2.state[p0]["exp_avg"], saved_exp_avg)
+    assert int(opt2.state[p0]["step"]) == 5
+    it2 = iter(loader2)
+    assert [next(it2).index for _ in range(3)] == expected_next == [5, 6, 7]
+    meta = read_meta(tmp_path / "step_5")
+    assert meta["step"] == 5 and meta["seed"] == 1 and meta["config"] == {"lr": 1e-2}
+    assert meta["loss"] == pytest.approx(loss)
+
+
+def test_rng_state_is_restored(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    ckpt.save(1)
+    draws = (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    _, _, _, ckpt2 = make(tmp_path)
+    ckpt2.resume(None)
+    assert (torch.rand(2).tolist(), random.random(), float(np.random.rand())) == draws
+
+
+def test_incomplete_checkpoints_are_skipped_with_a_log_line(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt, loader, ckpt = make(tmp_path, keep=10)
+    batches = iter(loader)
+    for step in (10, 20, 30):
+        train(model, opt, batches, 1)
+        ckpt.save(step)
+    (tmp_path / "step_30" / ".metadata").unlink()  # died before the metadata was written
+    shard = next((tmp_path / "step_20").glob("*.distcp"))
+    with shard.open("r+b") as f:  # a truncated shard
+        f.truncate(shard.stat().st_size // 2)
+    (tmp_path / f"step_40{PARTIAL_SUFFIX}").mkdir()  # a save in progress when the process died
+
+    assert not validate_checkpoint(tmp_path / "step_30").ok
+    assert "bytes" in validate_checkpoint(tmp_path / "step_20").reason
+
+    _, _, loader2, ckpt2 = make(tmp_path, keep=10)
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        info = ckpt2.resume(None)
+    assert info.start_step == 10
+    assert info.checkpoint == tmp_path / "step_10"
+    text = caplog.text
+    assert "skipping incomplete checkpoint" in text
+    assert "step_30: no .metadata" in text
+    assert f"step_20: shard {shard.name} has" in text
+    assert loader2.position == 1
+
+
+def test_plan_naming_an_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    ckpt.save(3)
+    (tmp_path / "step_3" / ".metadata").unlink()
+    _, _, _, ckpt2 = make(tmp_path)
+    with pytest.raises(ValueError, match=r"not complete: no \.metadata"):
+        ckpt2.resume(ResumePlan(checkpoint=str(tmp_path / "step_3")))
+
+
+def test_retention_keeps_last_k_plus_pinned(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        ckpt.save(step)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3]
+    ckpt.pin(2, "last good before incident 7")
+    for step in (4, 5, 6):
+        ckpt.save(step)
+    kept = list_checkpoints(tmp_path)
+    assert [c.step for c in kept] == [2, 5, 6]
+    assert [c.pinned for c in kept] == [True, False, False]
+    ckpt.unpin(2)
+    ckpt.save(7)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [6, 7]
+
+
+def test_stale_partial_save_is_removed_and_never_used(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    ckpt.save(1)
+    stale = tmp_path / f"step_2{PARTIAL_SUFFIX}"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half")
+    ckpt.save(2)  # overwrites the stale partial directory cleanly
+    assert validate_checkpoint(tmp_path / "step_2").ok
+    assert not stale.exists()
+
+
+def test_due_on_steps_and_on_time(tmp_path: Path) -> None:
+    now = [0.0]
+    _, _, _, ckpt = make(tmp_path, every_steps=5, interval_s=60, sync_every=2,
+                         clock=lambda: now[0])
+    assert ckpt.due(5) and ckpt.due(10)
+    assert not ckpt.due(4)  # neither a multiple of 5 nor late
+    now[0] = 61.0
+    assert not ckpt.due(3)  # late, but time is only checked every sync_every steps
+    assert ckpt.due(4)
+    ckpt.save(4)
+    assert not ckpt.due(6)
+
+
+def test_async_save_completes_and_validates(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path, async_save=True)
+    train(model, opt, iter(loader), 2)
+    ckpt.save(2)
+    ckpt.wait()
+    assert validate_checkpoint(tmp_path / "step_2").ok
+    assert not (tmp_path / f"step_2{PARTIAL_SUFFIX}").exists()
+
+
+def test_plan_skips_and_lr_schedule_continue_in_later_checkpoints(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    train(model, opt, iter(loader), 4)
+    ckpt.save(4)
+    _, _, loader2, ckpt2 = make(tmp_path)
+    plan = ResumePlan(skip=((6, 9),), lr=LRSchedule(0.5, steps=3, ramp_steps=2))
+    info = ckpt2.resume(plan)
+    assert info.start_step == 4
+    assert [ckpt2.lr_factor(s) for s in range(3, 11)] == [1.0, 0.5, 0.5, 0.5, 0.75, 1.0, 1.0,
+                                                          1.0]
+    it = iter(loader2)
+    assert [next(it).index for _ in range(4)] == [4, 5, 10, 11]
+    assert loader2.skipped == [(6, 9)]
+    ckpt2.save(8)  # steps 4..7 trained batches 4, 5, 10, 11
+    # A crash now: the next start resumes from step_6 with no plan, and the schedule and
+    # skip list saved in that checkpoint still hold.
+    _, _, loader3, ckpt3 = make(tmp_path)
+    assert ckpt3.resume(None).start_step == 8
+    assert [ckpt3.lr_factor(s) for s in (7, 8, 9)] == [0.75, 1.0, 1.0]
+    assert loader3.skip == [(6, 9)] and loader3.position == 12
+    assert loader3.skipped == [(6, 9)]
+
+
+def test_saved_lr_schedule_resumes_mid_ramp(tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    ckpt.save(0)
+    _, _, _, ckpt2 = make(tmp_path)
+    ckpt2.resume(ResumePlan(lr=LRSchedule(0.2, steps=10, ramp_steps=10)))
+    ckpt2.save(12)
+    _, _, _, ckpt3 = make(tmp_path)
+    ckpt3.resume(None)  # a crash restart with no plan: the schedule goes on from step 12
+    assert [ckpt3.lr_factor(s) for s in (12, 19, 20)] == [ckpt2.lr_factor(s)
+                                                           for s in (12, 19, 20)]
+    assert ckpt3.lr_factor(12) == pytest.approx(0.2 + 0.8 * 3 / 10)

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from agent.protocol import decode_datagram
+from agent.worker.report import PhaseTimer, Reporter, report_step, set_reporter
+
+
+def test_without_an_agent_reports_are_dropped_and_counted() -> None:
+    r = Reporter(None)
+    r.path = None
+    assert not r.step(1, loss=0.5)
+    assert r.dropped == 1 and r.sent == 0
+
+
+def test_agent_socket_missing_never_raises(tmp_path: Path) -> None:
+    r = Reporter(str(tmp_path / "nobody-listens.sock"))
+    set_reporter(r)
+    try:
+        report_step(3, loss=1.0)  # module-level call: no exception, just a drop
+        report_step(4, loss=object())  # an unconvertible value is dropped too
+    finally:
+        set_reporter(None)
+    assert r.dropped == 2
+
+
+def test_step_report_reaches_the_agent(receiver, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    r = Reporter(receiver.path, rank=1, local_rank=1, world_size=2)
+    timer = PhaseTimer()
+    timer.start()
+    timer.data_ready()
+    timer.compute_done()
+    timer.stop()
+    assert r.step(7, loss=torch.tensor(float("nan")), samples=64, lr=1e-3,
+                  grad_norm=torch.tensor(2.0), data_s=timer.data_s, compute_s=timer.compute_s,
+                  step_s=timer.step_s, batch_index=9)
+    r.event("custom", "hello", step=7)
+    _wait(lambda: len(receiver.messages) == 2)
+    step, event = receiver.messages
+    assert step["type"] == "step" and step["rank"] == 1 and step["step"] == 7
+    assert step["loss"] != step["loss"]  # NaN survives the wire: it is the signal
+    assert step["grad_norm"] == 2.0 and step["batch_index"] == 9 and step["samples"] == 64
+    assert step["data_s"] >= 0 and step["compute_s"] >= 0 and step["step_s"] >= 0
+    assert event["name"] == "custom" and event["message"] == "hello"
+
+
+def test_full_agent_queue_drops_instead_of_blocking(tmp_path: Path) -> None:
+    path = str(tmp_path / "slow-agent.sock")
+    sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sink.bind(path)  # bound but never read: its queue fills up
+    try:
+        r = Reporter(path)
+        for i in range(5000):
+            r.step(i, loss=1.0)
+        assert r.dropped > 0 and r.sent > 0 and r.sent + r.dropped == 5000
+        assert decode_datagram(sink.recv(70_000))["step"] == 0
+    finally:
+        sink.close()
+
+
+def _wait(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        time.sleep(0.01)

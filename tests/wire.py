@@ -1,0 +1,51 @@
+"""A stand-in for the agent's datagram socket, for tests of what workers send."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from agent.protocol import decode_datagram
+
+
+class Receiver:
+    """Stands in for the agent's datagram socket and keeps every message it receives."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.05)
+        self.messages: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(70_000)
+            except (TimeoutError, OSError):
+                continue
+            self.messages.append(decode_datagram(data))
+
+    def of(self, kind: str, name: str | None = None) -> list[dict]:
+        return [m for m in self.messages
+                if m["type"] == kind and (name is None or m.get("name") == name)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``cond`` until it is true; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        time.sleep(0.02)
