@@ -5,9 +5,10 @@ free of the supervisor's dependencies.
 
 Three hops, one vocabulary:
 
-1. worker -> agent: one JSON object per datagram on a local Unix datagram socket whose path the
-   agent passes in ``TRAINWARDEN_AGENT_SOCKET``.  Messages are ``StepReport``, ``WorkerEvent``
-   and ``CheckpointReport`` (the ``type`` field tells which).  A send never blocks: when the
+1. worker -> agent: JSON objects on a local Unix datagram socket whose path the agent passes
+   in ``TRAINWARDEN_AGENT_SOCKET``; a datagram holds one or more objects, one per line (a
+   worker batches the reports of several steps into one send).  Messages are ``StepReport``,
+   ``WorkerEvent`` and ``CheckpointReport`` (the ``type`` field tells which).  A send never blocks: when the
    agent is absent or its queue is full the message is dropped and counted.
 2. agent -> supervisor: ``POST /api/v1/ingest`` with an ``IngestBatch`` holding the worker
    messages plus agent items (``heartbeat``, ``exit``, ``command_result``).  Batches carry a
@@ -115,8 +116,8 @@ def encode_datagram(message: WorkerMessage) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode()
 
 
-def decode_datagram(data: bytes) -> dict[str, Any]:
-    """Parse one datagram; raises ``ValueError`` with the reason when it is not a message."""
+def decode_datagram(data: bytes | str) -> dict[str, Any]:
+    """Parse one message; raises ``ValueError`` with the reason when it is not a message."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -124,6 +125,22 @@ def decode_datagram(data: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("type") not in ("step", "event", "checkpoint"):
         raise ValueError("datagram is not a step, event or checkpoint message")
     return obj
+
+
+def decode_datagrams(data: bytes) -> tuple[list[dict[str, Any]], list[str]]:
+    """Parse a datagram of one or more messages, one per line: (messages, errors)."""
+    out: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            out.append(decode_datagram(line))
+        except ValueError as e:
+            errors.append(str(e))
+    if not out and not errors:
+        errors.append("empty datagram")
+    return out, errors
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.protocol import decode_datagram
+from agent.protocol import decode_datagrams
 
 
 class Receiver:
@@ -30,7 +30,7 @@ class Receiver:
                 data = self.sock.recv(70_000)
             except (TimeoutError, OSError):
                 continue
-            self.messages.append(decode_datagram(data))
+            self.messages.extend(decode_datagrams(data)[0])
 
     def of(self, kind: str, name: str | None = None) -> list[dict]:
         return [m for m in self.messages

@@ -79,7 +79,7 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
                             timeout=timeout)
     install_failure_reporting()
     reporter = get_reporter()
-    reporter.rank, reporter.world_size = rank, world_size
+    reporter.set_identity(rank, world_size)
     reporter.event(EVENT_STARTED, f"rank {rank}/{world_size} started",
                    details={"backend": backend, "timeout_s": timeout.total_seconds(),
                             "local_rank": local_rank})

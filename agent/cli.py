@@ -1,0 +1,93 @@
+"""``trainwarden agent`` command line.
+
+The ``trainwarden`` console script (supervisor/cli.py) delegates its ``agent`` sub-command
+here through ``add_arguments`` and ``run``; ``python -m agent.cli ...`` works on its own.
+
+    trainwarden agent --supervisor URL --run NAME [--node NAME] [--token T]
+                      [--state-dir DIR] [--checkpoint-root DIR] [--stop-grace S]
+                      -- torchrun --nproc_per_node=2 train.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from agent.config import ENV_AGENT_TOKEN, AgentConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--supervisor", required=True, metavar="URL",
+                        help="supervisor base URL, e.g. http://head:8080")
+    parser.add_argument("--run", required=True, metavar="NAME", help="training run name")
+    parser.add_argument("--node", default=None, metavar="NAME",
+                        help="this node's name in the run (default: host name)")
+    parser.add_argument("--token", default=None, metavar="T",
+                        help=f"agent token (default: ${ENV_AGENT_TOKEN})")
+    parser.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                        help="spool, logs, plans and ids (default: "
+                             "~/.local/state/trainwarden/RUN/NODE)")
+    parser.add_argument("--checkpoint-root", type=Path, default=None, metavar="DIR",
+                        help="checkpoint directory whose free space is reported")
+    parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL of the workers (default 5)")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- then the torchrun command to supervise")
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    kwargs: dict[str, object] = {}
+    if args.node:
+        kwargs["node"] = args.node
+    return AgentConfig(
+        supervisor_url=args.supervisor,
+        run=args.run,
+        command=command,
+        token=args.token or os.environ.get(ENV_AGENT_TOKEN) or None,
+        state_dir=args.state_dir,
+        checkpoint_root=args.checkpoint_root,
+        stop_grace_s=args.stop_grace,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, getattr(args, "log_level", "INFO")),
+        format="%(asctime)s trainwarden-agent %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"trainwarden agent: {e}", file=sys.stderr)
+        return 2
+    # One line per request at INFO is noise next to the training's own output.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from agent.loop import Agent, AgentAlreadyRunning  # after validation: fail fast
+
+    try:
+        agent = Agent(cfg)
+    except AgentAlreadyRunning as e:
+        print(f"trainwarden agent: {e}", file=sys.stderr)
+        return 2
+    return agent.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainwarden agent",
+                                     description="Supervise the local torchrun of a run.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

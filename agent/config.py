@@ -1,0 +1,131 @@
+"""Agent configuration: one dataclass, validated as a whole.
+
+Cross-field rules raise ``ValueError`` with a message that says how to fix the command line,
+because the person reading it is starting a multi-day run and wants the fix, not a trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
+
+# The supervisor's rule for run names (supervisor/wire.py): checked here so a bad name fails
+# at once instead of as a registration refused forever.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+
+# Unix socket paths are limited to 108 bytes (sun_path) on Linux; keep a margin.
+_MAX_SOCKET_PATH = 100
+
+
+def default_state_dir(run: str, node: str) -> Path:
+    """Per run and node, so two agents on one host (two runs) never share a spool."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "trainwarden" / _safe(run) / _safe(node)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "_"
+
+
+@dataclass
+class AgentConfig:
+    supervisor_url: str
+    run: str
+    command: list[str]
+    node: str = field(default_factory=socket.gethostname)
+    token: str | None = None
+    state_dir: Path | None = None  # None: default_state_dir(run, node)
+    checkpoint_root: Path | None = None
+    # Seconds between a group SIGTERM and the group SIGKILL on stop.
+    stop_grace_s: float = 5.0
+    # Upper bound between two batches (each carries a heartbeat).
+    batch_interval_s: float = 1.0
+    # Main loop period: how often the socket is drained and torchrun polled.
+    tick_interval_s: float = 0.1
+    http_timeout_s: float = 3.0
+    # Spool bound (undelivered batches on disk); the oldest go first when it is full.
+    spool_max_bytes: int = 256 * 1024 * 1024
+    spool_max_batches: int = 20_000
+    # Items per batch: a burst of step reports is split so no request grows unbounded.
+    max_items_per_batch: int = 5_000
+    # In-memory queue of worker datagrams between two ticks.
+    queue_max: int = 100_000
+    # On exit (completed / stopped), how long to try delivering what is left in the spool.
+    flush_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.supervisor_url = self.supervisor_url.rstrip("/")
+        if not self.supervisor_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--supervisor must be an http:// or https:// URL, got {self.supervisor_url!r}"
+            )
+        if not _RUN_NAME.match(self.run) or len(self.run) > 200:
+            raise ValueError(
+                f"--run {self.run!r}: use letters, digits, '.', '_' and '-', starting with a "
+                "letter or digit (for example --run llama-7b)"
+            )
+        if not self.node.strip():
+            raise ValueError("--node must not be empty (it defaults to the host name)")
+        if not self.command:
+            raise ValueError(
+                "no command to run: put the torchrun command after '--', for example "
+                "trainwarden agent --supervisor URL --run NAME -- torchrun "
+                "--nproc_per_node=2 train.py"
+            )
+        if self.stop_grace_s < 0:
+            raise ValueError("stop grace must be >= 0 seconds")
+        if self.batch_interval_s <= 0 or self.tick_interval_s <= 0:
+            raise ValueError("batch and tick intervals must be > 0 seconds")
+        if self.tick_interval_s > self.batch_interval_s:
+            raise ValueError("the tick interval must not be longer than the batch interval")
+        if self.spool_max_bytes <= 0 or self.spool_max_batches <= 0:
+            raise ValueError("spool bounds must be > 0")
+        if self.max_items_per_batch <= 0 or self.queue_max <= 0:
+            raise ValueError("batch and queue sizes must be > 0")
+        if self.state_dir is None:
+            self.state_dir = default_state_dir(self.run, self.node)
+        self.state_dir = Path(self.state_dir).expanduser().absolute()
+        if self.checkpoint_root is not None:
+            self.checkpoint_root = Path(self.checkpoint_root).expanduser().absolute()
+
+    @property
+    def state(self) -> Path:
+        """The state directory (set by ``__post_init__``; typed non-optional for callers)."""
+        assert self.state_dir is not None
+        return self.state_dir
+
+    @property
+    def socket_path(self) -> Path:
+        """Where the workers send datagrams.  Deterministic per state dir, so a restarted agent
+        binds the same path and recognises its predecessor's workers by it."""
+        path = self.state / "agent.sock"
+        if len(str(path)) <= _MAX_SOCKET_PATH:
+            return path
+        digest = hashlib.sha1(str(self.state).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"trainwarden-{digest}.sock"
+
+    @property
+    def nproc_per_node(self) -> int | None:
+        """Read from the torchrun command when it says (for registration only)."""
+        cmd = self.command
+        for i, arg in enumerate(cmd):
+            for flag in ("--nproc_per_node", "--nproc-per-node"):
+                value: str | None = None
+                if arg == flag and i + 1 < len(cmd):
+                    value = cmd[i + 1]
+                elif arg.startswith(flag + "="):
+                    value = arg.split("=", 1)[1]
+                if value is not None:
+                    try:
+                        n = int(value)
+                    except ValueError:
+                        return None  # "gpu", "auto": not a number the supervisor can use
+                    return n if n >= 1 else None
+        return None

@@ -1,0 +1,324 @@
+"""The agent: ``tick()`` is one iteration, ``run()`` a thin loop around it.
+
+One tick: echo torchrun's output, drain the worker socket, notice torchrun's exit, apply
+commands, and spool a batch when one is due (every ``batch_interval_s``, at once when an
+event, checkpoint, exit or command result is waiting).  The network is the uplink thread's
+business; a tick never waits on it.  Training is launched before registration: the
+supervisor is never in the training path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from agent import protocol
+from agent.config import AgentConfig
+from agent.executor import Executor
+from agent.launcher import ExitInfo, Launcher, PopenFactory
+from agent.monitor import DatagramReceiver, WorkerStats, disk_free_bytes, hostname
+from agent.uplink import Uplink
+
+log = logging.getLogger(__name__)
+
+AGENT_VERSION = "0.1.0"
+_URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
+
+
+class AgentAlreadyRunning(RuntimeError):
+    """Another live agent holds this state dir (two agents would fight over one tree)."""
+
+
+def _lock_state_dir(state_dir: Path) -> Any:
+    """An exclusive ``flock`` on the state dir, held for the agent's life.  The kernel drops it
+    when the agent dies however it dies, so a restarted agent gets it back at once."""
+    f = open(state_dir / "agent.lock", "a+")  # noqa: SIM115 (held open on purpose)
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise AgentAlreadyRunning(
+            f"another agent (pid {other}) is running with state dir {state_dir}: stop it "
+            "first, or give this one its own --state-dir / --node"
+        ) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+        popen: PopenFactory = subprocess.Popen,
+        threaded_uplink: bool = True,
+        echo: bool = True,
+    ) -> None:
+        self.cfg = config
+        self.clock = clock
+        self.state_dir = config.state
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_state_dir(self.state_dir)
+        self.state_path = self.state_dir / "agent.json"
+        saved = self._load_state()
+        self._attempt = int(saved.get("attempt", 0))
+        plan = saved.get("plan")
+        self.plan_path: Path | None = Path(plan) if plan and Path(plan).exists() else None
+        self.threaded_uplink = threaded_uplink
+        self.launcher = Launcher(
+            config.command, run=config.run, node=config.node, state_dir=self.state_dir,
+            socket_path=config.socket_path, stop_grace_s=config.stop_grace_s, echo=echo,
+            popen=popen, clock=clock,
+        )
+        self.receiver = DatagramReceiver(config.socket_path, config.queue_max)
+        self.uplink = Uplink(
+            supervisor_url=config.supervisor_url, token=config.token,
+            state_dir=self.state_dir, register_request=self._register_request(),
+            spool_max_bytes=config.spool_max_bytes, spool_max_batches=config.spool_max_batches,
+            max_items_per_batch=config.max_items_per_batch,
+            http_timeout_s=config.http_timeout_s, transport=transport, clock=clock,
+        )
+        self.executor = Executor(self.state_dir, self, self._emit, clock)
+        self.stats = WorkerStats()
+        self.pending: list[dict[str, Any]] = []
+        self.urgent = False
+        self.state = "starting"
+        self.exit_reported = False
+        self.result: int | None = None  # set when the agent should end, with its exit code
+        self.last_batch = float("-inf")
+        self._signal: int | None = None
+        self._registered_attempt_checked = False
+
+    # -- persisted state ---------------------------------------------------------------------
+
+    def _load_state(self) -> dict[str, Any]:
+        try:
+            d = json.loads(self.state_path.read_text())
+            return d if isinstance(d, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        plan = str(self.plan_path) if self.plan_path else None
+        tmp.write_text(json.dumps({"attempt": self._attempt, "plan": plan}))
+        os.replace(tmp, self.state_path)
+
+    def _register_request(self) -> protocol.RegisterRequest:
+        return {
+            "run": self.cfg.run,
+            "node": self.cfg.node,
+            "hostname": hostname(),
+            "pid": os.getpid(),
+            "command": list(self.cfg.command),
+            "nproc_per_node": self.cfg.nproc_per_node,
+            "checkpoint_root": str(self.cfg.checkpoint_root) if self.cfg.checkpoint_root
+            else None,
+            "agent_version": AGENT_VERSION,
+        }
+
+    # -- executor host -----------------------------------------------------------------------
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt
+
+    def begin_stop(self) -> None:
+        self.state = "stopping"
+        self.launcher.begin_stop()
+
+    def stopped(self) -> bool:
+        return not self.launcher.stopping and not self.launcher.running
+
+    def launch(self, attempt: int, plan_path: Path | None) -> None:
+        # Persist first: an agent that dies now relaunches this attempt, not the old one.
+        self._attempt, self.plan_path = attempt, plan_path
+        self._save_state()
+        self.exit_reported = False
+        self.state = "starting"
+        self.launcher.start(attempt, plan_path)
+
+    def finish(self) -> None:
+        self.state = "stopped"
+        self.result = 0
+
+    def _emit(self, item: dict[str, Any]) -> None:
+        self.pending.append(item)
+        if item.get("type") in _URGENT_TYPES:
+            self.urgent = True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Kill what a previous incarnation left, launch torchrun, start sending."""
+        killed = self.launcher.kill_leftovers()
+        if killed:
+            self._emit({"type": "event", "t": self.clock(), "name": "agent_leftovers_killed",
+                        "message": f"killed {len(killed)} process(es) of a previous agent",
+                        "details": {"pids": killed}})
+        self.launch(self._attempt, self.plan_path)
+        if self.threaded_uplink:
+            self.uplink.start()
+
+    def tick(self) -> int | None:
+        """One iteration; returns the agent's exit code once it should end."""
+        self.launcher.pump_output()
+        self.receiver.drain()
+        for msg in self.receiver.take():
+            self._emit(msg)
+            if msg.get("type") == "step" and self.state == "starting":
+                self.state = "running"
+        if self.launcher.stopping:
+            self.launcher.stop_step()
+        self._check_exit()
+        self.executor.submit(self.uplink.take_commands())
+        self.executor.tick()
+        if self.launcher.stopping:
+            self.launcher.stop_step()
+        if self.state == "stopping" and self.stopped():
+            self.state = "stopped"  # e.g. a restart waiting for its not_before
+        if self.urgent or self.clock() - self.last_batch >= self.cfg.batch_interval_s:
+            self.send_batch()
+        if not self.threaded_uplink:
+            self.uplink.pump()
+        self._check_registration()
+        return self.result
+
+    def _check_registration(self) -> None:
+        reg = self.uplink.registration
+        if reg is None or self._registered_attempt_checked:
+            return
+        self._registered_attempt_checked = True
+        # Training was launched before registering (it never waits on the supervisor), so it
+        # runs the attempt this node last knew; say so when the supervisor knows better.
+        if reg.get("attempt") not in (None, self._attempt):
+            log.warning("supervisor says the run is at attempt %s, local workers run attempt "
+                        "%d: the supervisor's next restart command realigns them",
+                        reg.get("attempt"), self._attempt)
+
+    def _check_exit(self) -> None:
+        info = self.launcher.poll()
+        if info is None or self.exit_reported:
+            return
+        self.exit_reported = True
+        outcome = self.outcome(info)
+        self._emit({
+            "type": "exit", "t": info.t, "attempt": info.attempt,
+            "exit_code": info.exit_code, "signal": info.signal, "outcome": outcome,
+            "failed_ranks": info.failed_ranks,
+        })
+        if outcome != "stopped":
+            # torchrun is gone; sweep whatever it left (a SIGKILLed torchrun orphans its
+            # workers, which would otherwise train on unsupervised or hang in a collective).
+            self.launcher.begin_stop()
+        if outcome == "completed":
+            self.state = "finished"
+            self.result = 0
+        elif outcome == "crashed":
+            self.state = "failed"  # keep running: the supervisor decides (restart or stop)
+        else:
+            self.state = "stopped"
+
+    @staticmethod
+    def outcome(info: ExitInfo) -> str:
+        if info.stop_requested:
+            return "stopped"
+        return "completed" if info.exit_code == 0 else "crashed"
+
+    def heartbeat(self) -> dict[str, Any]:
+        workers = self.stats.collect(self.launcher.pid) if self.launcher.running else []
+        if workers and self.state == "starting":
+            self.state = "running"
+        return {
+            "type": "heartbeat", "t": self.clock(), "attempt": self._attempt,
+            "state": self.state,
+            "workers": workers,
+            "disk_free_bytes": disk_free_bytes(self.cfg.checkpoint_root),
+        }
+
+    def send_batch(self) -> None:
+        items, self.pending = self.pending, []
+        self.urgent = False
+        self.last_batch = self.clock()
+        self.uplink.enqueue(items, self.heartbeat(), self._attempt)
+
+    def shutdown(self, reason: str) -> None:
+        """Stop the workers (group SIGTERM, then SIGKILL), report, flush (bounded)."""
+        if self.launcher.running or self.launcher.stopping:
+            log.info("stopping workers: %s", reason)
+            self.state = "stopping"
+            self.launcher.stop()
+        self.launcher.pump_output()
+        self.receiver.drain()
+        for msg in self.receiver.take():
+            self._emit(msg)
+        self._check_exit()
+        if self.launcher.stopping:
+            self.launcher.stop()  # the sweep begun by _check_exit
+        self.send_batch()
+        if not self.uplink.flush(self.cfg.flush_timeout_s):
+            log.warning("%d batch(es) not delivered; they stay in %s for the next agent",
+                        self.uplink.pending, self.uplink.spool.dir)
+
+    def close(self) -> None:
+        self.uplink.close()
+        self.receiver.close()
+        self._lock.close()  # releases the flock
+
+    def request_stop(self, signum: int, _frame: FrameType | None = None) -> None:
+        self._signal = signum
+
+    def run(self) -> int:
+        """Start, tick until done or signalled, shut down; returns the exit code."""
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self.request_stop)
+        code = 1
+        try:
+            try:
+                self.start()
+            except OSError as e:  # the command cannot be run at all (not found, not allowed)
+                log.error("cannot start %r: %s", self.cfg.command[0], e)
+                return 127
+            while True:
+                if self._signal is not None:
+                    log.info("agent got %s: shutting down", signal.Signals(self._signal).name)
+                    self.shutdown(f"agent got {signal.Signals(self._signal).name}")
+                    code = 0
+                    break
+                result = self.tick()
+                if result is not None:
+                    self.shutdown("run ended")
+                    code = result
+                    break
+                time.sleep(self.cfg.tick_interval_s)
+        except BaseException:
+            log.exception("agent failed; stopping the workers")
+            try:
+                self.launcher.stop()
+            finally:
+                raise
+        finally:
+            self.close()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return code

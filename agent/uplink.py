@@ -1,0 +1,289 @@
+"""Batches to the supervisor: sequence numbers, spool, in-order replay, commands back.
+
+The main loop calls ``enqueue`` (cheap: a file write) and never touches the network.  A sender
+thread (or, in tests, explicit ``pump`` calls) registers, then posts the spooled batches oldest
+first.  Outcomes per batch:
+
+- 2xx: delivered; the reply's commands are queued for the executor.
+- connection error, timeout, 5xx, 401/403 (token trouble is not the batch's fault), 429: the
+  batch stays first in line and the sender backs off (0.5 s doubling to 10 s).
+- 404: the supervisor does not know this agent (its database was reset): register again.
+- any other 4xx: the batch itself is bad; it is logged loudly, moved to ``rejected/`` and the
+  queue moves on, so one bad batch never wedges the spool.
+
+Sequence numbers are per agent and persisted in ``uplink.json`` before the batch is written,
+so they only ever grow across agent restarts; registration raises them to the supervisor's
+``next_seq`` when our state was lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agent import protocol
+from agent.spool import Spool
+
+log = logging.getLogger(__name__)
+
+REGISTER_PATH = "/api/v1/agents/register"
+INGEST_PATH = "/api/v1/ingest"
+_BACKOFF_MIN_S = 0.5
+_BACKOFF_MAX_S = 10.0
+_RETRY_4XX = {401, 403, 408, 429}
+
+
+class Uplink:
+    def __init__(
+        self,
+        *,
+        supervisor_url: str,
+        token: str | None,
+        state_dir: Path,
+        register_request: protocol.RegisterRequest,
+        spool_max_bytes: int = 256 * 1024 * 1024,
+        spool_max_batches: int = 20_000,
+        max_items_per_batch: int = 5_000,
+        http_timeout_s: float = 3.0,
+        transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        headers = {"User-Agent": "trainwarden-agent"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        # Short timeouts: the agent must never stall on a slow supervisor.
+        self.client = httpx.Client(
+            base_url=supervisor_url,
+            headers=headers,
+            timeout=httpx.Timeout(http_timeout_s, connect=min(http_timeout_s, 2.0)),
+            transport=transport,
+        )
+        self.register_request = register_request
+        self.clock = clock
+        self.max_items = max_items_per_batch
+        self.state_path = state_dir / "uplink.json"
+        self.spool = Spool(state_dir / "spool", max_bytes=spool_max_bytes,
+                           max_batches=spool_max_batches)
+        self.commands: queue.Queue[protocol.Command] = queue.Queue()
+        self.registration: protocol.RegisterReply | None = None
+        self.sent = 0
+        self.rejected = 0
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_try = 0.0
+        self._backoff = _BACKOFF_MIN_S
+        state = self._load_state()
+        self.next_seq: int = max(state.get("next_seq", 0), max(self.spool.seqs(), default=-1) + 1)
+        self._dropped_before: int = int(state.get("dropped", 0))
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _load_state(self) -> dict[str, Any]:
+        try:
+            d = json.loads(self.state_path.read_text())
+            return d if isinstance(d, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _save_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"next_seq": self.next_seq, "dropped": self.dropped}))
+        os.replace(tmp, self.state_path)
+
+    @property
+    def dropped(self) -> int:
+        """Items dropped because the spool was full, cumulative over agent restarts."""
+        return self._dropped_before + self.spool.dropped_items
+
+    @property
+    def agent_id(self) -> int | None:
+        return self.registration["agent_id"] if self.registration else None
+
+    @property
+    def pending(self) -> int:
+        return len(self.spool)
+
+    # -- main-loop side ----------------------------------------------------------------------
+
+    def enqueue(self, items: list[dict[str, Any]], heartbeat: dict[str, Any],
+                attempt: int) -> list[int]:
+        """Spool one batch (several when ``items`` is large), each with the heartbeat; returns
+        their sequence numbers.  Never touches the network."""
+        chunks = [items[i : i + self.max_items] for i in range(0, len(items), self.max_items)]
+        seqs = []
+        for chunk in chunks or [[]]:
+            # One lock over numbering and writing, so a renumbering at registration (sender
+            # thread) sees either none or all of this batch.
+            with self._lock:
+                seq = self.next_seq
+                self.next_seq += 1
+                self._save_state()  # before the batch exists: a seq is never handed out twice
+                self.spool.add({"seq": seq, "attempt": attempt, "items": [*chunk, heartbeat]})
+            seqs.append(seq)
+        if self.spool.dropped_items:
+            with self._lock:
+                self._save_state()
+        self._wake.set()
+        return seqs
+
+    def take_commands(self) -> list[protocol.Command]:
+        out = []
+        while True:
+            try:
+                out.append(self.commands.get_nowait())
+            except queue.Empty:
+                return out
+
+    # -- sender side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Send from a daemon thread (production); tests call ``pump`` themselves instead."""
+        self._thread = threading.Thread(target=self._run, name="trainwarden-uplink", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()  # before the pass: a batch spooled during it wakes the next
+            try:
+                self.pump()
+            except Exception:  # the sender must survive anything; the spool keeps the data
+                log.exception("uplink sender error")
+                self._fail("internal error")
+            self._wake.wait(max(0.05, min(1.0, self._next_try - self.clock())))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self.client.close()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every spooled batch is delivered; False if some are left."""
+        deadline = time.monotonic() + timeout_s
+        self._next_try = 0.0  # a final flush tries at once, whatever the backoff said
+        while time.monotonic() < deadline:
+            if self._thread is None:
+                self.pump()
+            if not self.pending:
+                return True
+            self._wake.set()
+            time.sleep(0.05)
+        return not self.pending
+
+    def pump(self) -> None:
+        """One sending pass: register if needed, then post batches until the spool is empty
+        or a send fails (then back off)."""
+        if self.clock() < self._next_try:
+            return
+        if self.registration is None and not self._register():
+            return
+        while not self._stop.is_set():
+            entry = self.spool.oldest()
+            if entry is None:
+                return
+            seq, batch = entry
+            if not self._send(seq, batch):
+                return
+
+    def _fail(self, why: str) -> None:
+        if why != self.last_error:
+            log.warning("supervisor unreachable (%s): spooling, %d batch(es) waiting",
+                        why, self.pending)
+        self.last_error = why
+        self._next_try = self.clock() + self._backoff
+        self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+
+    def _ok(self) -> None:
+        if self.last_error is not None:
+            log.info("supervisor reachable again: replaying %d batch(es)", self.pending)
+        self.last_error = None
+        self._backoff = _BACKOFF_MIN_S
+
+    def _register(self) -> bool:
+        try:
+            r = self.client.post(REGISTER_PATH, json=self.register_request)
+        except httpx.HTTPError as e:
+            self._fail(f"register: {type(e).__name__}: {e}")
+            return False
+        if r.status_code >= 300:
+            level = logging.ERROR if 400 <= r.status_code < 500 else logging.WARNING
+            log.log(level, "registration refused: HTTP %d %s", r.status_code, r.text[:500])
+            self._fail(f"register: HTTP {r.status_code}")
+            return False
+        try:
+            reply = r.json()
+            agent_id, next_seq = int(reply["agent_id"]), int(reply["next_seq"])
+        except (ValueError, KeyError, TypeError) as e:
+            log.error("registration reply unreadable (%s): %s", e, r.text[:500])
+            self._fail("register: bad reply")
+            return False
+        with self._lock:
+            if self.next_seq < next_seq:
+                # Our state is behind the supervisor's (state dir lost): what we hold is new.
+                shift = self.spool.renumber(next_seq)
+                self.next_seq = max(next_seq, self.next_seq + shift)
+                self._save_state()
+                log.warning("sequence raised to the supervisor's next_seq %d", next_seq)
+        self.registration = reply
+        log.info("registered as agent %d (run %s, attempt %s, next_seq %d)", agent_id,
+                 reply.get("run_id"), reply.get("attempt"), next_seq)
+        self._ok()
+        return True
+
+    def _send(self, seq: int, batch: dict[str, Any]) -> bool:
+        assert self.registration is not None
+        batch["agent_id"] = self.registration["agent_id"]
+        batch["sent_at"] = self.clock()
+        batch["dropped"] = self.dropped
+        try:
+            r = self.client.post(INGEST_PATH, json=batch)
+        except httpx.HTTPError as e:
+            self.spool.release(seq)
+            self._fail(f"{type(e).__name__}: {e}")
+            return False
+        code = r.status_code
+        if code < 300:
+            try:
+                reply = r.json()
+                commands = reply.get("commands") or []
+            except (ValueError, AttributeError):
+                commands = []
+                log.error("ingest reply for seq %d unreadable: %s", seq, r.text[:500])
+            self.spool.remove(seq)
+            self.sent += 1
+            for c in commands:
+                if isinstance(c, dict):
+                    self.commands.put(c)  # type: ignore[arg-type]
+            self._ok()
+            return True
+        if code >= 500 or code in _RETRY_4XX:
+            self.spool.release(seq)
+            if code in (401, 403):
+                log.error("supervisor refuses our token (HTTP %d): check --token / %s; "
+                          "batches stay spooled", code, "TRAINWARDEN_AGENT_TOKEN")
+            self._fail(f"HTTP {code}")
+            return False
+        if code == 404:
+            self.spool.release(seq)
+            log.warning("supervisor does not know agent %s (HTTP 404): registering again",
+                        self.agent_id)
+            self.registration = None
+            return False
+        self.rejected += 1
+        dest = self.spool.reject(seq, f"HTTP {code}\n{r.text}")
+        log.error("SUPERVISOR REJECTED BATCH seq=%d (HTTP %d): %s; kept in %s, moving on",
+                  seq, code, r.text[:1000], dest)
+        return True

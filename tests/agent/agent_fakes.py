@@ -1,0 +1,188 @@
+"""Test doubles for the agent: a fake supervisor (in-process transport or a real HTTP server
+thread), fake torchrun commands, and a polling helper (no fixed sleeps)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from agent.config import AgentConfig
+
+HERE = Path(__file__).resolve().parent
+FAKE_TORCHRUN = HERE / "fake_torchrun.py"
+REPO = HERE.parents[1]
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
+             what: str = "condition") -> Any:
+    """Poll ``cond`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class FakeSupervisor:
+    """The supervisor's agent API as the agent sees it: register, ingest (idempotent by seq),
+    commands re-sent until a ``command_result`` acknowledges them."""
+
+    def __init__(self, token: str | None = "agent-token") -> None:
+        self.token = token
+        self.lock = threading.Lock()
+        self.batches: dict[int, dict[str, Any]] = {}
+        self.arrivals: list[int] = []  # seqs in arrival order, duplicates included
+        self.duplicates = 0
+        self.down: str | None = None  # None | "connect" | "503"
+        self.status_for_seq: dict[int, int] = {}
+        self.commands: dict[int, dict[str, Any]] = {}
+        self.registers: list[dict[str, Any]] = []
+        self.next_seq = 0
+        self.attempt = 0
+
+    # -- behaviour ---------------------------------------------------------------------------
+
+    def handle(self, method: str, path: str, headers: dict[str, str],
+               body: bytes) -> tuple[int, dict[str, Any]]:
+        with self.lock:
+            if self.down == "503":
+                return 503, {"detail": "down"}
+            if self.token and headers.get("authorization") != f"Bearer {self.token}":
+                return 401, {"detail": "bad token"}
+            data = json.loads(body) if body else {}
+            if method == "POST" and path == "/api/v1/agents/register":
+                self.registers.append(data)
+                stored = max(self.batches, default=-1) + 1
+                return 200, {"agent_id": 7, "run_id": 1, "attempt": self.attempt,
+                             "next_seq": max(self.next_seq, stored),
+                             "heartbeat_interval_s": 1.0}
+            if method == "POST" and path == "/api/v1/ingest":
+                seq = data["seq"]
+                if seq in self.status_for_seq:
+                    return self.status_for_seq[seq], {"detail": "bad batch"}
+                self.arrivals.append(seq)
+                dup = seq in self.batches
+                if dup:
+                    self.duplicates += 1
+                else:
+                    self.batches[seq] = data
+                for item in data.get("items", []):
+                    if item.get("type") == "command_result":
+                        self.commands.pop(item["command_id"], None)
+                return 200, {"seq": seq, "duplicate": dup, "attempt": self.attempt,
+                             "commands": list(self.commands.values())}
+            return 404, {"detail": "not found"}
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def items(self, kind: str | None = None) -> list[dict[str, Any]]:
+        with self.lock:
+            out = []
+            for seq in sorted(self.batches):
+                out += [i for i in self.batches[seq]["items"] if kind in (None, i.get("type"))]
+            return out
+
+    def seqs(self) -> list[int]:
+        with self.lock:
+            return sorted(self.batches)
+
+    # -- transports --------------------------------------------------------------------------
+
+    def transport(self) -> httpx.MockTransport:
+        def respond(request: httpx.Request) -> httpx.Response:
+            if self.down == "connect":
+                raise httpx.ConnectError("connection refused", request=request)
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            code, body = self.handle(request.method, request.url.path, headers,
+                                     request.read())
+            return httpx.Response(code, json=body)
+
+        return httpx.MockTransport(respond)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    fake: FakeSupervisor
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        code, reply = self.server.fake.handle("POST", self.path, headers, body)  # type: ignore[attr-defined]
+        data = json.dumps(reply).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+
+class FakeRun:
+    """A fake torchrun command and the directory where its processes record themselves."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.pid_dir = tmp_path / "pids"
+        self.pid_dir.mkdir()
+        self.state_dir = tmp_path / "state"
+
+    def command(self, mode: str = "serve", *extra: str) -> list[str]:
+        return [sys.executable, str(FAKE_TORCHRUN), "--mode", mode, "--pid-dir",
+                str(self.pid_dir), *extra]
+
+    def config(self, mode: str = "serve", *extra: str, url: str = "http://supervisor.test",
+               **kw: Any) -> AgentConfig:
+        kw.setdefault("stop_grace_s", 0.5)
+        kw.setdefault("flush_timeout_s", 2.0)
+        return AgentConfig(supervisor_url=url, run="run1", node="node1",
+                           command=self.command(mode, *extra), token="agent-token",
+                           state_dir=self.state_dir, checkpoint_root=self.tmp_path / "ckpt",
+                           **kw)
+
+    def records(self, role: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for p in sorted(self.pid_dir.glob("*.json")):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if role in (None, rec["role"]):
+                out.append(rec)
+        return out
+
+    def pids(self, role: str | None = None) -> list[int]:
+        return [r["pid"] for r in self.records(role)]
+
+    def alive(self, role: str | None = None) -> list[int]:
+        out = []
+        for pid in self.pids(role):
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.Error:
+                pass
+        return out
+
+    def kill_all(self) -> None:
+        for pid in self.alive():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+

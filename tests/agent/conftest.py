@@ -1,0 +1,46 @@
+"""Fixtures for the agent tests (the doubles themselves live in agent_fakes.py)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+# The test doubles are a plain module beside this file (tests/agent is not a package: a
+# package named "agent" here would shadow the real one).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agent_fakes import FakeRun, FakeSupervisor, _Handler
+
+
+@pytest.fixture
+def fake_supervisor() -> FakeSupervisor:
+    return FakeSupervisor()
+
+
+@pytest.fixture
+def http_supervisor() -> Iterator[tuple[FakeSupervisor, str]]:
+    """A real HTTP server on 127.0.0.1 in a thread, backed by a FakeSupervisor."""
+    fake = FakeSupervisor()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.fake = fake  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def fake_run(tmp_path: Path) -> Iterator[FakeRun]:
+    run = FakeRun(tmp_path)
+    try:
+        yield run
+    finally:
+        run.kill_all()  # a failing test must not leave workers behind

@@ -1,0 +1,348 @@
+"""The agent driving real (fake-torchrun) process trees: launch, observe, stop, restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_fakes import REPO, FakeRun, FakeSupervisor, wait_for
+
+from agent import protocol
+from agent.config import AgentConfig
+from agent.launcher import Launcher, pids_alive
+from agent.loop import Agent, AgentAlreadyRunning
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """Agents made by a test; their workers are stopped and sockets closed afterwards."""
+    made: list[Agent] = []
+    yield made
+    for a in made:
+        try:
+            a.launcher.stop()
+        finally:
+            a.close()
+
+
+def make_agent(agents: list[Agent], cfg: AgentConfig, fake: FakeSupervisor,
+               **kw: Any) -> Agent:
+    agent = Agent(cfg, transport=fake.transport(), threaded_uplink=False, echo=False, **kw)
+    agents.append(agent)
+    return agent
+
+
+def tick_until(agent: Agent, cond: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+    def step() -> Any:
+        agent.tick()
+        return cond()
+
+    return wait_for(step, timeout=timeout, what=what)
+
+
+def exits(fake: FakeSupervisor) -> list[dict[str, Any]]:
+    return fake.items("exit")
+
+
+# -- launcher --------------------------------------------------------------------------------
+
+
+def test_stop_kills_whole_tree_including_sigterm_ignorers(fake_run: FakeRun) -> None:
+    """Workers in their own sessions (as torchrun makes them) that ignore SIGTERM, with
+    grandchildren: all gone after the grace, and torchrun is not waited on."""
+    cfg = fake_run.config("serve", "--ignore-term", "--grandchild")
+    launcher = Launcher(cfg.command, run=cfg.run, node=cfg.node, state_dir=cfg.state,
+                        socket_path=cfg.socket_path, stop_grace_s=0.3, echo=False)
+    cfg.state.mkdir(parents=True)
+    launcher.start(0, None)
+    wait_for(lambda: len(fake_run.alive("grandchild")) == 2, what="2 grandchildren")
+    pids = fake_run.pids()
+    assert len(pids) == 5  # torchrun, 2 workers, 2 grandchildren
+    t0 = time.monotonic()
+    launcher.stop()
+    assert time.monotonic() - t0 < 5.0
+    assert pids_alive(pids) == []
+    assert launcher.find_ours() == []
+    info = launcher.poll()
+    assert info is not None and info.stop_requested and info.signal is not None
+    assert not (cfg.state / "group.json").exists()
+
+
+def test_leftovers_of_previous_agent_are_killed(fake_run: FakeRun) -> None:
+    cfg = fake_run.config("serve", "--grandchild")
+    cfg.state.mkdir(parents=True)
+    old = Launcher(cfg.command, run=cfg.run, node=cfg.node, state_dir=cfg.state,
+                   socket_path=cfg.socket_path, echo=False)
+    old.start(0, None)
+    wait_for(lambda: len(fake_run.alive("grandchild")) == 2, what="first tree")
+    old_pids = fake_run.pids()
+    # A process of another run on the same node must survive (verified by its environ).
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env=dict(os.environ, **{protocol.ENV_RUN: "other", protocol.ENV_NODE: cfg.node,
+                                protocol.ENV_AGENT_SOCKET: str(cfg.socket_path)}))
+    try:
+        new = Launcher(cfg.command, run=cfg.run, node=cfg.node, state_dir=cfg.state,
+                       socket_path=cfg.socket_path, echo=False)
+        killed = new.kill_leftovers()
+        assert sorted(killed) == sorted(old_pids)
+        assert pids_alive(old_pids) == []
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# -- agent ticks -----------------------------------------------------------------------------
+
+
+def test_batches_carry_steps_heartbeats_and_worker_stats(fake_run: FakeRun,
+                                                         fake_supervisor: FakeSupervisor,
+                                                         agents: list[Agent]) -> None:
+    agent = make_agent(agents, fake_run.config("serve", "--step-s", "0.05"), fake_supervisor)
+    agent.start()
+
+    def both_ranks_seen() -> bool:
+        hbs = fake_supervisor.items("heartbeat")
+        return any(sorted(w["rank"] for w in hb["workers"]) == [0, 1] for hb in hbs)
+
+    tick_until(agent, both_ranks_seen, what="heartbeat with both workers")
+    tick_until(agent, lambda: len(fake_supervisor.seqs()) >= 3, what="3 batches")
+    seqs = fake_supervisor.seqs()
+    assert seqs == list(range(len(seqs)))
+    for seq in seqs:
+        batch = fake_supervisor.batches[seq]
+        assert batch["items"][-1]["type"] == "heartbeat" and batch["attempt"] == 0
+    hb = [h for h in fake_supervisor.items("heartbeat") if h["workers"]][-1]
+    assert hb["state"] == "running" and hb["disk_free_bytes"] > 0
+    assert all(w["rss_bytes"] > 0 and w["pid"] > 0 for w in hb["workers"])
+    steps = fake_supervisor.items("step")
+    assert {s["rank"] for s in steps} == {0, 1}
+    for rank in (0, 1):  # nothing lost or reordered on the way
+        got = [s["step"] for s in steps if s["rank"] == rank]
+        assert got == list(range(len(got)))
+    events = fake_supervisor.items("event")
+    assert {e["rank"] for e in events if e["name"] == protocol.EVENT_STARTED} == {0, 1}
+    reg = fake_supervisor.registers[0]
+    assert reg["run"] == "run1" and reg["node"] == "node1" and reg["command"][0] == sys.executable
+
+
+@pytest.mark.parametrize(("code", "exit_code", "sig"), [(3, 3, None), (-9, None, 9)])
+def test_exit_code_and_signal_reported_as_crash(fake_run: FakeRun,
+                                                fake_supervisor: FakeSupervisor,
+                                                agents: list[Agent], code: int,
+                                                exit_code: int | None,
+                                                sig: int | None) -> None:
+    agent = make_agent(agents, fake_run.config("exit", "--code", str(code)), fake_supervisor)
+    agent.start()
+    tick_until(agent, lambda: exits(fake_supervisor), what="exit item")
+    (ex,) = exits(fake_supervisor)
+    assert ex["outcome"] == "crashed" and ex["exit_code"] == exit_code and ex["signal"] == sig
+    assert agent.result is None  # keeps running, waiting for the supervisor
+    assert fake_supervisor.items("heartbeat")[-1]["state"] == "failed"
+
+
+def test_completed_run_ends_agent_with_zero(fake_run: FakeRun, fake_supervisor: FakeSupervisor,
+                                            agents: list[Agent]) -> None:
+    agent = make_agent(agents, fake_run.config("complete", "--steps", "3"), fake_supervisor)
+    agent.start()
+    tick_until(agent, lambda: agent.result == 0, what="agent result 0")
+    agent.shutdown("done")
+    (ex,) = exits(fake_supervisor)
+    assert ex["outcome"] == "completed" and ex["exit_code"] == 0
+    assert len(fake_supervisor.items("step")) == 6
+
+
+def test_crash_then_restart_command_relaunches_with_plan(fake_run: FakeRun,
+                                                         fake_supervisor: FakeSupervisor,
+                                                         agents: list[Agent]) -> None:
+    clock_offset = [0.0]
+    agent = make_agent(agents, fake_run.config("crash", "--steps", "3"), fake_supervisor,
+                       clock=lambda: time.time() + clock_offset[0])
+    agent.start()
+    tick_until(agent, lambda: exits(fake_supervisor), what="crash exit")
+    (ex,) = exits(fake_supervisor)
+    assert ex["outcome"] == "crashed" and ex["exit_code"] == 1
+    assert ex["failed_ranks"][0]["rank"] == 1 and ex["failed_ranks"][0]["signal"] == 9
+    assert ex["failed_ranks"][0]["pid"] in fake_run.pids("worker")
+
+    # The supervisor answers with a restart; the fake run now serves so it stays up.
+    agent.launcher.command = fake_run.command("serve")
+    plan = {"checkpoint": "/ckpt/step_3", "skip": [[100, 199]], "lr": None, "reason": "crash"}
+    fake_supervisor.commands[11] = {"id": 11, "kind": "restart", "attempt": 1, "plan": plan,
+                                    "not_before": time.time() + 3600, "reason": "crash"}
+    tick_until(agent, lambda: agent.executor.job is not None
+               and agent.executor.job.phase == "waiting", what="waiting for not_before")
+    assert not fake_run.alive("worker") or all(
+        r[protocol.ENV_ATTEMPT] == "0" for r in fake_run.records("worker"))
+    clock_offset[0] = 3600.0  # the backoff is over
+    tick_until(agent, lambda: [r for r in fake_run.records("worker")
+                               if r[protocol.ENV_ATTEMPT] == "1"], what="attempt-1 workers")
+    new = [r for r in fake_run.records("worker") if r[protocol.ENV_ATTEMPT] == "1"]
+    assert new[0]["plan"]["checkpoint"] == "/ckpt/step_3"
+    assert new[0]["plan"]["skip"] == [[100, 199]] and new[0]["plan"]["attempt"] == 1
+    assert Path(new[0][protocol.ENV_RESUME_PLAN]).parent == agent.state_dir / "plans"
+    tick_until(agent, lambda: 11 not in fake_supervisor.commands, what="command acknowledged")
+    results = [(r["command_id"], r["status"]) for r in fake_supervisor.items("command_result")]
+    assert results == [(11, "delivered"), (11, "done")]
+    tick_until(agent, lambda: any(s["attempt"] == 1 for s in fake_supervisor.items("step")),
+               what="steps of attempt 1")
+    assert fake_supervisor.items("heartbeat")[-1]["attempt"] == 1
+
+
+def test_restart_command_stops_running_group_first(fake_run: FakeRun,
+                                                   fake_supervisor: FakeSupervisor,
+                                                   agents: list[Agent]) -> None:
+    agent = make_agent(agents, fake_run.config("serve", "--ignore-term"), fake_supervisor)
+    agent.start()
+    wait_for(lambda: len(fake_run.alive("worker")) == 2, what="workers")
+    first = fake_run.pids()
+    fake_supervisor.commands[1] = {"id": 1, "kind": "restart", "attempt": 4, "plan": None}
+    tick_until(agent, lambda: len([r for r in fake_run.records("worker")
+                                   if r[protocol.ENV_ATTEMPT] == "4"]) == 2,
+               what="attempt-4 workers")
+    assert pids_alive(first) == []
+    tick_until(agent, lambda: exits(fake_supervisor), what="exit of attempt 0")
+    ex = exits(fake_supervisor)[0]
+    assert ex["outcome"] == "stopped" and ex["attempt"] == 0
+    # The persisted attempt is what an agent restart would launch.
+    assert json.loads((agent.state_dir / "agent.json").read_text())["attempt"] == 4
+
+
+def test_stop_command_ends_agent(fake_run: FakeRun, fake_supervisor: FakeSupervisor,
+                                 agents: list[Agent]) -> None:
+    agent = make_agent(agents, fake_run.config("serve", "--grandchild"), fake_supervisor)
+    agent.start()
+    wait_for(lambda: len(fake_run.alive("grandchild")) == 2, what="tree up")
+    pids = fake_run.pids()
+    fake_supervisor.commands[3] = {"id": 3, "kind": "stop", "reason": "operator"}
+    tick_until(agent, lambda: agent.result == 0, what="agent ends")
+    agent.shutdown("stop command")
+    assert pids_alive(pids) == []
+    (ex,) = exits(fake_supervisor)
+    assert ex["outcome"] == "stopped"
+    results = [r["status"] for r in fake_supervisor.items("command_result")]
+    assert results == ["delivered", "done"]
+    assert fake_supervisor.items("heartbeat")[-1]["state"] == "stopped"
+
+
+def test_training_starts_while_supervisor_down_then_replays(
+        fake_run: FakeRun, http_supervisor: tuple[FakeSupervisor, str],
+        agents: list[Agent]) -> None:
+    """Real HTTP server: the agent launches before registering, spools while the supervisor
+    answers 503, and replays everything in order once it is back."""
+    fake, url = http_supervisor
+    fake.down = "503"
+    agent = Agent(fake_run.config("serve", url=url), threaded_uplink=True, echo=False)
+    agents.append(agent)
+    agent.start()
+    t0 = time.monotonic()
+
+    wait_for(lambda: agent.tick() is None and len(fake_run.alive("worker")) == 2,
+             what="workers running without a supervisor")
+    wait_for(lambda: agent.tick() is None and agent.uplink.pending >= 3
+             and agent.receiver.received >= 12, what="3 spooled batches, 12 datagrams")
+    agent.send_batch()  # spool what the last ticks collected too
+    assert fake.batches == {} and agent.uplink.registration is None
+    fake.down = None
+    wait_for(lambda: agent.tick() is None and agent.uplink.registration is not None
+             and agent.uplink.pending == 0, timeout=15, what="replay")
+    assert time.monotonic() - t0 < 20
+    seqs = fake.seqs()
+    assert seqs == list(range(len(seqs))) and fake.duplicates == 0
+    assert fake.arrivals == seqs  # in order, each once
+    for rank in (0, 1):
+        got = [s["step"] for s in fake.items("step") if s["rank"] == rank]
+        assert got == list(range(len(got))) and len(got) > 3
+
+
+def test_second_agent_on_same_state_dir_refuses(fake_run: FakeRun,
+                                                fake_supervisor: FakeSupervisor,
+                                                agents: list[Agent]) -> None:
+    make_agent(agents, fake_run.config("serve"), fake_supervisor)
+    with pytest.raises(AgentAlreadyRunning, match="state dir"):
+        Agent(fake_run.config("serve"), transport=fake_supervisor.transport())
+
+
+def test_command_that_cannot_start_ends_agent(fake_run: FakeRun,
+                                              fake_supervisor: FakeSupervisor) -> None:
+    cfg = fake_run.config("serve")
+    cfg.command = [str(fake_run.tmp_path / "no-such-torchrun")]
+    agent = Agent(cfg, transport=fake_supervisor.transport(), threaded_uplink=False)
+    assert agent.run() == 127
+
+
+# -- the agent as a process ------------------------------------------------------------------
+
+
+def _agent_cmd(fake_run: FakeRun, url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "agent.cli", "--supervisor", url, "--run", "run1",
+            "--node", "node1", "--state-dir", str(fake_run.state_dir), "--stop-grace", "0.5",
+            "--", *fake_run.command("serve", *extra)]
+
+
+def _spawn_agent(fake_run: FakeRun, url: str, *extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, TRAINWARDEN_AGENT_TOKEN="agent-token")
+    with open(fake_run.tmp_path / "agent.log", "ab") as log:  # a file: a pipe could fill up
+        return subprocess.Popen(_agent_cmd(fake_run, url, *extra), cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_sigterm_to_agent_stops_workers(fake_run: FakeRun,
+                                        http_supervisor: tuple[FakeSupervisor, str]) -> None:
+    fake, url = http_supervisor
+    proc = _spawn_agent(fake_run, url, "--ignore-term", "--grandchild")
+    try:
+        wait_for(lambda: len(fake_run.alive("grandchild")) == 2, what="tree up")
+        wait_for(lambda: fake.items("step"), what="steps delivered")
+        pids = fake_run.pids()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert pids_alive(pids) == []
+        ex = fake.items("exit")
+        assert len(ex) == 1 and ex[0]["outcome"] == "stopped"
+        assert fake.items("heartbeat")[-1]["state"] in ("stopped", "stopping")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_restarted_agent_kills_previous_incarnation(fake_run: FakeRun,
+                                                    http_supervisor: tuple[FakeSupervisor,
+                                                                           str]) -> None:
+    fake, url = http_supervisor
+    first = _spawn_agent(fake_run, url)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for(lambda: len(fake_run.alive("worker")) == 2, what="first workers")
+        wait_for(lambda: fake.items("step"), what="first steps")
+        old = fake_run.pids()
+        first.kill()  # the agent dies hard; its workers (own sessions) keep running
+        first.wait()
+        assert len(pids_alive(old)) == 3
+        seq_before = max(fake.seqs())
+        second = _spawn_agent(fake_run, url)
+        wait_for(lambda: len(fake_run.alive("worker")) == 2 and not pids_alive(old),
+                 what="old tree gone, new workers up")
+        assert len(fake_run.alive("torchrun")) == 1
+        wait_for(lambda: max(fake.seqs()) > seq_before + 1, what="new batches")
+        assert fake.duplicates == 0 or fake.seqs() == sorted(set(fake.seqs()))
+        assert any(e.get("name") == "agent_leftovers_killed" for e in fake.items("event"))
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()

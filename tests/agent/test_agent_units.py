@@ -1,0 +1,401 @@
+"""Unit tests of the agent pieces that need no child processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_fakes import FakeSupervisor
+
+from agent import protocol
+from agent.config import AgentConfig
+from agent.executor import Executor
+from agent.launcher import parse_failure_summary
+from agent.monitor import DatagramReceiver, disk_free_bytes
+from agent.spool import Spool
+from agent.uplink import Uplink
+
+# torch 2.13's ChildFailedError text for two failed ranks, one with a Python traceback.
+SUMMARY = """
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-01-01_00:00:01
+  host      : node
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 1001)
+  error_file: /tmp/x/error.json
+  traceback : Traceback (most recent call last):
+    File "train.py", line 3, in <module>
+      main()
+  RuntimeError: Connection reset by peer
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-01-01_00:00:00
+  host      : node
+  rank      : 3 (local_rank: 1)
+  exitcode  : -9 (pid: 1002)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 1002
+============================================================
+"""
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# -- launcher: failure summary -------------------------------------------------------------
+
+
+def test_parse_failure_summary_root_cause_first() -> None:
+    failed = parse_failure_summary("noise\n" + SUMMARY)
+    assert failed[0] == {"rank": 3, "local_rank": 1, "exit_code": -9, "signal": 9,
+                         "pid": 1002, "message": "Signal 9 (SIGKILL) received by PID 1002"}
+    assert failed[1]["rank"] == 0 and failed[1]["exit_code"] == 1
+    assert failed[1]["signal"] is None
+    assert failed[1]["message"] == "RuntimeError: Connection reset by peer"
+
+
+def test_parse_failure_summary_without_summary() -> None:
+    assert parse_failure_summary("just a log line\nanother") == []
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def test_config_rules_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="after '--'"):
+        AgentConfig(supervisor_url="http://s", run="r", command=[], state_dir=tmp_path)
+    with pytest.raises(ValueError, match="http"):
+        AgentConfig(supervisor_url="s:8080", run="r", command=["x"], state_dir=tmp_path)
+    for bad in (" ", "-x", "a b", "a/b"):
+        with pytest.raises(ValueError, match="--run"):
+            AgentConfig(supervisor_url="http://s", run=bad, command=["x"], state_dir=tmp_path)
+
+
+def test_config_socket_path_fits_and_nproc(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    cfg = AgentConfig(supervisor_url="http://s/", run="r", node="n", state_dir=deep,
+                      command=["torchrun", "--nproc-per-node", "4", "t.py"])
+    assert len(str(cfg.socket_path)) <= 100
+    assert cfg.socket_path == AgentConfig(supervisor_url="http://s", run="r", node="n",
+                                          state_dir=deep, command=["x"]).socket_path
+    assert cfg.nproc_per_node == 4 and cfg.supervisor_url == "http://s"
+
+
+def test_disk_free_of_missing_dir_uses_parent(tmp_path: Path) -> None:
+    free = disk_free_bytes(tmp_path / "not" / "yet")
+    assert isinstance(free, int) and free > 0
+    assert disk_free_bytes(None) is None
+
+
+# -- monitor: datagram socket ---------------------------------------------------------------
+
+
+def test_receiver_counts_invalid_and_overflow(tmp_path: Path) -> None:
+    rx = DatagramReceiver(tmp_path / "a.sock", queue_max=2)
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        tx.sendto(b"not json", str(rx.path))
+        tx.sendto(b'{"type": "weird"}', str(rx.path))
+        tx.sendto(b'{"type": "step", "rank": -1, "step": 0}', str(rx.path))
+        tx.sendto(b'{"type": "event", "name": ""}', str(rx.path))
+        for step in range(3):
+            msg: protocol.StepReport = {"type": "step", "rank": 0, "step": step,
+                                        "loss": float("nan")}
+            tx.sendto(protocol.encode_datagram(msg), str(rx.path))
+        assert rx.drain() == 2
+        assert rx.invalid == 4 and rx.overflow == 1
+        got = rx.take()
+        assert [m["step"] for m in got] == [0, 1]
+        assert got[0]["loss"] != got[0]["loss"]  # NaN survives: it is the signal
+        assert rx.drain() == 0  # non-blocking when empty
+    finally:
+        tx.close()
+        rx.close()
+
+
+# -- spool -----------------------------------------------------------------------------------
+
+
+def _batch(seq: int, n: int = 1) -> dict[str, Any]:
+    return {"seq": seq, "attempt": 0, "items": [{"type": "step", "step": i} for i in range(n)]}
+
+
+def test_spool_bound_drops_oldest_with_count(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool", max_bytes=10**9, max_batches=3)
+    for seq in range(5):
+        spool.add(_batch(seq, n=2))
+    assert spool.seqs() == [2, 3, 4]
+    assert spool.dropped_items == 4 and spool.dropped_batches == 2
+    # The batch on the wire is never dropped; the next oldest goes instead.
+    assert spool.oldest() is not None and spool.in_flight == 2
+    spool.add(_batch(5))
+    assert spool.seqs() == [2, 4, 5]
+    # Survives a restart, oldest first.
+    again = Spool(tmp_path / "spool", max_bytes=10**9, max_batches=3)
+    entry = again.oldest()
+    assert entry is not None and entry[0] == 2 and entry[1]["items"][1]["step"] == 1
+
+
+def test_spool_byte_bound(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool", max_bytes=1500, max_batches=100)
+    for seq in range(10):
+        spool.add(_batch(seq, n=10))  # ~300 bytes each
+    assert spool.bytes <= 1500 and spool.seqs()[-1] == 9
+    assert spool.dropped_batches == 10 - len(spool.seqs())
+
+
+def test_spool_renumber_keeps_order(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool", max_bytes=10**9, max_batches=100)
+    for seq in range(3):
+        spool.add(_batch(seq, n=seq + 1))
+    assert spool.renumber(50) == 50
+    assert spool.seqs() == [50, 51, 52]
+    entry = spool.oldest()
+    assert entry is not None and entry[1]["seq"] == 50 and len(entry[1]["items"]) == 1
+
+
+# -- uplink ----------------------------------------------------------------------------------
+
+
+def _uplink(tmp_path: Path, fake: FakeSupervisor, clock: Clock, **kw: Any) -> Uplink:
+    return Uplink(supervisor_url="http://sup.test", token="agent-token",
+                  state_dir=tmp_path, register_request={"run": "r", "node": "n"},
+                  transport=fake.transport(), clock=clock, **kw)
+
+
+HB = {"type": "heartbeat", "state": "running", "workers": [], "disk_free_bytes": 1}
+
+
+def test_uplink_seq_increases_and_heartbeat_in_every_batch(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    up = _uplink(tmp_path, fake, clock)
+    for i in range(3):
+        up.enqueue([{"type": "step", "step": i}], HB, attempt=0)
+        up.pump()
+    assert fake.seqs() == [0, 1, 2]
+    for seq in range(3):
+        batch = fake.batches[seq]
+        assert batch["agent_id"] == 7 and batch["dropped"] == 0
+        assert [i["type"] for i in batch["items"]] == ["step", "heartbeat"]
+    assert fake.registers[0]["run"] == "r"
+    up.close()
+
+
+def test_uplink_spools_while_down_and_replays_in_order(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    up = _uplink(tmp_path, fake, clock)
+    up.enqueue([{"type": "step", "step": 0}], HB, 0)
+    up.pump()
+    fake.down = "connect"
+    for step in range(1, 6):
+        up.enqueue([{"type": "step", "step": step}], HB, 0)
+        clock.t += 1
+        up.pump()
+    fake.down = "503"
+    clock.t += 20
+    up.pump()
+    assert up.pending == 5 and fake.seqs() == [0]
+    fake.down = None
+    clock.t += 20  # past the backoff
+    up.pump()
+    assert up.pending == 0
+    assert fake.arrivals == [0, 1, 2, 3, 4, 5] and fake.duplicates == 0
+    assert [i["step"] for i in fake.items("step")] == [0, 1, 2, 3, 4, 5]
+    up.close()
+
+
+def test_uplink_backs_off_without_blocking(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    fake.down = "connect"
+    up = _uplink(tmp_path, fake, clock)
+    up.enqueue([], HB, 0)
+    up.pump()
+    calls = len(fake.registers)
+    up.pump()  # within the backoff: no new attempt
+    assert len(fake.registers) == calls and up.registration is None
+    up.close()
+
+
+def test_uplink_reports_drops_when_spool_full(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    fake.down = "connect"
+    up = _uplink(tmp_path, fake, clock, spool_max_batches=3)
+    for step in range(6):
+        up.enqueue([{"type": "step", "step": step}], HB, 0)
+    fake.down = None
+    clock.t += 60
+    up.pump()
+    assert fake.seqs() == [3, 4, 5]
+    assert all(fake.batches[s]["dropped"] == 6 for s in (3, 4, 5))  # 3 steps + 3 heartbeats
+    up.close()
+    # The drop count is cumulative across agent restarts.
+    up2 = _uplink(tmp_path, fake, clock)
+    up2.enqueue([], HB, 0)
+    up2.pump()
+    assert fake.batches[6]["dropped"] == 6
+    up2.close()
+
+
+def test_uplink_rejected_batch_does_not_wedge(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    fake.status_for_seq[1] = 422
+    up = _uplink(tmp_path, fake, clock)
+    for step in range(3):
+        up.enqueue([{"type": "step", "step": step}], HB, 0)
+    up.pump()
+    assert fake.seqs() == [0, 2] and up.pending == 0 and up.rejected == 1
+    assert list((tmp_path / "rejected").glob("000000000001-*.json"))
+
+
+def test_uplink_bad_token_keeps_batches(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(token="other"), Clock()
+    up = _uplink(tmp_path, fake, clock)
+    up.enqueue([{"type": "step", "step": 0}], HB, 0)
+    up.pump()
+    assert up.pending == 1 and up.registration is None
+    up.close()
+
+
+def test_uplink_seq_survives_restart_and_follows_supervisor(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    up = _uplink(tmp_path, fake, clock)
+    up.enqueue([], HB, 0)
+    up.enqueue([], HB, 0)
+    up.pump()
+    up.close()
+    up2 = _uplink(tmp_path, fake, clock)
+    assert up2.enqueue([], HB, 0) == [2]
+    up2.pump()
+    up2.close()
+    # State dir lost, supervisor remembers seq 0..2: spooled batches are renumbered, not lost.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    up3 = _uplink(fresh, fake, clock)
+    assert up3.enqueue([{"type": "step", "step": 99}], HB, 0) == [0]
+    up3.pump()
+    assert fake.seqs() == [0, 1, 2, 3] and fake.batches[3]["items"][0]["step"] == 99
+    assert up3.enqueue([], HB, 0) == [4]
+    up3.close()
+
+
+def test_uplink_splits_large_batches(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    up = _uplink(tmp_path, fake, clock, max_items_per_batch=4)
+    up.enqueue([{"type": "step", "step": i} for i in range(10)], HB, 0)
+    up.pump()
+    assert fake.seqs() == [0, 1, 2]
+    assert all(fake.batches[s]["items"][-1]["type"] == "heartbeat" for s in range(3))
+    assert [i["step"] for i in fake.items("step")] == list(range(10))
+    up.close()
+
+
+# -- executor --------------------------------------------------------------------------------
+
+
+class FakeHost:
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.calls: list[Any] = []
+        self.stopping = False
+        self.finished = False
+
+    def begin_stop(self) -> None:
+        self.calls.append("stop")
+        self.stopping = True
+
+    def stopped(self) -> bool:
+        return not self.stopping
+
+    def launch(self, attempt: int, plan_path: Path | None) -> None:
+        self.calls.append(("launch", attempt, plan_path))
+        self.attempt = attempt
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_executor_restart_once_with_plan_and_backoff(tmp_path: Path) -> None:
+    host, clock = FakeHost(), Clock()
+    out: list[dict[str, Any]] = []
+    ex = Executor(tmp_path, host, out.append, clock)
+    cmd: protocol.Command = {
+        "id": 5, "kind": "restart", "attempt": 2, "not_before": clock.t + 10,
+        "plan": {"checkpoint": "/ck/step_40", "skip": [[10, 19]],
+                 "lr": {"scale": 0.5, "steps": 20}, "reason": "spike"},
+    }
+    ex.submit([cmd])
+    ex.submit([cmd])  # re-sent before our result arrived: applied once
+    ex.tick()
+    assert host.calls == ["stop"]
+    host.stopping = False
+    ex.tick()
+    assert host.calls == ["stop"]  # waiting for not_before
+    clock.t += 10
+    ex.tick()
+    assert host.calls[1][:2] == ("launch", 2)
+    plan = protocol.ResumePlan.from_json(host.calls[1][2].read_text())
+    assert plan.checkpoint == "/ck/step_40" and plan.skip == ((10, 19),) and plan.attempt == 2
+    assert [(i["command_id"], i["status"]) for i in out] == [(5, "delivered"), (5, "done")]
+    # A later incarnation does not apply it again, but repeats the result when asked.
+    ex2 = Executor(tmp_path, host, out.append, clock)
+    ex2.submit([cmd])
+    ex2.tick()
+    assert len(host.calls) == 2 and out[-1]["status"] == "done"
+
+
+def test_executor_rejects_bad_plan_without_stopping(tmp_path: Path) -> None:
+    host = FakeHost()
+    out: list[dict[str, Any]] = []
+    ex = Executor(tmp_path, host, out.append, Clock())
+    ex.submit([{"id": 1, "kind": "restart", "attempt": 1, "plan": {"bogus": 1}},
+               {"id": 2, "kind": "dance"}])
+    ex.tick()
+    assert host.calls == []
+    assert [i["status"] for i in out] == ["delivered", "delivered", "failed", "failed"]
+    assert "unknown fields" in out[3]["detail"] and "unknown command" in out[2]["detail"]
+
+
+def test_executor_stop_supersedes_waiting_restart(tmp_path: Path) -> None:
+    host, clock = FakeHost(), Clock()
+    out: list[dict[str, Any]] = []
+    ex = Executor(tmp_path, host, out.append, clock)
+    ex.submit([{"id": 1, "kind": "restart", "attempt": 1, "plan": None,
+                "not_before": clock.t + 100}])
+    ex.tick()
+    host.stopping = False
+    ex.tick()
+    ex.submit([{"id": 2, "kind": "stop"}])
+    ex.tick()
+    host.stopping = False
+    ex.tick()
+    assert host.finished
+    results = [(i["command_id"], i["status"]) for i in out]
+    assert (1, "failed") in results and (2, "done") in results
+    assert not any(c[0] == "launch" for c in host.calls if isinstance(c, tuple))
+
+
+def test_executor_interrupted_restart_counts_if_relaunched(tmp_path: Path) -> None:
+    (tmp_path / "commands.json").write_text(json.dumps(
+        {"9": {"status": "delivered", "kind": "restart", "attempt": 3}}))
+    host = FakeHost()
+    out: list[dict[str, Any]] = []
+    host.attempt = 3  # the previous agent already launched attempt 3
+    ex = Executor(tmp_path, host, out.append, Clock())
+    ex.submit([{"id": 9, "kind": "restart", "attempt": 3}])
+    ex.tick()
+    assert host.calls == [] and out[-1]["status"] == "done"
