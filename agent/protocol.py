@@ -8,8 +8,8 @@ Three hops, one vocabulary:
 1. worker -> agent: JSON objects on a local Unix datagram socket whose path the agent passes
    in ``TRAINWARDEN_AGENT_SOCKET``; a datagram holds one or more objects, one per line (a
    worker batches the reports of several steps into one send).  Messages are ``StepReport``,
-   ``WorkerEvent`` and ``CheckpointReport`` (the ``type`` field tells which).  A send never blocks: when the
-   agent is absent or its queue is full the message is dropped and counted.
+   ``WorkerEvent`` and ``CheckpointReport`` (the ``type`` field tells which).  A send never
+   blocks: when the agent is absent or its queue is full the message is dropped and counted.
 2. agent -> supervisor: ``POST /api/v1/ingest`` with an ``IngestBatch`` holding the worker
    messages plus agent items (``heartbeat``, ``exit``, ``command_result``).  Batches carry a
    per-agent sequence number so a replayed batch is stored once.
