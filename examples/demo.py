@@ -152,8 +152,9 @@ def follow(url: str, agent: subprocess.Popen[bytes]) -> str:
             except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError):
                 time.sleep(0.5)
                 continue
+            step = "-" if r.get("step") is None else r["step"]
             line = (f"  run demo: {r.get('status')}, attempt {r.get('attempt')}, "
-                    f"step {'-' if r.get('step') is None else r['step']}, restarts {r.get('restarts')}")
+                    f"step {step}, restarts {r.get('restarts')}")
             if line.split(", step")[0] != last_line.split(", step")[0] or time.time() > next_at:
                 next_at = time.time() + 5
                 print(line)
