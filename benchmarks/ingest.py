@@ -1,0 +1,363 @@
+"""Supervisor ingest benchmark: simulated node agents against a real supervisor subprocess.
+
+Each simulated agent has 8 ranks and sends one batch per second (8 step reports, a heartbeat
+every 5 s) over its own keep-alive HTTP connection, like the node agent does.  The load rises
+level by level; for each level the table shows the sustained rank-steps/s, the p50/p99 ingest
+latency (from the scheduled send time, so a backlog counts), the supervisor's RSS and CPU, and
+the ratio of the supervisor's CPU per stored rank-step to a raw bulk insert of the same rows
+into the same database (measured in the same run).  The largest level with p99 < 100 ms is
+reported at the end.
+
+    .venv/bin/python benchmarks/ingest.py                      # SQLite, then Postgres if set
+    .venv/bin/python benchmarks/ingest.py --db sqlite --agents 64,256,512,768 --seconds 10
+    .venv/bin/python benchmarks/ingest.py --db postgres \\
+        --postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test
+
+The load generator is one asyncio process with hand-written HTTP/1.1 (a full HTTP client
+would cost more CPU than the server on a 2-core machine and measure itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "bench-agent-token"
+OP_TOKEN = "bench-operator-token"
+RANKS = 8
+P99_TARGET_MS = 100.0
+
+
+@dataclass
+class Level:
+    agents: int
+    seconds: float
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    latencies_ms: list[float] | None = None
+    rss_mb: float = 0.0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def rank_steps_per_s(self) -> float:
+        return self.ok * RANKS / self.wall_s if self.wall_s else 0.0
+
+    def pct(self, q: float) -> float:
+        lat = sorted(self.latencies_ms or [0.0])
+        return lat[min(len(lat) - 1, int(q * len(lat)))]
+
+
+# --------------------------------------------------------------------------------------------
+# supervisor process
+
+
+class Supervisor:
+    def __init__(self, db_url: str, workdir: Path) -> None:
+        self.port_file = workdir / f"port-{uuid.uuid4().hex[:6]}"
+        env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": TOKEN,
+               "TRAINWARDEN_OPERATOR_TOKEN": OP_TOKEN,
+               "TRAINWARDEN_MAX_BODY_BYTES": str(4 * 1024 * 1024)}
+        self.cmd = [sys.executable, "-m", "supervisor.cli", "supervisor", "--db", db_url,
+                    "--port", "0", "--port-file", str(self.port_file),
+                    "--log-level", "warning"]
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env)
+        deadline = time.monotonic() + 60
+        while not self.port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("supervisor did not start")
+            time.sleep(0.05)
+        self.port = int(self.port_file.read_text())
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return float(t.user + t.system)
+
+    def rss_mb(self) -> float:
+        return float(self.ps.memory_info().rss / 2**20)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# --------------------------------------------------------------------------------------------
+# load generator
+
+
+def step_items(step: int, now: float, attempt: int = 0) -> list[dict[str, Any]]:
+    out = []
+    for r in range(RANKS):
+        data_s = 0.002 + random.random() * 0.003
+        compute_s = 0.12 + random.random() * 0.02
+        out.append({
+            "type": "step", "v": 1, "attempt": attempt, "rank": r, "local_rank": r,
+            "world_size": RANKS, "pid": 1000 + r, "step": step, "t": now,
+            "batch_index": step * RANKS + r, "loss": 2.5 - step * 1e-4 + random.random() * 0.05,
+            "samples": 32, "tokens": 32 * 2048, "lr": 3e-4, "grad_norm": 0.8 + random.random(),
+            "data_s": data_s, "compute_s": compute_s, "step_s": 0.95 + random.random() * 0.03,
+            "dropped": 0,
+        })
+    return out
+
+
+class Conn:
+    """Minimal HTTP/1.1 keep-alive client (POST JSON, read a Content-Length response)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self.writer.write(head.encode() + body)
+        status_line = await self.reader.readline()
+        length = 0
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b""):
+                break
+            k, _, v = line.decode().partition(":")
+            if k.lower() == "content-length":
+                length = int(v)
+        payload = await self.reader.readexactly(length)
+        return int(status_line.split()[1]), payload
+
+
+async def agent_loop(port: int, agent_id: int, seq0: int, t0: float, level: Level,
+                     measure_from: float, end: float) -> None:
+    conn = Conn(port)
+    seq = seq0
+    k = 0
+    offset = random.random()  # agents are not synchronised
+    while True:
+        scheduled = t0 + offset + k
+        if scheduled >= end:
+            break
+        delay = scheduled - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        now = time.time()
+        items = step_items(k, now)
+        if k % 5 == 0:
+            items.append({"type": "heartbeat", "t": now, "attempt": 0, "state": "running",
+                          "workers": [], "disk_free_bytes": 10**12})
+        body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": now, "attempt": 0,
+                           "dropped": 0, "items": items}).encode()
+        try:
+            status, _ = await conn.post("/api/v1/ingest", body)
+        except (OSError, asyncio.IncompleteReadError):
+            status = 0
+            conn = Conn(port)
+        done = time.monotonic()
+        if scheduled >= measure_from:
+            level.sent += 1
+            if status == 200:
+                level.ok += 1
+                assert level.latencies_ms is not None
+                level.latencies_ms.append((done - scheduled) * 1000)
+            else:
+                level.errors += 1
+        seq += 1
+        k += 1
+
+
+def register_agents(port: int, run: str, n: int) -> list[tuple[int, int]]:
+    out = []
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+        for i in range(n):
+            r = c.post("/api/v1/agents/register",
+                       json={"run": run, "node": f"node{i:04d}", "hostname": f"h{i}",
+                             "pid": 1, "command": ["torchrun"], "nproc_per_node": RANKS})
+            r.raise_for_status()
+            out.append((r.json()["agent_id"], r.json()["next_seq"]))
+    return out
+
+
+def run_level(sup: Supervisor, n_agents: int, seconds: float, warmup: float) -> Level:
+    level = Level(agents=n_agents, seconds=seconds, latencies_ms=[])
+    agents = register_agents(sup.port, f"bench-{n_agents}-{uuid.uuid4().hex[:4]}", n_agents)
+
+    async def main() -> None:
+        t0 = time.monotonic() + 0.2
+        measure_from = t0 + warmup
+        end = measure_from + seconds
+        tasks = [asyncio.create_task(agent_loop(sup.port, aid, seq, t0, level, measure_from,
+                                                end))
+                 for aid, seq in agents]
+        await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
+        cpu0, w0 = sup.cpu_s(), time.monotonic()
+        rss = 0.0
+        while time.monotonic() < end:
+            await asyncio.sleep(0.5)
+            rss = max(rss, sup.rss_mb())
+        await asyncio.gather(*tasks)  # drain: a backlog shows as latency and lower rate
+        level.cpu_s = sup.cpu_s() - cpu0
+        level.wall_s = max(seconds, time.monotonic() - w0)
+        level.rss_mb = rss
+
+    asyncio.run(main())
+    return level
+
+
+# --------------------------------------------------------------------------------------------
+# raw bulk insert baseline (same rows, same database, in this process)
+
+
+def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
+    sys.path.insert(0, str(REPO))
+    from supervisor.store import repo
+    from supervisor.store.db import make_database
+    from supervisor.wire import RegisterRequest
+
+    db = make_database(db_url, pool_size=1)
+    try:
+        with db.write() as conn:
+            reg = repo.register_agent(conn, req=RegisterRequest(run="raw-baseline", node="n"),
+                                      now=time.time())
+        now = time.time()
+        payload = []
+        for s in range(rows // RANKS + 1):
+            for it in step_items(s, now):
+                payload.append({
+                    "run_id": reg["run_id"], "attempt": 0, "step": it["step"],
+                    "rank": it["rank"], "t": it["t"], "batch_index": it["batch_index"],
+                    "data_s": it["data_s"], "compute_s": it["compute_s"],
+                    "step_s": it["step_s"], "loss": it["loss"], "loss_special": None,
+                    "grad_norm": it["grad_norm"], "grad_norm_special": None, "lr": it["lr"],
+                })
+        payload = payload[:rows]
+        t = time.perf_counter()
+        for i in range(0, len(payload), 10_000):
+            with db.write() as conn:
+                repo.bulk_insert_rank_steps(conn, rows=payload[i:i + 10_000])
+        return (time.perf_counter() - t) / len(payload)
+    finally:
+        db.dispose()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def bench_db(name: str, db_url: str, levels: list[int], seconds: float, warmup: float,
+             stop_after_miss: bool) -> list[tuple[Level, float]]:
+    print(f"\n== {name}: supervisor command:\n   TRAINWARDEN_AGENT_TOKEN=... "
+          f"TRAINWARDEN_OPERATOR_TOKEN=... {shlex.join(Supervisor_cmd(db_url))}", flush=True)
+    out: list[tuple[Level, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sup = Supervisor(db_url, Path(tmp))
+        try:
+            for n in levels:
+                lvl = run_level(sup, n, seconds, warmup)
+                raw = raw_insert_cost_per_row(db_url, max(lvl.ok * RANKS, 1000))
+                out.append((lvl, raw))
+                print_row(name, lvl, raw)
+                if stop_after_miss and lvl.pct(0.99) > P99_TARGET_MS:
+                    break
+        finally:
+            sup.stop()
+    return out
+
+
+def Supervisor_cmd(db_url: str) -> list[str]:
+    return [sys.executable, "-m", "supervisor.cli", "supervisor", "--db", db_url, "--port",
+            "8765"]
+
+
+HEADER = (f"{'db':<9}{'agents':>7}{'ranks':>7}{'rank-steps/s':>14}{'ok':>7}{'err':>5}"
+          f"{'p50 ms':>9}{'p99 ms':>9}{'sup CPU%':>10}{'RSS MB':>8}{'x raw insert':>14}")
+
+
+def print_row(name: str, lvl: Level, raw_s_per_row: float) -> None:
+    rows = lvl.ok * RANKS
+    cpu_per_row = lvl.cpu_s / rows if rows else float("nan")
+    ratio = cpu_per_row / raw_s_per_row if raw_s_per_row else float("nan")
+    print(f"{name:<9}{lvl.agents:>7}{lvl.agents * RANKS:>7}{lvl.rank_steps_per_s:>14.0f}"
+          f"{lvl.ok:>7}{lvl.errors:>5}{lvl.pct(0.5):>9.1f}{lvl.pct(0.99):>9.1f}"
+          f"{100 * lvl.cpu_s / lvl.wall_s:>10.0f}{lvl.rss_mb:>8.0f}{ratio:>14.1f}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
+    p.add_argument("--postgres-url", default=os.environ.get("TRAINWARDEN_TEST_POSTGRES_URL"))
+    p.add_argument("--agents", default="64,128,256,512,768,1024",
+                   help="comma-separated load levels (agents of 8 ranks each)")
+    p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per level")
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--all-levels", action="store_true",
+                   help="keep going after a level misses the p99 target")
+    args = p.parse_args()
+    levels = [int(x) for x in args.agents.split(",")]
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    print(f"machine: {os.cpu_count()} CPUs; {RANKS} ranks per agent, 1 batch/agent/s")
+    results: dict[str, list[tuple[Level, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.db in ("sqlite", "both"):
+            url = f"sqlite:///{tmp}/bench.db"
+            results["sqlite"] = bench_db("sqlite", url, levels, args.seconds, args.warmup,
+                                         not args.all_levels)
+        if args.db in ("postgres", "both"):
+            if not args.postgres_url:
+                print("\n(no --postgres-url / TRAINWARDEN_TEST_POSTGRES_URL: Postgres skipped)")
+            else:
+                results["postgres"] = bench_postgres(args, levels)
+    print("\n" + HEADER)
+    for name, rows in results.items():
+        for lvl, raw in rows:
+            print_row(name, lvl, raw)
+    for name, rows in results.items():
+        good = [lvl for lvl, _ in rows if lvl.pct(0.99) <= P99_TARGET_MS and not lvl.errors]
+        best = max(good, key=lambda lv: lv.agents) if good else None
+        print(f"{name}: largest cluster with p99 < {P99_TARGET_MS:.0f} ms: "
+              + (f"{best.agents} agents x {RANKS} ranks = {best.agents * RANKS} ranks "
+                 f"({best.rank_steps_per_s:.0f} rank-steps/s)" if best else "none"))
+    return 0
+
+
+def bench_postgres(args: argparse.Namespace, levels: list[int]) -> list[tuple[Level, float]]:
+    from sqlalchemy import create_engine, text
+
+    schema = f"tw_bench_{uuid.uuid4().hex[:8]}"
+    eng = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f"CREATE SCHEMA {schema}"))
+    sep = "&" if "?" in args.postgres_url else "?"
+    url = f"{args.postgres_url}{sep}options=-csearch_path%3D{schema}"
+    try:
+        return bench_db("postgres", url, levels, args.seconds, args.warmup, not args.all_levels)
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        eng.dispose()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""Alembic environment.  The URL comes from the Alembic config the code builds
+(``supervisor.migrate.alembic_config``) or, when alembic is run by hand, from the supervisor's
+settings (``TRAINWARDEN_DB_URL`` / config file)."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from supervisor.store.db import make_engine
+from supervisor.store.models import metadata
+
+config = context.config
+target_metadata = metadata
+
+
+def _url() -> str:
+    url = config.get_main_option("sqlalchemy.url")
+    if url:
+        return url
+    from supervisor.config import load_settings
+
+    return load_settings(insecure_no_auth=True).database_url
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=_url(), target_metadata=target_metadata, literal_binds=True, render_as_batch=True
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = make_engine(_url(), pool_size=1)
+    try:
+        with engine.connect() as connection:
+            context.configure(
+                connection=connection,
+                target_metadata=target_metadata,
+                render_as_batch=connection.dialect.name == "sqlite",
+            )
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

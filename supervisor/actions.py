@@ -1,0 +1,121 @@
+"""Carry out policy decisions in the store: incident, audited action row, commands, run status.
+
+Also advances an action's progress from what the agents report:
+restart: queued -> delivered (every agent acknowledged) -> restarted (every agent reports
+"done") -> resumed (first step report of the new attempt; the step is recorded);
+stop: queued -> delivered -> done.  Any agent reporting "failed" marks the action failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection
+
+from supervisor import policy
+from supervisor.policy import Complete, Decision, IncidentSpec, Note, Restart, Stop
+from supervisor.store import repo
+
+
+def facts(run: dict[str, Any]) -> policy.RunFacts:
+    return policy.RunFacts(id=run["id"], name=run["name"], status=run["status"],
+                           attempt=run["attempt"], restarts=run["restarts"])
+
+
+def _incident(conn: Connection, run_id: int, spec: IncidentSpec | None, now: float) -> int | None:
+    if spec is None:
+        return None
+    return repo.open_incident(
+        conn, run_id=run_id, kind=spec.kind, cause=spec.cause, attempt=spec.attempt,
+        agent_id=spec.agent_id, node=spec.node, rank=spec.rank, exit_code=spec.exit_code,
+        signal=spec.signal, details=spec.details, opened_at=now,
+    )
+
+
+def apply(conn: Connection, *, run: dict[str, Any], decision: Decision, now: float) -> int | None:
+    """Write what ``decision`` means; returns the action id when one was created."""
+    run_id = int(run["id"])
+    if isinstance(decision, Note):
+        return None
+    if isinstance(decision, Complete):
+        repo.set_run_status(conn, run_id=run_id, status="completed", now=now,
+                            reason=decision.reason)
+        repo.resolve_incidents(conn, run_id=run_id, now=now)
+        return None
+    agent_ids = [a["id"] for a in repo.run_agents(conn, run_id=run_id)]
+    incident_id = _incident(conn, run_id, decision.incident, now)
+    # A new decision replaces whatever the agents have not picked up yet.
+    repo.supersede_commands(conn, run_id=run_id, now=now)
+    for a in repo.actions_in_progress(conn):
+        if a["run_id"] == run_id:
+            repo.update_action(conn, action_id=a["id"], status="superseded", updated_at=now,
+                               progress={**a["progress"], "superseded": now})
+    if isinstance(decision, Restart):
+        action_id = repo.create_action(
+            conn, run_id=run_id, incident_id=incident_id, kind="restart",
+            reason=decision.reason, actor=decision.actor, status="queued",
+            attempt=decision.attempt, not_before=decision.not_before, created_at=now,
+        )
+        plan = decision.plan(action_id=action_id)
+        repo.update_action(conn, action_id=action_id, plan=plan)
+        repo.create_commands(conn, rows=[
+            {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "restart",
+             "attempt": decision.attempt, "plan": plan, "not_before": decision.not_before,
+             "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
+             "created_at": now, "updated_at": now}
+            for aid in agent_ids
+        ])
+        restarts = int(run["restarts"]) + (1 if decision.counts_against_budget else 0)
+        repo.set_run_status(conn, run_id=run_id, status="restarting", now=now,
+                            reason=decision.reason, attempt=decision.attempt, restarts=restarts)
+        return action_id
+    assert isinstance(decision, Stop)
+    action_id = repo.create_action(
+        conn, run_id=run_id, incident_id=incident_id, kind="stop", reason=decision.reason,
+        actor=decision.actor, status="queued", attempt=int(run["attempt"]), created_at=now,
+    )
+    repo.create_commands(conn, rows=[
+        {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "stop",
+         "attempt": int(run["attempt"]), "plan": None, "not_before": None,
+         "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
+         "created_at": now, "updated_at": now}
+        for aid in agent_ids
+    ])
+    repo.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
+                        reason=decision.reason)
+    return action_id
+
+
+def advance(conn: Connection, *, action: dict[str, Any], now: float) -> str:
+    """Move one in-progress action forward from the store's facts; returns its status."""
+    status = action["status"]
+    progress = dict(action["progress"] or {})
+    statuses = repo.action_command_statuses(conn, action_id=action["id"])
+    new = status
+    values: dict[str, Any] = {}
+    if "failed" in statuses:
+        new = "failed"
+    else:
+        acked = all(s in ("delivered", "done") for s in statuses)
+        done = all(s == "done" for s in statuses)
+        if new == "queued" and acked:
+            new = "delivered"
+            progress["delivered"] = now
+        if new == "delivered" and done:
+            new = "restarted" if action["kind"] == "restart" else "done"
+            progress[new] = now
+        if action["kind"] == "restart":
+            first = repo.first_step(conn, run_id=action["run_id"], attempt=action["attempt"])
+            if first is not None:
+                new = "resumed"
+                values["resumed_step"] = first
+                run = repo.get_run(conn, run_id=action["run_id"])
+                if run["status"] == "restarting" and run["attempt"] == action["attempt"]:
+                    repo.set_run_status(conn, run_id=run["id"], status="running", now=now,
+                                        reason=f"resumed at step {first}")
+                repo.resolve_incidents(conn, run_id=action["run_id"], now=now)
+    if new != status:
+        progress[new] = now
+        repo.update_action(conn, action_id=action["id"], status=new, progress=progress,
+                           updated_at=now, **values)
+    return new

@@ -1,0 +1,173 @@
+"""Run routes: status and history reads, and the operator's restart/stop."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from pydantic import BaseModel, Field
+from sqlalchemy import Connection
+
+from supervisor import actions, policy
+from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor.store import repo
+
+# response_model=None: the routes return plain dicts, rendered by SafeJSONResponse so that
+# a NaN loss reads "NaN" (a pydantic response model would turn it into null).
+router = APIRouter(tags=["runs"])
+
+
+def _run_or_404(conn: Connection, name: str) -> dict[str, Any]:
+    run = repo.get_run_by_name(conn, name=name)
+    if run is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {name!r}")
+    return run
+
+
+def _summary(conn: Connection, run: dict[str, Any]) -> dict[str, Any]:
+    last = repo.latest_step(conn, run_id=run["id"], attempt=run["attempt"])
+    ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
+    return {
+        "id": run["id"],
+        "name": run["name"],
+        "status": run["status"],
+        "reason": run["reason"],
+        "attempt": run["attempt"],
+        "restarts": run["restarts"],
+        "step": last["step"] if last else None,
+        "step_at": last["t_last"] if last else None,
+        "throughput": repo.throughput(conn, run_id=run["id"], attempt=run["attempt"]),
+        "checkpoint": (
+            {k: ckpt[k] for k in ("step", "path", "bytes", "attempt", "lineage", "t")}
+            if ckpt else None
+        ),
+        "agents": [
+            {k: a[k] for k in ("id", "node", "hostname", "state", "attempt", "last_seen_at",
+                               "disk_free_bytes", "dropped")}
+            for a in repo.run_agents(conn, run_id=run["id"])
+        ],
+        "created_at": run["created_at"],
+        "updated_at": run["updated_at"],
+    }
+
+
+@router.get("/runs", response_model=None)
+def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
+    with db.read() as conn:
+        return {"runs": [_summary(conn, r) for r in repo.list_runs(conn)]}
+
+
+@router.get("/runs/{run}", response_model=None)
+def get_run(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint."""
+    with db.read() as conn:
+        return _summary(conn, _run_or_404(conn, run))
+
+
+@router.get("/runs/{run}/steps", response_model=None)
+def get_steps(
+    run: str,
+    db: DB,
+    _auth: ReadAuth,
+    step_from: Annotated[int | None, Query(alias="from", ge=0)] = None,
+    step_to: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    max_points: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+    attempt: Annotated[int | None, Query(ge=0)] = None,
+) -> dict[str, Any]:
+    """Per-step aggregates; above ``max_points`` steps they are bucketed by step range (each
+    point: step_from..step_to, loss min/max/mean over finite values, NaN/Inf counts, sums)."""
+    if step_from is not None and step_to is not None and step_to < step_from:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            f"'to' ({step_to}) is below 'from' ({step_from})")
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        points = repo.steps(conn, run_id=r["id"], step_from=step_from, step_to=step_to,
+                            max_points=max_points, attempt=attempt)
+    return {"run": run, "points": points}
+
+
+@router.get("/runs/{run}/ranks", response_model=None)
+def get_ranks(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+    """Latest report of each rank (timings, loss, grad norm; non-finite values as strings)."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        return {"run": run, "ranks": repo.rank_latest(conn, run_id=r["id"])}
+
+
+def _listing(db: Any, run: str, key: str, fn: Any, limit: int) -> dict[str, Any]:
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        return {"run": run, key: fn(conn, run_id=r["id"], limit=limit)}
+
+
+Limit = Annotated[int, Query(ge=1, le=10_000)]
+
+
+@router.get("/runs/{run}/checkpoints", response_model=None)
+def get_checkpoints(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+    return _listing(db, run, "checkpoints", repo.list_checkpoints, limit)
+
+
+@router.get("/runs/{run}/incidents", response_model=None)
+def get_incidents(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+    return _listing(db, run, "incidents", repo.list_incidents, limit)
+
+
+@router.get("/runs/{run}/actions", response_model=None)
+def get_actions(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+    return _listing(db, run, "actions", repo.list_actions, limit)
+
+
+@router.get("/runs/{run}/events", response_model=None)
+def get_events(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+    return _listing(db, run, "events", repo.list_events, limit)
+
+
+class RestartRequest(BaseModel):
+    checkpoint: str | None = Field(
+        default=None, description="checkpoint path; default: the newest complete one"
+    )
+    reason: str = Field(default="", max_length=1000)
+
+
+class StopRequest(BaseModel):
+    reason: str = Field(default="", max_length=1000)
+
+
+def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
+    with db.write() as conn:
+        r = _run_or_404(conn, run)
+        decision = decide(conn, r)
+        if isinstance(decision, policy.Note):
+            raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
+        action_id = actions.apply(conn, run=r, decision=decision, now=now)
+        return {"run": run, "action_id": action_id, "decision": type(decision).__name__.lower()}
+
+
+@router.post("/runs/{run}/restart", response_model=None)
+def restart_run(
+    run: str, req: RestartRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+) -> dict[str, Any]:
+    """Gang-restart the run as its next attempt (operator; no backoff, outside the budget)."""
+
+    def decide(conn: Connection, r: dict[str, Any]) -> policy.Decision:
+        ckpt = req.checkpoint
+        if ckpt is None:
+            newest = repo.newest_complete_checkpoint(conn, run_id=r["id"])
+            ckpt = newest["path"] if newest else None
+        return policy.operator_restart(actions.facts(r), checkpoint=ckpt, reason=req.reason,
+                                       actor="operator", now=clock())
+
+    return _operator(db, run, clock(), decide)
+
+
+@router.post("/runs/{run}/stop", response_model=None)
+def stop_run(
+    run: str, req: StopRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+) -> dict[str, Any]:
+    """Stop every agent of the run; the run ends as "stopped" (operator)."""
+    return _operator(
+        db, run, clock(),
+        lambda conn, r: policy.operator_stop(actions.facts(r), reason=req.reason,
+                                             actor="operator"),
+    )

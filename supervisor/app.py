@@ -1,0 +1,127 @@
+"""``create_app``: the FastAPI application of the supervisor."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+
+from supervisor import policy, wire
+from supervisor.api import agents, runs
+from supervisor.api.deps import DB
+from supervisor.api.errors import SafeJSONResponse, validation_error_response
+from supervisor.config import SupervisorSettings
+from supervisor.evaluator import Clock, Evaluator
+from supervisor.ingest import IngestWriter
+from supervisor.limits import BodySizeLimit
+from supervisor.store import repo
+from supervisor.store.db import Database, make_database
+
+log = logging.getLogger("trainwarden.supervisor")
+
+API_PREFIX = "/api/v1"
+
+
+async def _validation_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error_response(exc.errors())
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The generated document plus what the lean routes do not declare themselves: the
+    bearer scheme, and the ingest body's schema."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description=app.description)
+    comps = schema.setdefault("components", {})
+    comps.setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "agent token (register, ingest, reads) or operator token (all)",
+    }
+    schema["security"] = [{"bearer": []}]
+    batch = wire.IngestBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas = comps.setdefault("schemas", {})
+    for name, d in batch.pop("$defs", {}).items():
+        schemas.setdefault(name, d)
+    schemas["IngestBatch"] = batch
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(
+    settings: SupervisorSettings,
+    *,
+    db: Database | None = None,
+    clock: Clock = time.time,
+    upgrade_schema: bool = True,
+    start_evaluator: bool = True,
+) -> FastAPI:
+    """Build the app.  Start-up (the lifespan) upgrades the schema and starts the evaluator
+    thread when asked; tests pass their own ``db``/``clock`` and drive ``Evaluator.tick``."""
+    database = db if db is not None else make_database(settings.database_url)
+    evaluator = Evaluator(
+        database,
+        policy.PolicyConfig(
+            restart_budget=settings.restart_budget,
+            backoff_s=settings.restart_backoff_s,
+            backoff_max_s=settings.restart_backoff_max_s,
+        ),
+        clock=clock,
+    )
+
+    writer = IngestWriter(database, clock)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if upgrade_schema:
+            from supervisor import migrate
+
+            migrate.upgrade(database.engine.url.render_as_string(hide_password=False))
+        stop = None
+        if start_evaluator:
+            _th, stop = evaluator.start(settings.evaluator_interval_s)
+        try:
+            yield
+        finally:
+            if stop is not None:
+                stop.set()
+            writer.stop()
+            if db is None:
+                database.dispose()
+
+    app = FastAPI(
+        title="trainwarden supervisor",
+        version="1",
+        docs_url="/docs",
+        openapi_url="/openapi.json",
+        default_response_class=SafeJSONResponse,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = database
+    app.state.clock = clock
+    app.state.evaluator = evaluator
+    app.state.ingest_writer = writer
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.include_router(agents.router, prefix=API_PREFIX)
+    app.include_router(runs.router, prefix=API_PREFIX)
+
+    @app.get("/healthz", tags=["health"])
+    @app.get(API_PREFIX + "/healthz", tags=["health"], include_in_schema=False)
+    def healthz(db: DB) -> dict[str, str]:
+        """Liveness plus a database round trip; no token needed."""
+        with db.read() as conn:
+            repo.ping(conn)
+        return {"status": "ok"}
+
+    # Outermost: oversized bodies are refused before anything parses them.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    return app

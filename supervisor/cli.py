@@ -1,0 +1,123 @@
+"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``agent ...``.
+
+Imports are lazy: ``trainwarden agent`` runs on GPU nodes and must not pull in FastAPI or
+SQLAlchemy; only the chosen subcommand imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _add_db_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", dest="db_url", help="database URL (default: SQLite in --data-dir)")
+    p.add_argument("--config", help="TOML or JSON config file (or TRAINWARDEN_CONFIG)")
+    p.add_argument("--data-dir", type=str, help="data directory (default ./trainwarden-data)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainwarden", description="Fault-tolerant supervisor for distributed training."
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    sp = sub.add_parser("supervisor", help="run the central supervisor (HTTP API)")
+    _add_db_args(sp)
+    sp.add_argument("--host", help="listen address (default 127.0.0.1)")
+    sp.add_argument("--port", type=int, help="listen port (default 8765; 0: any free port)")
+    sp.add_argument("--public-reads", action="store_true", default=None,
+                    help="allow reads without a token")
+    sp.add_argument("--insecure-no-auth", action="store_true", default=None,
+                    help="no tokens at all (loopback host only)")
+    sp.add_argument("--restart-budget", type=int)
+    sp.add_argument("--log-level", help="uvicorn log level (default info)")
+    sp.add_argument("--port-file", help="write the bound port to this file once listening")
+
+    dp = sub.add_parser("db", help="database schema")
+    dsub = dp.add_subparsers(dest="db_cmd", required=True)
+    for name, help_ in (("upgrade", "upgrade the schema to the newest revision"),
+                        ("current", "print the database's revision")):
+        _add_db_args(dsub.add_parser(name, help=help_))
+
+    ap = sub.add_parser("agent", help="run the node agent (wraps torchrun)", add_help=False)
+    ap.add_argument("agent_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> Any:
+    from pydantic import ValidationError
+
+    from supervisor.config import load_settings
+
+    fields = {"db_url": args.db_url, "data_dir": args.data_dir, **extra}
+    try:
+        # The db commands never authenticate anyone: they need no tokens.
+        if args.cmd == "db":
+            return load_settings(args.config, insecure_no_auth=True, **fields)
+        return load_settings(args.config, **fields)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'settings'}: {x['msg']}"
+                         for x in e.errors())
+        raise SystemExit(f"trainwarden: bad settings: {msgs}") from None
+    except ValueError as e:
+        raise SystemExit(f"trainwarden: bad settings: {e}") from None
+
+
+def _cmd_supervisor(args: argparse.Namespace) -> int:
+    settings = _settings(
+        args, host=args.host, port=args.port, public_reads=args.public_reads,
+        insecure_no_auth=args.insecure_no_auth, restart_budget=args.restart_budget,
+        log_level=args.log_level,
+    )
+    from supervisor import serve
+
+    return serve.serve(settings, port_file=args.port_file)
+
+
+def _cmd_db(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    from supervisor import migrate
+
+    url = settings.database_url
+    if args.db_cmd == "upgrade":
+        migrate.upgrade(url)
+        print(f"schema at {migrate.current(url)} (head {migrate.head()})")
+    else:
+        cur = migrate.current(url)
+        head = migrate.head()
+        print(f"{cur or '(empty)'}{' (head)' if cur == head else f' (head is {head})'}")
+    return 0
+
+
+def _cmd_agent(argv: Sequence[str]) -> int:
+    try:
+        from agent import cli as agent_cli
+    except ImportError as e:
+        print(f"trainwarden agent: the node agent is not available ({e}); "
+              "it is provided by agent.cli", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="trainwarden agent",
+                                     description="Node agent: wraps torchrun on one node.")
+    agent_cli.add_arguments(parser)
+    result: int = agent_cli.run(parser.parse_args(list(argv)))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The agent parses its own arguments (its own parser, its own --help).
+    if argv and argv[0] == "agent":
+        return _cmd_agent(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.cmd == "supervisor":
+        return _cmd_supervisor(args)
+    if args.cmd == "db":
+        return _cmd_db(args)
+    raise AssertionError(args.cmd)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

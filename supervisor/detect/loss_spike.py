@@ -1,0 +1,318 @@
+"""Loss spikes that do not recover, and non-finite loss or gradient norms.
+
+Baseline: the median and MAD of the loss over the last ``window_steps`` steps that were not
+part of a spike (a spike never teaches the baseline that it is normal).  A step is *high* when
+
+    loss > median + max(z x 1.4826 x MAD, min_rel x |median|, min_abs)
+
+(1.4826 x MAD estimates the standard deviation of normal noise; the relative floor keeps
+phases with a tiny MAD, late in training, from calling a small wiggle a spike; ``min_abs``
+only matters for a loss stuck at zero).  Per-rank samples are merged into one loss a step
+(the mean of the finite values).  Nothing is
+judged until the baseline holds ``min_history`` steps.
+
+A spike starts at the first high step; its baseline is frozen there.  It ends (recovers) once
+``recover_steps`` consecutive steps are no longer high against that frozen baseline.  A spike
+that spans ``sustain_steps`` steps without recovering is an incident (``loss_spike``, step =
+the first high step); one that recovers sooner is an event (``loss_spike_transient``) unless it
+spans fewer than ``transient_min_steps`` steps (a single outlier batch: nothing).
+
+NaN or Inf in the loss or the gradient norm is an incident (``nonfinite``) at once, naming
+the first such step and, when samples are per rank, the ranks.
+
+Why the defaults: ``z = 6`` is far outside normal noise (and outside most heavy-tailed noise);
+``min_rel = 0.5`` (50% above the median) matches what large-run reports call a spike, which is
+a jump of the loss by a large factor; ``sustain_steps = 10`` lets a transient bump (a few bad
+batches) recover on its own, since rolling back costs far more than ten steps; the median of
+a lagging window stays *above* a loss that falls quickly (LR warm-up), so a falling curve is
+never high.
+
+Two ways to call it.  ``detect_loss(samples)`` is a pure function of the window: pass the
+newest ``LossSpikeConfig.lookback_steps`` steps of the current lineage.  Its answer for a spike
+is stable while the window still holds ``window_steps`` steps from before the spike's start;
+later, once the pre-spike history has slid out, a sustained spike is the only history left and
+may look like a new one a few steps on.  ``LossSpikeTracker`` is the same scan kept between
+calls: the evaluator keeps one per lineage, feeds each tick only the steps it has not fed yet
+(cheap), and rebuilds it after a restart by feeding the window once (a fresh tracker fed the
+window *is* ``detect_loss``).  A tracker remembers an open spike and the first non-finite step
+for as long as it lives, so their findings keep their key.  Deduplicate on ``Finding.key``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted, require
+from supervisor.detect.findings import (
+    EVENT,
+    INCIDENT,
+    LOSS_SPIKE,
+    LOSS_SPIKE_TRANSIENT,
+    NONFINITE,
+    Finding,
+)
+
+
+@dataclass(frozen=True)
+class LossSample:
+    """One loss value: per rank (``rank`` set) or already merged over ranks (``rank`` None).
+    Several samples of one step are merged by the mean of their finite losses."""
+
+    step: int
+    loss: float | None
+    grad_norm: float | None = None
+    rank: int | None = None
+    t: float | None = None  # unix time of the step, when known
+
+
+@dataclass(frozen=True)
+class LossSpikeConfig:
+    window_steps: int = 50  # baseline: the last W non-spike steps
+    min_history: int = 20  # baseline steps needed before any step is judged
+    z: float = 6.0  # robust z-score a high step must exceed ...
+    min_rel: float = 0.5  # ... and the median by this fraction
+    min_abs: float = 1e-6  # ... and by this much in absolute terms (a loss stuck at 0)
+    sustain_steps: int = 10  # a spike this long without recovering is an incident
+    recover_steps: int = 3  # consecutive normal steps that end a spike
+    transient_min_steps: int = 2  # shorter spikes are single outliers: ignored
+
+    def __post_init__(self) -> None:
+        require(self.window_steps >= 3,
+                f"LossSpikeConfig.window_steps must be >= 3 (got {self.window_steps}); try 50")
+        require(3 <= self.min_history <= self.window_steps,
+                f"LossSpikeConfig.min_history must be in [3, window_steps={self.window_steps}] "
+                f"(got {self.min_history})")
+        require(self.z > 0, f"LossSpikeConfig.z must be > 0 (got {self.z}); try 6")
+        require(self.min_rel >= 0, f"LossSpikeConfig.min_rel must be >= 0 (got {self.min_rel})")
+        require(self.min_abs >= 0, f"LossSpikeConfig.min_abs must be >= 0 (got {self.min_abs})")
+        require(self.sustain_steps >= 1,
+                f"LossSpikeConfig.sustain_steps must be >= 1 (got {self.sustain_steps})")
+        require(self.recover_steps >= 1,
+                f"LossSpikeConfig.recover_steps must be >= 1 (got {self.recover_steps})")
+        require(1 <= self.transient_min_steps <= self.sustain_steps,
+                "LossSpikeConfig.transient_min_steps must be in [1, sustain_steps="
+                f"{self.sustain_steps}] (got {self.transient_min_steps})")
+
+    @property
+    def lookback_steps(self) -> int:
+        """How many of the newest steps the evaluator should pass on each call."""
+        return 2 * self.window_steps + self.sustain_steps + self.recover_steps
+
+
+def samples_from_pairs(losses: Iterable[tuple[int, float | None]],
+                       grad_norms: Iterable[tuple[int, float | None]] = ()) -> list[LossSample]:
+    """``[(step, loss)]`` (+ optional ``[(step, grad_norm)]``) as samples."""
+    gn = dict(grad_norms)
+    out = [LossSample(step=s, loss=x, grad_norm=gn.pop(s, None)) for s, x in losses]
+    out.extend(LossSample(step=s, loss=None, grad_norm=g) for s, g in gn.items())
+    return out
+
+
+def detect_loss(samples: Sequence[LossSample], cfg: LossSpikeConfig | None = None
+                ) -> list[Finding]:
+    """Non-finite values (one finding, the first step), then spikes in step order: a pure
+    function of the window."""
+    return LossSpikeTracker(cfg).feed(samples)
+
+
+def detect_spikes(samples: Sequence[LossSample], cfg: LossSpikeConfig | None = None
+                  ) -> list[Finding]:
+    """Only the ``loss_spike`` incidents and ``loss_spike_transient`` events of the window."""
+    return [f for f in detect_loss(samples, cfg) if f.kind != NONFINITE]
+
+
+def _nonfinite(x: float | None) -> bool:
+    return x is not None and not math.isfinite(x)
+
+
+def detect_nonfinite(samples: Iterable[LossSample]) -> Finding | None:
+    """The first step with a NaN or Inf loss or gradient norm, as a ``nonfinite`` incident."""
+    bad = [x for x in samples if _nonfinite(x.loss) or _nonfinite(x.grad_norm)]
+    if not bad:
+        return None
+    first = min(x.step for x in bad)
+    at = [x for x in bad if x.step == first]
+    ranks = sorted({x.rank for x in at if x.rank is not None})
+    fields = sorted({f for x in at for f in ("loss", "grad_norm") if _nonfinite(getattr(x, f))})
+    values = sorted({repr(getattr(x, f)) for x in at for f in fields
+                     if _nonfinite(getattr(x, f))})
+    rank = ranks[0] if ranks else None
+    where = f"step {first}" + (f" on rank{'s' if len(ranks) > 1 else ''} "
+                               f"{', '.join(map(str, ranks[:8]))}" if ranks else "")
+    msg = f"non-finite {' and '.join(fields)} ({', '.join(values)}) at {where}"
+    t = min((x.t for x in at if x.t is not None), default=None)
+    return Finding(kind=NONFINITE, severity=INCIDENT, message=msg, step=first, rank=rank,
+                   started_at=t, details={"fields": fields, "values": values, "ranks": ranks,
+                                          "samples": len(bad),
+                                          "steps": len({x.step for x in bad})})
+
+
+@dataclass
+class _Point:
+    step: int
+    loss: float
+    grad_norm: float | None
+    t: float | None
+
+
+def _merge(samples: Iterable[LossSample]) -> list[_Point]:
+    """One point a step: mean of the finite losses, max of the finite grad norms."""
+    acc: dict[int, list[Any]] = {}
+    for x in samples:
+        a = acc.setdefault(x.step, [0.0, 0, None, None])
+        if x.loss is not None and math.isfinite(x.loss):
+            a[0] += x.loss
+            a[1] += 1
+        if x.grad_norm is not None and math.isfinite(x.grad_norm):
+            a[2] = x.grad_norm if a[2] is None else max(a[2], x.grad_norm)
+        if x.t is not None:
+            a[3] = x.t if a[3] is None else max(a[3], x.t)
+    return [_Point(s, a[0] / a[1], a[2], a[3]) for s, a in sorted(acc.items()) if a[1]]
+
+
+class _Baseline:
+    """The last W values, kept sorted for the median."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fifo: deque[float] = deque()
+        self.sorted: list[float] = []
+
+    def add(self, x: float) -> None:
+        self.fifo.append(x)
+        bisect.insort(self.sorted, x)
+        if len(self.fifo) > self.size:
+            old = self.fifo.popleft()
+            del self.sorted[bisect.bisect_left(self.sorted, old)]
+
+    def __len__(self) -> int:
+        return len(self.fifo)
+
+    def stats(self, cfg: LossSpikeConfig) -> tuple[float, float, float]:
+        """(median, MAD, threshold above which a loss is high)."""
+        med = median_sorted(self.sorted)
+        m = mad(self.sorted, med)
+        thr = med + max(cfg.z * MAD_TO_SIGMA * m, cfg.min_rel * abs(med), cfg.min_abs)
+        return med, m, thr
+
+
+@dataclass
+class _Spike:
+    start: _Point
+    med: float
+    mad: float
+    thr: float
+    grad_norm_median: float | None
+    last_high: _Point
+    peak: _Point
+    high_span: int = 1  # points from the start to the last high one
+    points: int = 1  # points since the start
+    pending: list[_Point] = field(default_factory=list)  # normal points since the last high
+
+    def finding(self, cfg: LossSpikeConfig, recovered_at: _Point | None) -> Finding | None:
+        span = self.high_span if recovered_at is not None else self.points
+        p0, peak = self.start, self.peak
+        details: dict[str, Any] = {
+            "start_step": p0.step, "last_high_step": self.last_high.step, "steps": span,
+            "peak_loss": peak.loss, "peak_step": peak.step, "start_loss": p0.loss,
+            "baseline_median": self.med, "baseline_mad": self.mad, "threshold": self.thr,
+            "ratio": (peak.loss / self.med) if self.med else None,
+            "recovered_at_step": None if recovered_at is None else recovered_at.step,
+        }
+        if p0.grad_norm is not None:
+            details["grad_norm_at_start"] = p0.grad_norm
+        if self.grad_norm_median is not None:
+            details["grad_norm_median"] = self.grad_norm_median
+        what = (f"loss {p0.loss:.4g} at step {p0.step} (peak {peak.loss:.4g} at step "
+                f"{peak.step}) vs baseline median {self.med:.4g}, MAD {self.mad:.3g}, "
+                f"threshold {self.thr:.4g}")
+        if span >= cfg.sustain_steps:
+            tail = "" if recovered_at is None else f"; came back at step {recovered_at.step}"
+            msg = (f"loss spike: {what}; high for {span} steps without recovering within "
+                   f"{cfg.sustain_steps}{tail}")
+            return Finding(kind=LOSS_SPIKE, severity=INCIDENT, message=msg, step=p0.step,
+                           started_at=p0.t, details=details)
+        if recovered_at is None or span < cfg.transient_min_steps:
+            return None  # still open and short, or a single outlier
+        msg = (f"transient loss spike: {what}; recovered after {span} steps at step "
+               f"{recovered_at.step}")
+        return Finding(kind=LOSS_SPIKE_TRANSIENT, severity=EVENT, message=msg, step=p0.step,
+                       started_at=p0.t, details=details)
+
+
+class LossSpikeTracker:
+    """The scan of ``detect_loss`` kept between calls (one per lineage).
+
+    ``feed(samples)`` consumes the samples of steps after the last step fed (earlier ones are
+    ignored: a step is merged from the samples of the call that first brings it) and returns
+    the findings as of now: the first non-finite step ever fed, the spikes that ended within
+    the last ``lookback_steps`` steps, and the open spike once it is an incident."""
+
+    def __init__(self, cfg: LossSpikeConfig | None = None) -> None:
+        self.cfg = cfg or LossSpikeConfig()
+        self.last_step: int | None = None
+        self._base = _Baseline(self.cfg.window_steps)
+        self._grads: deque[float] = deque(maxlen=self.cfg.window_steps)
+        self._spike: _Spike | None = None
+        self._closed: list[Finding] = []
+        self._nonfinite: Finding | None = None
+
+    def feed(self, samples: Iterable[LossSample]) -> list[Finding]:
+        new = [x for x in samples if self.last_step is None or x.step > self.last_step]
+        if new:
+            nf = detect_nonfinite(new)
+            if nf is not None and self._nonfinite is None:
+                self._nonfinite = nf
+            for p in _merge(new):
+                self._add(p)
+            self.last_step = max(x.step for x in new)
+        return self.findings()
+
+    def findings(self) -> list[Finding]:
+        out = [self._nonfinite] if self._nonfinite is not None else []
+        if self.last_step is not None:
+            oldest = self.last_step - self.cfg.lookback_steps
+            self._closed = [f for f in self._closed
+                            if f.details["recovered_at_step"] >= oldest]
+        out.extend(self._closed)
+        if self._spike is not None:
+            f = self._spike.finding(self.cfg, recovered_at=None)
+            if f is not None:
+                out.append(f)
+        return out
+
+    def _add(self, p: _Point) -> None:
+        cfg, sp = self.cfg, self._spike
+        if sp is None:
+            if len(self._base) >= cfg.min_history:
+                med, m, thr = self._base.stats(cfg)
+                if p.loss > thr:
+                    gm = median(self._grads) if self._grads else None
+                    self._spike = _Spike(start=p, med=med, mad=m, thr=thr, grad_norm_median=gm,
+                                         last_high=p, peak=p)
+                    return
+            self._base.add(p.loss)
+            if p.grad_norm is not None:
+                self._grads.append(p.grad_norm)
+            return
+        sp.points += 1
+        if p.loss > sp.thr:
+            sp.last_high, sp.high_span, sp.pending = p, sp.points, []
+            if p.loss > sp.peak.loss:
+                sp.peak = p
+            return
+        sp.pending.append(p)
+        if len(sp.pending) >= cfg.recover_steps:  # recovered at the first of these
+            f = sp.finding(cfg, recovered_at=sp.pending[0])
+            if f is not None:
+                self._closed.append(f)
+            for q in sp.pending:
+                self._base.add(q.loss)
+                if q.grad_norm is not None:
+                    self._grads.append(q.grad_norm)
+            self._spike = None

@@ -1,0 +1,58 @@
+"""Node lost: an agent silent past its heartbeat deadline.
+
+Agents send a heartbeat with every ingest batch (about once a second, and at least every
+heartbeat interval).  A node whose newest heartbeat is older than ``deadline_s`` is lost: the
+machine died, the network split, or the agent hung.  ``deadline_s = 15`` is many heartbeat
+intervals (one missed batch is not a loss) yet well under a minute, so a gang restart is not
+held up long.
+
+Pass heartbeat times as the *supervisor* saw them (receive time), so node clock skew cannot
+matter, and ``observing_since`` = the supervisor's own start time: a supervisor that was down
+cannot tell a lost node from its own absence, so every node gets a full deadline after it
+comes back.  Pass only the nodes that should be alive (not those whose agents finished or
+were stopped on purpose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from supervisor.detect._stats import require
+from supervisor.detect.findings import INCIDENT, NODE_LOST, Finding
+
+
+@dataclass(frozen=True)
+class NodeLostConfig:
+    deadline_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        require(self.deadline_s > 0,
+                f"NodeLostConfig.deadline_s must be > 0 seconds (got {self.deadline_s}); try 15")
+
+
+def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,
+                      cfg: NodeLostConfig | None = None, *,
+                      observing_since: float | None = None,
+                      ranks: Mapping[str, list[int]] | None = None) -> list[Finding]:
+    """One ``node_lost`` incident per node (sorted by name) silent for more than the deadline.
+
+    ``last_heartbeat``: node -> unix time of its newest heartbeat.  ``ranks``: node -> ranks
+    it runs (optional, for the message)."""
+    cfg = cfg or NodeLostConfig()
+    out = []
+    for node, t in sorted(last_heartbeat.items()):
+        since = t if observing_since is None else max(t, observing_since)
+        age = now - since
+        if age <= cfg.deadline_s:
+            continue
+        on = (ranks or {}).get(node)
+        rank_txt = f" (ranks {', '.join(map(str, on))})" if on else ""
+        msg = (f"node {node}{rank_txt} lost: no heartbeat for {now - t:.1f} s "
+               f"(deadline {cfg.deadline_s:g} s)")
+        out.append(Finding(kind=NODE_LOST, severity=INCIDENT, message=msg, node=node,
+                           started_at=t, details={"last_heartbeat": t,
+                                                  "age_s": round(now - t, 3),
+                                                  "deadline_s": cfg.deadline_s,
+                                                  "ranks": list(on or [])}))
+    return out

@@ -1,0 +1,269 @@
+"""Straggler: the rank that makes every other rank wait, named.
+
+In synchronous data parallelism every rank's wall step time is the same (the fast ranks wait
+in the all-reduce for the slow one), so wall step time cannot tell which rank is slow.  The time
+a rank spends *before* the first blocking collective can: ``data_s + compute_s`` (waiting for
+its batch, forward and backward).
+
+Peer signal (as in NVIDIA's resiliency extension): each rank's pre-collective time is
+summarised by its median over the last ``window_steps`` steps, and its score is
+``median of the other ranks' medians / this rank's median``: 1.0 is typical, 0.67 is a rank
+1.5x slower.  A rank is flagged when its score is below ``threshold`` with at least
+``min_steps`` measurements in the window.  Medians over the window make the flag need a
+sustained slowdown (more than half the window), so a single slow step (a page fault, a GC
+pause, a checkpoint) moves nothing, and they average the per-step noise of *both* sides down
+before the ratio is taken.  The median of the *other* ranks (rather than of all ranks, self
+included) keeps a 2- or 3-rank job honest: with two ranks the slow one would otherwise pull
+its own reference half-way up.
+
+Hold: the same score over the longer ``hold_steps`` window also flags.  The short window
+flags early; the long one, less noisy, keeps the flag up while the straggler stays slow (with
+few ranks and noisy steps a 20-step median can wander back over the threshold now and then),
+and lets it go about ``hold_steps / 2`` steps after the rank recovers.
+
+Own-history signal: ``baseline / recent`` of the rank's own pre-collective time (``recent``:
+its median over the last ``window_steps``; ``baseline``: one the caller passes, e.g.
+``rank_baselines`` over an early window of the attempt after warm-up, computed once, or else
+the median of the older steps of the window, which fades once the slowdown fills the window).
+It is reported in ``details`` of every flagged rank and is the only signal when a single rank
+reports (nobody to compare with).  With peers it never flags by itself: most ranks slowing
+down at once is throughput decay, not a straggler.
+
+Per-step scores (the same ratio, step by step) serve only to place the onset of the slow
+stretch (``Finding.step``); they are computed for flagged ranks only.
+
+Why the defaults: ``threshold = 0.75`` is NVIDIA's; ``window_steps = 20`` flags a 1.5x
+straggler after about 11 slow steps (the median turns once more than half the window is slow)
+while +-20% per-step noise on every rank leaves the median score near 1.0; ``min_steps = 10``
+keeps a fresh attempt from being judged on a handful of steps; ``hold_steps = 60`` medians are
+steady enough that a 1.5x straggler does not drop out.  Cost: two medians per rank per call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.detect._stats import median, median_excluding, require
+from supervisor.detect.findings import INCIDENT, STRAGGLER, Finding
+
+# step -> rank -> seconds before the first blocking collective (data_s + compute_s)
+PreCollectiveTable = Mapping[int, Mapping[int, float]]
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    threshold: float = 0.75  # flag when the sustained score is below this
+    window_steps: int = 20  # the sustained window (newest steps of the table)
+    hold_steps: int = 60  # the longer window that keeps a flag up (0: none)
+    min_steps: int = 10  # scores a rank needs in the window to be judged
+    self_threshold: float = 0.75  # baseline / recent below this: slower than its own past
+    min_baseline_steps: int = 10  # older steps needed for an own-history baseline
+    onset_gap: int = 3  # this many consecutive normal steps end the slow stretch (onset search)
+
+    def __post_init__(self) -> None:
+        require(0 < self.threshold < 1,
+                f"StragglerConfig.threshold must be in (0, 1) (got {self.threshold}); try 0.75")
+        require(0 < self.self_threshold < 1,
+                "StragglerConfig.self_threshold must be in (0, 1) "
+                f"(got {self.self_threshold}); try 0.75")
+        require(self.window_steps >= 1,
+                f"StragglerConfig.window_steps must be >= 1 (got {self.window_steps})")
+        require(self.hold_steps == 0 or self.hold_steps >= self.window_steps,
+                f"StragglerConfig.hold_steps must be 0 or >= window_steps={self.window_steps} "
+                f"(got {self.hold_steps}); try 3 x window_steps")
+        require(1 <= self.min_steps <= self.window_steps,
+                f"StragglerConfig.min_steps must be in [1, window_steps={self.window_steps}] "
+                f"(got {self.min_steps})")
+        require(self.min_baseline_steps >= 1,
+                f"StragglerConfig.min_baseline_steps must be >= 1 (got {self.min_baseline_steps})")
+        require(self.onset_gap >= 1,
+                f"StragglerConfig.onset_gap must be >= 1 (got {self.onset_gap})")
+
+
+def pre_collective_table(rows: Iterable[Mapping[str, Any]]) -> dict[int, dict[int, float]]:
+    """Build the detector's input from per-rank step rows (dicts with ``step``, ``rank``,
+    ``data_s``, ``compute_s``, as the store returns them).  A missing part counts as 0; a row
+    with neither, or a non-finite or non-positive total, is left out."""
+    out: dict[int, dict[int, float]] = {}
+    for row in rows:
+        d, c = row.get("data_s"), row.get("compute_s")
+        if d is None and c is None:
+            continue
+        v = float(d or 0.0) + float(c or 0.0)
+        if math.isfinite(v) and v > 0:
+            out.setdefault(int(row["step"]), {})[int(row["rank"])] = v
+    return out
+
+
+def rank_baselines(table: PreCollectiveTable, min_steps: int = 1) -> dict[int, float]:
+    """Each rank's median pre-collective time over the table (for an explicit baseline: build
+    it once from an early window of the attempt, after warm-up)."""
+    per: dict[int, list[float]] = {}
+    for row in table.values():
+        for r, v in row.items():
+            if _ok(v):
+                per.setdefault(r, []).append(v)
+    return {r: median(vs) for r, vs in per.items() if len(vs) >= min_steps}
+
+
+def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None = None,
+                      baseline: Mapping[int, float] | None = None,
+                      nodes: Mapping[int, str] | None = None) -> list[Finding]:
+    """One ``straggler`` incident per rank that is slow in a sustained way.
+
+    ``table``: step -> rank -> pre-collective seconds (``pre_collective_table``), covering at
+    least the newest ``hold_steps`` steps; older steps help place the onset and, without
+    ``baseline``, give the own-history baseline (the newest 100 steps is a good window).
+    ``baseline``: rank -> reference pre-collective seconds (optional, see ``rank_baselines``).
+    ``nodes``: rank -> node name, to name the node.  Cost: a few medians per rank, plus one
+    sort per step when some rank is flagged.
+    """
+    cfg = cfg or StragglerConfig()
+    nodes = nodes or {}
+    steps = sorted(table)
+    if not steps:
+        return []
+    recent_steps = steps[-cfg.window_steps:]
+    older_steps = steps[: -cfg.window_steps]
+    short = _peer_scores(table, recent_steps, cfg.min_steps)
+    ranks = {r for s in recent_steps for r, v in table[s].items() if _ok(v)}
+    out: list[Finding] = []
+    if len(ranks) >= 2:
+        hold_steps = steps[-cfg.hold_steps:] if cfg.hold_steps > len(recent_steps) else []
+        held = _peer_scores(table, hold_steps, cfg.min_steps) if hold_steps else {}
+        flagged = [r for r in sorted(short)
+                   if min(short[r][0], held.get(r, (math.inf, 0.0))[0]) < cfg.threshold]
+        per_step = _step_scores(table, steps, flagged) if flagged else {}
+        for r in flagged:
+            score, peers_s = short[r]
+            hold = held.get(r, (math.inf, 0.0))[0]
+            own = _own_history(table, r, recent_steps, older_steps, baseline, cfg)
+            extra = {"window_score": round(score, 4),
+                     "hold_score": None if math.isinf(hold) else round(hold, 4)}
+            out.append(_finding(r, nodes.get(r), "peers", min(score, hold), cfg.threshold,
+                                per_step[r], peers_s, own, table, recent_steps, cfg, extra))
+        return out
+    for r in sorted(ranks):  # a single rank: only its own history can tell
+        own = _own_history(table, r, recent_steps, older_steps, baseline, cfg)
+        if own is None or own["self_score"] >= cfg.self_threshold:
+            continue
+        series = [(s, own["baseline_s"] / table[s][r]) for s in steps if _ok(table[s].get(r))]
+        out.append(_finding(r, nodes.get(r), "self", own["self_score"], cfg.self_threshold,
+                            series, None, own, table, recent_steps, cfg, {}))
+    return out
+
+
+def _peer_scores(table: PreCollectiveTable, steps: list[int], min_steps: int
+                 ) -> dict[int, tuple[float, float]]:
+    """rank -> (median of the other ranks' medians / its median over ``steps``, that peer
+    median), for ranks with at least ``min_steps`` values; empty with fewer than two."""
+    per: dict[int, list[float]] = {}
+    for s in steps:
+        for r, v in table[s].items():
+            if _ok(v):
+                per.setdefault(r, []).append(v)
+    items = sorted((median(vs), r) for r, vs in per.items() if len(vs) >= min_steps)
+    if len(items) < 2:
+        return {}
+    vals = [m for m, _ in items]
+    out = {}
+    for i, (m, r) in enumerate(items):
+        peers = median_excluding(vals, i)
+        out[r] = (peers / m, peers)
+    return out
+
+
+def _ok(v: float | None) -> bool:
+    return v is not None and math.isfinite(v) and v > 0
+
+
+def _step_scores(table: PreCollectiveTable, steps: list[int], ranks: list[int]
+                 ) -> dict[int, list[tuple[int, float]]]:
+    """rank -> [(step, median of the other ranks at that step / this rank)] for the given
+    ranks, at the steps they reported (one sort per step, whatever the number of ranks)."""
+    out: dict[int, list[tuple[int, float]]] = {r: [] for r in ranks}
+    for s in steps:
+        row = table[s]
+        vals = sorted(v for v in row.values() if _ok(v))
+        if len(vals) < 2:
+            continue
+        for r in ranks:
+            v = row.get(r)
+            if v is not None and _ok(v):
+                # Any index holding this value will do: removing it leaves the same multiset.
+                out[r].append((s, median_excluding(vals, bisect.bisect_left(vals, v)) / v))
+    return out
+
+
+def _own_history(table: PreCollectiveTable, r: int, recent_steps: list[int],
+                 older_steps: list[int], baseline: Mapping[int, float] | None,
+                 cfg: StragglerConfig) -> dict[str, Any] | None:
+    recent = [table[s][r] for s in recent_steps if _ok(table[s].get(r))]
+    if len(recent) < cfg.min_steps:
+        return None
+    base: float | None = None
+    source = "given"
+    if baseline is not None and _ok(baseline.get(r)):
+        base = baseline[r]
+    else:
+        older = [table[s][r] for s in older_steps if _ok(table[s].get(r))]
+        if len(older) >= cfg.min_baseline_steps:
+            base, source = median(older), "window"
+    if base is None:
+        return None
+    rec = median(recent)
+    return {"baseline_s": base, "recent_s": rec, "self_score": base / rec,
+            "baseline_source": source}
+
+
+def _onset(series: list[tuple[int, float]], thr: float, gap: int) -> int | None:
+    """First step of the trailing slow stretch: walking back from the newest step, the stretch
+    ends at ``gap`` consecutive normal scores."""
+    onset: int | None = None
+    normal_run = 0
+    for s, x in reversed(series):
+        if x < thr:
+            onset, normal_run = s, 0
+        else:
+            normal_run += 1
+            if normal_run >= gap and onset is not None:
+                break
+    return onset
+
+
+def _finding(r: int, node: str | None, signal: str, score: float, thr: float,
+             series: list[tuple[int, float]], peers_s: float | None,
+             own: dict[str, Any] | None, table: PreCollectiveTable, recent_steps: list[int],
+             cfg: StragglerConfig, extra: dict[str, Any]) -> Finding:
+    onset = _onset(series, thr, cfg.onset_gap)
+    mine = median(table[s][r] for s in recent_steps if _ok(table[s].get(r)))
+    recent = set(recent_steps)
+    details: dict[str, Any] = {
+        "signal": signal, "score": round(score, 4), "threshold": thr,
+        "window": [recent_steps[0], recent_steps[-1]], "flagged_at_step": recent_steps[-1],
+        "rank_pre_collective_s": round(mine, 6),
+        "low_steps": sum(1 for s, x in series if s in recent and x < thr),
+    }
+    details.update(extra)
+    if peers_s is not None:
+        details["peers_pre_collective_s"] = round(peers_s, 6)
+    if own is not None:
+        details.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in own.items()})
+    where = f"rank {r}" + (f" on {node}" if node else "")
+    span = f"steps {recent_steps[0]}-{recent_steps[-1]}"
+    since = f"slow since step {onset}" if onset is not None else "onset not found"
+    if peers_s is not None:
+        msg = (f"straggler: {where} is {1.0 / score:.2f}x slower than its peers before the "
+               f"collective (score {score:.2f} < {thr}: median {mine * 1e3:.1f} ms vs "
+               f"{peers_s * 1e3:.1f} ms over {span}); {since}")
+    else:
+        assert own is not None
+        msg = (f"straggler: {where} (the only rank) is {1.0 / score:.2f}x slower than its own "
+               f"baseline ({own['recent_s'] * 1e3:.1f} ms vs {own['baseline_s'] * 1e3:.1f} ms "
+               f"before the collective over {span}); {since}")
+    return Finding(kind=STRAGGLER, severity=INCIDENT, message=msg, step=onset, rank=r, node=node,
+                   details=details)

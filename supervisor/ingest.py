@@ -1,0 +1,121 @@
+"""The ingest writer: group commit for agent batches.
+
+Requests hand their validated batch to one writer thread and await the result.  The thread
+takes everything that queued up while it wrote the previous group and stores it in ONE
+transaction (``repo.ingest_batches``): at low load a group is one batch (latency is one
+transaction), at high load hundreds (the per-batch cost falls).  Why a single writer: SQLite
+has one writer anyway, and on Postgres concurrent ingest transactions of one run all update the
+same per-step aggregate row, so they would queue on its row lock (while competing for the GIL
+between their statements and their commit).
+
+A group that fails is retried batch by batch, so one bad batch cannot fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from typing import Any
+
+from supervisor import wire
+from supervisor.evaluator import Clock
+from supervisor.store import repo
+from supervisor.store.db import Database
+
+log = logging.getLogger("trainwarden.ingest")
+
+MAX_GROUP = 512
+
+_Item = tuple[wire.IngestBatch, "asyncio.Future[Any]", asyncio.AbstractEventLoop]
+
+
+class IngestWriter:
+    def __init__(self, db: Database, clock: Clock, *, max_group: int = MAX_GROUP) -> None:
+        self.db = db
+        self.clock = clock
+        self.max_group = max_group
+        self._q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.groups = 0  # counters for tests and benchmarks
+        self.batches = 0
+
+    async def submit(self, batch: wire.IngestBatch) -> repo.IngestResult:
+        """Store ``batch``; raises ``repo.UnknownAgent`` (or a store error) as ingest_batch."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._ensure_started()
+        self._q.put((batch, fut, loop))
+        res = await fut
+        if isinstance(res, BaseException):
+            raise res
+        assert isinstance(res, repo.IngestResult)
+        return res
+
+    def _ensure_started(self) -> None:
+        if self._thread is not None:
+            return
+        with self._start_lock:
+            if self._thread is None:
+                th = threading.Thread(target=self._run, name="trainwarden-ingest", daemon=True)
+                th.start()
+                self._thread = th
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            first = self._q.get()
+            if first is None:
+                return
+            group = [first]
+            stop = False
+            while len(group) < self.max_group:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                group.append(item)
+            self._write(group)
+            if stop:
+                return
+
+    def _write(self, group: list[_Item]) -> None:
+        now = self.clock()
+        results: list[Any]
+        try:
+            with self.db.write() as conn:
+                results = list(repo.ingest_batches(conn, batches=[g[0] for g in group],
+                                                   now=now))
+        except Exception:
+            if len(group) > 1:
+                log.warning("ingest group of %d failed; retrying batch by batch", len(group),
+                            exc_info=True)
+            results = []
+            for batch, _fut, _loop in group:
+                try:
+                    with self.db.write() as conn:
+                        results.append(repo.ingest_batches(conn, batches=[batch], now=now)[0])
+                except Exception as e:
+                    log.exception("ingest of agent %s seq %s failed", batch.agent_id, batch.seq)
+                    results.append(e)
+        self.groups += 1
+        self.batches += len(group)
+        for (_batch, fut, loop), res in zip(group, results, strict=True):
+            # RuntimeError: the request's event loop is gone (shutdown).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, fut, res)
+
+
+def _resolve(fut: asyncio.Future[Any], res: Any) -> None:
+    if not fut.done():  # the client may have gone away (cancelled)
+        fut.set_result(res)

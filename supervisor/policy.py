@@ -1,0 +1,206 @@
+"""The one place that decides.  Pure: facts in, a decision out; no I/O, time passed in.
+
+First version: worker crashes.
+
+* A failed exit (outcome other than "completed", or a non-zero code) of the run's *current*
+  attempt opens one incident and gang-restarts the run as attempt + 1, from the newest complete
+  checkpoint, after an exponential backoff; when the run's restart budget is spent the run
+  fails and every agent is told to stop.
+* Exits tagged with an older attempt are late (the other nodes' workers die once a peer died,
+  and a restart stops the old group): recorded, never a new failure.  Because a restart moves
+  the run to the next attempt at once, the second node's report of the same crash is late by
+  construction; there is no time window to tune.
+* An exit with outcome "stopped" for the current attempt of a running run was not caused by
+  us (our stop/restart commands move the run off that attempt or out of "running") and counts
+  as a failure: a node that went away mid-run must not leave the gang half alive.
+* The run completes when every agent of the run reported "completed" for the current attempt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.protocol import ResumePlan
+
+FINAL_STATUSES = frozenset({"completed", "failed", "stopped"})
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    restart_budget: int = 10
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    id: int
+    name: str
+    status: str
+    attempt: int
+    restarts: int
+
+
+@dataclass(frozen=True)
+class ExitFacts:
+    id: int
+    agent_id: int
+    node: str
+    attempt: int
+    outcome: str
+    exit_code: int | None
+    signal: int | None
+    failed_ranks: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IncidentSpec:
+    kind: str
+    cause: str
+    attempt: int
+    agent_id: int | None = None
+    node: str | None = None
+    rank: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Note:
+    """Nothing to do; ``verdict`` says what the exit was (late, completed, ignored)."""
+
+    verdict: str
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Gang restart: every agent of the run relaunches as ``attempt``."""
+
+    attempt: int
+    checkpoint: str | None
+    not_before: float
+    reason: str
+    actor: str = "policy"
+    incident: IncidentSpec | None = None
+    counts_against_budget: bool = True
+
+    def plan(self, *, action_id: int) -> dict[str, Any]:
+        """The ResumePlan (as its JSON dict) sent with each restart command."""
+        p = ResumePlan(checkpoint=self.checkpoint, attempt=self.attempt,
+                       lineage=f"a{self.attempt}", reason=self.reason, action_id=action_id)
+        d: dict[str, Any] = json.loads(p.to_json())
+        return d
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop every agent; the run ends as ``status`` (failed when the budget is spent)."""
+
+    status: str
+    reason: str
+    actor: str = "policy"
+    incident: IncidentSpec | None = None
+
+
+@dataclass(frozen=True)
+class Complete:
+    reason: str = "every agent reported completed"
+
+
+Decision = Note | Restart | Stop | Complete
+
+
+def backoff_s(restarts_so_far: int, cfg: PolicyConfig) -> float:
+    """Exponential: base, 2 x base, 4 x base, ... capped at the maximum."""
+    return min(cfg.backoff_s * (2.0 ** min(restarts_so_far, 60)), cfg.backoff_max_s)
+
+
+def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | None]:
+    """Cause text plus the (rank, exit code, signal) of the first failed rank."""
+    first = ex.failed_ranks[0] if ex.failed_ranks else {}
+    rank = _int_or_none(first.get("rank"))
+    code = _int_or_none(first.get("exit_code"))
+    sig = _int_or_none(first.get("signal"))
+    if code is None and sig is None:
+        code, sig = ex.exit_code, ex.signal
+    where = f"node {ex.node}" + (f" rank {rank}" if rank is not None else "")
+    if sig:
+        what = f"killed by signal {sig}"
+    elif code is not None:
+        what = f"exited with code {code}"
+    else:
+        what = f"ended ({ex.outcome})"
+    msg = first.get("message")
+    cause = f"worker on {where} {what}" + (f": {msg}" if msg else "")
+    if ex.outcome == "stopped":
+        cause = f"worker group on node {ex.node} was stopped outside the supervisor ({what})"
+    return cause, rank, code, sig
+
+
+def _int_or_none(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def on_exit(
+    run: RunFacts,
+    ex: ExitFacts,
+    *,
+    agent_ids: frozenset[int],
+    completed_agent_ids: frozenset[int],
+    checkpoint: str | None,
+    cfg: PolicyConfig,
+    now: float,
+) -> Decision:
+    """Decide what one agent's exit report means for the run."""
+    if ex.attempt < run.attempt:
+        return Note("late", f"exit of attempt {ex.attempt}; the run is at {run.attempt}")
+    if ex.attempt > run.attempt:
+        return Note("ignored", f"exit of attempt {ex.attempt} ahead of the run ({run.attempt})")
+    if run.status in FINAL_STATUSES:
+        return Note("ignored", f"run is {run.status}")
+    if ex.outcome == "completed" and not ex.exit_code:
+        if agent_ids <= (completed_agent_ids | {ex.agent_id}):
+            return Complete()
+        return Note("completed", "waiting for the other agents to complete")
+    cause, rank, code, sig = describe_exit(ex)
+    incident = IncidentSpec(
+        kind="crash", cause=cause, attempt=ex.attempt, agent_id=ex.agent_id, node=ex.node,
+        rank=rank, exit_code=code, signal=sig,
+        details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
+                 "failed_ranks": ex.failed_ranks},
+    )
+    if run.restarts >= cfg.restart_budget:
+        return Stop(
+            status="failed",
+            reason=f"restart budget of {cfg.restart_budget} spent; last failure: {cause}",
+            incident=incident,
+        )
+    wait = backoff_s(run.restarts, cfg)
+    return Restart(
+        attempt=run.attempt + 1,
+        checkpoint=checkpoint,
+        not_before=now + wait,
+        reason=f"gang restart after crash: {cause}",
+        incident=incident,
+    )
+
+
+def operator_restart(
+    run: RunFacts, *, checkpoint: str | None, reason: str, actor: str, now: float
+) -> Decision:
+    """A restart asked for by an operator: no backoff, not counted against the budget."""
+    if run.status in FINAL_STATUSES:
+        return Note("ignored", f"run is {run.status}")
+    return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
+                   reason=reason or "operator restart", actor=actor,
+                   counts_against_budget=False)
+
+
+def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
+    if run.status in FINAL_STATUSES:
+        return Note("ignored", f"run is {run.status}")
+    return Stop(status="stopped", reason=reason or "operator stop", actor=actor)

@@ -1,0 +1,48 @@
+"""Run the app under uvicorn (the ``trainwarden supervisor`` command's body)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from supervisor.app import create_app
+from supervisor.config import SupervisorSettings
+
+log = logging.getLogger("trainwarden.supervisor")
+
+SWITCH_INTERVAL_S = float(os.environ.get("TRAINWARDEN_SWITCH_INTERVAL_S", "0.0005"))
+
+
+def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The ingest writer thread gives up the GIL during every SQL statement; with the default
+    # 5 ms switch interval it may then wait that long to get it back from the busy event loop,
+    # per statement.  A short interval keeps the writer's statements back to back.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, access_log=False)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            log.info("trainwarden supervisor on http://%s:%s (db %s)", settings.host, port,
+                     settings.database_url.split("@")[-1])
+            if port_file:
+                tmp = Path(port_file + ".tmp")
+                tmp.write_text(str(port))
+                tmp.replace(port_file)  # atomic: a reader never sees a half-written file
+        await task
+
+    asyncio.run(main())
+    return 0 if server.started else 1

@@ -1,0 +1,1 @@
+"""Persistence: models (schema), db (engines), repo (every SQL statement)."""

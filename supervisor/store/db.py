@@ -1,0 +1,112 @@
+"""Engine construction and the write lock.
+
+SQLite: WAL (readers never block the writer), ``synchronous=NORMAL`` (durable at checkpoints,
+safe with WAL), ``busy_timeout`` for other processes, foreign keys on.  Inside one process the
+writers are serialised by a Python lock instead of SQLite's busy handler, whose sleep-and-retry
+backoff adds tens of milliseconds to a contended write (the ingest p99 target is 100 ms).
+
+Postgres (``postgresql+psycopg://``): a connection pool sized for the API thread pool; no
+process lock, row locks do the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+T = TypeVar("T")
+DB_THREADS = 4
+
+
+class Database:
+    """An engine plus the lock that serialises writes when the backend needs it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.is_sqlite = engine.dialect.name == "sqlite"
+        # A few concurrent transactions keep Postgres busy; more only contend for the GIL
+        # (and a thread holding a row lock then waits for the GIL before it can commit).
+        self._limiter = anyio.CapacityLimiter(DB_THREADS)
+        self._write_lock: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if self.is_sqlite else contextlib.nullcontext()
+        )
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """One write transaction (committed on success, rolled back on any exception)."""
+        with self._write_lock, self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            yield conn
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run blocking store work from async code.
+
+        SQLite: inline, on the event loop.  Its writes are serialised and CPU-bound (WAL with
+        synchronous=NORMAL does not fsync per commit), so a worker thread adds GIL hand-offs
+        and latency without adding parallelism (measured: 256 agents at p99 79 ms inline
+        against 490 ms with a thread hop).  Postgres: in a worker thread, so the loop goes
+        on parsing requests while a statement waits on the network."""
+        if self.is_sqlite:
+            return fn()
+        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        db = u.database
+        if db and db != ":memory:" and not db.startswith("file:"):
+            Path(db).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            u,
+            echo=echo,
+            # One connection per thread is fine for SQLite; the pool avoids reopen costs.
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        )
+        event.listen(engine, "connect", _sqlite_on_connect)
+        # pysqlite's own transaction handling defers BEGIN; emit it ourselves (and IMMEDIATE is
+        # unnecessary because writers are serialised by Database.write's lock).
+        event.listen(engine, "begin", _sqlite_begin)
+        return engine
+    return create_engine(
+        u, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+    )
+
+
+def _sqlite_begin(conn: Connection) -> None:
+    # Straight to the driver: this runs for every transaction.
+    conn.connection.dbapi_connection.execute("BEGIN")  # type: ignore[union-attr]
+
+
+def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # Let SQLAlchemy's "begin" event issue BEGIN (pysqlite's implicit handling is off).
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def make_database(url: str, **kw: Any) -> Database:
+    return Database(make_engine(url, **kw))

@@ -1,0 +1,304 @@
+"""Table definitions (SQLAlchemy 2 declarative).  The schema is owned by Alembic migrations;
+``tests/supervisor/test_migrations.py`` checks that the two agree.
+
+Conventions, and why:
+
+* times are ``Float`` unix seconds: portable, cheap to insert in bulk, what the wire carries;
+* floats that may be non-finite (loss, grad norm) have a companion ``*_special`` column
+  (``"nan"``, ``"inf"``, ``"-inf"``): SQLite stores NaN as NULL, and a NaN loss is a signal that
+  must survive storage; the value column is NULL then;
+* the hot tables (``rank_steps``, ``step_aggregates``) are written only through Core bulk
+  statements in ``repo.py``; the ORM classes exist for the schema and for readable queries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names so Alembic migrations can address them on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# 64-bit ids for the tables that grow with every step; SQLite only auto-increments INTEGER.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    # running | restarting | completed | failed | stopped
+    status: Mapped[str] = mapped_column(String(20), default="running")
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str] = mapped_column(Text, default="")  # why the status last changed
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class Agent(Base):
+    """One node agent of one run (one per node)."""
+
+    __tablename__ = "agents"
+    __table_args__ = (UniqueConstraint("run_id", "node"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    node: Mapped[str] = mapped_column(String(200))
+    hostname: Mapped[str] = mapped_column(String(255), default="")
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    command: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    nproc_per_node: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)
+    agent_version: Mapped[str] = mapped_column(String(50), default="")
+    registered_at: Mapped[float] = mapped_column(Float)
+    last_seen_at: Mapped[float] = mapped_column(Float)
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)  # as last reported
+    state: Mapped[str] = mapped_column(String(20), default="registered")
+    disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    dropped: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Rank(Base):
+    """Latest report of each rank of a run (one row per rank, upserted on ingest)."""
+
+    __tablename__ = "ranks"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    local_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    t: Mapped[float] = mapped_column(Float)
+    data_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_special: Mapped[str | None] = mapped_column(String(4), nullable=True)
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    grad_norm_special: Mapped[str | None] = mapped_column(String(4), nullable=True)
+
+
+class RankStep(Base):
+    """Per-rank timings of each step (the straggler detector's input)."""
+
+    __tablename__ = "rank_steps"
+    __table_args__ = (Index("ix_rank_steps_run_attempt_step", "run_id", "attempt", "step"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    t: Mapped[float] = mapped_column(Float)
+    batch_index: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    data_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_special: Mapped[str | None] = mapped_column(String(4), nullable=True)
+    grad_norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    grad_norm_special: Mapped[str | None] = mapped_column(String(4), nullable=True)
+    lr: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class StepAggregate(Base):
+    """One row per (run, attempt, step), merged across ranks and agents as reports arrive.
+
+    Loss statistics cover the finite values; ``loss_nonfinite`` counts the NaN/Inf ones."""
+
+    __tablename__ = "step_aggregates"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ranks: Mapped[int] = mapped_column(Integer, default=0)
+    loss_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_count: Mapped[int] = mapped_column(Integer, default=0)
+    loss_min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_nonfinite: Mapped[int] = mapped_column(Integer, default=0)
+    grad_norm_nonfinite: Mapped[int] = mapped_column(Integer, default=0)
+    samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    step_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    t_first: Mapped[float] = mapped_column(Float)
+    t_last: Mapped[float] = mapped_column(Float)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (Index("ix_checkpoints_run_t", "run_id", "t"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    agent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("agents.id", ondelete="SET NULL"), nullable=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lineage: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    complete: Mapped[bool] = mapped_column(Boolean, default=True)
+    save_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    async_save: Mapped[bool] = mapped_column(Boolean, default=False)
+    t: Mapped[float] = mapped_column(Float)
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_t", "run_id", "t"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    agent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("agents.id", ondelete="SET NULL"), nullable=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    t: Mapped[float] = mapped_column(Float)
+    name: Mapped[str] = mapped_column(String(100))
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Exit(Base):
+    """A local worker group (torchrun) ended on one node; the evaluator reads the unhandled ones."""
+
+    __tablename__ = "exits"
+    __table_args__ = (Index("ix_exits_handled", "handled", "run_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    t: Mapped[float] = mapped_column(Float)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    signal: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    outcome: Mapped[str] = mapped_column(String(20))
+    failed_ranks: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    handled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # what the evaluator made of it: failure | completed | late | ignored
+    verdict: Mapped[str | None] = mapped_column(String(20), nullable=True)
+
+
+class Incident(Base):
+    __tablename__ = "incidents"
+    __table_args__ = (Index("ix_incidents_run_id", "run_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(30))  # crash | hang | spike | ...
+    status: Mapped[str] = mapped_column(String(20), default="open")  # open | resolved
+    attempt: Mapped[int] = mapped_column(Integer)
+    cause: Mapped[str] = mapped_column(Text, default="")
+    agent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("agents.id", ondelete="SET NULL"), nullable=True
+    )
+    node: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    signal: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    opened_at: Mapped[float] = mapped_column(Float)
+    resolved_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Action(Base):
+    """An audited decision: what, why, which incident, who, when, and how it went."""
+
+    __tablename__ = "actions"
+    __table_args__ = (Index("ix_actions_run_id", "run_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    incident_id: Mapped[int | None] = mapped_column(
+        ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True
+    )
+    kind: Mapped[str] = mapped_column(String(20))  # restart | stop
+    reason: Mapped[str] = mapped_column(Text, default="")
+    actor: Mapped[str] = mapped_column(String(100))  # "policy" | "operator"
+    # queued -> delivered -> restarted -> resumed (restart); queued -> delivered -> done (stop);
+    # failed when an agent reports the command failed
+    status: Mapped[str] = mapped_column(String(20), default="queued")
+    attempt: Mapped[int] = mapped_column(Integer)  # the attempt the action starts (or stops)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
+    resumed_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # status -> time
+
+
+class Command(Base):
+    """One command for one agent; re-sent with every ingest reply until acknowledged."""
+
+    __tablename__ = "commands"
+    __table_args__ = (Index("ix_commands_agent_status", "agent_id", "status"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id", ondelete="CASCADE"))
+    action_id: Mapped[int | None] = mapped_column(
+        ForeignKey("actions.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    kind: Mapped[str] = mapped_column(String(20))
+    attempt: Mapped[int] = mapped_column(Integer)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    # pending (not yet acknowledged) | delivered | done | failed  (the agent's last result)
+    status: Mapped[str] = mapped_column(String(20), default="pending")
+    sent_count: Mapped[int] = mapped_column(Integer, default=0)
+    detail: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class IngestedBatch(Base):
+    """Keys of stored batches: a replayed (agent_id, seq) is answered as a duplicate."""
+
+    __tablename__ = "ingested_batches"
+
+    agent_id: Mapped[int] = mapped_column(
+        ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    received_at: Mapped[float] = mapped_column(Float)
+    items: Mapped[int] = mapped_column(Integer)
+
+
+metadata = Base.metadata

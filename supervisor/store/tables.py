@@ -1,0 +1,22 @@
+"""Core ``Table`` handles for the models, typed for use in ``repo.py``."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from sqlalchemy import Table
+
+from supervisor.store import models
+
+runs = cast(Table, models.Run.__table__)
+agents = cast(Table, models.Agent.__table__)
+ranks = cast(Table, models.Rank.__table__)
+rank_steps = cast(Table, models.RankStep.__table__)
+step_aggregates = cast(Table, models.StepAggregate.__table__)
+checkpoints = cast(Table, models.Checkpoint.__table__)
+events = cast(Table, models.Event.__table__)
+exits = cast(Table, models.Exit.__table__)
+incidents = cast(Table, models.Incident.__table__)
+actions = cast(Table, models.Action.__table__)
+commands = cast(Table, models.Command.__table__)
+ingested_batches = cast(Table, models.IngestedBatch.__table__)

@@ -1,0 +1,148 @@
+"""The real system in subprocesses: a supervisor on a SQLite file and node agents running torchrun."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.e2e.torchrun import EXAMPLES, TORCHRUN, worker_env
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_TOKEN = "e2e-agent-token"
+OPERATOR_TOKEN = "e2e-operator-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll ``cond()`` until it returns something truthy; fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Supervisor:
+    """``trainwarden supervisor`` as a subprocess; restartable on the same port and database."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, *extra: str) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir / "supervisor.log"
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> Supervisor:
+        env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN,
+               "TRAINWARDEN_OPERATOR_TOKEN": OPERATOR_TOKEN}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "supervisor.cli", "supervisor", "--data-dir",
+                 str(self.data_dir), "--port", str(self.port), "--log-level", "warning",
+                 *self.extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        wait_until(self._healthy, 60, "the supervisor to answer /healthz")
+        return self
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"supervisor exited {self.proc.returncode}:\n{self.tail()}")
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(f"{self.url}/api/v1{path}", timeout=10,
+                      headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"})
+        r.raise_for_status()
+        return r.json()
+
+    def get_or_none(self, path: str) -> Any:
+        """The JSON, or None while the supervisor is down or does not know it yet (404)."""
+        try:
+            r = httpx.get(f"{self.url}/api/v1{path}", timeout=10,
+                          headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"})
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return r.json()
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+class Agent:
+    """``trainwarden agent ... -- torchrun ...`` as a subprocess."""
+
+    def __init__(self, supervisor_url: str, run: str, node: str, workdir: Path,
+                 torchrun_args: list[str]) -> None:
+        self.workdir = workdir
+        self.log = workdir / f"agent-{node}.log"
+        workdir.mkdir(parents=True, exist_ok=True)
+        env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agent.cli", "--supervisor", supervisor_url, "--run", run,
+                 "--node", node, "--state-dir", str(workdir / f"state-{node}"),
+                 "--stop-grace", "2", "--", TORCHRUN, "--monitor-interval=0.1", *torchrun_args],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"agent did not finish in {timeout}s:\n{self.tail()}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def tail(self, n: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+def ddp_script(*args: str) -> list[str]:
+    return [str(EXAMPLES / "train_ddp.py"), *args]
+
+
+def env_without_trainwarden() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("TRAINWARDEN_")}

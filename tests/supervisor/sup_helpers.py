@@ -1,0 +1,76 @@
+"""Helpers shared by the supervisor tests (imported by name: tests/supervisor is on sys.path)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from supervisor.config import SupervisorSettings
+
+AGENT_TOKEN = "agent-secret"
+OPERATOR_TOKEN = "operator-secret"
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+def schema_url(base: str, schema: str) -> str:
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}options=-csearch_path%3D{schema}"
+
+
+def make_settings(**kw: Any) -> SupervisorSettings:
+    base: dict[str, Any] = {"agent_token": AGENT_TOKEN, "operator_token": OPERATOR_TOKEN,
+                            "restart_budget": 3, "restart_backoff_s": 1.0,
+                            "restart_backoff_max_s": 4.0, "max_body_bytes": 64 * 1024}
+    base.update(kw)
+    return SupervisorSettings(**base)
+
+
+def register(client: TestClient, run: str = "r1", node: str = "n0") -> dict[str, Any]:
+    r = client.post("/api/v1/agents/register", headers=AGENT,
+                    json={"run": run, "node": node, "hostname": f"host-{node}", "pid": 1,
+                          "command": ["torchrun", "train.py"], "nproc_per_node": 2})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def ingest(client: TestClient, agent_id: int, seq: int, items: list[dict[str, Any]],
+           attempt: int = 0, expect: int = 200) -> dict[str, Any]:
+    # json.dumps, not httpx's json=: the wire carries NaN tokens, which httpx refuses.
+    body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": 1.0, "attempt": attempt,
+                       "items": items})
+    r = client.post("/api/v1/ingest", content=body,
+                    headers={**AGENT, "content-type": "application/json"})
+    assert r.status_code == expect, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def step(rank: int, step_: int, attempt: int = 0, **kw: Any) -> dict[str, Any]:
+    d = {"type": "step", "attempt": attempt, "rank": rank, "local_rank": rank % 2,
+         "world_size": 4, "step": step_, "t": 100.0 + step_, "loss": 2.0 + rank,
+         "samples": 8, "tokens": 1024, "data_s": 0.01, "compute_s": 0.2, "step_s": 0.25,
+         "grad_norm": 1.0, "batch_index": step_}
+    d.update(kw)
+    return d
+
+
+def crash(attempt: int = 0, rank: int = 0, code: int = 1) -> dict[str, Any]:
+    return {"type": "exit", "attempt": attempt, "t": 200.0, "exit_code": code, "signal": None,
+            "outcome": "crashed",
+            "failed_ranks": [{"rank": rank, "local_rank": rank % 2, "exit_code": code,
+                              "signal": None, "pid": 10, "message": "boom"}]}

@@ -1,0 +1,63 @@
+"""Alembic migrations agree with the models, on SQLite and Postgres; the db CLI works."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import create_engine, text
+from sup_helpers import schema_url
+
+from supervisor import cli, migrate
+from supervisor.store.models import metadata
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'm.db'}"
+        return
+    base = request.getfixturevalue("postgres_url")
+    name = f"tw_mig_{uuid.uuid4().hex[:10]}"
+    eng = create_engine(base, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f"CREATE SCHEMA {name}"))
+    try:
+        yield schema_url(base, name)
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f"DROP SCHEMA {name} CASCADE"))
+        eng.dispose()
+
+
+def test_migrations_match_models(empty_url: str) -> None:
+    assert migrate.current(empty_url) is None
+    migrate.upgrade(empty_url)
+    assert migrate.current(empty_url) == migrate.head()
+    eng = create_engine(empty_url)
+    try:
+        with eng.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+            diff = compare_metadata(ctx, metadata)
+    finally:
+        eng.dispose()
+    assert diff == []
+    migrate.upgrade(empty_url)  # idempotent
+
+
+def test_migrations_dir_is_found() -> None:
+    d = migrate.migrations_dir()
+    assert (d / "env.py").is_file() and (d / "versions").is_dir()
+
+
+def test_db_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    assert cli.main(["db", "current", "--db", url]) == 0
+    assert "(empty)" in capsys.readouterr().out
+    assert cli.main(["db", "upgrade", "--db", url]) == 0
+    assert cli.main(["db", "current", "--db", url]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"{migrate.head()} (head)")
