@@ -1,4 +1,4 @@
-"""The real system in subprocesses: a supervisor on a SQLite file and node agents running torchrun."""
+"""The real system in subprocesses: a supervisor on SQLite and node agents running torchrun."""
 
 from __future__ import annotations
 
