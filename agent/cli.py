@@ -34,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory whose free space is reported")
     parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL of the workers (default 5)")
+    parser.add_argument("--hang-floor", type=float, default=30.0, metavar="S",
+                        help="local hang watchdog: shortest deadline without step progress "
+                             "(acts only while the supervisor is unreachable)")
+    parser.add_argument("--hang-startup", type=float, default=600.0, metavar="S",
+                        help="local hang watchdog: allowance from launch to the first step")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -55,6 +60,9 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         state_dir=args.state_dir,
         checkpoint_root=args.checkpoint_root,
         stop_grace_s=args.stop_grace,
+        hang_floor_s=args.hang_floor,
+        hang_startup_s=args.hang_startup,
+        hang_warmup_s=min(300.0, max(args.hang_floor, args.hang_startup / 2)),
         **kwargs,  # type: ignore[arg-type]
     )
 

@@ -59,6 +59,11 @@ class AgentConfig:
     queue_max: int = 100_000
     # On exit (completed / stopped), how long to try delivering what is left in the spool.
     flush_timeout_s: float = 10.0
+    # The local hang watchdog (acts only while the supervisor is unreachable): the floor of
+    # the learned deadline, and the allowances for start-up and the first steps.
+    hang_floor_s: float = 30.0
+    hang_startup_s: float = 600.0
+    hang_warmup_s: float = 300.0
 
     def __post_init__(self) -> None:
         self.supervisor_url = self.supervisor_url.rstrip("/")
@@ -81,6 +86,8 @@ class AgentConfig:
             )
         if self.stop_grace_s < 0:
             raise ValueError("stop grace must be >= 0 seconds")
+        if min(self.hang_floor_s, self.hang_startup_s, self.hang_warmup_s) <= 0:
+            raise ValueError("hang deadlines (--hang-floor, --hang-startup) must be > 0 seconds")
         if self.batch_interval_s <= 0 or self.tick_interval_s <= 0:
             raise ValueError("batch and tick intervals must be > 0 seconds")
         if self.tick_interval_s > self.batch_interval_s:

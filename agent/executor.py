@@ -38,7 +38,9 @@ class Host(Protocol):
     @property
     def attempt(self) -> int: ...
 
-    def begin_stop(self) -> None: ...
+    def begin_stop(self, *, immediate: bool = False) -> None: ...
+
+    def collect_stacks(self, reason: str, command_id: int | None) -> None: ...
 
     def stopped(self) -> bool: ...
 
@@ -164,7 +166,12 @@ class Executor:
                 return
             if plan.attempt is None:
                 plan = dataclasses.replace(plan, attempt=attempt)
-        self.host.begin_stop()
+        if cmd.get("collect_stacks"):
+            # A hung run: read every worker's stacks first, then kill the tree at once.
+            self.host.collect_stacks(str(cmd.get("reason", "")), cid)
+            self.host.begin_stop(immediate=True)
+        else:
+            self.host.begin_stop()
         self.job = _Job(command=cmd, phase="stopping", plan=plan)
 
     def _advance(self, job: _Job) -> None:

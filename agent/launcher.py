@@ -37,6 +37,10 @@ from agent import protocol
 
 log = logging.getLogger(__name__)
 
+# The signal on which the in-training library's faulthandler dumps every thread's stack
+# (agent.worker.distributed.STACK_DUMP_SIGNAL; not imported from there: it imports torch).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
 # How much of torchrun's output is kept for parsing the failure summary at exit.
 _TAIL_BYTES = 256 * 1024
 # A process that survives SIGKILL this long is stuck in the kernel (D state): give up waiting.
@@ -337,22 +341,84 @@ class Launcher:
                  self._exit.exit_code, self._exit.signal, failed)
         return self._exit
 
+    # -- evidence ----------------------------------------------------------------------------
+
+    def workers(self) -> dict[int, psutil.Process]:
+        """rank -> live worker process of ours (a process whose environment has a RANK)."""
+        out: dict[int, psutil.Process] = {}
+        for p in self.find_ours():
+            try:
+                rank = p.environ().get("RANK")
+            except (psutil.Error, OSError):
+                continue
+            if rank is not None and rank.isdigit():
+                out[int(rank)] = p
+        return out
+
+    def dump_stacks(self, *, per_worker_s: float = 1.5, quiet_s: float = 0.25,
+                    max_bytes: int = 32_000) -> dict[int, str]:
+        """Every worker's Python stacks, rank by rank.
+
+        The in-training library registers faulthandler on ``STACK_DUMP_SIGNAL`` (SIGUSR1): the
+        worker writes every thread's stack to its stderr, which torchrun passes through to
+        our log files.  Workers are signalled one at a time, waiting until the output goes
+        quiet, so each dump is read apart from the others and attributed to its rank."""
+        stacks: dict[int, str] = {}
+        for rank, proc in sorted(self.workers().items()):
+            self.pump_output()
+            marks = [(path, path.stat().st_size if path.exists() else 0)
+                     for path, _, _ in self._outputs]
+            try:
+                proc.send_signal(STACK_DUMP_SIGNAL)
+            except psutil.Error:
+                continue
+            deadline = time.monotonic() + per_worker_s
+            sizes = [m for _, m in marks]
+            last_change = time.monotonic()
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                now_sizes = [p.stat().st_size if p.exists() else 0 for p, _ in marks]
+                if now_sizes != sizes:
+                    sizes, last_change = now_sizes, time.monotonic()
+                elif now_sizes != [m for _, m in marks] and \
+                        time.monotonic() - last_change >= quiet_s:
+                    break
+            text = b""
+            for path, start in marks:
+                with contextlib.suppress(OSError), open(path, "rb") as f:
+                    f.seek(start)
+                    text += f.read(max_bytes)
+            stacks[rank] = text.decode(errors="replace")[:max_bytes]
+        self.pump_output()  # echo the dumps too
+        return stacks
+
     # -- stop --------------------------------------------------------------------------------
 
     @property
     def stopping(self) -> bool:
         return self._stop_started is not None
 
-    def begin_stop(self) -> None:
-        """SIGTERM every process of the tree; later ``stop_step`` calls escalate."""
+    def begin_stop(self, *, immediate: bool = False) -> None:
+        """SIGTERM every process of the tree; later ``stop_step`` calls escalate.
+
+        ``immediate``: SIGKILL the whole tree at once.  For a hung run: a SIGTERMed worker
+        stuck in a collective does not exit, and torchrun waits a hard-coded 30 s before it
+        SIGKILLs (TORCH-CPU-NOTES trap 5)."""
         self._stop_requested = True
         if self._stop_started is not None:
+            if immediate and self._killed_at is None:
+                self._killed_at = time.monotonic()
+                self._signal_targets(signal.SIGKILL)
             return
         self._stop_started = time.monotonic()
         self._killed_at = None
         self._targets = {}
         self._refresh_targets(full_scan=True)
-        self._signal_targets(signal.SIGTERM)
+        if immediate:
+            self._killed_at = self._stop_started
+            self._signal_targets(signal.SIGKILL)
+        else:
+            self._signal_targets(signal.SIGTERM)
 
     def stop_step(self) -> bool:
         """Advance a stop; True once no process of ours is left (or a stop was not begun)."""

@@ -30,6 +30,8 @@ from agent.executor import Executor
 from agent.launcher import ExitInfo, Launcher, PopenFactory
 from agent.monitor import DatagramReceiver, WorkerStats, disk_free_bytes, hostname
 from agent.uplink import Uplink
+from agent.watchdog import HangWatch
+from supervisor.detect.hang import HangConfig
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,11 @@ class Agent:
         self.last_batch = float("-inf")
         self._signal: int | None = None
         self._registered_attempt_checked = False
+        self.started_at = clock()
+        self.watch = HangWatch(HangConfig(floor_s=config.hang_floor_s,
+                                          startup_s=config.hang_startup_s,
+                                          warmup_s=config.hang_warmup_s))
+        self._hung_attempt: int | None = None
 
     # -- persisted state ---------------------------------------------------------------------
 
@@ -141,9 +148,19 @@ class Agent:
     def attempt(self) -> int:
         return self._attempt
 
-    def begin_stop(self) -> None:
+    def begin_stop(self, *, immediate: bool = False) -> None:
         self.state = "stopping"
-        self.launcher.begin_stop()
+        self.launcher.begin_stop(immediate=immediate)
+
+    def collect_stacks(self, reason: str, command_id: int | None) -> None:
+        """Dump every worker's Python stacks and send them as a ``stacks`` event."""
+        stacks = self.launcher.dump_stacks() if self.launcher.running else {}
+        log.warning("collected the stacks of %d worker(s): %s", len(stacks), reason)
+        self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
+                    "name": protocol.EVENT_STACKS,
+                    "message": f"python stacks of {len(stacks)} worker(s): {reason}",
+                    "details": {"stacks": {str(r): text for r, text in stacks.items()},
+                                "reason": reason, "command_id": command_id}})
 
     def stopped(self) -> bool:
         return not self.launcher.stopping and not self.launcher.running
@@ -154,6 +171,7 @@ class Agent:
         self._save_state()
         self.exit_reported = False
         self.state = "starting"
+        self.watch.new_attempt(attempt, self.clock())
         self.launcher.start(attempt, plan_path)
 
     def finish(self) -> None:
@@ -184,6 +202,7 @@ class Agent:
         self.receiver.drain()
         for msg in self.receiver.take():
             self._emit(msg)
+            self.watch.observe(msg)
             if msg.get("type") == "step" and self.state == "starting":
                 self.state = "running"
         if self.launcher.stopping:
@@ -199,6 +218,7 @@ class Agent:
             self.send_batch()
         if not self.threaded_uplink:
             self.uplink.pump()
+        self._check_local_hang()  # after the uplink: judge the supervisor's silence fresh
         self._check_registration()
         return self.result
 
@@ -214,12 +234,35 @@ class Agent:
                         "%d: the supervisor's next restart command realigns them",
                         reg.get("attempt"), self._attempt)
 
+    def _check_local_hang(self) -> None:
+        """Act on a hang ourselves only while the supervisor has been silent for longer than
+        the hang deadline (otherwise it decides, for every node of the run at once)."""
+        if (not self.launcher.running or self.launcher.stopping or self.executor.busy
+                or self.state not in ("starting", "running")):
+            return
+        now = self.clock()
+        silent_since = self.uplink.last_ok if self.uplink.last_ok is not None \
+            else self.started_at
+        if now - silent_since <= self.watch.deadline_s():
+            return
+        finding = self.watch.check(now)
+        if finding is None:
+            return
+        log.error("local watchdog: %s (supervisor silent for %.0f s): dumping stacks, "
+                  "killing the workers", finding.message, now - silent_since)
+        self.collect_stacks(f"local watchdog: {finding.message}", None)
+        self._emit({"type": "event", "t": now, "attempt": self._attempt,
+                    "name": protocol.EVENT_LOCAL_HANG, "message": finding.message,
+                    "step": finding.step, "details": dict(finding.details)})
+        self._hung_attempt = self._attempt
+        self.begin_stop(immediate=True)
+
     def _check_exit(self) -> None:
         info = self.launcher.poll()
         if info is None or self.exit_reported:
             return
         self.exit_reported = True
-        outcome = self.outcome(info)
+        outcome = "hung" if info.attempt == self._hung_attempt else self.outcome(info)
         self._emit({
             "type": "exit", "t": info.t, "attempt": info.attempt,
             "exit_code": info.exit_code, "signal": info.signal, "outcome": outcome,
@@ -232,7 +275,7 @@ class Agent:
         if outcome == "completed":
             self.state = "finished"
             self.result = 0
-        elif outcome == "crashed":
+        elif outcome in ("crashed", "hung"):
             self.state = "failed"  # keep running: the supervisor decides (restart or stop)
         else:
             self.state = "stopped"

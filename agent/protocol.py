@@ -76,6 +76,10 @@ EVENT_BATCHES_SKIPPED = "batches_skipped"
 EVENT_CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint passed over on resume
 EVENT_CHECKPOINT_FAILED = "checkpoint_failed"
 EVENT_FINISHED = "worker_finished"
+EVENT_CHECKPOINT_STARTED = "checkpoint_started"  # a save began (hang deadlines allow for it)
+# Sent by the agent:
+EVENT_STACKS = "stacks"  # details: {"stacks": {rank: text}, "reason", "command_id"}
+EVENT_LOCAL_HANG = "hang_detected_locally"  # the agent's watchdog acted, supervisor away
 
 
 class WorkerEvent(TypedDict, total=False):
@@ -365,6 +369,9 @@ class Command(TypedDict, total=False):
     plan: dict[str, Any] | None  # ResumePlan as a dict, for restart
     not_before: float | None  # unix time: backoff before relaunching
     reason: str
+    # A hang: dump every worker's Python stacks (sent back as a "stacks" event), then SIGKILL
+    # the whole tree at once instead of SIGTERM and a grace period.
+    collect_stacks: bool
 
 
 class IngestReply(TypedDict):

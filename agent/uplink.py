@@ -77,6 +77,7 @@ class Uplink:
         self.registration: protocol.RegisterReply | None = None
         self.sent = 0
         self.rejected = 0
+        self.last_ok: float | None = None  # when the supervisor last answered
         self.last_error: str | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -207,6 +208,7 @@ class Uplink:
         self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
 
     def _ok(self) -> None:
+        self.last_ok = self.clock()
         if self.last_error is not None:
             log.info("supervisor reachable again: replaying %d batch(es)", self.pending)
         self.last_error = None

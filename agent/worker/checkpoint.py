@@ -39,6 +39,7 @@ from agent.protocol import (
     EVENT_BATCHES_SKIPPED,
     EVENT_CHECKPOINT_FAILED,
     EVENT_CHECKPOINT_SKIPPED,
+    EVENT_CHECKPOINT_STARTED,
     EVENT_RESUMED,
     LRSchedule,
     ResumePlan,
@@ -246,6 +247,8 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
         if self.world_size > 1:
             dist.barrier()  # nobody writes into the partial directory before it is clean
+        if self.rank == 0:  # the hang watchdogs allow for the pause a save makes
+            self.reporter.event(EVENT_CHECKPOINT_STARTED, f"saving step_{step}", step=step)
         meta = self._meta(step)
         state = self._state_dict(meta)
         pending = _PendingSave(step, partial, final, time.monotonic(), meta)

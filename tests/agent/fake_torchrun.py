@@ -11,6 +11,8 @@ Modes (``--mode``):
   exit      no workers: send one event, exit with ``--code`` (negative: kill self by signal)
   crash     workers step; after ``--steps`` steps rank 1 is SIGKILLed and torchrun prints
             torch's failure summary and exits 1 (as torchrun does)
+  hang      workers send ``--steps`` steps, then block in ``stuck_in_collective`` forever;
+            like the real in-training library they dump their stacks on SIGUSR1
 Options: ``--ignore-term`` makes workers (and a grandchild each) ignore SIGTERM;
 ``--grandchild`` gives each worker a child that sleeps forever.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -69,14 +72,23 @@ def worker(args: argparse.Namespace) -> int:
     _send(sock, {"type": "event", "v": 1, "attempt": attempt, "rank": rank,
                  "local_rank": rank, "pid": os.getpid(), "t": time.time(),
                  "name": protocol.EVENT_STARTED, "message": "", "details": {}})
+    if args.mode == "hang":
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     step = 0
-    while args.mode != "complete" or step < args.steps:
+    while args.mode not in ("complete", "hang") or step < args.steps:
         _send(sock, {"type": "step", "v": 1, "attempt": attempt, "rank": rank,
                      "local_rank": rank, "world_size": args.nproc, "pid": os.getpid(),
                      "step": step, "t": time.time(), "loss": 1.0 / (step + 1), "dropped": 0})
         step += 1
         time.sleep(args.step_s)
+    if args.mode == "hang":
+        stuck_in_collective()
     return 0
+
+
+def stuck_in_collective() -> None:
+    while True:  # alive, no progress: what a stuck all-reduce looks like from outside
+        time.sleep(3600)
 
 
 def grandchild(args: argparse.Namespace) -> int:

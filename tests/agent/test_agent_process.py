@@ -346,3 +346,57 @@ def test_restarted_agent_kills_previous_incarnation(fake_run: FakeRun,
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+# -- hangs -----------------------------------------------------------------------------------
+
+
+def test_hang_restart_collects_stacks_then_kills_at_once(fake_run: FakeRun,
+                                                         fake_supervisor: FakeSupervisor,
+                                                         agents: list[Agent]) -> None:
+    """A restart for a hang: every worker's stacks are read (rank by rank) and sent, then the
+    tree is SIGKILLed at once, without the stop grace (workers ignore SIGTERM here)."""
+    agent = make_agent(agents, fake_run.config("hang", "--steps", "3", "--ignore-term",
+                                               stop_grace_s=600.0), fake_supervisor)
+    agent.start()
+    tick_until(agent, lambda: len(fake_supervisor.items("step")) == 6, what="steps, then stuck")
+    pids = fake_run.pids("worker")
+    fake_supervisor.commands[5] = {"id": 5, "kind": "restart", "attempt": 1, "plan": None,
+                                   "reason": "hang", "collect_stacks": True}
+    agent.launcher.command = fake_run.command("serve")
+    tick_until(agent, lambda: pids_alive(pids) == [], what="hung workers killed")
+    (stacks,) = [e for e in fake_supervisor.items("event") if e["name"] == "stacks"]
+    assert sorted(stacks["details"]["stacks"]) == ["0", "1"]
+    for text in stacks["details"]["stacks"].values():
+        assert "stuck_in_collective" in text and "most recent call first" in text
+    assert stacks["details"]["command_id"] == 5
+    tick_until(agent, lambda: [r for r in fake_run.records("worker")
+                               if r[protocol.ENV_ATTEMPT] == "1"], what="relaunched")
+
+
+def test_local_watchdog_acts_only_while_the_supervisor_is_away(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    offset = [0.0]
+    agent = make_agent(agents, fake_run.config("hang", "--steps", "10", hang_floor_s=5.0,
+                                               hang_startup_s=60.0, hang_warmup_s=5.0),
+                       fake_supervisor, clock=lambda: time.time() + offset[0])
+    agent.start()
+    tick_until(agent, lambda: len(fake_supervisor.items("step")) == 20, what="steps")
+    pids = fake_run.pids("worker")
+    # The supervisor answers: a stall far past the deadline is left to it.
+    offset[0] = 100.0
+    for _ in range(5):
+        agent.tick()
+    assert pids_alive(pids) == pids and not fake_supervisor.items("exit")
+    # Now it is away for longer than the deadline: the agent acts on its own.
+    fake_supervisor.down = "connect"
+    offset[0] = 200.0
+    tick_until(agent, lambda: pids_alive(pids) == [], what="local watchdog kill")
+    fake_supervisor.down = None
+    tick_until(agent, lambda: exits(fake_supervisor), what="exit delivered after the outage")
+    (ex,) = exits(fake_supervisor)
+    assert ex["outcome"] == "hung" and agent.state == "failed"
+    names = [e["name"] for e in fake_supervisor.items("event")]
+    assert "stacks" in names and "hang_detected_locally" in names
+    local = [e for e in fake_supervisor.items("event") if e["name"] == "hang_detected_locally"]
+    assert local[0]["step"] == 9 and "no step" in local[0]["message"].lower()
