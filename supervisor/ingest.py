@@ -20,6 +20,8 @@ import queue
 import threading
 from typing import Any
 
+from sqlalchemy import Connection
+
 from supervisor import wire
 from supervisor.evaluator import Clock
 from supervisor.store import repo
@@ -40,6 +42,7 @@ class IngestWriter:
         self._q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._conn: Connection | None = None  # kept across groups, used by the thread only
         self.groups = 0  # counters for tests and benchmarks
         self.batches = 0
 
@@ -69,7 +72,19 @@ class IngestWriter:
             self._q.put(None)
             self._thread.join(timeout)
 
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._drop_conn()
+
+    def _loop(self) -> None:
         while True:
             first = self._q.get()
             if first is None:
@@ -93,10 +108,13 @@ class IngestWriter:
         now = self.clock()
         results: list[Any]
         try:
-            with self.db.write() as conn:
+            if self._conn is None:
+                self._conn = self.db.engine.connect()
+            with self.db.write_on(self._conn) as conn:
                 results = list(repo.ingest_batches(conn, batches=[g[0] for g in group],
                                                    now=now))
         except Exception:
+            self._drop_conn()  # it may be broken; the next group takes a fresh one
             if len(group) > 1:
                 log.warning("ingest group of %d failed; retrying batch by batch", len(group),
                             exc_info=True)

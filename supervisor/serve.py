@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 from pathlib import Path
 
 import uvicorn
@@ -15,16 +13,10 @@ from supervisor.config import SupervisorSettings
 
 log = logging.getLogger("trainwarden.supervisor")
 
-SWITCH_INTERVAL_S = float(os.environ.get("TRAINWARDEN_SWITCH_INTERVAL_S", "0.0005"))
-
 
 def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The ingest writer thread gives up the GIL during every SQL statement; with the default
-    # 5 ms switch interval it may then wait that long to get it back from the busy event loop,
-    # per statement.  A short interval keeps the writer's statements back to back.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=False)

@@ -47,9 +47,10 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
     answered ``duplicate: true``).  The reply carries the agent's unacknowledged commands.
 
     The hot path, kept lean on purpose: the body is validated straight from its bytes by
-    pydantic (NaN/Infinity tokens accepted), the store work goes to the ingest writer (group
-    commit, see ``supervisor.ingest``) and the reply is rendered here; FastAPI's body
-    parameter and response model would each add per-request work."""
+    pydantic (NaN/Infinity tokens accepted), the store work runs inline (SQLite) or in the
+    ingest writer's group commit (Postgres, see ``supervisor.ingest``), and the reply is
+    rendered here; FastAPI's body parameter and response model would each add per-request
+    work."""
     try:
         batch = wire.IngestBatch.model_validate_json(await request.body())
     except ValidationError as e:

@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import anyio.to_thread
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
-
-T = TypeVar("T")
-DB_THREADS = 4
 
 
 class Database:
@@ -34,9 +29,6 @@ class Database:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.is_sqlite = engine.dialect.name == "sqlite"
-        # A few concurrent transactions keep Postgres busy; more only contend for the GIL
-        # (and a thread holding a row lock then waits for the GIL before it can commit).
-        self._limiter = anyio.CapacityLimiter(DB_THREADS)
         self._write_lock: contextlib.AbstractContextManager[Any] = (
             threading.Lock() if self.is_sqlite else contextlib.nullcontext()
         )
@@ -48,21 +40,16 @@ class Database:
             yield conn
 
     @contextlib.contextmanager
+    def write_on(self, conn: Connection) -> Iterator[Connection]:
+        """A write transaction on a connection the caller keeps (the ingest writer's: no pool
+        checkout and pre-ping per transaction)."""
+        with self._write_lock, conn.begin():
+            yield conn
+
+    @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
         with self.engine.connect() as conn:
             yield conn
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run blocking store work from async code.
-
-        SQLite: inline, on the event loop.  Its writes are serialised and CPU-bound (WAL with
-        synchronous=NORMAL does not fsync per commit), so a worker thread adds GIL hand-offs
-        and latency without adding parallelism (measured: 256 agents at p99 79 ms inline
-        against 490 ms with a thread hop).  Postgres: in a worker thread, so the loop goes
-        on parsing requests while a statement waits on the network."""
-        if self.is_sqlite:
-            return fn()
-        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -9,6 +9,7 @@ row lock (Postgres) is held only until the commit.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from sqlalchemy import (
     case,
     func,
     literal,
+    literal_column,
     or_,
     select,
     update,
@@ -253,43 +255,47 @@ def ingest_batches(
     """
     hot = _hot(conn)
     ids = sorted({b.agent_id for b in batches})
-    heads = {
-        int(r[0]): (int(r[1]), int(r[2]))
-        for r in conn.execute(
-            select(agents.c.id, agents.c.run_id, runs.c.attempt)
-            .join(runs, runs.c.id == agents.c.run_id)
-            .where(agents.c.id.in_(ids))
-        )
-    }
+    cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        return _ingest_group(conn, hot, cur, batches, ids, now)
+    finally:
+        cur.close()
+
+
+def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
+                  batches: Sequence[wire.IngestBatch], ids: list[int], now: float
+                  ) -> list[IngestResult | UnknownAgent]:
+    if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
+        r = hot.fetchone(cur, "head", {"agent_id": ids[0]})
+        heads = {ids[0]: (int(r[0]), int(r[1]))} if r else {}
+    else:
+        heads = {int(r[0]): (int(r[1]), int(r[2]))
+                 for r in conn.execute(_HEADS, {"ids": ids})}
     # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
     wanted: dict[tuple[int, int], dict[str, Any]] = {}
     for b in batches:
         if b.agent_id in heads and (b.agent_id, b.seq) not in wanted:
             wanted[(b.agent_id, b.seq)] = {"agent_id": b.agent_id, "seq": b.seq,
                                            "received_at": now, "items": len(b.items)}
-    cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-    try:
-        claimed = {(int(r[0]), int(r[1]))
-                   for r in hot.insert_rows(cur, "claim", list(wanted.values()), fetch=True)}
-        acc = _Acc()
-        duplicate: list[bool] = []
-        for b in batches:
-            key = (b.agent_id, b.seq)
-            new = key in claimed
-            claimed.discard(key)  # a second copy in this group is a duplicate
-            duplicate.append(not new)
-            if new:
-                _collect(acc, b, run_id=heads[b.agent_id][0], now=now)
-        aggs = _flush(conn, hot, cur, acc, now=now)
-        # After this group's acknowledgements, so an acknowledged command is not re-sent.
-        pending = pending_commands_for(conn, agent_ids=list(heads), now=now)
-        if aggs:
-            # Last, right before the commit: every agent of a run updates the same step row,
-            # and Postgres holds that row lock until the commit.  Sorted keys: concurrent
-            # writers lock rows in the same order (no deadlock).
-            hot.insert_rows(cur, "aggregates", aggs)
-    finally:
-        cur.close()
+    claimed = {(int(r[0]), int(r[1]))
+               for r in hot.insert_rows(cur, "claim", list(wanted.values()), fetch=True)}
+    acc = _Acc()
+    duplicate: list[bool] = []
+    for b in batches:
+        key = (b.agent_id, b.seq)
+        new = key in claimed
+        claimed.discard(key)  # a second copy in this group is a duplicate
+        duplicate.append(not new)
+        if new:
+            _collect(acc, b, run_id=heads[b.agent_id][0], now=now)
+    aggs = _flush(conn, hot, cur, acc, now=now)
+    # After this group's acknowledgements, so an acknowledged command is not re-sent.
+    pending = _pending(conn, hot, cur, list(heads), now)
+    if aggs:
+        # Last, right before the commit: every agent of a run updates the same step row,
+        # and Postgres holds that row lock until the commit.  Sorted keys: concurrent
+        # writers lock rows in the same order (no deadlock).
+        hot.insert_rows(cur, "aggregates", aggs)
     out: list[IngestResult | UnknownAgent] = []
     for b, dup in zip(batches, duplicate, strict=True):
         if b.agent_id not in heads:
@@ -299,6 +305,21 @@ def ingest_batches(
         out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
                                 commands=pending.get(b.agent_id, [])))
     return out
+
+
+def _pending(conn: Connection, hot: _HotSQL, cur: Any, agent_ids: list[int], now: float
+             ) -> dict[int, list[dict[str, Any]]]:
+    if len(agent_ids) != 1:
+        return pending_commands_for(conn, agent_ids=agent_ids, now=now)
+    rows = [
+        {"id": r[0], "kind": r[1], "attempt": r[2],
+         "plan": json.loads(r[3]) if isinstance(r[3], str | bytes) else r[3],
+         "not_before": r[4], "reason": r[5]}
+        for r in hot.fetchall(cur, "pending", {"agent_id": agent_ids[0]})
+    ]
+    if rows:
+        _mark_sent(conn, ids=[c["id"] for c in rows], now=now)
+    return {agent_ids[0]: rows} if rows else {}
 
 
 # Statement size limits: SQLite allows 32766 parameters (since 3.32), Postgres 65535.
@@ -344,6 +365,7 @@ class _HotSQL:
                 ("agent_id", "seq", "received_at", "items"),
             ),
             "agent_seen": (_AGENT_SEEN, None),
+            "pending": (_PENDING_ONE, None),
             "rank_steps": (rank_steps.insert(), STEP_KEYS),
             "ranks": (_ranks_upsert(dialect.name), RANK_KEYS),
             "aggregates": (_aggregates_upsert(dialect.name), AGG_KEYS),
@@ -525,6 +547,28 @@ _AGENT_SEEN = (
 
 
 
+_PENDING_ONE = (
+    select(commands.c.id, commands.c.kind, commands.c.attempt, commands.c.plan,
+           commands.c.not_before, commands.c.reason)
+    # A literal, not a bound value: the raw statement binds only the names it is given.
+    .where(commands.c.agent_id == bindparam("agent_id"),
+           commands.c.status == literal_column("'pending'"))
+    .order_by(commands.c.id)
+)
+_HEADS = (
+    select(agents.c.id, agents.c.run_id, runs.c.attempt)
+    .join(runs, runs.c.id == agents.c.run_id)
+    .where(agents.c.id.in_(bindparam("ids", expanding=True)))
+)
+_PENDING_MANY = (
+    select(commands.c.agent_id, commands.c.id, commands.c.kind, commands.c.attempt,
+           commands.c.plan, commands.c.not_before, commands.c.reason)
+    .where(commands.c.agent_id.in_(bindparam("ids", expanding=True)),
+           commands.c.status == literal_column("'pending'"))
+    .order_by(commands.c.id)
+)
+
+
 def _finite(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else None
 
@@ -662,14 +706,8 @@ def pending_commands_for(
     """Unacknowledged commands of several agents (re-sent with every reply), by agent."""
     if not agent_ids:
         return {}
-    q = (
-        select(commands.c.agent_id, commands.c.id, commands.c.kind, commands.c.attempt,
-               commands.c.plan, commands.c.not_before, commands.c.reason)
-        .where(commands.c.agent_id.in_(agent_ids), commands.c.status == "pending")
-        .order_by(commands.c.id)
-    )
     out: dict[int, list[dict[str, Any]]] = {}
-    for r in conn.execute(q):
+    for r in conn.execute(_PENDING_MANY, {"ids": list(agent_ids)}):
         d = _row(r)
         out.setdefault(int(d.pop("agent_id")), []).append(d)
     if out:

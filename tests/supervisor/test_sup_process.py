@@ -50,6 +50,7 @@ def test_supervisor_subprocess_answers_healthz(tmp_path: Path, repo_root: Path) 
                       headers={"Authorization": "Bearer o"})
         assert r.status_code == 200 and r.json() == {"runs": []}
         assert (tmp_path / "data" / "trainwarden.db").exists()  # schema upgraded on start
+        crash_gets_a_restart_from_the_live_evaluator(f"http://127.0.0.1:{p}")
     finally:
         proc.terminate()
         proc.wait(timeout=15)
@@ -112,3 +113,24 @@ def test_agent_subcommand_delegates(monkeypatch: object) -> None:
             delattr(agent, "cli")
         else:
             agent.cli = old_attr  # type: ignore[attr-defined]
+
+
+def crash_gets_a_restart_from_the_live_evaluator(base: str) -> None:
+    """The evaluator thread started by the app turns a crash report into restart commands."""
+    with httpx.Client(base_url=base, headers={"Authorization": "Bearer a"}, timeout=5) as c:
+        ids = [c.post("/api/v1/agents/register", json={"run": "live", "node": n}).json()
+               ["agent_id"] for n in ("n0", "n1")]
+        crash = {"type": "exit", "attempt": 0, "exit_code": 1, "outcome": "crashed",
+                 "failed_ranks": [{"rank": 0, "exit_code": 1}]}
+        r = c.post("/api/v1/ingest", json={"agent_id": ids[0], "seq": 0, "items": [crash]})
+        assert r.status_code == 200, r.text
+        seq = iter(range(1, 1000))
+
+        def restart_sent() -> list[dict[str, object]] | None:
+            reply = c.post("/api/v1/ingest",
+                           json={"agent_id": ids[1], "seq": next(seq), "items": []}).json()
+            cmds: list[dict[str, object]] = reply["commands"]
+            return cmds or None
+
+        cmds = wait_for(restart_sent, 20, "a restart command")
+        assert cmds[0]["kind"] == "restart" and cmds[0]["attempt"] == 1

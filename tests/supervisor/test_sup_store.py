@@ -1,0 +1,100 @@
+"""Store functions directly, on SQLite and Postgres: grouped ingest, NaN, downsampling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sup_helpers import step
+
+from supervisor import wire
+from supervisor.store import repo
+from supervisor.store.db import Database
+
+
+def batch(agent_id: int, seq: int, items: list[dict[str, Any]]) -> wire.IngestBatch:
+    return wire.IngestBatch.model_validate(
+        {"agent_id": agent_id, "seq": seq, "sent_at": 5.0, "attempt": 0, "items": items})
+
+
+def agents(db: Database, n: int) -> list[int]:
+    with db.write() as c:
+        return [repo.register_agent(c, req=wire.RegisterRequest(run="r", node=f"n{i}"),
+                                    now=1.0)["agent_id"] for i in range(n)]
+
+
+def test_group_ingest_merges_and_isolates(db: Database) -> None:
+    a0, a1 = agents(db, 2)
+    group = [
+        batch(a0, 0, [step(0, 1, loss=1.0), step(1, 1, loss=float("nan"))]),
+        batch(a1, 0, [step(2, 1, loss=3.0), {"type": "heartbeat", "state": "running",
+                                             "disk_free_bytes": 123}]),
+        batch(a0, 0, [step(0, 1, loss=99.0)]),  # same key again in the group: a duplicate
+        batch(999, 0, [step(0, 1)]),  # unknown agent: refused, stores nothing
+        batch(a0, 1, [step(0, 2, loss=2.0), {"type": "event", "name": "worker_started"}]),
+    ]
+    with db.write() as c:
+        out = repo.ingest_batches(c, batches=group, now=10.0)
+    assert [getattr(r, "duplicate", None) for r in out] == [False, False, True, None, False]
+    assert isinstance(out[3], repo.UnknownAgent)
+    with db.read() as c:
+        assert repo.count_rows(c, table="rank_steps") == 4
+        assert repo.count_rows(c, table="ingested_batches") == 3
+        assert repo.count_rows(c, table="events") == 1
+        pts = repo.steps(c, run_id=1, step_from=None, step_to=None, max_points=100)
+        ranks = repo.rank_latest(c, run_id=1)
+        ags = {a["id"]: a for a in repo.run_agents(c, run_id=1)}
+    assert [(p["step_from"], p["ranks"], p["loss_nonfinite"]) for p in pts] == [(1, 3, 1),
+                                                                               (2, 1, 0)]
+    assert pts[0]["loss_mean"] == 2.0 and pts[0]["loss_max"] == 3.0
+    assert {r["rank"]: r["step"] for r in ranks} == {0: 2, 1: 1, 2: 1}
+    assert math.isnan(next(r["loss"] for r in ranks if r["rank"] == 1))
+    assert ags[a1]["disk_free_bytes"] == 123 and ags[a1]["state"] == "running"
+    # Replaying the whole group stores nothing more.
+    with db.write() as c:
+        again = repo.ingest_batches(c, batches=group, now=11.0)
+    assert all(getattr(r, "duplicate", True) for r in again)
+    with db.read() as c:
+        assert repo.count_rows(c, table="rank_steps") == 4
+
+
+def test_large_group_is_split_into_statements(db: Database) -> None:
+    (a0,) = agents(db, 1)
+    items = [step(r, s) for s in range(300) for r in range(8)]  # 2400 rows, several chunks
+    with db.write() as c:
+        repo.ingest_batches(c, batches=[batch(a0, 0, items)], now=1.0)
+    with db.read() as c:
+        assert repo.count_rows(c, table="rank_steps") == 2400
+        assert repo.count_rows(c, table="step_aggregates") == 300
+
+
+def test_split_and_join_float() -> None:
+    for x in (1.5, None, math.inf, -math.inf):
+        assert repo.join_float(*repo.split_float(x)) == x
+    assert math.isnan(repo.join_float(*repo.split_float(math.nan)) or 0.0)
+
+
+def test_ingest_writer_groups_and_answers_each_batch(db: Database) -> None:
+    import asyncio
+
+    from supervisor.ingest import IngestWriter
+
+    ids = agents(db, 3)
+    writer = IngestWriter(db, clock=lambda: 50.0)
+
+    async def main() -> list[Any]:
+        subs = [writer.submit(batch(a, s, [step(i, s)]))
+                for s in range(5) for i, a in enumerate(ids)]
+        subs.append(writer.submit(batch(12345, 0, [])))
+        return await asyncio.gather(*subs, return_exceptions=True)
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        writer.stop()
+    assert isinstance(out[-1], repo.UnknownAgent)
+    assert all(isinstance(r, repo.IngestResult) and not r.duplicate for r in out[:-1])
+    assert writer.batches == 16 and 1 <= writer.groups <= 16
+    with db.read() as c:
+        assert repo.count_rows(c, table="rank_steps") == 15
+        assert repo.count_rows(c, table="step_aggregates") == 5
