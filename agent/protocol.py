@@ -336,7 +336,8 @@ class ExitItem(TypedDict, total=False):
     attempt: int
     exit_code: int | None
     signal: int | None
-    # "completed" (exit 0), "crashed" (a worker failed), "stopped" (by a command or signal)
+    # "completed" (exit 0), "crashed" (a worker failed), "stopped" (by a command or signal),
+    # "hung" (the agent's watchdog killed it: no progress while the supervisor was away)
     outcome: str
     failed_ranks: list[dict[str, Any]]  # {rank, local_rank, exit_code, signal, pid, message}
 

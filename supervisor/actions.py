@@ -13,7 +13,17 @@ from typing import Any
 from sqlalchemy import Connection
 
 from supervisor import policy
-from supervisor.policy import Complete, Decision, IncidentSpec, Note, Restart, Stop
+from supervisor.policy import (
+    Complete,
+    Decision,
+    FindingDecision,
+    IncidentSpec,
+    Note,
+    OpenIncident,
+    RecordEvent,
+    Restart,
+    Stop,
+)
 from supervisor.store import repo
 
 
@@ -28,14 +38,23 @@ def _incident(conn: Connection, run_id: int, spec: IncidentSpec | None, now: flo
     return repo.open_incident(
         conn, run_id=run_id, kind=spec.kind, cause=spec.cause, attempt=spec.attempt,
         agent_id=spec.agent_id, node=spec.node, rank=spec.rank, exit_code=spec.exit_code,
-        signal=spec.signal, details=spec.details, opened_at=now,
+        signal=spec.signal, details=spec.details, opened_at=now, updated_at=now, step=spec.step,
     )
 
 
-def apply(conn: Connection, *, run: dict[str, Any], decision: Decision, now: float) -> int | None:
+def apply(conn: Connection, *, run: dict[str, Any], decision: Decision | FindingDecision,
+          now: float) -> int | None:
     """Write what ``decision`` means; returns the action id when one was created."""
     run_id = int(run["id"])
     if isinstance(decision, Note):
+        return None
+    if isinstance(decision, OpenIncident):
+        _incident(conn, run_id, decision.incident, now)
+        return None
+    if isinstance(decision, RecordEvent):
+        repo.insert_event(conn, run_id=run_id, agent_id=None, attempt=int(run["attempt"]),
+                          rank=decision.rank, t=now, name=decision.name, step=decision.step,
+                          message=decision.message, details=decision.details)
         return None
     if isinstance(decision, Complete):
         repo.set_run_status(conn, run_id=run_id, status="completed", now=now,
@@ -62,7 +81,7 @@ def apply(conn: Connection, *, run: dict[str, Any], decision: Decision, now: flo
             {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "restart",
              "attempt": decision.attempt, "plan": plan, "not_before": decision.not_before,
              "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
-             "created_at": now, "updated_at": now}
+             "collect_stacks": decision.collect_stacks, "created_at": now, "updated_at": now}
             for aid in agent_ids
         ])
         restarts = int(run["restarts"]) + (1 if decision.counts_against_budget else 0)

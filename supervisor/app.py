@@ -12,11 +12,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
-from supervisor import policy, wire
+from supervisor import dashboard, metrics, observe, policy, wire
 from supervisor.api import agents, runs
 from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.config import SupervisorSettings
+from supervisor.detect import HangConfig, NodeLostConfig
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
@@ -74,6 +75,11 @@ def create_app(
             backoff_max_s=settings.restart_backoff_max_s,
         ),
         clock=clock,
+        detection=observe.DetectionConfig(
+            hang=HangConfig(floor_s=settings.hang_floor_s, startup_s=settings.hang_startup_s,
+                            warmup_s=settings.hang_warmup_s),
+            node_lost=NodeLostConfig(deadline_s=settings.node_lost_s),
+        ),
     )
 
     writer = IngestWriter(database, clock)
@@ -124,4 +130,7 @@ def create_app(
 
     # Outermost: oversized bodies are refused before anything parses them.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # Dashboard pages and static files; /metrics and its request metrics (outermost).
+    dashboard.mount(app)
+    metrics.install(app, db=database, clock=clock, restart_budget=settings.restart_budget)
     return app

@@ -12,7 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from supervisor import actions, policy
+from sqlalchemy import Connection
+
+from supervisor import actions, observe, policy
+from supervisor.detect import Finding
 from supervisor.store import repo
 from supervisor.store.db import Database
 
@@ -21,19 +24,32 @@ log = logging.getLogger("trainwarden.evaluator")
 Clock = Callable[[], float]
 
 
+# Worker events that end an attempt, with the incident kind they open.
+_FAILURE_EVENTS = {"collective_timeout": "collective_timeout",
+                   "distributed_error": "collective_timeout"}
+_STACKS_EVENT = "stacks"
+
+
 @dataclass
 class TickReport:
     exits: int = 0
     decisions: int = 0
     advanced: int = 0
+    findings: int = 0
 
 
 class Evaluator:
-    def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time
-                 ) -> None:
+    def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
+                 detection: observe.DetectionConfig | None = None) -> None:
         self.db = db
         self.cfg = cfg
         self.clock = clock
+        self.detection = detection or observe.DetectionConfig()
+        # Hangs and lost nodes are judged on what this process could observe: a supervisor
+        # that was down must not call a hang on data it could not receive.
+        self.observing_since = clock()
+        self._event_cursor = 0  # worker events are read once, in id order
+        self._unattached: list[dict] = []  # stack dumps that arrived before their incident
 
     def tick(self) -> TickReport:
         now = self.clock()
@@ -72,7 +88,116 @@ class Evaluator:
             for action in repo.actions_in_progress(conn):
                 if actions.advance(conn, action=action, now=now) != action["status"]:
                     rep.advanced += 1
+            self._worker_events(conn, now, rep)
+            for run in repo.active_runs(conn):
+                self._detect(conn, run, now, rep)
         return rep
+
+    # -- detection ---------------------------------------------------------------------------
+
+    def _worker_events(self, conn: Connection, now: float, rep: TickReport) -> None:
+        """Distributed failures reported by workers end their attempt; stack dumps are
+        attached to the incident they were taken for."""
+        names = [*_FAILURE_EVENTS, _STACKS_EVENT]
+        retry, self._unattached = self._unattached, []
+        for ev in retry:
+            if now - float(ev["t"]) < 300:  # an incident that never comes: give up in time
+                self._attach_stacks(conn, repo.get_run(conn, run_id=ev["run_id"]), ev, now)
+        for ev in repo.events_after(conn, after_id=self._event_cursor, names=names):
+            self._event_cursor = max(self._event_cursor, int(ev["id"]))
+            run = repo.get_run(conn, run_id=ev["run_id"])
+            if ev["name"] == _STACKS_EVENT:
+                self._attach_stacks(conn, run, ev, now)
+                continue
+            details = dict(ev.get("details") or {})
+            collective = details.get("collective", "unknown")
+            where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
+            finding = policy.FindingFacts(
+                kind=_FAILURE_EVENTS[ev["name"]], severity="incident",
+                message=f"{ev['name'].replace('_', ' ')} in {collective} on {where}: "
+                        f"{ev['message']}",
+                attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
+                node=ev.get("node"), details={"collective": collective, "event_id": ev["id"],
+                                              **details})
+            rep.findings += 1
+            self._decide(conn, run, finding, now, rep)
+
+    def _attach_stacks(self, conn: Connection, run: dict, ev: dict, now: float) -> None:
+        details = ev.get("details") or {}
+        incident_id = None
+        if isinstance(details.get("command_id"), int):
+            incident_id = repo.incident_for_command(conn, command_id=details["command_id"])
+        if incident_id is None:  # the agent's own watchdog: the hang of that attempt
+            hangs = repo.incidents_of(conn, run_id=run["id"], attempt=ev["attempt"],
+                                      kinds=["hang"])
+            incident_id = hangs[-1]["id"] if hangs else None
+        if incident_id is None:
+            self._unattached.append(ev)  # the exit that opens the hang incident may follow
+            return
+        inc = repo.get_incident(conn, incident_id=incident_id)
+        assert inc is not None
+        merged = {**(inc["details"] or {}),
+                  "stacks": {**((inc["details"] or {}).get("stacks") or {}),
+                             **(details.get("stacks") or {})},
+                  "stacks_node": ev.get("node")}
+        repo.update_incident(conn, incident_id=incident_id, details=merged, updated_at=now)
+
+    def _detect(self, conn: Connection, run: dict, now: float, rep: TickReport) -> None:
+        cfg = self.detection
+        started = observe.attempt_started_at(conn, run)
+        if started is None:
+            return  # a restart is under way: judge the new attempt once it runs
+        since = max(self.observing_since, started)
+        findings: list[Finding] = []
+        findings += observe.hang_findings(conn, run, now=now,
+                                          observing_since=self.observing_since, cfg=cfg)
+        findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
+                                               cfg=cfg)
+        stragglers = observe.straggler_findings(conn, run, cfg=cfg)
+        findings += stragglers
+        rows = observe.loss_rows(conn, run, cfg=cfg)
+        findings += observe.loss_findings(rows, cfg=cfg)
+        findings += observe.throughput_findings(rows, cfg=cfg)
+        self._resolve_ended_stragglers(conn, run, {f.rank for f in stragglers}, now)
+        for f in findings:
+            if f.kind == "rank_stalled":
+                continue  # its hang (if it is one) is judged by the hang finding
+            rep.findings += 1
+            facts = policy.FindingFacts(
+                kind=f.kind, severity=f.severity, message=f.message,
+                attempt=int(run["attempt"]), step=f.step, rank=f.rank, node=f.node,
+                details=_jsonable(f.details))
+            self._decide(conn, run, facts, now, rep)
+            run = repo.get_run(conn, run_id=run["id"])  # a decision may have moved it
+
+    def _resolve_ended_stragglers(self, conn: Connection, run: dict, slow: set[int | None],
+                                  now: float) -> None:
+        for inc in repo.incidents_of(conn, run_id=run["id"], kinds=["straggler"],
+                                     status="open"):
+            if inc["rank"] not in slow:
+                repo.resolve_incident(conn, incident_id=inc["id"], now=now)
+
+    def _decide(self, conn: Connection, run: dict, finding: policy.FindingFacts, now: float,
+                rep: TickReport) -> None:
+        this_attempt = repo.incidents_of(conn, run_id=run["id"], attempt=run["attempt"])
+        open_watch = frozenset(
+            (i["kind"], i["rank"] if i["kind"] == "straggler" else None)
+            for i in repo.incidents_of(conn, run_id=run["id"], status="open")
+            if i["kind"] in policy.WATCH_KINDS)
+        ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
+        decision = policy.on_finding(
+            actions.facts(run), finding,
+            incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
+            open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
+            cfg=self.cfg, now=now)
+        if isinstance(decision, policy.Note):
+            return
+        if not isinstance(decision, policy.RecordEvent):
+            rep.decisions += 1
+            log.info("run %s: %s", run["name"], decision)
+        elif _seen_event(conn, run, decision):
+            return
+        actions.apply(conn, run=run, decision=decision, now=now)
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """Tick until ``stop`` is set; an error in one tick is logged, the loop goes on."""
@@ -88,3 +213,29 @@ class Evaluator:
                               name="trainwarden-evaluator", daemon=True)
         th.start()
         return th, stop
+
+
+def _seen_event(conn: Connection, run: dict, d: policy.RecordEvent) -> bool:
+    """An event finding is recorded once per episode (same name and start step)."""
+    prev = repo.latest_event(conn, run_id=run["id"], attempt=run["attempt"], name=d.name)
+    return prev is not None and prev.get("step") == d.step
+
+
+def _jsonable(d: dict) -> dict:
+    """Finding details as JSON the store accepts (no NaN/Inf, no tuples)."""
+    import json
+    import math
+
+    def clean(x: object) -> object:
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    out = clean(d)
+    json.dumps(out)
+    assert isinstance(out, dict)
+    return out

@@ -66,6 +66,7 @@ class IncidentSpec:
     exit_code: int | None = None
     signal: int | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Restart:
     actor: str = "policy"
     incident: IncidentSpec | None = None
     counts_against_budget: bool = True
+    collect_stacks: bool = False  # a hang: dump every worker's stacks before the kill
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
@@ -167,8 +169,12 @@ def on_exit(
             return Complete()
         return Note("completed", "waiting for the other agents to complete")
     cause, rank, code, sig = describe_exit(ex)
+    kind = "crash"
+    if ex.outcome == "hung":  # the agent's own watchdog acted while we were unreachable
+        kind = "hang"
+        cause = f"no step progress on node {ex.node}; the agent's watchdog killed the workers"
     incident = IncidentSpec(
-        kind="crash", cause=cause, attempt=ex.attempt, agent_id=ex.agent_id, node=ex.node,
+        kind=kind, cause=cause, attempt=ex.attempt, agent_id=ex.agent_id, node=ex.node,
         rank=rank, exit_code=code, signal=sig,
         details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
                  "failed_ranks": ex.failed_ranks},
@@ -184,7 +190,7 @@ def on_exit(
         attempt=run.attempt + 1,
         checkpoint=checkpoint,
         not_before=now + wait,
-        reason=f"gang restart after crash: {cause}",
+        reason=f"gang restart after {kind}: {cause}",
         incident=incident,
     )
 
@@ -204,3 +210,85 @@ def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
     if run.status in FINAL_STATUSES:
         return Note("ignored", f"run is {run.status}")
     return Stop(status="stopped", reason=reason or "operator stop", actor=actor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Findings of the detectors (issue 4)
+
+# Failures that end the attempt: the gang restarts.  One attempt fails once: whichever of
+# these is seen first for an attempt decides, the others of the same attempt are echoes.
+RESTART_KINDS = frozenset({"crash", "hang", "collective_timeout", "node_lost"})
+# Incidents that stay open while the condition lasts, without a restart (for now).
+WATCH_KINDS = frozenset({"straggler", "loss_spike", "nonfinite"})
+
+
+@dataclass(frozen=True)
+class OpenIncident:
+    """Record an incident and act no further (an alert fires from the metrics)."""
+
+    incident: IncidentSpec
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    """A finding that is worth a row and an alert but not an incident."""
+
+    name: str
+    message: str
+    step: int | None = None
+    rank: int | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+FindingDecision = Note | Restart | Stop | OpenIncident | RecordEvent
+
+
+@dataclass(frozen=True)
+class FindingFacts:
+    """A detector's finding (or a worker's distributed-failure event), as the policy sees it."""
+
+    kind: str
+    severity: str  # "incident" | "event"
+    message: str
+    attempt: int
+    step: int | None = None
+    rank: int | None = None
+    node: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: frozenset[str],
+               open_watch: frozenset[tuple[str, int | None]], checkpoint: str | None,
+               cfg: PolicyConfig, now: float) -> FindingDecision:
+    """Decide what one finding means.
+
+    ``incident_kinds_this_attempt``: kinds of the incidents already opened for the run's
+    current attempt (open or resolved); ``open_watch``: (kind, rank) of the open watch
+    incidents (straggler, loss spike), so one episode is one incident, never a flood."""
+    if f.attempt != run.attempt:
+        return Note("late", f"finding of attempt {f.attempt}; the run is at {run.attempt}")
+    if run.status in FINAL_STATUSES:
+        return Note("ignored", f"run is {run.status}")
+    if f.severity != "incident":
+        return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
+                           details=f.details)
+    details = {**f.details, "message": f.message}
+    incident = IncidentSpec(kind=f.kind, cause=f.message, attempt=f.attempt, node=f.node,
+                            rank=f.rank, details=details, step=f.step)
+    if f.kind in RESTART_KINDS:
+        if incident_kinds_this_attempt & RESTART_KINDS:
+            return Note("echo", f"attempt {f.attempt} already failed")
+        if run.restarts >= cfg.restart_budget:
+            return Stop(status="failed",
+                        reason=f"restart budget of {cfg.restart_budget} spent; last failure: "
+                               f"{f.message}", incident=incident)
+        return Restart(attempt=run.attempt + 1, checkpoint=checkpoint,
+                       not_before=now + backoff_s(run.restarts, cfg),
+                       reason=f"gang restart after {f.kind.replace('_', ' ')}: {f.message}",
+                       incident=incident, collect_stacks=f.kind == "hang")
+    key = (f.kind, f.rank if f.kind == "straggler" else None)
+    if key in open_watch:
+        return Note("ongoing", f"{f.kind} incident already open")
+    if f.kind == "nonfinite" and ("nonfinite", None) in open_watch:
+        return Note("ongoing", "nonfinite incident already open")
+    return OpenIncident(incident=incident)

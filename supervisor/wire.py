@@ -105,7 +105,9 @@ class ExitItem(_Wire):
     attempt: NonNeg | None = None
     exit_code: int | None = None
     signal: int | None = None
-    outcome: Literal["completed", "crashed", "stopped"]
+    # "hung": the agent's own watchdog killed a run that made no progress while the
+    # supervisor was unreachable.
+    outcome: Literal["completed", "crashed", "stopped", "hung"]
     failed_ranks: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -139,6 +141,7 @@ class CommandOut(BaseModel):
     plan: dict[str, Any] | None = None
     not_before: float | None = None
     reason: str = ""
+    collect_stacks: bool = False
 
 
 class IngestReply(BaseModel):

@@ -27,6 +27,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -175,6 +176,8 @@ class Checkpoint(Base):
     save_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     async_save: Mapped[bool] = mapped_column(Boolean, default=False)
     t: Mapped[float] = mapped_column(Float)
+    # On a branch a rollback abandoned: never offered as the newest checkpoint again.
+    abandoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Event(Base):
@@ -223,6 +226,8 @@ class Incident(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(30))  # crash | hang | spike | ...
     status: Mapped[str] = mapped_column(String(20), default="open")  # open | resolved
+    # Where it started (a loss spike's first high step, a hang's last step, ...).
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     attempt: Mapped[int] = mapped_column(Integer)
     cause: Mapped[str] = mapped_column(Text, default="")
     agent_id: Mapped[int | None] = mapped_column(
@@ -234,6 +239,7 @@ class Incident(Base):
     signal: Mapped[int | None] = mapped_column(Integer, nullable=True)
     details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     opened_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # while it lasts
     resolved_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
@@ -278,6 +284,9 @@ class Command(Base):
     kind: Mapped[str] = mapped_column(String(20))
     attempt: Mapped[int] = mapped_column(Integer)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # A hang: the agent dumps every worker's stacks first, then kills the tree at once.
+    collect_stacks: Mapped[bool] = mapped_column(Boolean, default=False,
+                                                 server_default=false())
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
     reason: Mapped[str] = mapped_column(Text, default="")
     # pending (not yet acknowledged) | delivered | done | failed  (the agent's last result)

@@ -314,7 +314,7 @@ def _pending(conn: Connection, hot: _HotSQL, cur: Any, agent_ids: list[int], now
     rows = [
         {"id": r[0], "kind": r[1], "attempt": r[2],
          "plan": json.loads(r[3]) if isinstance(r[3], str | bytes) else r[3],
-         "not_before": r[4], "reason": r[5]}
+         "not_before": r[4], "reason": r[5], "collect_stacks": bool(r[6])}
         for r in hot.fetchall(cur, "pending", {"agent_id": agent_ids[0]})
     ]
     if rows:
@@ -549,7 +549,7 @@ _AGENT_SEEN = (
 
 _PENDING_ONE = (
     select(commands.c.id, commands.c.kind, commands.c.attempt, commands.c.plan,
-           commands.c.not_before, commands.c.reason)
+           commands.c.not_before, commands.c.reason, commands.c.collect_stacks)
     # A literal, not a bound value: the raw statement binds only the names it is given.
     .where(commands.c.agent_id == bindparam("agent_id"),
            commands.c.status == literal_column("'pending'"))
@@ -562,7 +562,8 @@ _HEADS = (
 )
 _PENDING_MANY = (
     select(commands.c.agent_id, commands.c.id, commands.c.kind, commands.c.attempt,
-           commands.c.plan, commands.c.not_before, commands.c.reason)
+           commands.c.plan, commands.c.not_before, commands.c.reason,
+           commands.c.collect_stacks)
     .where(commands.c.agent_id.in_(bindparam("ids", expanding=True)),
            commands.c.status == literal_column("'pending'"))
     .order_by(commands.c.id)
@@ -809,6 +810,160 @@ def action_command_statuses(conn: Connection, *, action_id: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# detection support: windows of measurements for the detectors
+
+
+def active_runs(conn: Connection) -> list[dict[str, Any]]:
+    q = select(runs).where(runs.c.status.in_(("running", "restarting"))).order_by(runs.c.id)
+    return [_row(r) for r in conn.execute(q)]
+
+
+def step_times(conn: Connection, *, run_id: int, attempt: int, limit: int
+               ) -> list[tuple[int, float]]:
+    """(step, end time) of the newest ``limit`` step aggregates of an attempt, oldest first."""
+    a = step_aggregates.c
+    q = (select(a.step, a.t_last).where(a.run_id == run_id, a.attempt == attempt)
+         .order_by(a.step.desc()).limit(limit))
+    return [(int(r[0]), float(r[1])) for r in reversed(conn.execute(q).all())]
+
+
+def count_steps(conn: Connection, *, run_id: int, attempt: int) -> int:
+    a = step_aggregates.c
+    q = select(func.count()).where(a.run_id == run_id, a.attempt == attempt)
+    return int(conn.execute(q).scalar_one())
+
+
+def rank_progress(conn: Connection, *, run_id: int, attempt: int
+                  ) -> list[dict[str, Any]]:
+    """Each rank's newest step of ``attempt`` with its node."""
+    q = (select(ranks.c.rank, ranks.c.step, ranks.c.t, agents.c.node)
+         .join(agents, agents.c.id == ranks.c.agent_id)
+         .where(ranks.c.run_id == run_id, ranks.c.attempt == attempt))
+    return [_row(r) for r in conn.execute(q)]
+
+
+def rank_nodes(conn: Connection, *, run_id: int) -> dict[int, str]:
+    q = (select(ranks.c.rank, agents.c.node).join(agents, agents.c.id == ranks.c.agent_id)
+         .where(ranks.c.run_id == run_id))
+    return {int(r[0]): str(r[1]) for r in conn.execute(q)}
+
+
+def loss_series(conn: Connection, *, run_id: int, attempt: int, limit: int
+                ) -> list[dict[str, Any]]:
+    """The newest ``limit`` steps of the run's current lineage, oldest first: the steps of
+    ``attempt``, and before its first step those of earlier attempts (the latest attempt wins
+    a step trained twice).  Loss mean, NaN/Inf counts, samples and times per step."""
+    a = step_aggregates.c
+    q = (select(a.attempt, a.step, a.loss_sum, a.loss_count, a.loss_nonfinite,
+                a.grad_norm_nonfinite, a.samples, a.tokens, a.t_first, a.t_last)
+         .where(a.run_id == run_id, a.attempt <= attempt)
+         .order_by(a.step.desc(), a.attempt.desc()).limit(limit * 2))
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in conn.execute(q):
+        d = _row(r)
+        by_step.setdefault(int(d["step"]), d)  # the latest attempt first for each step
+    rows = [by_step[k] for k in sorted(by_step)][-limit:]
+    for d in rows:
+        n = int(d["loss_count"] or 0)
+        d["loss"] = (d["loss_sum"] / n) if n and d["loss_sum"] is not None else None
+    return rows
+
+
+def step_range(conn: Connection, *, run_id: int, attempt: int) -> tuple[int, int] | None:
+    a = step_aggregates.c
+    q = select(func.min(a.step), func.max(a.step)).where(a.run_id == run_id,
+                                                          a.attempt == attempt)
+    lo, hi = conn.execute(q).one()
+    return None if lo is None else (int(lo), int(hi))
+
+
+def events_after(conn: Connection, *, after_id: int, names: Sequence[str], limit: int = 1000
+                 ) -> list[dict[str, Any]]:
+    q = (select(events, agents.c.node).outerjoin(agents, agents.c.id == events.c.agent_id)
+         .where(events.c.id > after_id, events.c.name.in_(list(names)))
+         .order_by(events.c.id).limit(limit))
+    return [_row(r) for r in conn.execute(q)]
+
+
+def latest_event(conn: Connection, *, run_id: int, attempt: int, name: str
+                 ) -> dict[str, Any] | None:
+    q = (select(events).where(events.c.run_id == run_id, events.c.attempt == attempt,
+                              events.c.name == name)
+         .order_by(events.c.id.desc()).limit(1))
+    r = conn.execute(q).first()
+    return _row(r) if r else None
+
+
+def recent_save_seconds(conn: Connection, *, run_id: int, limit: int = 10) -> list[float]:
+    q = (select(checkpoints.c.save_s).where(checkpoints.c.run_id == run_id,
+                                            checkpoints.c.save_s.is_not(None))
+         .order_by(checkpoints.c.id.desc()).limit(limit))
+    return [float(r[0]) for r in conn.execute(q)]
+
+
+def newest_checkpoint_time(conn: Connection, *, run_id: int) -> float | None:
+    q = select(func.max(checkpoints.c.t)).where(checkpoints.c.run_id == run_id)
+    v = conn.execute(q).scalar_one()
+    return None if v is None else float(v)
+
+
+def restart_action_for(conn: Connection, *, run_id: int, attempt: int
+                       ) -> dict[str, Any] | None:
+    """The restart action that started ``attempt`` (the newest one, if several)."""
+    q = (select(actions).where(actions.c.run_id == run_id, actions.c.kind == "restart",
+                               actions.c.attempt == attempt)
+         .order_by(actions.c.id.desc()).limit(1))
+    r = conn.execute(q).first()
+    return _row(r) if r else None
+
+
+def incidents_of(conn: Connection, *, run_id: int, attempt: int | None = None,
+                 kinds: Sequence[str] | None = None, status: str | None = None
+                 ) -> list[dict[str, Any]]:
+    cond = [incidents.c.run_id == run_id]
+    if attempt is not None:
+        cond.append(incidents.c.attempt == attempt)
+    if kinds is not None:
+        cond.append(incidents.c.kind.in_(list(kinds)))
+    if status is not None:
+        cond.append(incidents.c.status == status)
+    q = select(incidents).where(*cond).order_by(incidents.c.id)
+    return [_row(r) for r in conn.execute(q)]
+
+
+def get_incident(conn: Connection, *, incident_id: int) -> dict[str, Any] | None:
+    r = conn.execute(select(incidents).where(incidents.c.id == incident_id)).first()
+    return _row(r) if r else None
+
+
+def update_incident(conn: Connection, *, incident_id: int, **values: Any) -> None:
+    conn.execute(update(incidents).where(incidents.c.id == incident_id).values(**values))
+
+
+def resolve_incident(conn: Connection, *, incident_id: int, now: float) -> None:
+    conn.execute(update(incidents).where(incidents.c.id == incident_id)
+                 .values(status="resolved", resolved_at=now, updated_at=now))
+
+
+def incident_for_command(conn: Connection, *, command_id: int) -> int | None:
+    q = (select(actions.c.incident_id).join(commands, commands.c.action_id == actions.c.id)
+         .where(commands.c.id == command_id))
+    v = conn.execute(q).scalar()
+    return None if v is None else int(v)
+
+
+def insert_event(conn: Connection, **values: Any) -> None:
+    values.setdefault("details", {})
+    values.setdefault("message", "")
+    conn.execute(events.insert().values(**values))
+
+
+def max_event_id(conn: Connection) -> int:
+    v = conn.execute(select(func.max(events.c.id))).scalar_one()
+    return int(v or 0)
+
+
+# ---------------------------------------------------------------------------------------------
 # reads for the API
 
 
@@ -961,3 +1116,97 @@ def bulk_insert_rank_steps(conn: Connection, *, rows: list[dict[str, Any]]) -> N
 
 def ping(conn: Connection) -> None:
     conn.execute(select(literal(1)))
+
+
+# ---- dashboard and metrics reads ----
+
+
+def runs_for_metrics(conn: Connection, *, active: Sequence[str], since: float
+                     ) -> list[dict[str, Any]]:
+    """Runs in an ``active`` status, or whose status changed at or after ``since``."""
+    q = select(runs).where(or_(runs.c.status.in_(list(active)), runs.c.updated_at >= since))
+    return [_row(r) for r in conn.execute(q.order_by(runs.c.id))]
+
+
+def newest_step(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
+    """The newest step aggregate of the newest attempt that has one (any attempt)."""
+    a = step_aggregates.c
+    q = (select(step_aggregates).where(a.run_id == run_id)
+         .order_by(a.attempt.desc(), a.step.desc()).limit(1))
+    r = conn.execute(q).first()
+    return _row(r) if r else None
+
+
+def max_step_by_attempt(conn: Connection, *, run_id: int) -> dict[int, int]:
+    a = step_aggregates.c
+    q = select(a.attempt, func.max(a.step)).where(a.run_id == run_id).group_by(a.attempt)
+    return {int(r[0]): int(r[1]) for r in conn.execute(q)}
+
+
+def open_incident_counts(conn: Connection, *, run_id: int) -> dict[str, int]:
+    i = incidents.c
+    q = (select(i.kind, func.count()).where(i.run_id == run_id, i.status == "open")
+         .group_by(i.kind))
+    return {str(r[0]): int(r[1]) for r in conn.execute(q)}
+
+
+def restart_actions(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
+    """Every restart-like action of a run with the kind of the incident behind it (if any)."""
+    ac = actions.c
+    q = (
+        select(ac.id, ac.kind, ac.actor, ac.status, ac.attempt, ac.resumed_step,
+               ac.created_at, incidents.c.kind.label("incident_kind"))
+        .select_from(actions.outerjoin(incidents, incidents.c.id == ac.incident_id))
+        .where(ac.run_id == run_id, ac.kind != "stop")
+        .order_by(ac.id)
+    )
+    return [_row(r) for r in conn.execute(q)]
+
+
+def rank_phase_rows(conn: Connection, *, run_id: int, attempt: int, step_from: int
+                    ) -> list[dict[str, Any]]:
+    """(step, rank, data_s, compute_s) of one attempt from ``step_from`` on (straggler input)."""
+    c = rank_steps.c
+    q = (select(c.step, c.rank, c.data_s, c.compute_s)
+         .where(c.run_id == run_id, c.attempt == attempt, c.step >= step_from)
+         .order_by(c.step, c.rank))
+    return [_row(r) for r in conn.execute(q)]
+
+
+def rank_node_names(conn: Connection, *, run_id: int) -> dict[int, str]:
+    """Each rank's node (from its latest report)."""
+    q = (select(ranks.c.rank, agents.c.node).join(agents, agents.c.id == ranks.c.agent_id)
+         .where(ranks.c.run_id == run_id))
+    return {int(r[0]): str(r[1]) for r in conn.execute(q)}
+
+
+def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:
+    """Cheap summary that changes whenever what the dashboard shows of a run changes (except
+    the agents' last-seen times, which move with every batch)."""
+    a, i, ac, ck, ag = (step_aggregates.c, incidents.c, actions.c, checkpoints.c, agents.c)
+    run = conn.execute(
+        select(runs.c.status, runs.c.attempt, runs.c.restarts, runs.c.updated_at)
+        .where(runs.c.id == run_id)
+    ).one()
+    last = conn.execute(
+        select(a.attempt, a.step, a.ranks, a.t_last).where(a.run_id == run_id)
+        .order_by(a.attempt.desc(), a.step.desc()).limit(1)
+    ).first()
+    inc = conn.execute(
+        select(func.count(), func.max(i.id), func.max(i.resolved_at)).where(i.run_id == run_id)
+    ).one()
+    act = conn.execute(
+        select(func.count(), func.max(ac.updated_at)).where(ac.run_id == run_id)
+    ).one()
+    ckpt = conn.execute(select(func.count(), func.max(ck.id)).where(ck.run_id == run_id)).one()
+    agt = conn.execute(
+        select(ag.id, ag.state, ag.attempt, ag.disk_free_bytes, ag.dropped)
+        .where(ag.run_id == run_id).order_by(ag.id)
+    ).all()
+    return (tuple(run), tuple(last) if last else None, tuple(inc), tuple(act), tuple(ckpt),
+            tuple(tuple(r) for r in agt))
+
+
+def get_action(conn: Connection, *, action_id: int) -> dict[str, Any] | None:
+    r = conn.execute(select(actions).where(actions.c.id == action_id)).first()
+    return _row(r) if r else None

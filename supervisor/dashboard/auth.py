@@ -1,0 +1,84 @@
+"""Browser auth for the dashboard: the operator (or agent) token kept in an HttpOnly cookie.
+
+The cookie only ever authorises *reads*: ``CookieAuth`` turns it into an ``Authorization``
+header for GET/HEAD requests that carry none, and the usual ``TokenCheck`` then decides.  A
+write (the rollback form) must send the operator token itself, so a forged cross-site POST
+gains nothing from the cookie (which is also ``SameSite=Strict``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import HTTPException, Request
+from fastapi.responses import Response
+
+from supervisor.api.deps import Principal, TokenCheck
+
+COOKIE = "trainwarden_token"
+COOKIE_MAX_AGE_S = 7 * 24 * 3600
+_SAFE = frozenset({"GET", "HEAD"})
+
+
+class CookieAuth:
+    """Pure ASGI middleware: the token cookie as a bearer header on safe requests."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") in _SAFE:
+            headers = scope.get("headers") or []
+            if not any(k == b"authorization" for k, _ in headers):
+                token = _cookie(headers)
+                if token:
+                    scope = {**scope,
+                             "headers": [*headers, (b"authorization", b"Bearer " + token)]}
+        await self.app(scope, receive, send)
+
+
+def _cookie(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    for k, v in headers:
+        if k != b"cookie":
+            continue
+        for part in v.split(b";"):
+            name, _, value = part.strip().partition(b"=")
+            if name == COOKIE.encode() and value and value.isascii():
+                return value
+    return None
+
+
+async def check(request: Request, token: str | None = None) -> Principal | None:
+    """The principal of ``token`` (or of the request's own header/cookie when None) under
+    the read rule, or None when refused."""
+    req = request
+    if token is not None:
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"authorization"]
+        headers.append((b"authorization", f"Bearer {token}".encode()))
+        req = Request({**request.scope, "headers": headers})
+    try:
+        return await TokenCheck("read")(req)
+    except HTTPException:
+        return None
+
+
+def set_cookie(response: Response, request: Request, token: str) -> None:
+    response.set_cookie(COOKIE, token, max_age=COOKIE_MAX_AGE_S, httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https", path="/")
+
+
+def clear_cookie(response: Response) -> None:
+    response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+
+
+async def form_token(request: Request) -> str:
+    """The ``token`` field of a urlencoded form body (no multipart parser needed)."""
+    body = (await request.body()).decode("utf-8", "replace")
+    values = parse_qs(body).get("token") or [""]
+    return values[0].strip()
+
+
+def valid_token_text(token: str) -> bool:
+    return bool(token) and token.isascii() and token.isprintable() and ";" not in token \
+        and len(token) <= 4096

@@ -1,0 +1,221 @@
+"""Dashboard routes: server-rendered pages (usable without JavaScript) and the small JSON
+feeds of the live charts.  Reads follow the supervisor's read rule (``TokenCheck("read")``),
+with the browser's token in an HttpOnly cookie (see ``auth``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, HTTPException, Request, status
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from sqlalchemy import Connection
+from starlette.concurrency import run_in_threadpool
+
+from supervisor.api.deps import DB, ClockDep, ReadAuth
+from supervisor.dashboard import auth, etag, views
+from supervisor.store import repo
+
+HERE = Path(__file__).resolve().parent
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+router = APIRouter(include_in_schema=False)
+POLL_MS = 2000
+
+
+# ---------------------------------------------------------------------------------------------
+# template filters
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    s = max(0.0, seconds)
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    if s < 172800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def fmt_ts(t: float | None) -> str:
+    if t is None:
+        return ""
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} PiB"
+
+
+def fmt_num(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{digits}g}"
+
+
+def fmt_json(x: Any) -> str:
+    return json.dumps(x, indent=2, sort_keys=True, default=str)
+
+
+templates.env.filters.update(age=fmt_age, ts=fmt_ts, bytes=fmt_bytes, num=fmt_num,
+                             pretty=fmt_json)
+
+
+# ---------------------------------------------------------------------------------------------
+# auth for pages
+
+
+def _login_page(request: Request, error: str = "", code: int = 401) -> HTMLResponse:
+    nxt = request.url.path if request.url.path != "/login" else "/"
+    return templates.TemplateResponse(
+        request, "login.html", {"error": error, "next": nxt, "principal": None},
+        status_code=code)
+
+
+async def _page_auth(request: Request) -> Response | str:
+    """The principal's role, or the response to send instead (login page, or the redirect
+    that drops a ``?token=`` from the address after storing it in the cookie)."""
+    token = request.query_params.get("token")
+    if token is not None:
+        if not auth.valid_token_text(token) or await auth.check(request, token) is None:
+            return _login_page(request, "invalid token")
+        rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+        url = request.url.path + (f"?{urlencode(rest)}" if rest else "")
+        resp = RedirectResponse(url, status.HTTP_303_SEE_OTHER)
+        auth.set_cookie(resp, request, token)
+        return resp
+    principal = await auth.check(request)
+    if principal is None:
+        return _login_page(request)
+    return principal.role
+
+
+def _safe_next(nxt: str) -> str:
+    return nxt if nxt.startswith("/") and not nxt.startswith("//") and "\\" not in nxt else "/"
+
+
+@router.get("/login", response_class=HTMLResponse)
+async def login_form(request: Request) -> HTMLResponse:
+    return _login_page(request, code=200)
+
+
+@router.post("/login")
+async def login(request: Request) -> Response:
+    token = await auth.form_token(request)
+    nxt = _safe_next(request.query_params.get("next", "/"))
+    if not auth.valid_token_text(token) or await auth.check(request, token) is None:
+        return _login_page(request, "invalid token")
+    resp = RedirectResponse(nxt, status.HTTP_303_SEE_OTHER)
+    auth.set_cookie(resp, request, token)
+    return resp
+
+
+@router.post("/logout")
+async def logout() -> Response:
+    resp = RedirectResponse("/login", status.HTTP_303_SEE_OTHER)
+    auth.clear_cookie(resp)
+    return resp
+
+
+# ---------------------------------------------------------------------------------------------
+# pages
+
+
+def _run_or_404(conn: Connection, name: str) -> dict[str, Any]:
+    run = repo.get_run_by_name(conn, name=name)
+    if run is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {name!r}")
+    return run
+
+
+def _run_context(db: Any, name: str, now: float) -> dict[str, Any]:
+    with db.read() as conn:
+        r = _run_or_404(conn, name)
+        return {"run": views.run_row(conn, r, now), **views.run_tables(conn, r, now)}
+
+
+@router.get("/", response_class=HTMLResponse)
+async def runs_page(request: Request, db: DB, clock: ClockDep) -> Response:
+    role = await _page_auth(request)
+    if isinstance(role, Response):
+        return role
+    now = clock()
+
+    def read() -> list[dict[str, Any]]:
+        with db.read() as conn:
+            return views.runs_overview(conn, now)
+
+    rows = await run_in_threadpool(read)
+    return templates.TemplateResponse(
+        request, "runs.html", {"runs": rows, "now": now, "principal": role})
+
+
+@router.get("/runs/{run}", response_class=HTMLResponse)
+async def run_page(run: str, request: Request, db: DB, clock: ClockDep) -> Response:
+    role = await _page_auth(request)
+    if isinstance(role, Response):
+        return role
+    now = clock()
+    ctx = await run_in_threadpool(_run_context, db, run, now)
+    return templates.TemplateResponse(
+        request, "run.html", {**ctx, "now": now, "principal": role, "poll_ms": POLL_MS})
+
+
+@router.get("/runs/{run}/tables", response_class=HTMLResponse)
+def run_tables(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth
+               ) -> Response:
+    """The run page's tables alone (the page's script swaps them in when the run changed)."""
+    now = clock()
+    ctx = _run_context(db, run, now)
+    return templates.TemplateResponse(request, "_run_tables.html", {**ctx, "now": now})
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON feeds of the page's script
+
+
+@router.get("/dashboard/api/runs/{run}/state")
+def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth
+              ) -> Response:
+    """A cheap fingerprint of the run: the script polls this with If-None-Match and
+    refetches charts and tables only when it changed (304 otherwise, before any other
+    query)."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        fp = repo.run_fingerprint(conn, run_id=r["id"])
+    tag = '"' + hashlib.sha256(repr(fp).encode()).hexdigest()[:32] + '"'
+    headers = {"ETag": tag, "Cache-Control": "private, no-cache", "Vary": "Authorization, Cookie"}
+    if etag.matches(request.headers.get("if-none-match"), tag):
+        return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
+    body = {"run": run, "status": r["status"], "attempt": r["attempt"],
+            "restarts": r["restarts"], "version": tag.strip('"'), "now": clock()}
+    return JSONResponse(body, headers=headers)
+
+
+@router.get("/dashboard/api/runs/{run}/series")
+def run_series(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+    """Chart extras: spike/rollback markers, per-rank phase times; MFU is not reported by
+    runs yet (it needs FLOPs per sample and the hardware peak)."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        return {"run": run, "markers": views.markers(conn, r["id"]),
+                "ranks": views.rank_series(conn, r["id"]), "mfu": None}

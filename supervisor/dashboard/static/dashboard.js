@@ -1,0 +1,362 @@
+/* trainwarden dashboard: live charts (uPlot), table refresh and the rollback form.
+   Plain script, no build step.  Polls a cheap run fingerprint with If-None-Match and
+   refetches charts and tables only when it changed. */
+(function () {
+  "use strict";
+
+  var TOKEN_KEY = "trainwarden.operator_token";
+  var COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#be185d",
+                "#4d7c0f", "#78716c"];
+  var MAX_ATTEMPT_SERIES = 6;
+  var skew = 0;  // server clock minus browser clock, seconds
+
+  function $(sel, el) { return (el || document).querySelector(sel); }
+
+  function fmtAge(s) {
+    s = Math.max(0, s);
+    if (s < 90) return Math.round(s) + " s";
+    if (s < 5400) return Math.round(s / 60) + " min";
+    if (s < 172800) return (s / 3600).toFixed(1) + " h";
+    return (s / 86400).toFixed(1) + " d";
+  }
+
+  function tickAges() {
+    var now = Date.now() / 1000 + skew;
+    document.querySelectorAll("time[data-t]").forEach(function (el) {
+      if (/ ago$/.test(el.textContent)) {
+        el.textContent = fmtAge(now - parseFloat(el.dataset.t)) + " ago";
+      }
+    });
+  }
+
+  // Conditional GET with a per-URL cache of the last body.
+  var cache = {};
+  function getCached(url, kind) {
+    var c = cache[url];
+    var headers = {};
+    if (c) headers["If-None-Match"] = c.etag;
+    return fetch(url, {headers: headers, cache: "no-store", credentials: "same-origin"})
+      .then(function (r) {
+        if (r.status === 304 && c) return {data: c.data, changed: false};
+        if (!r.ok) throw new Error(url + ": HTTP " + r.status);
+        var body = kind === "json" ? r.json() : r.text();
+        return body.then(function (data) {
+          var etag = r.headers.get("ETag");
+          if (etag) cache[url] = {etag: etag, data: data};
+          return {data: data, changed: true};
+        });
+      });
+  }
+
+  function num(x) {
+    if (x === null || x === undefined) return null;
+    if (typeof x === "string") return null;  // "NaN", "Infinity"
+    return x;
+  }
+
+  // ---------------------------------------------------------------- chart data
+
+  function byAttempt(points, value) {
+    // points sorted by step; one series per attempt (the newest few), aligned on one x axis.
+    var attempts = [];
+    points.forEach(function (p) { if (attempts.indexOf(p.attempt) < 0) attempts.push(p.attempt); });
+    attempts.sort(function (a, b) { return a - b; });
+    var shown = attempts.slice(-MAX_ATTEMPT_SERIES);
+    var older = attempts.length > shown.length;
+    var keys = (older ? ["older"] : []).concat(shown);
+    var xs = [];
+    var rows = {};
+    points.forEach(function (p, i) {
+      var x = p.step_from;
+      if (!(x in rows)) { rows[x] = {}; xs.push(x); }
+      var k = shown.indexOf(p.attempt) >= 0 ? p.attempt : "older";
+      var v = value(p, i);
+      if (v !== null && v !== undefined && isFinite(v)) rows[x][k] = v;
+    });
+    xs.sort(function (a, b) { return a - b; });
+    var data = [xs];
+    keys.forEach(function (k) {
+      data.push(xs.map(function (x) { return k in rows[x] ? rows[x][k] : null; }));
+    });
+    return {keys: keys, data: data};
+  }
+
+  function throughputOf(points) {
+    var last = {};
+    var out = [];
+    points.forEach(function (p, i) {
+      var prev = last[p.attempt];
+      var v = null;
+      if (prev && p.t > prev.t) v = p.samples / (p.t - prev.t);
+      last[p.attempt] = p;
+      out[i] = v;
+    });
+    return out;
+  }
+
+  // ---------------------------------------------------------------- charts
+
+  function markersPlugin(getMarkers) {
+    return {
+      hooks: {
+        draw: [function (u) {
+          var ctx = u.ctx;
+          var dpr = window.devicePixelRatio || 1;
+          var min = u.scales.x.min, max = u.scales.x.max;
+          ctx.save();
+          getMarkers().forEach(function (m) {
+            if (m.to < min || m.from > max) return;
+            var x0 = u.valToPos(Math.max(m.from, min), "x", true);
+            var x1 = u.valToPos(Math.min(m.to, max), "x", true);
+            if (m.type === "spike") {
+              ctx.fillStyle = m.kind === "nonfinite" ? "rgba(220,38,38,0.18)" : "rgba(245,158,11,0.25)";
+              ctx.fillRect(x0 - dpr, u.bbox.top, Math.max(x1 - x0, 0) + 2 * dpr, u.bbox.height);
+            } else {
+              ctx.strokeStyle = "#7c3aed";
+              ctx.lineWidth = 1.5 * dpr;
+              ctx.setLineDash([5 * dpr, 4 * dpr]);
+              ctx.beginPath();
+              ctx.moveTo(x0, u.bbox.top);
+              ctx.lineTo(x0, u.bbox.top + u.bbox.height);
+              ctx.stroke();
+              ctx.setLineDash([]);
+            }
+            ctx.fillStyle = "#374151";
+            ctx.font = (10 * dpr) + "px sans-serif";
+            ctx.fillText(m.label, x0 + 3 * dpr, u.bbox.top + 11 * dpr);
+          });
+          ctx.restore();
+        }]
+      }
+    };
+  }
+
+  var charts = {};
+  var markers = [];
+
+  function draw(id, keys, data, label, opts) {
+    var el = document.getElementById(id);
+    if (!el || typeof uPlot === "undefined") return;
+    var sig = keys.join("|");
+    var c = charts[id];
+    if (c && c.sig === sig) { c.u.setData(data); return; }
+    if (c) c.u.destroy();
+    el.textContent = "";
+    if (data[0].length === 0) { el.innerHTML = '<p class="muted">no data yet</p>'; charts[id] = null; return; }
+    var series = [{label: "step"}].concat(keys.map(function (k, i) {
+      var s = {label: label(k, i), stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
+               points: {show: data[0].length < 60}};
+      if (opts && opts.style) Object.assign(s, opts.style(k, i));
+      return s;
+    }));
+    var u = new uPlot({
+      width: Math.max(300, el.clientWidth - 4), height: 240,
+      scales: {x: {time: false}},
+      axes: [{label: "step", size: 40}, {size: 60}],
+      series: series,
+      legend: {live: true},
+      plugins: opts && opts.markers ? [markersPlugin(function () { return markers; })] : [],
+    }, data, el);
+    charts[id] = {u: u, sig: sig};
+  }
+
+  function attemptLabel(k) { return k === "older" ? "earlier attempts" : "attempt " + k; }
+
+  function drawSteps(points) {
+    var loss = byAttempt(points, function (p) { return num(p.loss_mean); });
+    draw("chart-loss", loss.keys, loss.data, attemptLabel, {markers: true});
+    var tp = throughputOf(points);
+    var thr = byAttempt(points, function (p, i) { return tp[i]; });
+    draw("chart-throughput", thr.keys, thr.data, attemptLabel);
+  }
+
+  function drawRanks(ranks) {
+    var keys = ranks.series.map(function (s) { return s.rank; }).concat(["median"]);
+    var data = [ranks.steps].concat(ranks.series.map(function (s) { return s.values; }),
+                                    [ranks.median]);
+    draw("chart-ranks", keys, data, function (k, i) {
+      if (k === "median") return "median of all ranks";
+      var s = ranks.series[i];
+      return "rank " + s.rank + (s.node ? " (" + s.node + ")" : "") + " score " + s.score.toFixed(2);
+    }, {style: function (k) {
+      return k === "median" ? {stroke: "#111827", width: 2, dash: [6, 4]} : {};
+    }});
+  }
+
+  // ---------------------------------------------------------------- run page
+
+  function runPage(root) {
+    var run = root.dataset.run;
+    var enc = encodeURIComponent(run);
+    var pollMs = parseInt(root.dataset.pollMs || "2000", 10);
+    skew = parseFloat(root.dataset.now) - Date.now() / 1000;
+    var stateTag = null;
+    var busy = false;
+
+    function refresh() {
+      var steps = getCached("/api/v1/runs/" + enc + "/steps?max_points=1000", "json");
+      var series = getCached("/dashboard/api/runs/" + enc + "/series", "json");
+      var tables = getCached("/runs/" + enc + "/tables", "text");
+      return Promise.all([steps, series, tables]).then(function (res) {
+        markers = res[1].data.markers;
+        if (res[0].changed || res[1].changed) drawSteps(res[0].data.points);
+        if (res[1].changed) drawRanks(res[1].data.ranks);
+        if (res[2].changed) {
+          var open = {};
+          document.querySelectorAll("#tables details[open]").forEach(function (d, i) { open[i] = true; });
+          $("#tables").innerHTML = res[2].data;
+          document.querySelectorAll("#tables details").forEach(function (d, i) { if (open[i]) d.open = true; });
+        }
+        root.dataset.loaded = "1";
+      });
+    }
+
+    function poll() {
+      if (busy) return;
+      busy = true;
+      var headers = {};
+      if (stateTag) headers["If-None-Match"] = stateTag;
+      fetch("/dashboard/api/runs/" + enc + "/state",
+            {headers: headers, cache: "no-store", credentials: "same-origin"})
+        .then(function (r) {
+          if (r.status === 304) return null;
+          if (!r.ok) throw new Error("state: HTTP " + r.status);
+          stateTag = r.headers.get("ETag");
+          return r.json().then(function (st) {
+            skew = st.now - Date.now() / 1000;
+            return refresh();
+          });
+        })
+        .catch(function (e) { console.warn(e); })
+        .then(function () { busy = false; tickAges(); });
+    }
+
+    poll();
+    setInterval(poll, pollMs);
+    window.addEventListener("resize", function () {
+      Object.keys(charts).forEach(function (id) {
+        var c = charts[id], el = document.getElementById(id);
+        if (c && el) c.u.setSize({width: Math.max(300, el.clientWidth - 4), height: 240});
+      });
+    });
+    rollback(run, enc, refresh);
+  }
+
+  // ---------------------------------------------------------------- rollback
+
+  function parseSkip(text) {
+    var out = [];
+    (text || "").split(",").forEach(function (part) {
+      var m = part.trim().match(/^(\d+)\s*-\s*(\d+)$/);
+      if (m) out.push([parseInt(m[1], 10), parseInt(m[2], 10)]);
+      else if (part.trim()) throw new Error("skip range '" + part.trim() + "' is not FROM-TO");
+    });
+    return out;
+  }
+
+  function rollback(run, enc, refresh) {
+    var dlg = $("#rollback-dialog");
+    var form = $("#rollback-form");
+    var box = $("#rollback-progress");
+    if (!dlg || !form) return;
+
+    document.addEventListener("submit", function (ev) {
+      var f = ev.target.closest && ev.target.closest("form.rollback");
+      if (!f) return;
+      ev.preventDefault();
+      form.elements.checkpoint.value = f.dataset.checkpoint;
+      $("[data-field=checkpoint-label]", form).textContent =
+        "#" + f.dataset.checkpoint + " (step " + f.dataset.step + ")";
+      $("[data-field=error]", form).textContent = "";
+      form.elements.operator_token.value = sessionStorage.getItem(TOKEN_KEY) || "";
+      dlg.showModal();
+    });
+
+    dlg.addEventListener("close", function () {
+      if (dlg.returnValue !== "confirm") return;
+      var el = form.elements;
+      var body;
+      try {
+        body = {
+          checkpoint: parseInt(el.checkpoint.value, 10),
+          skip: parseSkip(el.skip.value),
+          lr_scale: parseFloat(el.lr_scale.value),
+          lr_scale_steps: parseInt(el.lr_scale_steps.value, 10),
+          lr_ramp_steps: parseInt(el.lr_ramp_steps.value, 10),
+          reason: el.reason.value,
+        };
+      } catch (e) {
+        $("[data-field=error]", form).textContent = e.message;
+        dlg.showModal();
+        return;
+      }
+      var token = el.operator_token.value.trim();
+      sessionStorage.setItem(TOKEN_KEY, token);
+      show("sending rollback to checkpoint #" + body.checkpoint + " ...");
+      fetch("/api/v1/runs/" + enc + "/rollback", {
+        method: "POST", credentials: "omit", cache: "no-store",
+        headers: {"Content-Type": "application/json", "Authorization": "Bearer " + token},
+        body: JSON.stringify(body),
+      }).then(function (r) {
+        return r.json().catch(function () { return {}; }).then(function (j) {
+          if (r.status !== 202 && r.status !== 200) {
+            if (r.status === 401 || r.status === 403) sessionStorage.removeItem(TOKEN_KEY);
+            throw new Error("rollback refused (HTTP " + r.status + "): " + (j.detail || ""));
+          }
+          follow(j.action_id, token);
+        });
+      }).catch(function (e) { show(e.message, true); });
+    });
+
+    function show(text, bad) {
+      box.hidden = false;
+      box.textContent = text;
+      box.className = "progress" + (bad ? " error" : "");
+    }
+
+    function follow(id, token) {
+      var final = {resumed: 1, failed: 1, superseded: 1, done: 1};
+      function step() {
+        fetch("/api/v1/actions/" + id, {cache: "no-store", credentials: "same-origin",
+                                         headers: {"Authorization": "Bearer " + token}})
+          .then(function (r) { if (!r.ok) throw new Error("action " + id + ": HTTP " + r.status); return r.json(); })
+          .then(function (a) {
+            var p = a.progress || {};
+            var done = ["queued", "delivered", "restarted", "resumed"].filter(function (k) { return p[k]; });
+            show("action #" + id + " (" + a.kind + "): " + a.status + " [" + done.join(" > ") + "]" +
+                 (a.resumed_step !== null && a.resumed_step !== undefined ? ", resumed at step " + a.resumed_step : ""),
+                 a.status === "failed");
+            box.dataset.status = a.status;
+            refresh();
+            if (!final[a.status]) setTimeout(step, 1000);
+          })
+          .catch(function (e) { show(e.message, true); });
+      }
+      step();
+    }
+  }
+
+  // ---------------------------------------------------------------- runs list
+
+  function runsPage(table) {
+    setInterval(function () {
+      fetch("/", {cache: "no-store", credentials: "same-origin"})
+        .then(function (r) { return r.ok ? r.text() : null; })
+        .then(function (html) {
+          if (!html) return;
+          var doc = new DOMParser().parseFromString(html, "text/html");
+          var fresh = doc.getElementById("runs");
+          if (fresh) table.replaceWith(fresh), table = fresh;
+        })
+        .catch(function (e) { console.warn(e); });
+    }, 5000);
+  }
+
+  document.addEventListener("DOMContentLoaded", function () {
+    var root = document.getElementById("run");
+    if (root) runPage(root);
+    var runs = document.getElementById("runs");
+    if (runs) runsPage(runs);
+    setInterval(tickAges, 1000);
+  });
+})();

@@ -1,0 +1,157 @@
+"""Observation: read windows of measurements from the store into the detectors' inputs.
+
+No decisions here (that is ``policy``) and no statistics (that is ``detect``): this module only
+knows which rows each detector needs and how to shape them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection
+
+from supervisor.detect import (
+    Finding,
+    HangConfig,
+    LossSample,
+    LossSpikeConfig,
+    NodeLostConfig,
+    ProgressWindow,
+    RankProgress,
+    StragglerConfig,
+    ThroughputConfig,
+    ThroughputPoint,
+    detect_hang,
+    detect_loss,
+    detect_lost_nodes,
+    detect_stragglers,
+    detect_throughput_decay,
+    intervals_from_times,
+    pre_collective_table,
+)
+from supervisor.store import repo
+
+# Agent states that mean "this node is supposed to be alive and training".
+_LIVE_AGENT_STATES = {"registered", "starting", "running", "stopping"}
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    hang: HangConfig = field(default_factory=HangConfig)
+    node_lost: NodeLostConfig = field(default_factory=NodeLostConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    loss: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    throughput: ThroughputConfig = field(default_factory=lambda: ThroughputConfig(
+        unit="samples/s"))
+    straggler_table_steps: int = 100  # newest steps of per-rank timings read each tick
+    interval_history: int = 300  # step intervals the hang deadline learns from
+
+
+def attempt_started_at(conn: Connection, run: dict[str, Any]) -> float | None:
+    """When the run's current attempt was launched (None while a restart is still pending:
+    not every agent has relaunched yet)."""
+    if int(run["attempt"]) == 0:
+        return float(run["created_at"])
+    action = repo.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+    if action is None:
+        return float(run["updated_at"])
+    progress = action.get("progress") or {}
+    t = progress.get("restarted") or progress.get("resumed")
+    return None if t is None else float(t)
+
+
+def progress_window(conn: Connection, run: dict[str, Any], *, started_at: float,
+                    observing_since: float, cfg: DetectionConfig) -> ProgressWindow:
+    run_id, attempt = int(run["id"]), int(run["attempt"])
+    ranks = repo.rank_progress(conn, run_id=run_id, attempt=attempt)
+    times = repo.step_times(conn, run_id=run_id, attempt=attempt, limit=cfg.interval_history)
+    if len(times) < cfg.hang.min_intervals + 1 and attempt > 0:  # learn from the last attempt
+        times = repo.step_times(conn, run_id=run_id, attempt=attempt - 1,
+                                limit=cfg.interval_history) + times
+    ckpt_started = repo.latest_event(conn, run_id=run_id, attempt=attempt,
+                                     name="checkpoint_started")
+    newest_ckpt = repo.newest_checkpoint_time(conn, run_id=run_id)
+    checkpoint_since = None
+    if ckpt_started is not None and (newest_ckpt is None or newest_ckpt < ckpt_started["t"]):
+        checkpoint_since = float(ckpt_started["t"])
+    return ProgressWindow(
+        attempt_started_at=started_at,
+        ranks={int(r["rank"]): RankProgress(int(r["step"]), float(r["t"])) for r in ranks},
+        steps_in_attempt=repo.count_steps(conn, run_id=run_id, attempt=attempt),
+        step_intervals=intervals_from_times([t for _, t in times]),
+        checkpoint_since=checkpoint_since,
+        recent_save_s=repo.recent_save_seconds(conn, run_id=run_id),
+        observing_since=observing_since,
+        nodes={int(r["rank"]): str(r["node"]) for r in ranks},
+    )
+
+
+def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
+                  observing_since: float, cfg: DetectionConfig) -> list[Finding]:
+    started = attempt_started_at(conn, run)
+    if started is None:
+        return []
+    w = progress_window(conn, run, started_at=started, observing_since=observing_since, cfg=cfg)
+    out = detect_hang(w, now, cfg.hang)
+    if w.ranks:  # a hang is "after the newest step any rank reported"
+        newest = max(p.step for p in w.ranks.values())
+        out = [dataclasses.replace(f, step=newest) if f.kind == "hang" and f.step is None
+               else f for f in out]
+    return out
+
+
+def lost_node_findings(conn: Connection, run: dict[str, Any], *, now: float,
+                       observing_since: float, cfg: DetectionConfig) -> list[Finding]:
+    agents = [a for a in repo.run_agents(conn, run_id=run["id"])
+              if a["state"] in _LIVE_AGENT_STATES]
+    beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents}
+    return detect_lost_nodes(beats, now, cfg.node_lost, observing_since=observing_since)
+
+
+def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig
+                       ) -> list[Finding]:
+    run_id, attempt = int(run["id"]), int(run["attempt"])
+    span = repo.step_range(conn, run_id=run_id, attempt=attempt)
+    if span is None:
+        return []
+    lo = max(span[0], span[1] - cfg.straggler_table_steps + 1)
+    rows = repo.rank_steps_for(conn, run_id=run_id, attempt=attempt, step_from=lo,
+                               step_to=span[1])
+    table = pre_collective_table(rows)
+    if len({r for row in table.values() for r in row}) < 2:
+        return []  # one rank has no peers; its own history alone is throughput's business
+    return detect_stragglers(table, cfg=cfg.straggler,
+                             nodes=repo.rank_nodes(conn, run_id=run_id))
+
+
+def loss_rows(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig
+              ) -> list[dict[str, Any]]:
+    return repo.loss_series(conn, run_id=run["id"], attempt=run["attempt"],
+                            limit=cfg.loss.lookback_steps + cfg.loss.window_steps)
+
+
+def loss_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> list[Finding]:
+    samples = []
+    for r in rows:
+        loss = math.nan if r["loss_nonfinite"] else r["loss"]
+        grad = math.nan if r["grad_norm_nonfinite"] else None
+        samples.append(LossSample(step=int(r["step"]), loss=loss, grad_norm=grad,
+                                  t=float(r["t_last"])))
+    return detect_loss(samples, cfg.loss)
+
+
+def throughput_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> list[Finding]:
+    points = []
+    prev_t: float | None = None
+    for r in rows:
+        t = float(r["t_last"])
+        if prev_t is not None and t > prev_t:
+            points.append(ThroughputPoint(step=int(r["step"]), amount=float(r["samples"] or 0),
+                                          seconds=t - prev_t))
+        prev_t = t
+    if not points or all(p.amount == 0 for p in points):
+        return []
+    return detect_throughput_decay(points, cfg=cfg.throughput)

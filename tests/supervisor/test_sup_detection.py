@@ -1,0 +1,193 @@
+"""Detection through the store: evaluator ticks turn measurements into one incident per episode
+and the policy's response (gang restart with stack collection, incident only, event)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sup_helpers import OPERATOR, FakeClock, crash, ingest, make_settings, register, step
+
+from supervisor.app import create_app
+from supervisor.evaluator import Evaluator
+from supervisor.store.db import Database
+
+
+@pytest.fixture
+def client(db: Database, clock: FakeClock) -> Iterator[TestClient]:
+    settings = make_settings(hang_floor_s=5.0, hang_startup_s=60.0, hang_warmup_s=20.0,
+                             node_lost_s=10.0, restart_budget=5)
+    app = create_app(settings, db=db, clock=clock, upgrade_schema=False,
+                     start_evaluator=False)
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture
+def evaluator(client: TestClient) -> Evaluator:
+    ev: Evaluator = client.app.state.evaluator  # type: ignore[attr-defined]
+    return ev
+
+
+def get(client: TestClient, path: str) -> Any:
+    r = client.get(f"/api/v1/runs/r1{path}", headers=OPERATOR)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+class Run:
+    """One node, two ranks, training in step with the fake clock."""
+
+    def __init__(self, client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+        self.client, self.clock, self.ev = client, clock, evaluator
+        self.agent = register(client, node="n0")["agent_id"]
+        self.seq = 0
+        self.step = 0
+
+    def send(self, items: list[dict[str, Any]], attempt: int = 0) -> dict[str, Any]:
+        # Like the real agent: every batch carries a heartbeat.
+        beat = {"type": "heartbeat", "t": self.clock.now, "attempt": attempt, "state": "running"}
+        r = ingest(self.client, self.agent, self.seq, [*items, beat], attempt=attempt)
+        self.seq += 1
+        return r
+
+    def train(self, n: int, *, dt: float = 0.5, loss: Any = None, compute: Any = None,
+              attempt: int = 0) -> None:
+        for _ in range(n):
+            self.clock.advance(dt)
+            items = []
+            for rank in (0, 1):
+                lv = loss(self.step) if loss else 1.0 / (1 + 0.01 * self.step)
+                cs = compute(self.step, rank) if compute else 0.2
+                items.append(step(rank, self.step, attempt=attempt, t=self.clock.now,
+                                  loss=lv, compute_s=cs, data_s=0.01, world_size=2))
+            self.send(items, attempt=attempt)
+            self.step += 1
+            self.ev.tick()
+
+
+def test_clean_run_opens_no_incident(client: TestClient, clock: FakeClock,
+                                     evaluator: Evaluator) -> None:
+    import random
+
+    rng = random.Random(3)
+    run = Run(client, clock, evaluator)
+    run.train(200, dt=0.5, loss=lambda s: 2.0 * math.exp(-s / 80) + 0.1 + rng.gauss(0, 0.02),
+              compute=lambda s, r: 0.2 * (1 + rng.uniform(-0.2, 0.2)))
+    assert get(client, "/incidents")["incidents"] == []
+    assert get(client, "")["status"] == "running"
+
+
+def test_hang_restarts_with_stack_collection_and_attaches_the_stacks(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.train(30, dt=0.5)
+    clock.advance(4.0)
+    evaluator.tick()
+    assert get(client, "/incidents")["incidents"] == []  # under the 5 s floor: not yet
+    clock.advance(2.0)
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "hang" and inc["step"] == 29 and inc["attempt"] == 0
+    (act,) = get(client, "/actions")["actions"]
+    assert act["kind"] == "restart" and act["incident_id"] == inc["id"]
+    (cmd,) = run.send([])["commands"]
+    assert cmd["kind"] == "restart" and cmd["collect_stacks"] is True
+    # The agent dumps the stacks before it kills the workers.
+    run.send([{"type": "event", "t": clock.now, "attempt": 0, "name": "stacks",
+               "message": "python stacks of 2 worker(s)",
+               "details": {"stacks": {"0": "File train.py, line 9 in all_reduce",
+                                      "1": "File train.py, line 7 in forward"},
+                           "command_id": cmd["id"]}}])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["details"]["stacks"]["1"] == "File train.py, line 7 in forward"
+    # The workers' exit for the hung attempt is an echo, not a second failure.
+    run.send([crash(attempt=0, rank=0)])
+    evaluator.tick()
+    assert len(get(client, "/incidents")["incidents"]) == 1
+    assert get(client, "")["attempt"] == 1
+
+
+def test_checkpoint_save_in_progress_extends_the_deadline(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.train(30, dt=0.5)
+    run.send([{"type": "event", "t": clock.now, "attempt": 0, "rank": 0,
+               "name": "checkpoint_started", "step": 30, "message": "saving step_30"}])
+    for _ in range(15):  # a 30 s save; the agent keeps sending its heartbeats
+        clock.advance(2.0)
+        run.send([])
+        evaluator.tick()
+    assert get(client, "/incidents")["incidents"] == []
+    for _ in range(70):  # ...but a save that never ends is a hang too (600 s allowance)
+        clock.advance(10.0)
+        run.send([])
+        evaluator.tick()
+    assert [i["kind"] for i in get(client, "/incidents")["incidents"]] == ["hang"]
+
+
+def test_collective_timeout_event_is_the_incident_and_the_crash_that_follows_an_echo(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.train(5)
+    run.send([{"type": "event", "t": clock.now, "attempt": 0, "rank": 0, "step": 5,
+               "name": "collective_timeout",
+               "message": "RuntimeError: Timed out waiting 3000ms for recv operation",
+               "details": {"collective": "all_reduce (gradient sync in backward)"}}])
+    evaluator.tick()
+    run.send([crash(attempt=0, rank=0)])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "collective_timeout" and inc["rank"] == 0
+    assert "all_reduce" in inc["cause"] and "Timed out" in inc["cause"]
+    assert get(client, "")["attempt"] == 1
+
+
+def test_lost_node_restarts_the_gang(client: TestClient, clock: FakeClock,
+                                     evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    other = register(client, node="n1")["agent_id"]
+    ingest(client, other, 0, [])
+    run.train(15, dt=1.0)  # n1 stays silent from here (deadline 10 s)
+    incidents = get(client, "/incidents")["incidents"]
+    assert [(i["kind"], i["node"]) for i in incidents] == [("node_lost", "n1")]
+    assert get(client, "")["status"] == "restarting"
+
+
+def test_straggler_is_named_and_resolved_when_it_recovers(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.train(40)
+    run.train(40, compute=lambda s, r: 0.3 if r == 1 else 0.2)  # rank 1 is 1.5x slower
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "straggler" and inc["rank"] == 1 and inc["node"] == "n0"
+    assert inc["status"] == "open" and 40 <= inc["step"] <= 45
+    assert get(client, "")["status"] == "running"  # an incident, not a restart
+    run.train(100)
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["status"] == "resolved"
+
+
+def test_loss_spike_that_stays_is_one_incident_with_its_start_step(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.train(120, loss=lambda s: 1.0 if s < 100 else 40.0)
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "loss_spike" and inc["step"] == 100 and inc["status"] == "open"
+
+
+def test_transient_spike_is_an_event_and_nan_an_incident_at_once(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.train(80, loss=lambda s: 30.0 if 60 <= s < 64 else 1.0)
+    assert get(client, "/incidents")["incidents"] == []
+    events = [e for e in get(client, "/events")["events"] if e["name"] ==
+              "loss_spike_transient"]
+    assert len(events) == 1 and events[0]["step"] == 60
+    run.train(1, loss=lambda s: float("nan"))
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "nonfinite" and inc["step"] == 80
