@@ -60,6 +60,13 @@ def apply(conn: Connection, *, run: dict[str, Any], decision: Decision | Finding
         repo.set_run_status(conn, run_id=run_id, status="completed", now=now,
                             reason=decision.reason)
         repo.resolve_incidents(conn, run_id=run_id, now=now)
+        # A restart that never reached the workers is moot now.
+        repo.supersede_commands(conn, run_id=run_id, now=now)
+        for a in repo.actions_in_progress(conn):
+            if a["run_id"] == run_id:
+                repo.update_action(conn, action_id=a["id"], status="superseded",
+                                   updated_at=now, progress={**a["progress"],
+                                                             "superseded": now})
         return None
     agent_ids = [a["id"] for a in repo.run_agents(conn, run_id=run_id)]
     incident_id = _incident(conn, run_id, decision.incident, now)

@@ -61,6 +61,10 @@ class Evaluator:
                 run = repo.get_run(conn, run_id=ex["run_id"])
                 agent_ids = frozenset(a["id"] for a in repo.run_agents(conn, run_id=run["id"]))
                 ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
+                pending = repo.restart_action_for(conn, run_id=run["id"],
+                                                  attempt=run["attempt"])
+                restart_pending = pending is not None and pending["status"] in (
+                    "queued", "delivered") and ex["attempt"] == run["attempt"] - 1
                 decision = policy.on_exit(
                     actions.facts(run),
                     policy.ExitFacts(
@@ -71,8 +75,11 @@ class Evaluator:
                     ),
                     agent_ids=agent_ids,
                     completed_agent_ids=frozenset(
-                        repo.completed_agents(conn, run_id=run["id"], attempt=run["attempt"])
+                        repo.completed_agents(conn, run_id=run["id"],
+                                              attempt=ex["attempt"] if restart_pending
+                                              else run["attempt"])
                     ),
+                    restart_pending=restart_pending,
                     checkpoint=ckpt["path"] if ckpt else None,
                     cfg=self.cfg,
                     now=now,
@@ -153,7 +160,9 @@ class Evaluator:
                                           observing_since=self.observing_since, cfg=cfg)
         findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
                                                cfg=cfg)
-        stragglers = observe.straggler_findings(conn, run, cfg=cfg)
+        open_stragglers = {int(i["rank"]) for i in repo.incidents_of(
+            conn, run_id=run["id"], kinds=["straggler"], status="open") if i["rank"] is not None}
+        stragglers = observe.straggler_findings(conn, run, cfg=cfg, open_ranks=open_stragglers)
         findings += stragglers
         rows = observe.loss_rows(conn, run, cfg=cfg)
         findings += observe.loss_findings(rows, cfg=cfg)

@@ -34,6 +34,10 @@ from supervisor.detect import (
 )
 from supervisor.store import repo
 
+# An agent sends a batch at least every second; its newest batch tells us up to when we
+# know what its workers did.
+_DELIVERY_SLACK_S = 1.0
+
 # Agent states that mean "this node is supposed to be alive and training".
 _LIVE_AGENT_STATES = {"registered", "starting", "running", "stopping"}
 
@@ -95,6 +99,13 @@ def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
     if started is None:
         return []
     w = progress_window(conn, run, started_at=started, observing_since=observing_since, cfg=cfg)
+    # Judge progress only up to what every agent has delivered: reports reach us through
+    # the agents, and a batch that is late (a slow network, a busy supervisor) is a delivery
+    # gap, not a hang.  An agent that stays silent is the node-lost detector's business.
+    seen = [float(a["last_seen_at"]) for a in repo.run_agents(conn, run_id=run["id"])
+            if a["state"] in _LIVE_AGENT_STATES]
+    if seen:
+        now = min(now, min(seen) + _DELIVERY_SLACK_S)
     out = detect_hang(w, now, cfg.hang)
     if w.ranks:  # a hang is "after the newest step any rank reported"
         newest = max(p.step for p in w.ranks.values())
@@ -111,8 +122,8 @@ def lost_node_findings(conn: Connection, run: dict[str, Any], *, now: float,
     return detect_lost_nodes(beats, now, cfg.node_lost, observing_since=observing_since)
 
 
-def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig
-                       ) -> list[Finding]:
+def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
+                       open_ranks: set[int]) -> list[Finding]:
     run_id, attempt = int(run["id"]), int(run["attempt"])
     span = repo.step_range(conn, run_id=run_id, attempt=attempt)
     if span is None:
@@ -124,7 +135,8 @@ def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionC
     if len({r for row in table.values() for r in row}) < 2:
         return []  # one rank has no peers; its own history alone is throughput's business
     return detect_stragglers(table, cfg=cfg.straggler,
-                             nodes=repo.rank_nodes(conn, run_id=run_id))
+                             nodes=repo.rank_nodes(conn, run_id=run_id),
+                             flagged_ranks=open_ranks)
 
 
 def loss_rows(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig

@@ -156,8 +156,19 @@ def on_exit(
     checkpoint: str | None,
     cfg: PolicyConfig,
     now: float,
+    restart_pending: bool = False,
 ) -> Decision:
-    """Decide what one agent's exit report means for the run."""
+    """Decide what one agent's exit report means for the run.
+
+    ``restart_pending``: the restart to the run's current attempt has not relaunched any
+    worker yet.  Then the previous attempt is still the one training, and its completion
+    completes the run (the restart, decided on a late or false signal, is moot)."""
+    if (ex.attempt == run.attempt - 1 and restart_pending and ex.outcome == "completed"
+            and not ex.exit_code and run.status not in FINAL_STATUSES):
+        if agent_ids <= (completed_agent_ids | {ex.agent_id}):
+            return Complete(reason=f"every agent completed attempt {ex.attempt} before the "
+                                   f"restart to attempt {run.attempt} reached it")
+        return Note("completed", "waiting for the other agents to complete")
     if ex.attempt < run.attempt:
         return Note("late", f"exit of attempt {ex.attempt}; the run is at {run.attempt}")
     if ex.attempt > run.attempt:

@@ -8,6 +8,7 @@ gains nothing from the cookie (which is also ``SameSite=Strict``).
 
 from __future__ import annotations
 
+from http.cookies import CookieError, SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -42,10 +43,14 @@ def _cookie(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     for k, v in headers:
         if k != b"cookie":
             continue
-        for part in v.split(b";"):
-            name, _, value = part.strip().partition(b"=")
-            if name == COOKIE.encode() and value and value.isascii():
-                return value
+        jar: SimpleCookie = SimpleCookie()
+        try:
+            jar.load(v.decode("latin-1"))
+        except CookieError:
+            continue
+        morsel = jar.get(COOKIE)
+        if morsel is not None and morsel.value and valid_token_text(morsel.value):
+            return morsel.value.encode()
     return None
 
 

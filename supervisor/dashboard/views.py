@@ -93,7 +93,8 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
             start = _int(d.get("step"))
         if start is None:
             continue
-        end = _int(d.get("end_step")) or _int(d.get("step")) or start
+        end = next((v for v in (_int(d.get(k)) for k in ("end_step", "last_high_step", "step"))
+                    if v is not None), start)
         out.append({"type": "spike", "kind": inc["kind"], "from": start,
                     "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}"})
     for a in repo.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,9 @@ class StragglerConfig:
     self_threshold: float = 0.75  # baseline / recent below this: slower than its own past
     min_baseline_steps: int = 10  # older steps needed for an own-history baseline
     onset_gap: int = 3  # this many consecutive normal steps end the slow stretch (onset search)
+    # A rank must also be slower than its peers by this many seconds (median over the
+    # window): with steps of a few milliseconds, scheduler noise alone makes 2x ratios.
+    min_excess_s: float = 0.01
 
     def __post_init__(self) -> None:
         require(0 < self.threshold < 1,
@@ -82,6 +85,8 @@ class StragglerConfig:
                 f"StragglerConfig.min_baseline_steps must be >= 1 (got {self.min_baseline_steps})")
         require(self.onset_gap >= 1,
                 f"StragglerConfig.onset_gap must be >= 1 (got {self.onset_gap})")
+        require(self.min_excess_s >= 0,
+                f"StragglerConfig.min_excess_s must be >= 0 seconds (got {self.min_excess_s})")
 
 
 def pre_collective_table(rows: Iterable[Mapping[str, Any]]) -> dict[int, dict[int, float]]:
@@ -112,15 +117,18 @@ def rank_baselines(table: PreCollectiveTable, min_steps: int = 1) -> dict[int, f
 
 def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None = None,
                       baseline: Mapping[int, float] | None = None,
-                      nodes: Mapping[int, str] | None = None) -> list[Finding]:
+                      nodes: Mapping[int, str] | None = None,
+                      flagged_ranks: Collection[int] = ()) -> list[Finding]:
     """One ``straggler`` incident per rank that is slow in a sustained way.
 
     ``table``: step -> rank -> pre-collective seconds (``pre_collective_table``), covering at
     least the newest ``hold_steps`` steps; older steps help place the onset and, without
     ``baseline``, give the own-history baseline (the newest 100 steps is a good window).
     ``baseline``: rank -> reference pre-collective seconds (optional, see ``rank_baselines``).
-    ``nodes``: rank -> node name, to name the node.  Cost: a few medians per rank, plus one
-    sort per step when some rank is flagged.
+    ``nodes``: rank -> node name, to name the node.  ``flagged_ranks``: ranks whose straggler
+    episode is still open; for them the longer ``hold_steps`` window keeps the flag up (a new
+    flag needs the short window).  Cost: a few medians per rank, plus one sort per step when
+    some rank is flagged.
     """
     cfg = cfg or StragglerConfig()
     nodes = nodes or {}
@@ -135,8 +143,10 @@ def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None 
     if len(ranks) >= 2:
         hold_steps = steps[-cfg.hold_steps:] if cfg.hold_steps > len(recent_steps) else []
         held = _peer_scores(table, hold_steps, cfg.min_steps) if hold_steps else {}
+        held_open = {r: v for r, v in held.items() if r in set(flagged_ranks)}
         flagged = [r for r in sorted(short)
-                   if min(short[r][0], held.get(r, (math.inf, 0.0))[0]) < cfg.threshold]
+                   if min(short[r][0], held_open.get(r, (math.inf, 0.0))[0]) < cfg.threshold
+                   and _excess(short[r]) >= cfg.min_excess_s]
         per_step = _step_scores(table, steps, flagged) if flagged else {}
         for r in flagged:
             score, peers_s = short[r]
@@ -155,6 +165,12 @@ def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None 
         out.append(_finding(r, nodes.get(r), "self", own["self_score"], cfg.self_threshold,
                             series, None, own, table, recent_steps, cfg, {}))
     return out
+
+
+def _excess(score_and_peers: tuple[float, float]) -> float:
+    """Seconds this rank is slower than its peers (median over the window)."""
+    score, peers_s = score_and_peers
+    return peers_s / score - peers_s if score > 0 else math.inf
 
 
 def _peer_scores(table: PreCollectiveTable, steps: list[int], min_steps: int

@@ -1192,9 +1192,10 @@ def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:
         select(a.attempt, a.step, a.ranks, a.t_last).where(a.run_id == run_id)
         .order_by(a.attempt.desc(), a.step.desc()).limit(1)
     ).first()
-    inc = conn.execute(
-        select(func.count(), func.max(i.id), func.max(i.resolved_at)).where(i.run_id == run_id)
-    ).one()
+    inc_cols = [func.count(), func.max(i.id), func.max(i.resolved_at)]
+    if "updated_at" in i:  # details of an ongoing incident change while it lasts
+        inc_cols.append(func.max(i.updated_at))
+    inc = conn.execute(select(*inc_cols).where(i.run_id == run_id)).one()
     act = conn.execute(
         select(func.count(), func.max(ac.updated_at)).where(ac.run_id == run_id)
     ).one()

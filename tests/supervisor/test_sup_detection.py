@@ -85,10 +85,16 @@ def test_hang_restarts_with_stack_collection_and_attaches_the_stacks(
         client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
     run = Run(client, clock, evaluator)
     run.train(30, dt=0.5)
-    clock.advance(4.0)
-    evaluator.tick()
+    for _ in range(4):  # the agent keeps delivering heartbeats; no step arrives
+        clock.advance(1.0)
+        run.send([])
+        evaluator.tick()
     assert get(client, "/incidents")["incidents"] == []  # under the 5 s floor: not yet
-    clock.advance(2.0)
+    clock.advance(10.0)  # no batch either: we cannot tell a hang from a delivery gap...
+    evaluator.tick()
+    assert get(client, "/incidents")["incidents"] == []
+    clock.advance(0.5)
+    run.send([])  # ...until the agent's next batch says its workers made no progress
     evaluator.tick()
     (inc,) = get(client, "/incidents")["incidents"]
     assert inc["kind"] == "hang" and inc["step"] == 29 and inc["attempt"] == 0

@@ -236,3 +236,15 @@ def test_simultaneous_crash_reports_of_both_nodes_open_one_incident(
     assert rep.exits == 2 and rep.decisions == 1
     assert len(get(client, "/incidents")["incidents"]) == 1
     assert get(client, "")["attempt"] == 1
+
+
+def test_completion_of_the_previous_attempt_before_the_restart_reached_it() -> None:
+    run = policy.RunFacts(id=1, name="r", status="restarting", attempt=3, restarts=1)
+    done = exit_(2, "completed", agent=1, code=0)
+    d = policy.on_exit(run, done, agent_ids=frozenset({1}), completed_agent_ids=frozenset(),
+                       checkpoint=None, cfg=CFG, now=1.0, restart_pending=True)
+    assert isinstance(d, policy.Complete) and "before the restart" in d.reason
+    # Once the workers were relaunched, the old attempt's exit is only late.
+    d = policy.on_exit(run, done, agent_ids=frozenset({1}), completed_agent_ids=frozenset(),
+                       checkpoint=None, cfg=CFG, now=1.0, restart_pending=False)
+    assert isinstance(d, policy.Note) and d.verdict == "late"

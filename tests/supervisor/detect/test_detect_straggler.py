@@ -30,11 +30,17 @@ def make_table(ranks: int, steps: int, seed: int, noise: float = 0.2,
 
 def slide(table: Table, cfg: StragglerConfig | None = None, **kw: Any
           ) -> list[tuple[int, Finding]]:
-    """Call the detector as the evaluator would, once per new step: (newest step, finding)."""
+    """Call the detector as the evaluator would, once per new step: (newest step, finding).
+
+    Like the evaluator, it passes the ranks whose episode is open (flagged and not yet
+    cleared) as ``flagged_ranks``, so the hold window keeps their flag up."""
     out: list[tuple[int, Finding]] = []
+    open_ranks: set[int] = set()
     for s in sorted(table):
         win = {q: table[q] for q in range(max(0, s - LOOKBACK + 1), s + 1)}
-        out.extend((s, f) for f in detect_stragglers(win, cfg=cfg, **kw))
+        found = detect_stragglers(win, cfg=cfg, flagged_ranks=open_ranks, **kw)
+        open_ranks = {f.rank for f in found if f.rank is not None}
+        out.extend((s, f) for f in found)
     return out
 
 
@@ -139,3 +145,11 @@ def test_config_is_validated_with_the_fix_named() -> None:
         StragglerConfig(threshold=1.5)
     with pytest.raises(ValueError, match="min_steps"):
         StragglerConfig(window_steps=10, min_steps=20)
+
+
+def test_millisecond_steps_are_not_judged_below_the_absolute_floor() -> None:
+    # 2 ms of compute where scheduler noise alone makes one rank 2x slower: not a straggler
+    # (its excess is under min_excess_s); the same ratio at 20 ms is.
+    assert slide({s: {0: 0.002, 1: 0.0045} for s in range(200)}) == []
+    hits = slide({s: {0: 0.02, 1: 0.045} for s in range(200)})
+    assert hits and {f.rank for _, f in hits} == {1}
