@@ -251,7 +251,10 @@ class Uplink:
         batch["sent_at"] = self.clock()
         batch["dropped"] = self.dropped
         try:
-            r = self.client.post(INGEST_PATH, json=batch)
+            # Python's json, not httpx's json=: the wire carries NaN/Infinity tokens (a NaN
+            # loss is the signal), which httpx's strict encoder refuses.
+            r = self.client.post(INGEST_PATH, content=json.dumps(batch).encode(),
+                                 headers={"content-type": "application/json"})
         except httpx.HTTPError as e:
             self.spool.release(seq)
             self._fail(f"{type(e).__name__}: {e}")

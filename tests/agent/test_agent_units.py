@@ -399,3 +399,19 @@ def test_executor_interrupted_restart_counts_if_relaunched(tmp_path: Path) -> No
     ex.submit([{"id": 9, "kind": "restart", "attempt": 3}])
     ex.tick()
     assert host.calls == [] and out[-1]["status"] == "done"
+
+
+def test_nan_loss_crosses_the_wire(fake_run, fake_supervisor) -> None:  # type: ignore[no-untyped-def]
+    """A NaN loss is the signal of a diverged run: the batch carrying it must be sent."""
+    from agent.uplink import Uplink
+
+    up = Uplink(supervisor_url="http://supervisor.test", token="agent-token",
+                state_dir=fake_run.state_dir, register_request={"run": "run1", "node": "n"},
+                transport=fake_supervisor.transport())
+    up.enqueue([{"type": "step", "rank": 0, "step": 3, "loss": float("nan"),
+                 "grad_norm": float("inf")}], {"type": "heartbeat", "t": 1.0}, 0)
+    up.pump()
+    up.pump()
+    (s,) = fake_supervisor.items("step")
+    assert s["loss"] != s["loss"] and s["grad_norm"] == float("inf")
+    assert up.pending == 0

@@ -41,8 +41,10 @@ def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.2) -> A
 class Supervisor:
     """``trainwarden supervisor`` as a subprocess; restartable on the same port and database."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, *extra: str) -> None:
+    def __init__(self, data_dir: Path, port: int | None = None, *extra: str,
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.env = dict(env or {})
         self.port = port or free_port()
         self.extra = list(extra)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -52,7 +54,7 @@ class Supervisor:
 
     def start(self) -> Supervisor:
         env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN,
-               "TRAINWARDEN_OPERATOR_TOKEN": OPERATOR_TOKEN}
+               "TRAINWARDEN_OPERATOR_TOKEN": OPERATOR_TOKEN, **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "supervisor.cli", "supervisor", "--data-dir",

@@ -1,0 +1,105 @@
+"""Each fault of the catalogue, injected into a real torchrun run under agent and supervisor,
+is detected, named (kind, rank, step) and handled as the policy says."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TRAIN = ["--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50"]
+
+
+@pytest.fixture(scope="module")
+def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
+    # Short deadlines so tests are quick: a hang after 6 s without progress.
+    sup = Supervisor(tmp_path_factory.mktemp("sup"), env={
+        "TRAINWARDEN_HANG_FLOOR_S": "6", "TRAINWARDEN_HANG_WARMUP_S": "20",
+        "TRAINWARDEN_HANG_STARTUP_S": "120", "TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}).start()
+    yield sup
+    sup.stop()
+
+
+def run_to_end(sup: Supervisor, tmp_path: Path, name: str, *args: str,
+               timeout: float = 240) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    work = tmp_path / name
+    agent = Agent(sup.url, name, "node0", work, [
+        "--nproc_per_node=2", "--standalone", *ddp_script(
+            *TRAIN, "--checkpoint-dir", str(work / "ck"),
+            "--summary-json", str(work / "summary.json"), *args)])
+    try:
+        assert agent.wait(timeout) == 0, agent.tail()
+    finally:
+        agent.stop()
+    try:
+        run = wait_until(lambda: (r := sup.get(f"/runs/{name}"))["status"] in
+                         ("completed", "failed", "stopped") and r, 15, "the run to end")
+    except AssertionError:
+        raise AssertionError(f"run did not end: {sup.get(f'/runs/{name}')}\n"
+                             f"{sup.get(f'/runs/{name}/incidents')}\n{sup.tail()}") from None
+    return run, sup.get(f"/runs/{name}/incidents")["incidents"]
+
+
+def test_hang_is_detected_stacks_captured_and_the_gang_restarted(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    # Rank 1 stops making progress at step 150; rank 0 waits in the all-reduce (a 60 s
+    # collective timeout: the hang deadline is shorter).
+    run, incidents = run_to_end(supervisor, tmp_path, "hangs", "--steps", "260",
+                                "--step-sleep", "0.005", "--inject", "hang@150:rank=1")
+    assert run["status"] == "completed" and run["restarts"] == 1, run
+    (inc,) = incidents
+    assert inc["kind"] == "hang" and inc["step"] == 149 and inc["attempt"] == 0
+    stacks = inc["details"]["stacks"]
+    assert sorted(stacks) == ["0", "1"]
+    assert "in before_step" in stacks["1"]  # the stuck line of the hung rank...
+    assert "backward" in stacks["0"]  # ...and its peer waiting in the gradient all-reduce
+    stall = inc["details"]["stall_s"]
+    assert 6 <= stall < 12, stall  # caught right after the 6 s deadline
+    (act,) = supervisor.get("/runs/hangs/actions")["actions"]
+    assert act["status"] == "resumed" and act["resumed_step"] == 150
+    assert act["plan"]["checkpoint"].endswith("step_150")
+
+
+def test_collective_timeout_is_an_incident_naming_rank_and_collective(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    run, incidents = run_to_end(supervisor, tmp_path, "timeouts", "--steps", "160",
+                                "--timeout", "2", "--inject", "hang@120:rank=1")
+    assert run["status"] == "completed" and run["restarts"] == 1, run
+    (inc,) = incidents
+    assert inc["kind"] == "collective_timeout" and inc["rank"] == 0, inc
+    assert inc["details"]["collective"].startswith("all_reduce")
+    assert "Timed out" in inc["cause"] and "2000ms" in inc["cause"]
+
+
+def test_straggler_is_named_without_a_restart(supervisor: Supervisor, tmp_path: Path) -> None:
+    run, incidents = run_to_end(supervisor, tmp_path, "slow", "--steps", "260",
+                                "--step-sleep", "0.02", "--inject", "slow@100:rank=1")
+    assert run["status"] == "completed" and run["restarts"] == 0, run
+    assert [i["kind"] for i in incidents] == ["straggler"], incidents
+    inc = incidents[0]
+    assert inc["rank"] == 1 and inc["node"] == "node0"
+    assert 100 <= inc["step"] <= 150, inc  # named within 50 steps of the slowdown
+    flagged = inc["details"]["flagged_at_step"]
+    assert flagged <= 150, flagged
+    assert re.search(r"rank 1", inc["cause"])
+
+
+def test_loss_spike_and_nan_open_incidents_at_their_steps(supervisor: Supervisor,
+                                                          tmp_path: Path) -> None:
+    run, incidents = run_to_end(supervisor, tmp_path, "spiky", "--steps", "300",
+                                "--inject", "spike@120", "--inject", "nan@220")
+    assert run["status"] == "completed" and run["restarts"] == 0, run
+    by_kind = {i["kind"]: i for i in incidents}
+    assert sorted(by_kind) == ["loss_spike", "nonfinite"], incidents
+    assert by_kind["loss_spike"]["step"] == 120
+    assert by_kind["nonfinite"]["step"] == 220
+    summary = json.loads((tmp_path / "spiky" / "summary.json").read_text())
+    assert summary["final_train_loss"] != summary["final_train_loss"]  # NaN: nothing fixed it
