@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from agent.worker.report import current_attempt
+from agent.worker.report import current_attempt, get_reporter
+
+EVENT_FAULT_INJECTED = "fault_injected"
 
 KINDS = ("crash", "hang", "slow", "spike", "nan")
 
@@ -69,6 +71,7 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int,
                  attempt: int | None = None) -> None:
         self.rank = rank
+        self._announced: set[tuple[str, int]] = set()
         if attempt is None:
             attempt = current_attempt() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.first_attempt = attempt == 0
@@ -82,15 +85,28 @@ class FaultInjector:
         """Crash or hang here when a fault says so."""
         for f in self.faults:
             if f.step == step and f.kind == "crash":
+                self._announce(f, step)
                 os.kill(os.getpid(), signal.SIGKILL)
             if f.step == step and f.kind == "hang":
+                self._announce(f, step)
                 while True:  # alive, making no progress: what a stuck collective looks like
                     time.sleep(3600)
+
+    def _announce(self, f: Fault, step: int) -> None:
+        """A ``fault_injected`` event with the time it fired (the detection benchmark measures
+        from it); sent and flushed before a crash or hang takes the process."""
+        if (f.kind, f.step) in self._announced:
+            return
+        self._announced.add((f.kind, f.step))
+        get_reporter().event(EVENT_FAULT_INJECTED, f"{f.kind}@{f.step} fired", step=step,
+                             details={"kind": f.kind, "at": f.step, "rank": self.rank},
+                             blocking=f.kind in ("crash", "hang"))
 
     def slowdown(self, step: int, compute_s: float) -> None:
         """Sleep so this step's compute takes ``factor`` times as long (a straggler)."""
         for f in self.faults:
             if f.kind == "slow" and step >= f.step:
+                self._announce(f, step)
                 time.sleep(compute_s * (f.factor - 1.0))
 
     def corrupt(self, batch_index: int, x: torch.Tensor, y: torch.Tensor
@@ -98,10 +114,14 @@ class FaultInjector:
         """Corrupt the data of the batches a spike or nan fault names."""
         for f in self.faults:
             if f.kind == "spike" and f.step <= batch_index < f.step + f.length:
+                if self.rank == 0:
+                    self._announce(f, batch_index)
                 # Large, wrong targets: a loss jump whose gradients wreck the weights and
                 # inflate Adam's second moments, so the loss stays high for a long while.
                 x = x * f.scale
                 y = -y * f.scale + f.scale
             if f.kind == "nan" and batch_index == f.step:
+                if self.rank == 0:
+                    self._announce(f, batch_index)
                 x = torch.full_like(x, float("nan"))
         return x, y

@@ -136,6 +136,8 @@ def test_supervisor_killed_mid_run_costs_training_nothing(tmp_path: Path) -> Non
         rows = read_batch_logs(work / "batches")
         assert [a for a, *_ in rows[0]] == ["0.0"] * 1200  # one uninterrupted attempt
         assert sup.get("/runs/steady")["restarts"] == 0
+        # A clean run, even with its supervisor killed and restarted: no incident at all.
+        assert sup.get("/runs/steady/incidents")["incidents"] == []
     finally:
         agent.stop()
         sup.stop()
