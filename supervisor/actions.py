@@ -27,6 +27,27 @@ from supervisor.policy import (
 from supervisor.store import repo
 
 
+def recovery(conn: Connection, run: dict[str, Any], steps: list[int] | None = None
+             ) -> policy.RecoveryFacts:
+    """The run's history a restart or rollback decision needs (see ``policy.RecoveryFacts``);
+    ``steps``: steps whose batch index the decision may name."""
+    run_id = int(run["id"])
+    ckpts = repo.lineage_checkpoints(conn, run_id=run_id)
+    history = [h for h in repo.restart_history(conn, run_id=run_id)
+               if h["actor"] == "policy"]
+    by_cause: dict[str, int] = {}
+    for h in history:
+        by_cause[h["cause"] or "crash"] = by_cause.get(h["cause"] or "crash", 0) + 1
+    wanted = sorted({*(steps or []), *(s for s, _ in ckpts)})
+    return policy.RecoveryFacts(
+        checkpoints=tuple(ckpts),
+        batch_index=repo.batch_indexes(conn, run_id=run_id, steps=wanted),
+        restarts_by_cause=by_cause,
+        high_step=repo.high_step(conn, run_id=run_id),
+        high_at_restarts=tuple(h["high_step"] for h in history),
+    )
+
+
 def facts(run: dict[str, Any]) -> policy.RunFacts:
     return policy.RunFacts(id=run["id"], name=run["name"], status=run["status"],
                            attempt=run["attempt"], restarts=run["restarts"])
@@ -81,7 +102,13 @@ def apply(conn: Connection, *, run: dict[str, Any], decision: Decision | Finding
             conn, run_id=run_id, incident_id=incident_id, kind="restart",
             reason=decision.reason, actor=decision.actor, status="queued",
             attempt=decision.attempt, not_before=decision.not_before, created_at=now,
+            cause=decision.cause, high_step=repo.high_step(conn, run_id=run_id),
         )
+        if decision.rollback_to_step is not None:
+            # The branch beyond the rollback point is abandoned: its checkpoints are never
+            # offered as the newest again (the new attempt writes its own).
+            repo.abandon_checkpoints(conn, run_id=run_id,
+                                     after_step=decision.rollback_to_step)
         plan = decision.plan(action_id=action_id)
         repo.update_action(conn, action_id=action_id, plan=plan)
         repo.create_commands(conn, rows=[

@@ -80,6 +80,7 @@ class Evaluator:
                                               else run["attempt"])
                     ),
                     restart_pending=restart_pending,
+                    recovery=actions.recovery(conn, run),
                     checkpoint=ckpt["path"] if ckpt else None,
                     cfg=self.cfg,
                     now=now,
@@ -198,7 +199,9 @@ class Evaluator:
             actions.facts(run), finding,
             incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
             open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
-            cfg=self.cfg, now=now)
+            cfg=self.cfg, now=now,
+            recovery=actions.recovery(conn, run, [finding.step] if finding.step is not None
+                                      else []))
         if isinstance(decision, policy.Note):
             return
         if not isinstance(decision, policy.RecordEvent):

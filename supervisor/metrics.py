@@ -8,6 +8,13 @@ Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes),
 (node) two, and at most ``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs
 that are active, or whose status changed in the last ``RECENT_S`` seconds, are exported.
 
+Derived values: a restart's ``cause`` is the kind of the incident its action answers
+(loss_spike/nonfinite -> "spike"), "operator" for an operator's action, "other" for anything
+else; ``restarts_without_progress`` counts, from the newest ended attempt backwards, the
+attempts started by a restart whose highest step did not pass the highest step of every
+earlier attempt (the running attempt ends the streak once it passes, and is not counted
+while it has not).
+
 Not exported: ``trainwarden_agent_disk_free_ratio`` (agents report free bytes of the
 checkpoint root, not its total size, so there is no ratio to give).
 """

@@ -19,19 +19,47 @@ First version: worker crashes.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.protocol import ResumePlan
+from agent.protocol import LRSchedule, ResumePlan
 
 FINAL_STATUSES = frozenset({"completed", "failed", "stopped"})
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    restart_budget: int = 10
+    restart_budget: int = 10  # per cause: crash, hang, node_lost, collective_timeout
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
+    # Loss-spike / NaN rollback (PaLM restarted ~100 steps before a spike and skipped
+    # ~200-500 batches; these defaults are scaled for short runs, configure for long ones).
+    rollback_budget: int = 3  # rollbacks per run before it is stopped
+    rollback_margin_steps: int = 10  # the checkpoint must be this far before the spike start
+    rollback_skip_before: int = 10  # skip from this many batches before the spike's batch...
+    rollback_skip_batches: int = 100  # ...this many batches (doubled on each recurrence)
+    rollback_lr_scale: float = 0.5  # LR x this (squared, cubed... on each recurrence)
+    rollback_lr_steps: int = 100  # for this many steps
+    rollback_lr_ramp_steps: int = 50  # then back to 1.0 linearly over this many steps
+    # A run that restarts this many times in a row without passing its highest step is
+    # stopped and flagged, not restarted forever.
+    no_progress_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.rollback_budget < 0 or self.restart_budget < 0:
+            raise ValueError("restart and rollback budgets must be >= 0")
+        if not 0 < self.rollback_lr_scale <= 1:
+            raise ValueError("rollback_lr_scale must be in (0, 1]: e.g. 0.5 halves the LR")
+        if self.rollback_skip_batches < 1 or self.rollback_skip_before < 0:
+            raise ValueError("rollback_skip_batches must be >= 1 and rollback_skip_before >= 0")
+        if self.no_progress_restarts < 1:
+            raise ValueError("no_progress_restarts must be >= 1")
+
+
+# The cause a restart is counted against (each has its own budget).
+CAUSE_OF_KIND = {"crash": "crash", "hang": "hang", "collective_timeout": "hang",
+                 "node_lost": "node_lost", "loss_spike": "spike", "nonfinite": "spike"}
 
 
 @dataclass(frozen=True)
@@ -89,11 +117,16 @@ class Restart:
     incident: IncidentSpec | None = None
     counts_against_budget: bool = True
     collect_stacks: bool = False  # a hang: dump every worker's stacks before the kill
+    skip: tuple[tuple[int, int], ...] = ()  # global batch-index ranges never to train
+    lr: LRSchedule | None = None  # LR x scale for a while after the resume
+    cause: str = "crash"  # the budget it counts against
+    rollback_to_step: int | None = None  # a rollback: checkpoints after it are abandoned
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
-        p = ResumePlan(checkpoint=self.checkpoint, attempt=self.attempt,
-                       lineage=f"a{self.attempt}", reason=self.reason, action_id=action_id)
+        p = ResumePlan(checkpoint=self.checkpoint, attempt=self.attempt, skip=self.skip,
+                       lr=self.lr, lineage=f"a{self.attempt}", reason=self.reason,
+                       action_id=action_id)
         d: dict[str, Any] = json.loads(p.to_json())
         return d
 
@@ -114,6 +147,43 @@ class Complete:
 
 
 Decision = Note | Restart | Stop | Complete
+
+
+@dataclass(frozen=True)
+class RecoveryFacts:
+    """What a restart or rollback decision needs to know about the run's history."""
+
+    # Complete checkpoints of the current lineage (not on an abandoned branch), oldest first.
+    checkpoints: tuple[tuple[int, str], ...] = ()
+    # step -> global batch index trained at that step (for the steps the decision names).
+    batch_index: Mapping[int, int] = field(default_factory=dict)
+    restarts_by_cause: Mapping[str, int] = field(default_factory=dict)
+    high_step: int | None = None  # the highest step the run has ever reported
+    # The run's highest step when each earlier restart was decided, oldest first.
+    high_at_restarts: tuple[int | None, ...] = ()
+
+
+def budget_left(cause: str, run: RunFacts, rec: RecoveryFacts | None, cfg: PolicyConfig
+                ) -> tuple[bool, str]:
+    """(may restart, why not) for a restart counted against ``cause``."""
+    if cause == "operator":
+        return True, ""
+    if rec is None:  # no history given: the run's total restarts against the crash budget
+        used, budget = run.restarts, cfg.restart_budget
+    else:
+        used = rec.restarts_by_cause.get(cause, 0)
+        budget = cfg.rollback_budget if cause == "spike" else cfg.restart_budget
+    if used >= budget:
+        what = "rollback" if cause == "spike" else f"restart ({cause})"
+        return False, f"{what} budget of {budget} spent"
+    if rec is not None and rec.high_step is not None:
+        n = cfg.no_progress_restarts
+        if len(rec.high_at_restarts) >= n:
+            base = rec.high_at_restarts[-n]
+            if base is not None and rec.high_step <= base:
+                return False, (f"no progress: {n} restarts in a row without passing step "
+                               f"{base}")
+    return True, ""
 
 
 def backoff_s(restarts_so_far: int, cfg: PolicyConfig) -> float:
@@ -157,6 +227,7 @@ def on_exit(
     cfg: PolicyConfig,
     now: float,
     restart_pending: bool = False,
+    recovery: RecoveryFacts | None = None,
 ) -> Decision:
     """Decide what one agent's exit report means for the run.
 
@@ -190,12 +261,9 @@ def on_exit(
         details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
                  "failed_ranks": ex.failed_ranks},
     )
-    if run.restarts >= cfg.restart_budget:
-        return Stop(
-            status="failed",
-            reason=f"restart budget of {cfg.restart_budget} spent; last failure: {cause}",
-            incident=incident,
-        )
+    may, why = budget_left(CAUSE_OF_KIND[kind], run, recovery, cfg)
+    if not may:
+        return Stop(status="failed", reason=f"{why}; last failure: {cause}", incident=incident)
     wait = backoff_s(run.restarts, cfg)
     return Restart(
         attempt=run.attempt + 1,
@@ -203,6 +271,7 @@ def on_exit(
         not_before=now + wait,
         reason=f"gang restart after {kind}: {cause}",
         incident=incident,
+        cause=CAUSE_OF_KIND[kind],
     )
 
 
@@ -229,8 +298,10 @@ def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
 # Failures that end the attempt: the gang restarts.  One attempt fails once: whichever of
 # these is seen first for an attempt decides, the others of the same attempt are echoes.
 RESTART_KINDS = frozenset({"crash", "hang", "collective_timeout", "node_lost"})
-# Incidents that stay open while the condition lasts, without a restart (for now).
+# Incidents that stay open while the condition lasts, without a restart.
 WATCH_KINDS = frozenset({"straggler", "loss_spike", "nonfinite"})
+# Incidents answered by a rollback (when rollbacks are enabled).
+ROLLBACK_KINDS = frozenset({"loss_spike", "nonfinite"})
 
 
 @dataclass(frozen=True)
@@ -270,7 +341,8 @@ class FindingFacts:
 
 def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: frozenset[str],
                open_watch: frozenset[tuple[str, int | None]], checkpoint: str | None,
-               cfg: PolicyConfig, now: float) -> FindingDecision:
+               cfg: PolicyConfig, now: float, recovery: RecoveryFacts | None = None
+               ) -> FindingDecision:
     """Decide what one finding means.
 
     ``incident_kinds_this_attempt``: kinds of the incidents already opened for the run's
@@ -289,17 +361,69 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
     if f.kind in RESTART_KINDS:
         if incident_kinds_this_attempt & RESTART_KINDS:
             return Note("echo", f"attempt {f.attempt} already failed")
-        if run.restarts >= cfg.restart_budget:
-            return Stop(status="failed",
-                        reason=f"restart budget of {cfg.restart_budget} spent; last failure: "
-                               f"{f.message}", incident=incident)
+        may, why = budget_left(CAUSE_OF_KIND[f.kind], run, recovery, cfg)
+        if not may:
+            return Stop(status="failed", reason=f"{why}; last failure: {f.message}",
+                        incident=incident)
         return Restart(attempt=run.attempt + 1, checkpoint=checkpoint,
                        not_before=now + backoff_s(run.restarts, cfg),
                        reason=f"gang restart after {f.kind.replace('_', ' ')}: {f.message}",
-                       incident=incident, collect_stacks=f.kind == "hang")
+                       incident=incident, collect_stacks=f.kind == "hang",
+                       cause=CAUSE_OF_KIND[f.kind])
+    if f.kind in ROLLBACK_KINDS and cfg.rollback_budget > 0 and recovery is not None:
+        if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
+            return Note("echo", f"attempt {f.attempt} already failed")
+        return rollback_for_spike(run, f, incident, recovery, cfg, now)
     key = (f.kind, f.rank if f.kind == "straggler" else None)
     if key in open_watch:
         return Note("ongoing", f"{f.kind} incident already open")
     if f.kind == "nonfinite" and ("nonfinite", None) in open_watch:
         return Note("ongoing", "nonfinite incident already open")
     return OpenIncident(incident=incident)
+
+
+def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
+                       rec: RecoveryFacts, cfg: PolicyConfig, now: float) -> Restart | Stop:
+    """Roll back to the last good checkpoint, skip the batches around the spike, lower the LR
+    for a while.  Each recurrence widens the skip and lowers the LR further; past the budget
+    the run is stopped (never a loop)."""
+    what = "NaN/Inf" if f.kind == "nonfinite" else "loss spike"
+    start = f.step if f.step is not None else (rec.high_step or 0)
+    done = rec.restarts_by_cause.get("spike", 0)
+    may, why = budget_left("spike", run, rec, cfg)
+    if not may:
+        return Stop(status="failed", incident=incident,
+                    reason=f"{what} at step {start} after {done} rollback(s): {why}; the run is "
+                           "stopped for a human to look at")
+    good = [(s, p) for s, p in rec.checkpoints if s <= start - cfg.rollback_margin_steps]
+    if not good:
+        return Stop(status="failed", incident=incident,
+                    reason=f"{what} at step {start}: no complete checkpoint at or before step "
+                           f"{start - cfg.rollback_margin_steps} to roll back to")
+    ck_step, ck_path = good[-1]
+    widen = 2 ** done
+    spike_batch = rec.batch_index.get(start, start)
+    first = max(rec.batch_index.get(ck_step, ck_step), spike_batch - cfg.rollback_skip_before)
+    last = spike_batch - cfg.rollback_skip_before + cfg.rollback_skip_batches * widen - 1
+    skip = ((first, max(first, last)),)
+    lr = LRSchedule(scale=cfg.rollback_lr_scale ** (done + 1), steps=cfg.rollback_lr_steps,
+                    ramp_steps=cfg.rollback_lr_ramp_steps)
+    again = f" (rollback {done + 1}: the spike came back)" if done else ""
+    reason = (f"{what} at step {start}: roll back to step {ck_step}, skip batches "
+              f"{skip[0][0]}-{skip[0][1]}, LR x{lr.scale:g} for {lr.steps} steps then back "
+              f"over {lr.ramp_steps}{again}")
+    return Restart(attempt=run.attempt + 1, checkpoint=ck_path, not_before=now, reason=reason,
+                   incident=incident, skip=skip, lr=lr, cause="spike",
+                   rollback_to_step=ck_step)
+
+
+def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,
+                      skip: tuple[tuple[int, int], ...], lr: LRSchedule | None, reason: str,
+                      actor: str, now: float) -> Decision:
+    """An operator's rollback: to the named checkpoint, at once, outside the budgets."""
+    if run.status in FINAL_STATUSES:
+        return Note("ignored", f"run is {run.status}")
+    return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
+                   reason=reason or f"operator rollback to step {step}", actor=actor,
+                   counts_against_budget=False, skip=skip, lr=lr, cause="operator",
+                   rollback_to_step=step)

@@ -256,6 +256,10 @@ class Action(Base):
     )
     kind: Mapped[str] = mapped_column(String(20))  # restart | stop
     reason: Mapped[str] = mapped_column(Text, default="")
+    # The budget a restart counts against (crash, hang, node_lost, spike, operator) and the
+    # run's highest step when it was decided (for the no-progress stop).
+    cause: Mapped[str | None] = mapped_column(String(20), nullable=True)
+    high_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     actor: Mapped[str] = mapped_column(String(100))  # "policy" | "operator"
     # queued -> delivered -> restarted -> resumed (restart); queued -> delivered -> done (stop);
     # failed when an agent reports the command failed

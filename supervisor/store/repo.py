@@ -747,9 +747,11 @@ def completed_agents(conn: Connection, *, run_id: int, attempt: int) -> set[int]
 
 
 def newest_complete_checkpoint(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
+    """The newest complete checkpoint of the current lineage (never an abandoned one)."""
     q = (
         select(checkpoints)
-        .where(checkpoints.c.run_id == run_id, checkpoints.c.complete.is_(True))
+        .where(checkpoints.c.run_id == run_id, checkpoints.c.complete.is_(True),
+               checkpoints.c.abandoned.is_(False))
         .order_by(checkpoints.c.t.desc(), checkpoints.c.id.desc())
         .limit(1)
     )
@@ -854,9 +856,15 @@ def loss_series(conn: Connection, *, run_id: int, attempt: int, limit: int
     ``attempt``, and before its first step those of earlier attempts (the latest attempt wins
     a step trained twice).  Loss mean, NaN/Inf counts, samples and times per step."""
     a = step_aggregates.c
+    first = first_step(conn, run_id=run_id, attempt=attempt)
+    cond = a.attempt == attempt
+    if first is not None:  # before the attempt's first step: the history it resumed from
+        cond = cond | ((a.attempt < attempt) & (a.step < first))
+    elif attempt > 0:
+        cond = a.attempt < 0  # nothing yet: judge the new attempt on its own steps
     q = (select(a.attempt, a.step, a.loss_sum, a.loss_count, a.loss_nonfinite,
                 a.grad_norm_nonfinite, a.samples, a.tokens, a.t_first, a.t_last)
-         .where(a.run_id == run_id, a.attempt <= attempt)
+         .where(a.run_id == run_id, cond)
          .order_by(a.step.desc(), a.attempt.desc()).limit(limit * 2))
     by_step: dict[int, dict[str, Any]] = {}
     for r in conn.execute(q):
@@ -956,6 +964,66 @@ def insert_event(conn: Connection, **values: Any) -> None:
     values.setdefault("details", {})
     values.setdefault("message", "")
     conn.execute(events.insert().values(**values))
+
+
+def lineage_checkpoints(conn: Connection, *, run_id: int) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints of the current lineage, oldest first (a step
+    saved twice counts once, with its newest save)."""
+    c = checkpoints.c
+    q = (select(c.step, c.path).where(c.run_id == run_id, c.complete.is_(True),
+                                      c.abandoned.is_(False)).order_by(c.t, c.id))
+    by_step = {int(r[0]): str(r[1]) for r in conn.execute(q)}
+    return sorted(by_step.items())
+
+
+def abandon_checkpoints(conn: Connection, *, run_id: int, after_step: int) -> int:
+    """A rollback to ``after_step`` abandons the branch beyond it: those checkpoints are never
+    offered as the newest again.  Returns how many were marked."""
+    r = conn.execute(update(checkpoints)
+                     .where(checkpoints.c.run_id == run_id, checkpoints.c.step > after_step,
+                            checkpoints.c.abandoned.is_(False))
+                     .values(abandoned=True))
+    return int(r.rowcount or 0)
+
+
+def checkpoint_by(conn: Connection, *, run_id: int, checkpoint_id: int | None = None,
+                  step: int | None = None) -> dict[str, Any] | None:
+    """One checkpoint of a run by id, or the newest save of a step."""
+    c = checkpoints.c
+    q = select(checkpoints).where(c.run_id == run_id)
+    if checkpoint_id is not None:
+        q = q.where(c.id == checkpoint_id)
+    if step is not None:
+        q = q.where(c.step == step)
+    r = conn.execute(q.order_by(c.t.desc(), c.id.desc()).limit(1)).first()
+    return _row(r) if r else None
+
+
+def batch_indexes(conn: Connection, *, run_id: int, steps: Sequence[int]) -> dict[int, int]:
+    """step -> global batch index trained at that step (rank 0, the newest attempt)."""
+    if not steps:
+        return {}
+    c = rank_steps.c
+    q = (select(c.step, c.batch_index).where(c.run_id == run_id, c.rank == 0,
+                                             c.step.in_(list(steps)),
+                                             c.batch_index.is_not(None))
+         .order_by(c.attempt))
+    return {int(r[0]): int(r[1]) for r in conn.execute(q)}
+
+
+def restart_history(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
+    """The run's restart actions, oldest first (each decided one spent budget, even if a
+    newer decision superseded it before the agents picked it up)."""
+    q = (select(actions.c.cause, actions.c.high_step, actions.c.actor)
+         .where(actions.c.run_id == run_id, actions.c.kind == "restart")
+         .order_by(actions.c.id))
+    return [_row(r) for r in conn.execute(q)]
+
+
+def high_step(conn: Connection, *, run_id: int) -> int | None:
+    v = conn.execute(select(func.max(step_aggregates.c.step))
+                     .where(step_aggregates.c.run_id == run_id)).scalar_one()
+    return None if v is None else int(v)
 
 
 def max_event_id(conn: Connection) -> int:
@@ -1157,7 +1225,7 @@ def restart_actions(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
         select(ac.id, ac.kind, ac.actor, ac.status, ac.attempt, ac.resumed_step,
                ac.created_at, incidents.c.kind.label("incident_kind"))
         .select_from(actions.outerjoin(incidents, incidents.c.id == ac.incident_id))
-        .where(ac.run_id == run_id, ac.kind != "stop")
+        .where(ac.run_id == run_id, ac.kind.in_(("restart", "rollback")))
         .order_by(ac.id)
     )
     return [_row(r) for r in conn.execute(q)]

@@ -1,0 +1,112 @@
+"""A synthetic training run fed through the real HTTP API (TestClient or a live server):
+steps of several ranks on several nodes, an optional loss spike and slow rank, checkpoints,
+heartbeats with free disk.  Shared by the dashboard, metrics and browser tests."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+AGENT_TOKEN = "agent-secret"
+OPERATOR_TOKEN = "operator-secret"
+AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
+OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+
+
+@dataclass
+class SynthRun:
+    """Agents of one run and their next batch sequence numbers."""
+
+    client: httpx.Client
+    name: str
+    nodes: int = 2
+    ranks_per_node: int = 2
+    agents: dict[int, int] = field(default_factory=dict)  # node index -> agent id
+    seq: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def register(self, checkpoint_root: str = "/ckpt") -> SynthRun:
+        for n in range(self.nodes):
+            r = self.client.post("/api/v1/agents/register", headers=AGENT, json={
+                "run": self.name, "node": f"n{n}", "hostname": f"host-{n}", "pid": 100 + n,
+                "command": ["torchrun", "train.py"], "nproc_per_node": self.ranks_per_node,
+                "checkpoint_root": checkpoint_root})
+            assert r.status_code == 200, r.text
+            self.agents[n] = int(r.json()["agent_id"])
+            self.seq[n] = int(r.json()["next_seq"])
+        return self
+
+    def send(self, node: int, items: list[dict[str, Any]], attempt: int = 0) -> dict[str, Any]:
+        # json.dumps, not httpx's json=: the wire carries NaN tokens, which httpx refuses.
+        body = json.dumps({"agent_id": self.agents[node], "seq": self.seq[node],
+                           "attempt": attempt, "items": items})
+        self.seq[node] += 1
+        r = self.client.post("/api/v1/ingest", content=body,
+                             headers={**AGENT, "content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+
+    def train(self, steps: range, *, t0: float, attempt: int = 0, dt: float = 1.0,
+              spike: tuple[int, int] | None = None, nan_at: int | None = None,
+              slow_rank: int | None = None, checkpoint_every: int = 0,
+              disk_free: int = 50 * 2**30) -> None:
+        """Report ``steps`` from every rank (one batch per node per 10 steps)."""
+        for chunk_start in range(steps.start, steps.stop, 10):
+            chunk = range(chunk_start, min(chunk_start + 10, steps.stop))
+            for n in range(self.nodes):
+                items: list[dict[str, Any]] = []
+                for s in chunk:
+                    for lr in range(self.ranks_per_node):
+                        rank = n * self.ranks_per_node + lr
+                        items.append(step_item(rank, s, t=t0 + s * dt, attempt=attempt,
+                                               local_rank=lr, world=self.world,
+                                               loss=loss_at(s, rank, spike, nan_at),
+                                               slow=rank == slow_rank))
+                    if n == 0 and checkpoint_every and s and s % checkpoint_every == 0:
+                        items.append({"type": "checkpoint", "attempt": attempt, "rank": 0,
+                                      "t": t0 + s * dt, "step": s,
+                                      "path": f"/ckpt/{self.name}/step-{s:06d}",
+                                      "bytes": 123_456_789, "save_s": 1.5,
+                                      "lineage": f"a{attempt}"})
+                items.append({"type": "heartbeat", "t": t0 + chunk[-1] * dt,
+                              "attempt": attempt, "state": "running",
+                              "disk_free_bytes": disk_free,
+                              "workers": [{"rank": n * self.ranks_per_node + lr,
+                                           "cpu_percent": 99.0, "rss_bytes": 2**30}
+                                          for lr in range(self.ranks_per_node)]})
+                self.send(n, items, attempt=attempt)
+
+    def crash(self, node: int = 0, attempt: int = 0, rank: int = 0, t: float = 0.0) -> None:
+        self.send(node, [{"type": "exit", "attempt": attempt, "t": t, "exit_code": 1,
+                          "signal": None, "outcome": "crashed",
+                          "failed_ranks": [{"rank": rank, "local_rank": 0, "exit_code": 1,
+                                            "signal": None, "pid": 10,
+                                            "message": "RuntimeError: boom"}]}],
+                  attempt=attempt)
+
+
+def loss_at(step: int, rank: int, spike: tuple[int, int] | None, nan_at: int | None
+            ) -> float:
+    if nan_at is not None and step == nan_at:
+        return math.nan
+    base = 4.0 * math.exp(-step / 40.0) + 1.0 + 0.01 * rank + 0.02 * math.sin(step)
+    if spike is not None and spike[0] <= step <= spike[1]:
+        return base + 6.0
+    return base
+
+
+def step_item(rank: int, step: int, *, t: float, attempt: int = 0, local_rank: int = 0,
+              world: int = 4, loss: float = 2.0, slow: bool = False) -> dict[str, Any]:
+    return {"type": "step", "attempt": attempt, "rank": rank, "local_rank": local_rank,
+            "world_size": world, "pid": 1000 + rank, "step": step, "t": t, "loss": loss,
+            "samples": 8, "tokens": 1024, "lr": 1e-3, "grad_norm": 1.0,
+            "data_s": 0.02 if not slow else 0.3, "compute_s": 0.2 if not slow else 0.35,
+            "step_s": 0.25 if not slow else 0.7, "batch_index": step * world + rank}

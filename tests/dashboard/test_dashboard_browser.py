@@ -1,0 +1,126 @@
+"""The dashboard in a real browser (Debian's Chromium via Playwright): the run page of a live
+supervisor subprocess fed through its HTTP API, and the rollback form against stub routes.
+Screenshots go to ``test-artifacts/``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+
+from supervisor.store.db import Database
+from tests.dashboard.apps import T0, FakeClock, build_app
+from tests.dashboard.browser import (
+    browser_page,
+    login,
+    require_browser,
+    rollback_via_form,
+    screenshot,
+    serve_in_thread,
+    supervisor_process,
+    wait_for,
+    wait_for_charts,
+    wait_for_rollback,
+)
+from tests.dashboard.synth import OPERATOR, OPERATOR_TOKEN, SynthRun
+
+
+def feed_demo_run(client: httpx.Client, name: str, t0: float) -> SynthRun:
+    """120 steps with a loss spike at 60-70 and a slow rank, checkpoints every 25 steps, then
+    a crash; the live evaluator restarts the run, which resumes at step 100."""
+    run = SynthRun(client, name).register()
+    run.train(range(120), t0=t0, spike=(60, 70), slow_rank=3, checkpoint_every=25, dt=0.5)
+    run.crash(node=1, rank=3, t=t0 + 61)
+    wait_for(lambda: client.get(f"/api/v1/runs/{name}", headers=OPERATOR).json()["attempt"]
+             == 1, 20, "the live evaluator's restart")
+    run.train(range(100, 140), t0=t0 + 20, attempt=1, slow_rank=3, dt=0.5)
+    return run
+
+
+def test_run_page_of_a_live_supervisor(tmp_path: Path) -> None:
+    require_browser()
+    with supervisor_process(tmp_path, agent_token="agent-secret",
+                            operator_token=OPERATOR_TOKEN) as sup, sup.client() as client:
+        feed_demo_run(client, "demo", time.time() - 90)
+        wait_for(lambda: client.get("/api/v1/runs/demo/actions", headers=OPERATOR)
+                 .json()["actions"][0]["status"] == "resumed", 20, "the restart to resume")
+        with browser_page() as page:
+            login(page, sup.base_url, OPERATOR_TOKEN)
+            assert page.locator("#runs a", has_text="demo").count() == 1
+            screenshot(page, "dashboard-runs")
+            page.goto(f"{sup.base_url}/runs/demo")
+            wait_for_charts(page)
+            page.wait_for_selector("#chart-throughput canvas")
+            page.wait_for_selector("#chart-ranks canvas")
+            legend = page.locator("#chart-loss .u-legend").inner_text()
+            assert "attempt 0" in legend and "attempt 1" in legend
+            assert "rank 3" in page.locator("#chart-ranks .u-legend").inner_text()
+            crash = page.locator("#incidents tr", has_text="crash")
+            assert crash.count() == 1 and "rank 3" in crash.inner_text()
+            assert page.locator("#checkpoints form.rollback").count() == 4  # attempt 0: 25..100
+            assert page.locator("#actions", has_text="resumed").count() == 1
+            assert page.locator("#chart-mfu", has_text="n/a").count() == 1
+            # polling an unchanged run: conditional requests answered 304, the page intact
+            page.wait_for_event("response", lambda r: "/dashboard/api/runs/demo/state" in r.url
+                                and r.status == 304, timeout=10_000)
+            assert page.locator("#chart-loss canvas").count() >= 1
+            assert page.errors == [], page.errors
+            screenshot(page, "dashboard-run")
+
+
+def _stub_rollback(app: FastAPI, seen: list[dict[str, Any]]) -> None:
+    """``POST /api/v1/runs/{run}/rollback`` and ``GET /api/v1/actions/{id}`` stand-ins, put
+    in front of the app's own routes."""
+    stub = APIRouter()
+    polls = {"n": 0}
+
+    @stub.post("/api/v1/runs/{run}/rollback", status_code=202)
+    async def rollback(run: str, request: Request) -> dict[str, Any]:
+        seen.append({"run": run, "auth": request.headers.get("authorization"),
+                     "body": await request.json()})
+        return {"action_id": 99}
+
+    @stub.get("/api/v1/actions/{action_id}")
+    def action(action_id: int) -> dict[str, Any]:
+        polls["n"] += 1
+        steps = ["queued", "delivered", "restarted", "resumed"]
+        status = steps[min(polls["n"] - 1, 3)]
+        return {"id": action_id, "kind": "rollback", "status": status,
+                "progress": {s: T0 for s in steps[: steps.index(status) + 1]},
+                "resumed_step": 40 if status == "resumed" else None}
+
+    routes = app.router.routes
+    before = len(routes)
+    app.include_router(stub)
+    added = routes[before:]
+    del routes[before:]
+    routes[:0] = added
+
+
+def test_rollback_form_posts_and_follows_the_action(db: Database) -> None:
+    require_browser()
+    app = build_app(db, FakeClock())
+    seen: list[dict[str, Any]] = []
+    _stub_rollback(app, seen)
+    with serve_in_thread(app) as base, httpx.Client(base_url=base) as client:
+        SynthRun(client, "alpha").register().train(range(60), t0=T0, checkpoint_every=20)
+        with browser_page() as page:
+            page.on("dialog", lambda d: d.accept())
+            login(page, base, "agent-secret", "/runs/alpha")  # read-only login
+            wait_for_charts(page)
+            rollback_via_form(page, checkpoint_step=20, operator_token=OPERATOR_TOKEN,
+                              reason="loss spike at 30", skip="100-120, 130-140",
+                              lr_scale=0.25, screenshot_name="dashboard-rollback-dialog")
+            text = wait_for_rollback(page, timeout_ms=15_000)
+            assert "action #99" in text and "resumed at step 40" in text
+            assert page.evaluate("sessionStorage.getItem('trainwarden.operator_token')") \
+                == OPERATOR_TOKEN
+            assert page.errors == [], page.errors
+            screenshot(page, "dashboard-rollback-progress")
+    assert seen == [{"run": "alpha", "auth": f"Bearer {OPERATOR_TOKEN}",
+                     "body": {"checkpoint": 1, "skip": [[100, 120], [130, 140]],
+                              "lr_scale": 0.25, "lr_scale_steps": 200, "lr_ramp_steps": 100,
+                              "reason": "loss spike at 30"}}]

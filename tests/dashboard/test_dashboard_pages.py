@@ -1,0 +1,178 @@
+"""Server-rendered dashboard pages, conditional requests and the browser auth rules."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from supervisor.evaluator import Evaluator
+from supervisor.store import repo
+from supervisor.store.db import Database
+from tests.dashboard.apps import T0, FakeClock, build_app
+from tests.dashboard.synth import AGENT, OPERATOR, OPERATOR_TOKEN, SynthRun
+
+
+def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluator) -> None:
+    """A run with a spike, checkpoints, a crash (incident + restart action) and a hang
+    incident with stacks."""
+    run = SynthRun(client, "alpha").register()
+    run.train(range(60), t0=T0, spike=(30, 36), checkpoint_every=20, disk_free=9 * 2**30)
+    run.crash(node=1, rank=3, t=T0 + 61)
+    clock.now = T0 + 62
+    evaluator.tick()
+    with db.write() as conn:
+        r = repo.get_run_by_name(conn, name="alpha")
+        assert r is not None
+        repo.open_incident(conn, run_id=r["id"], kind="hang", cause="no step progress for 45 s",
+                           attempt=0, node="n0", rank=1, opened_at=T0 + 50,
+                           details={"stacks": {"1": "File \"train.py\", line 9, in <module>\n"
+                                                    "  dist.all_reduce(t)  # <stuck>",
+                                               "0": "File \"train.py\", line 7"}})
+        repo.open_incident(conn, run_id=r["id"], kind="loss_spike",
+                           cause="loss 3.1x the baseline for 7 steps", attempt=0,
+                           opened_at=T0 + 37, details={"start_step": 30, "step": 36})
+
+
+def test_runs_list_and_run_page(client: TestClient, db: Database, clock: FakeClock,
+                                evaluator: Evaluator) -> None:
+    seed(client, db, clock, evaluator)
+    page = client.get("/", headers=OPERATOR)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert 'href="/runs/alpha"' in html and "restarting" in html
+    assert "crash 1" in html and "hang 1" in html and "loss_spike 1" in html
+    assert "step 40" in html  # the newest checkpoint
+
+    r = client.get("/runs/alpha", headers=OPERATOR)
+    assert r.status_code == 200
+    html = r.text
+    # incidents, with the hang's stacks in a <details> block, rank order
+    assert 'id="incidents"' in html and "worker on node n1 rank 3" in html
+    assert "stacks of 2 ranks" in html and "dist.all_reduce(t)  # &lt;stuck&gt;" in html
+    assert html.index("<h4>rank 0</h4>") < html.index("<h4>rank 1</h4>")
+    # actions with progress and the plan
+    assert 'id="actions"' in html and "gang restart after crash" in html
+    assert "queued" in html and "&#34;attempt&#34;: 1" in html
+    # checkpoints, each with a rollback form
+    assert html.count('class="rollback"') == 2 and 'data-step="40"' in html
+    # nodes: heartbeat age, free disk, what is not stored
+    assert 'id="nodes"' in html and "9.0 GiB" in html and "not stored" in html
+    assert "not available" in html  # GPU health
+    # charts' containers and the vendored uPlot (no CDN)
+    assert 'id="chart-loss"' in html and "/static/vendor/uplot/uPlot.iife.min.js" in html
+    assert "https://" not in html.split("<main>")[0]
+    assert client.get("/static/vendor/uplot/uPlot.iife.min.js").status_code == 200
+    assert client.get("/runs/nope", headers=OPERATOR).status_code == 404
+
+    tables = client.get("/runs/alpha/tables", headers=OPERATOR)
+    assert tables.status_code == 200 and 'id="checkpoints"' in tables.text
+    assert "<html" not in tables.text
+
+
+def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
+                                              clock: FakeClock, evaluator: Evaluator) -> None:
+    seed(client, db, clock, evaluator)
+    run = SynthRun(client, "alpha", agents={0: 1, 1: 2}, seq={0: 100, 1: 100})
+    run.train(range(40, 45), t0=T0 + 30, attempt=1, slow_rank=2)
+    clock.advance(1)
+    evaluator.tick()  # the restart resumes at step 40
+    feed = client.get("/dashboard/api/runs/alpha/series", headers=OPERATOR).json()
+    kinds = {(m["type"], m["from"], m["to"]) for m in feed["markers"]}
+    assert ("spike", 30, 36) in kinds and ("restart", 40, 40) in kinds
+    ranks = feed["ranks"]
+    assert ranks["attempt"] == 1 and ranks["steps"] == [40, 41, 42, 43, 44]
+    assert ranks["series"][0]["rank"] == 2 and ranks["series"][0]["score"] < 0.75
+    assert len(ranks["median"]) == 5 and feed["mfu"] is None
+    steps = client.get("/api/v1/runs/alpha/steps?max_points=10", headers=OPERATOR).json()
+    assert len(steps["points"]) <= 10
+
+
+def test_unchanged_conditional_requests_get_304(client: TestClient, clock: FakeClock) -> None:
+    run = SynthRun(client, "alpha").register()
+    run.train(range(10), t0=T0)
+    url = "/dashboard/api/runs/alpha/state"
+    first = client.get(url, headers=OPERATOR)
+    tag = first.headers["etag"]
+    assert first.status_code == 200 and first.json()["status"] == "running"
+    again = client.get(url, headers={**OPERATOR, "If-None-Match": tag})
+    assert again.status_code == 304 and again.content == b""
+    run.train(range(10, 11), t0=T0)
+    changed = client.get(url, headers={**OPERATOR, "If-None-Match": tag})
+    assert changed.status_code == 200 and changed.headers["etag"] != tag
+
+    # The run read API gets body-hash ETags too (the charts' steps and ranks).
+    for path in ("/api/v1/runs/alpha/steps?max_points=1000", "/api/v1/runs/alpha/ranks",
+                 "/dashboard/api/runs/alpha/series"):
+        r = client.get(path, headers=OPERATOR)
+        assert r.status_code == 200 and r.headers["etag"].startswith('W/"'), path
+        r2 = client.get(path, headers={**OPERATOR, "If-None-Match": r.headers["etag"]})
+        assert r2.status_code == 304, path
+    # ...but never on writes or the agents' routes
+    assert "etag" not in run.client.post("/api/v1/ingest", headers=AGENT,
+                                         content=b"{}").headers
+
+
+def test_pages_and_feeds_follow_the_read_rule(client: TestClient) -> None:
+    SynthRun(client, "alpha").register().train(range(3), t0=T0)
+    for path in ("/", "/runs/alpha"):
+        r = client.get(path)
+        assert r.status_code == 401 and 'name="token"' in r.text  # the login form
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get(path, headers=AGENT).status_code == 200
+    for path in ("/runs/alpha/tables", "/dashboard/api/runs/alpha/state",
+                 "/dashboard/api/runs/alpha/series"):
+        assert client.get(path).status_code == 401, path
+
+
+def test_login_sets_an_httponly_cookie_that_only_authorises_reads(client: TestClient) -> None:
+    SynthRun(client, "alpha").register().train(range(3), t0=T0)
+    bad = client.post("/login", content=b"token=nope",
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert bad.status_code == 401 and "invalid token" in bad.text
+    assert "set-cookie" not in bad.headers
+    r = client.post("/login?next=/runs/alpha", content=f"token={OPERATOR_TOKEN}".encode(),
+                    headers={"content-type": "application/x-www-form-urlencoded"},
+                    follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/runs/alpha"
+    cookie = r.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
+    assert client.get("/runs/alpha").status_code == 200
+    assert client.get("/dashboard/api/runs/alpha/state").status_code == 200
+    assert client.get("/api/v1/runs/alpha").status_code == 200
+    # a write with only the cookie is refused: the cookie is never a write credential
+    assert client.post("/api/v1/runs/alpha/stop", json={"reason": "x"}).status_code == 401
+    out = client.post("/logout", follow_redirects=False)
+    assert out.status_code == 303
+    client.cookies.clear()
+    assert client.get("/runs/alpha").status_code == 401
+    # no open redirect after login
+    r = client.post("/login?next=//evil.example/", content=f"token={OPERATOR_TOKEN}".encode(),
+                    headers={"content-type": "application/x-www-form-urlencoded"},
+                    follow_redirects=False)
+    assert r.headers["location"] == "/"
+
+
+def test_token_in_the_query_once_becomes_the_cookie(client: TestClient) -> None:
+    SynthRun(client, "alpha").register().train(range(3), t0=T0)
+    r = client.get(f"/runs/alpha?token={OPERATOR_TOKEN}&x=1", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/runs/alpha?x=1"
+    assert "httponly" in r.headers["set-cookie"].lower()
+    assert client.get("/runs/alpha").status_code == 200
+    client.cookies.clear()
+    assert client.get("/runs/alpha?token=wrong", follow_redirects=False).status_code == 401
+
+
+def test_public_reads_need_no_token(db: Database, clock: FakeClock) -> None:
+    with TestClient(build_app(db, clock, public_reads=True)) as client:
+        SynthRun(client, "alpha").register().train(range(3), t0=T0)
+        assert client.get("/").status_code == 200
+        page = client.get("/runs/alpha")
+        assert page.status_code == 200 and "log in" in page.text
+        assert client.get("/dashboard/api/runs/alpha/state").status_code == 200
+
+
+def test_cookie_survives_tokens_that_need_quoting(db: Database, clock: FakeClock) -> None:
+    token = 'op "tok", =x\\'
+    with TestClient(build_app(db, clock, operator_token=token)) as client:
+        r = client.post("/login", data={"token": token}, follow_redirects=False)
+        assert r.status_code == 303, r.text
+        assert client.get("/").status_code == 200

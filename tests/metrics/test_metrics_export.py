@@ -1,0 +1,190 @@
+"""``GET /metrics``: the exposition parses, and carries the contract's series for a run fed
+through the real ingest API."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from supervisor.evaluator import Evaluator
+from supervisor.metrics import (
+    INCIDENT_KINDS,
+    RESTART_CAUSES,
+    STRAGGLER_TOP,
+    restarts_without_progress,
+    straggler_scores,
+)
+from supervisor.store.db import Database
+from tests.dashboard.apps import T0, FakeClock, build_app
+from tests.dashboard.synth import OPERATOR, SynthRun
+
+Sample = tuple[str, dict[str, str], float]
+
+RUN_GAUGES = [
+    "trainwarden_run_info", "trainwarden_run_active", "trainwarden_run_step",
+    "trainwarden_run_attempt", "trainwarden_run_loss",
+    "trainwarden_run_throughput_samples_per_second", "trainwarden_run_seconds_since_last_step",
+    "trainwarden_run_checkpoint_age_seconds", "trainwarden_run_restart_budget_remaining",
+    "trainwarden_run_restarts_without_progress",
+]
+
+
+def scrape(client: TestClient, headers: dict[str, str] | None = None) -> list[Sample]:
+    r = client.get("/metrics", headers=OPERATOR if headers is None else headers)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    return [(s.name, dict(s.labels), s.value)
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples]
+
+
+def value(samples: list[Sample], name: str, **labels: str) -> float:
+    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == x
+                                                            for k, x in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def series(samples: list[Sample], name: str, **labels: str) -> list[dict[str, str]]:
+    return [lab for n, lab, _ in samples
+            if n == name and all(lab.get(k) == x for k, x in labels.items())]
+
+
+def test_metrics_carry_the_contract_for_an_ingested_run(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = SynthRun(client, "alpha").register()
+    run.train(range(30), t0=T0, checkpoint_every=20, disk_free=7 * 2**30)
+    clock.now = T0 + 40
+    samples = scrape(client)
+    for name in RUN_GAUGES:
+        assert series(samples, name, run="alpha"), name
+    assert value(samples, "trainwarden_run_info", run="alpha", status="running") == 1
+    assert value(samples, "trainwarden_run_active", run="alpha") == 1
+    assert value(samples, "trainwarden_run_step", run="alpha") == 29
+    assert value(samples, "trainwarden_run_attempt", run="alpha") == 0
+    assert 1.0 < value(samples, "trainwarden_run_loss", run="alpha") < 5.0
+    # 4 ranks x 8 samples per step, one step a second
+    assert math.isclose(value(samples, "trainwarden_run_throughput_samples_per_second",
+                              run="alpha"), 32.0)
+    assert value(samples, "trainwarden_run_seconds_since_last_step", run="alpha") == 11.0
+    assert value(samples, "trainwarden_run_checkpoint_age_seconds", run="alpha") == 20.0
+    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha") == 3
+    assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 0
+    for kind in INCIDENT_KINDS:
+        assert value(samples, "trainwarden_run_open_incidents", run="alpha", kind=kind) == 0
+    for cause in RESTART_CAUSES:
+        assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause=cause) == 0
+    for node in ("n0", "n1"):
+        assert value(samples, "trainwarden_agent_heartbeat_age_seconds",
+                     run="alpha", node=node) == 40.0  # ingested at T0, scraped at T0 + 40
+        assert value(samples, "trainwarden_agent_disk_free_bytes",
+                     run="alpha", node=node) == 7 * 2**30
+    assert not series(samples, "trainwarden_agent_disk_free_ratio")  # total is not reported
+    scores = series(samples, "trainwarden_rank_straggler_score", run="alpha")
+    assert {(s["rank"], s["node"]) for s in scores} == {("0", "n0"), ("1", "n0"),
+                                                         ("2", "n1"), ("3", "n1")}
+
+    # A crash: one incident, one restart counted under its cause, the budget goes down.
+    run.crash(node=1, rank=2, t=T0 + 41)
+    clock.now = T0 + 42
+    evaluator.tick()
+    samples = scrape(client)
+    assert value(samples, "trainwarden_run_info", run="alpha", status="restarting") == 1
+    assert value(samples, "trainwarden_run_active", run="alpha") == 1
+    assert value(samples, "trainwarden_run_attempt", run="alpha") == 1
+    assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause="crash") == 1
+    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha") == 2
+    assert value(samples, "trainwarden_run_open_incidents", run="alpha", kind="crash") == 1
+    assert value(samples, "trainwarden_run_step", run="alpha") == 29  # attempt 1: none yet
+
+    # The next attempt resumes below the old high and reports a NaN loss.
+    run.train(range(20, 25), t0=T0 + 30, attempt=1, nan_at=24)
+    samples = scrape(client)
+    assert value(samples, "trainwarden_run_step", run="alpha") == 24
+    assert math.isnan(value(samples, "trainwarden_run_loss", run="alpha"))
+
+    assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 0
+
+    # An operator's restart: its own cause; attempt 1 ended below the old high (step 29).
+    r = client.post("/api/v1/runs/alpha/restart", headers=OPERATOR, json={"reason": "test"})
+    assert r.status_code == 200, r.text
+    samples = scrape(client)
+    assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause="operator") == 1
+    assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause="crash") == 1
+    assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 1
+
+    # Supervisor's own metrics: templated routes, ingest latency observed.
+    routes = {lab["route"] for lab in series(samples, "trainwarden_http_requests_total")}
+    assert {"/api/v1/ingest", "/api/v1/agents/register", "/metrics"} <= routes
+    assert not any("alpha" in r for r in routes)
+    assert value(samples, "trainwarden_ingest_latency_seconds_count") >= 9
+    buckets = {lab["le"] for lab in series(samples, "trainwarden_ingest_latency_seconds_bucket")}
+    assert buckets == {"0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5",
+                       "+Inf"}
+
+
+def test_straggler_series_are_bounded_with_40_ranks(client: TestClient,
+                                                   clock: FakeClock) -> None:
+    run = SynthRun(client, "wide", nodes=5, ranks_per_node=8).register()
+    run.train(range(30), t0=T0, slow_rank=27)
+    samples = scrape(client)
+    scores = {int(lab["rank"]): (lab["node"], v) for n, lab, v in samples
+              if n == "trainwarden_rank_straggler_score"}
+    assert len(scores) == STRAGGLER_TOP
+    node, score = scores[27]
+    assert node == "n3" and score < 0.75
+    assert min(scores.items(), key=lambda kv: kv[1][1])[0] == 27
+
+
+def test_only_active_or_recent_runs_are_exported(db: Database, clock: FakeClock) -> None:
+    app = build_app(db, clock)
+    with TestClient(app) as client:
+        SynthRun(client, "old").register().train(range(3), t0=T0)
+        with db.write() as conn:
+            from supervisor.store import repo
+            r = repo.get_run_by_name(conn, name="old")
+            assert r is not None
+            repo.set_run_status(conn, run_id=r["id"], status="completed", now=clock())
+        clock.advance(3600)
+        samples = scrape(client)
+        assert value(samples, "trainwarden_run_active", run="old") == 0
+        assert value(samples, "trainwarden_run_info", run="old", status="completed") == 1
+        clock.advance(24 * 3600)
+        assert not series(scrape(client), "trainwarden_run_info", run="old")
+
+
+def test_metrics_follow_the_read_rule(db: Database, clock: FakeClock) -> None:
+    with TestClient(build_app(db, clock)) as client:
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer nope"}
+                          ).status_code == 401
+        scrape(client, {"Authorization": "Bearer agent-secret"})
+    with TestClient(build_app(db, clock, public_reads=True)) as client:
+        scrape(client, {})
+
+
+def test_restarts_without_progress() -> None:
+    def f(steps: dict[int, int], cur: int, restarted: list[Any]) -> int:
+        return restarts_without_progress(steps, cur, restarted)
+
+    assert f({0: 100}, 0, []) == 0
+    # crash loop: attempts 1..3 died below step 100; attempt 4 just started
+    assert f({0: 100, 1: 50, 2: 60}, 4, [1, 2, 3, 4]) == 3
+    # the current attempt passed the old high: the streak is over
+    assert f({0: 100, 1: 50, 2: 60, 3: 101}, 3, [1, 2, 3]) == 0
+    # an ended attempt that passed the high breaks the streak behind it
+    assert f({0: 100, 1: 150, 2: 120}, 3, [1, 2, 3]) == 1
+    # the current attempt has not passed the high yet: it does not count (it may still)
+    assert f({0: 100, 1: 80}, 1, [1]) == 0
+
+
+def test_straggler_score_is_median_over_this_ranks_time() -> None:
+    rows: list[dict[str, Any]] = [{"rank": r, "data_s": 0.0, "compute_s": 1.0}
+                                  for r in range(4)]
+    rows.append({"rank": 4, "data_s": 1.0, "compute_s": 1.0})
+    rows.append({"rank": 5, "data_s": None, "compute_s": None})
+    s = straggler_scores(rows)
+    assert s[0] == 1.0 and s[4] == 0.5 and 5 not in s
+    assert straggler_scores(rows[:1]) == {}
