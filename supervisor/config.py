@@ -98,6 +98,15 @@ class SupervisorSettings(BaseSettings):
     hang_startup_s: float = Field(default=600.0, gt=0.0)
     hang_warmup_s: float = Field(default=300.0, gt=0.0)
     node_lost_s: float = Field(default=30.0, gt=0.0)
+    # Recovery from loss spikes / NaN (0 rollbacks: incidents only, no automatic rollback).
+    rollback_budget: int = Field(default=3, ge=0)
+    rollback_margin_steps: int = Field(default=10, ge=0)
+    rollback_skip_before: int = Field(default=10, ge=0)
+    rollback_skip_batches: int = Field(default=100, ge=1)
+    rollback_lr_scale: float = Field(default=0.5, gt=0.0, le=1.0)
+    rollback_lr_steps: int = Field(default=100, ge=0)
+    rollback_lr_ramp_steps: int = Field(default=50, ge=0)
+    no_progress_restarts: int = Field(default=3, ge=1)
     log_level: str = "info"
 
     @classmethod

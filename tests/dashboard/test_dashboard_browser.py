@@ -42,8 +42,11 @@ def feed_demo_run(client: httpx.Client, name: str, t0: float) -> SynthRun:
 
 def test_run_page_of_a_live_supervisor(tmp_path: Path) -> None:
     require_browser()
-    with supervisor_process(tmp_path, agent_token="agent-secret",
-                            operator_token=OPERATOR_TOKEN) as sup, sup.client() as client:
+    # The synthetic history is fed in seconds: no automatic rollback of its spike (the page,
+    # not the policy, is under test here), and no hang call on its old timestamps.
+    env = {"TRAINWARDEN_ROLLBACK_BUDGET": "0", "TRAINWARDEN_HANG_FLOOR_S": "600"}
+    with supervisor_process(tmp_path, agent_token="agent-secret", operator_token=OPERATOR_TOKEN,
+                            env=env) as sup, sup.client() as client:
         feed_demo_run(client, "demo", time.time() - 90)
         wait_for(lambda: client.get("/api/v1/runs/demo/actions", headers=OPERATOR)
                  .json()["actions"][0]["status"] == "resumed", 20, "the restart to resume")
