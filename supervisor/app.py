@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
 from supervisor import dashboard, metrics, observe, policy, wire
-from supervisor.api import agents, runs
+from supervisor.api import agents, rollback, runs
 from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.config import SupervisorSettings
@@ -127,6 +127,7 @@ def create_app(
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.include_router(agents.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
+    app.include_router(rollback.router, prefix=API_PREFIX)
 
     @app.get("/healthz", tags=["health"])
     @app.get(API_PREFIX + "/healthz", tags=["health"], include_in_schema=False)

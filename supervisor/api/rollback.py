@@ -1,0 +1,103 @@
+"""The operator's rollback: back to a named checkpoint, skipping batch ranges, with the LR
+lowered for a while; and the progress of any action."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, status
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from agent.protocol import LRSchedule, normalize_ranges
+from supervisor import actions, policy
+from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor.store import repo
+
+router = APIRouter(tags=["recovery"])
+
+
+class RollbackRequest(BaseModel):
+    """Exactly one of ``checkpoint`` (a checkpoint id, as listed by ``/checkpoints``) or
+    ``step`` names where to roll back to."""
+
+    checkpoint: int | None = Field(default=None, description="checkpoint id")
+    step: int | None = Field(default=None, ge=0, description="or the checkpoint's step")
+    skip: list[list[int]] = Field(default_factory=list, max_length=1000,
+                                  description="inclusive global batch-index ranges to skip")
+    lr_scale: float = Field(default=1.0, gt=0.0, le=10.0, description="LR multiplier")
+    lr_scale_steps: int = Field(default=0, ge=0, le=10_000_000,
+                                description="steps at lr_scale, from the resumed step")
+    lr_ramp_steps: int = Field(default=0, ge=0, le=10_000_000,
+                               description="then linearly back to 1.0 over this many steps")
+    reason: str = Field(default="", max_length=1000)
+
+    model_config = {"extra": "forbid"}
+
+    @field_validator("skip")
+    @classmethod
+    def _ranges(cls, v: list[list[int]]) -> list[list[int]]:
+        return [list(r) for r in normalize_ranges(v)]  # ValueError names the bad range
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RollbackRequest:
+        if (self.checkpoint is None) == (self.step is None):
+            raise ValueError('give exactly one of "checkpoint" (an id) or "step"')
+        if self.lr_scale != 1.0 and self.lr_scale_steps == 0 and self.lr_ramp_steps == 0:
+            raise ValueError("lr_scale needs lr_scale_steps (and optionally lr_ramp_steps): "
+                             "for how many steps should the LR be scaled?")
+        return self
+
+
+@router.post("/runs/{run}/rollback", response_model=None, status_code=202)
+def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+             ) -> JSONResponse:
+    """Gang-restart the run from the named checkpoint with a resume plan (skip ranges, LR
+    schedule).  Validated first (the checkpoint exists, is complete, belongs to this run and
+    to its current lineage); nothing is stored when it is refused."""
+    now = clock()
+    with db.write() as conn:
+        r = repo.get_run_by_name(conn, name=run)
+        if r is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {run!r}")
+        if r["status"] in policy.FINAL_STATUSES:
+            raise HTTPException(status.HTTP_409_CONFLICT,
+                                f"run {run!r} is {r['status']}: nothing to roll back")
+        ck = repo.checkpoint_by(conn, run_id=r["id"], checkpoint_id=req.checkpoint,
+                                step=req.step)
+        what = (f"checkpoint {req.checkpoint}" if req.checkpoint is not None
+                else f"a checkpoint at step {req.step}")
+        if ck is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run!r} has no {what}")
+        if not ck["complete"]:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+                                f"checkpoint {ck['id']} (step {ck['step']}) is not complete")
+        if ck["abandoned"]:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_ENTITY,
+                f"checkpoint {ck['id']} (step {ck['step']}) is on a branch an earlier "
+                "rollback abandoned; pick one of the current lineage (GET .../checkpoints)")
+        lr = None
+        if req.lr_scale != 1.0:
+            lr = LRSchedule(scale=req.lr_scale, steps=req.lr_scale_steps,
+                            ramp_steps=req.lr_ramp_steps)
+        decision = policy.operator_rollback(
+            actions.facts(r), checkpoint=ck["path"], step=int(ck["step"]),
+            skip=tuple((int(a), int(b)) for a, b in req.skip), lr=lr,
+            reason=req.reason or f"operator rollback to step {ck['step']}",
+            actor="operator", now=now)
+        if isinstance(decision, policy.Note):
+            raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
+        action_id = actions.apply(conn, run=r, decision=decision, now=now)
+    return JSONResponse({"run": run, "action_id": action_id, "checkpoint": ck["id"],
+                         "step": ck["step"]}, status_code=202)
+
+
+@router.get("/actions/{action_id}", response_model=None)
+def get_action(action_id: int, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+    """One action with its progress: queued, delivered, restarted, resumed (first step)."""
+    with db.read() as conn:
+        a = repo.get_action(conn, action_id=action_id)
+        if a is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown action {action_id}")
+        return a

@@ -1,0 +1,178 @@
+"""Recovery: the rollback policy for loss spikes and NaN, and the operator's rollback API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sup_helpers import AGENT, OPERATOR, FakeClock, ingest, register, step
+
+from supervisor import policy
+from supervisor.evaluator import Evaluator
+from supervisor.store import repo
+from supervisor.store.db import Database
+
+CFG = policy.PolicyConfig(rollback_budget=2, rollback_margin_steps=10, rollback_skip_before=5,
+                          rollback_skip_batches=40, rollback_lr_scale=0.5,
+                          rollback_lr_steps=30, rollback_lr_ramp_steps=10)
+RUN = policy.RunFacts(id=1, name="r", status="running", attempt=0, restarts=0)
+
+
+def spike(step: int = 120, kind: str = "loss_spike", attempt: int = 0) -> policy.FindingFacts:
+    return policy.FindingFacts(kind=kind, severity="incident", message="loss spike",
+                               attempt=attempt, step=step)
+
+
+def rec(done: int = 0, **kw: Any) -> policy.RecoveryFacts:
+    base: dict[str, Any] = {
+        "checkpoints": ((50, "/ck/step_50"), (100, "/ck/step_100"), (125, "/ck/step_125")),
+        "batch_index": {50: 50, 100: 100, 120: 120}, "restarts_by_cause": {"spike": done},
+        "high_step": 130, "high_at_restarts": ()}
+    base.update(kw)
+    return policy.RecoveryFacts(**base)
+
+
+def decide(f: policy.FindingFacts, r: policy.RecoveryFacts, run: policy.RunFacts = RUN
+           ) -> Any:
+    return policy.on_finding(run, f, incident_kinds_this_attempt=frozenset(),
+                             open_watch=frozenset(), checkpoint="/ck/step_125", cfg=CFG,
+                             now=10.0, recovery=r)
+
+
+def test_spike_rolls_back_before_it_skips_around_it_and_lowers_the_lr() -> None:
+    d = decide(spike(120), rec())
+    assert isinstance(d, policy.Restart) and d.cause == "spike"
+    assert d.checkpoint == "/ck/step_100" and d.rollback_to_step == 100  # <= 120 - 10
+    assert d.skip == ((115, 154),)  # from 5 before the spike's batch, 40 batches
+    assert d.lr is not None and (d.lr.scale, d.lr.steps, d.lr.ramp_steps) == (0.5, 30, 10)
+    assert d.not_before == 10.0 and d.attempt == 1
+    plan = d.plan(action_id=3)
+    assert plan["skip"] == [[115, 154]] and plan["lr"]["scale"] == 0.5
+    assert "roll back to step 100" in d.reason
+
+
+def test_skip_follows_batch_indices_not_steps() -> None:
+    # Steps and batch indices differ once batches were skipped before.
+    d = decide(spike(120), rec(batch_index={100: 140, 120: 160}))
+    assert isinstance(d, policy.Restart) and d.skip == ((155, 194),)
+
+
+def test_recurring_spike_widens_the_skip_and_lowers_the_lr_further_then_stops() -> None:
+    d = decide(spike(120, attempt=1), rec(done=1), RUN.__class__(1, "r", "running", 1, 1))
+    assert isinstance(d, policy.Restart)
+    assert d.skip == ((115, 194),) and d.lr is not None and d.lr.scale == 0.25
+    assert "the spike came back" in d.reason
+    d = decide(spike(120, attempt=2), rec(done=2), RUN.__class__(1, "r", "running", 2, 2))
+    assert isinstance(d, policy.Stop) and d.status == "failed"
+    assert "rollback budget of 2 spent" in d.reason
+
+
+def test_nan_is_rolled_back_like_a_spike() -> None:
+    d = decide(spike(120, kind="nonfinite"), rec())
+    assert isinstance(d, policy.Restart) and d.checkpoint == "/ck/step_100"
+    assert d.incident is not None and d.incident.kind == "nonfinite"
+
+
+def test_no_checkpoint_before_the_spike_stops_the_run() -> None:
+    d = decide(spike(55), rec())
+    assert isinstance(d, policy.Stop) and "no complete checkpoint" in d.reason
+
+
+def test_no_progress_across_restarts_stops_the_run() -> None:
+    r = rec(done=0, high_step=300, high_at_restarts=(300, 300, 300),
+            restarts_by_cause={"crash": 3})
+    ok, why = policy.budget_left("crash", RUN, r, CFG)
+    assert not ok and "no progress: 3 restarts" in why
+    ok, _ = policy.budget_left("crash", RUN, rec(high_step=301,
+                                                 high_at_restarts=(300, 300, 300)), CFG)
+    assert ok
+
+
+# --- the operator's rollback through the API --------------------------------------------------
+
+
+def setup_run(client: TestClient) -> int:
+    a = register(client, node="n0")["agent_id"]
+    items: list[dict[str, Any]] = [step(r, s, world_size=2) for s in range(0, 130)
+                                   for r in (0, 1)]
+    for s in (50, 100, 125):
+        items.append({"type": "checkpoint", "step": s, "path": f"/ck/step_{s}", "bytes": 5,
+                      "t": 100.0 + s, "lineage": "a0", "save_s": 0.1})
+    ingest(client, a, 0, items)
+    return int(a)
+
+
+def post(client: TestClient, body: dict[str, Any], headers: dict[str, str] | None = None,
+         run: str = "r1") -> Any:
+    return client.post(f"/api/v1/runs/{run}/rollback", json=body,
+                       headers=OPERATOR if headers is None else headers)
+
+
+def count_actions(db: Database) -> int:
+    with db.read() as c:
+        return repo.count_rows(c, table="actions")
+
+
+def test_operator_rollback_queues_a_gang_restart_with_the_plan(
+        client: TestClient, evaluator: Evaluator, db: Database, clock: FakeClock) -> None:
+    a = setup_run(client)
+    r = post(client, {"step": 100, "skip": [[110, 129]], "lr_scale": 0.5,
+                      "lr_scale_steps": 20, "lr_ramp_steps": 10, "reason": "bad shard"})
+    assert r.status_code == 202, r.text
+    action_id = r.json()["action_id"]
+    act = client.get(f"/api/v1/actions/{action_id}", headers=OPERATOR).json()
+    assert act["kind"] == "restart" and act["actor"] == "operator" and act["status"] == "queued"
+    assert act["reason"] == "bad shard" and act["cause"] == "operator"
+    assert act["plan"]["checkpoint"] == "/ck/step_100" and act["plan"]["skip"] == [[110, 129]]
+    assert act["plan"]["lr"] == {"scale": 0.5, "steps": 20, "ramp_steps": 10}
+    (cmd,) = ingest(client, a, 1, [])["commands"]
+    assert cmd["kind"] == "restart" and cmd["plan"] == act["plan"]
+    # The branch after step 100 is abandoned: never offered as the newest checkpoint again.
+    cps = {c["step"]: c["abandoned"] for c in
+           client.get("/api/v1/runs/r1/checkpoints", headers=OPERATOR).json()["checkpoints"]}
+    assert cps == {50: False, 100: False, 125: True}
+    assert client.get("/api/v1/runs/r1", headers=OPERATOR).json()["checkpoint"]["step"] == 100
+    # Progress: delivered, restarted, resumed at the first step of the new attempt.
+    ack = {"type": "command_result", "t": 1.0, "command_id": cmd["id"]}
+    ingest(client, a, 2, [{**ack, "status": "delivered"}, {**ack, "status": "done"}])
+    ingest(client, a, 3, [step(0, 100, attempt=1, batch_index=130)], attempt=1)
+    evaluator.tick()
+    act = client.get(f"/api/v1/actions/{action_id}", headers=OPERATOR).json()
+    assert act["status"] == "resumed" and act["resumed_step"] == 100
+    assert set(act["progress"]) >= {"queued", "delivered", "restarted", "resumed"}
+
+
+@pytest.mark.parametrize("body, headers, code, msg", [
+    ({"step": 100}, {}, 401, ""),
+    ({"step": 100}, AGENT, 403, ""),
+    ({"step": 7}, None, 404, "no a checkpoint at step 7"),
+    ({"checkpoint": 999}, None, 404, "no checkpoint 999"),
+    ({"step": 100, "checkpoint": 1}, None, 422, "exactly one"),
+    ({}, None, 422, "exactly one"),
+    ({"step": 100, "skip": [[9, 3]]}, None, 422, "0 <= from <= to"),
+    ({"step": 100, "lr_scale": 0.5}, None, 422, "lr_scale_steps"),
+    ({"step": 100, "lr_scale": -1, "lr_scale_steps": 3}, None, 422, "greater than 0"),
+    ({"step": 100, "bogus": 1}, None, 422, "bogus"),
+])
+def test_bad_rollbacks_are_refused_and_store_nothing(
+        client: TestClient, db: Database, body: dict[str, Any], headers: Any, code: int,
+        msg: str) -> None:
+    setup_run(client)
+    before = count_actions(db)
+    r = post(client, body, headers)
+    assert r.status_code == code, r.text
+    assert msg in r.text
+    assert count_actions(db) == before
+
+
+def test_rollback_to_an_abandoned_checkpoint_or_an_unknown_run_is_refused(
+        client: TestClient, db: Database) -> None:
+    setup_run(client)
+    assert post(client, {"step": 50}).status_code == 202
+    before = count_actions(db)
+    r = post(client, {"step": 125})
+    assert r.status_code == 422 and "abandoned" in r.text
+    assert post(client, {"step": 50}, run="nope").status_code == 404
+    assert client.get("/api/v1/actions/9999", headers=OPERATOR).status_code == 404
+    assert count_actions(db) == before
