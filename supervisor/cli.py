@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                         ("current", "print the database's revision")):
         _add_db_args(dsub.add_parser(name, help=help_))
 
+    from supervisor import client
+
+    client.add_parsers(sub)
+
     ap = sub.add_parser("agent", help="run the node agent (wraps torchrun)", add_help=False)
     ap.add_argument("agent_args", nargs=argparse.REMAINDER)
     return parser
@@ -116,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_supervisor(args)
     if args.cmd == "db":
         return _cmd_db(args)
+    from supervisor import client
+
+    if args.cmd in client.COMMANDS:
+        return client.run(args)
     raise AssertionError(args.cmd)
 
 

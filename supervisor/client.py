@@ -1,0 +1,177 @@
+"""``trainwarden runs | incidents RUN | checkpoints RUN | rollback RUN ...``: thin clients of
+the REST API that print readable tables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+ENV_URL = "TRAINWARDEN_URL"
+ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--supervisor", default=os.environ.get(ENV_URL, "http://127.0.0.1:8765"),
+                   metavar="URL", help=f"supervisor URL (default ${ENV_URL} or local)")
+    p.add_argument("--token", default=None, metavar="T",
+                   help=f"operator token (default ${ENV_TOKEN})")
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("runs", help="list runs")
+    add_common(p)
+    for name, help_ in (("incidents", "a run's incidents"),
+                        ("checkpoints", "a run's checkpoints"),
+                        ("actions", "a run's actions")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("run")
+        add_common(p)
+    p = sub.add_parser("rollback", help="roll a run back to a checkpoint (operator)")
+    p.add_argument("run")
+    p.add_argument("--to", type=int, required=True, metavar="STEP",
+                   help="the step of the checkpoint to roll back to")
+    p.add_argument("--skip", action="append", default=[], type=_range, metavar="A-B",
+                   help="global batch indices A..B (inclusive) never to train; repeatable")
+    p.add_argument("--lr-scale", type=float, default=1.0, help="multiply the LR by this...")
+    p.add_argument("--lr-steps", type=int, default=0, help="...for this many steps...")
+    p.add_argument("--lr-ramp-steps", type=int, default=0, help="...then ramp back over these")
+    p.add_argument("--reason", default="", help="why (kept in the audit trail)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="follow the action's progress for up to S seconds")
+    add_common(p)
+
+
+def _range(text: str) -> list[int]:
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) > int(m.group(2)):
+        raise argparse.ArgumentTypeError(
+            f"--skip {text!r}: expected A-B with A <= B, e.g. 1200-1499")
+    return [int(m.group(1)), int(m.group(2))]
+
+
+def run(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(ENV_TOKEN)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(base_url=args.supervisor.rstrip("/") + "/api/v1", headers=headers,
+                      timeout=10) as client:
+        try:
+            return _COMMANDS[args.cmd](client, args)
+        except httpx.HTTPStatusError as e:
+            print(f"trainwarden {args.cmd}: {e.response.status_code} "
+                  f"{_detail(e.response)}", file=sys.stderr)
+            return 1
+        except httpx.HTTPError as e:
+            print(f"trainwarden {args.cmd}: cannot reach {args.supervisor}: {e}",
+                  file=sys.stderr)
+            return 1
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        d = r.json().get("detail", r.text)
+    except ValueError:
+        return r.text
+    return d if isinstance(d, str) else str(d)
+
+
+def _get(client: httpx.Client, path: str) -> Any:
+    r = client.get(path)
+    r.raise_for_status()
+    return r.json()
+
+
+def _age(t: float | None) -> str:
+    if t is None:
+        return "-"
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r]
+                                          for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
+    runs = _get(client, "/runs")
+    runs = runs.get("runs", runs) if isinstance(runs, dict) else runs
+    rows = []
+    for r in runs:
+        ck = r.get("checkpoint") or {}
+        tp = (r.get("throughput") or {}).get("samples_per_s")
+        rows.append([r["name"], r["status"], r["attempt"], r.get("restarts"), r.get("step"),
+                     f"{tp:.0f}" if tp else None, ck.get("step"), _age(ck.get("t"))])
+    print(table(rows, ["RUN", "STATUS", "ATTEMPT", "RESTARTS", "STEP", "SAMPLES/S",
+                       "CHECKPOINT", "AGE"]))
+    return 0
+
+
+def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
+    incs = _get(client, f"/runs/{args.run}/incidents")["incidents"]
+    rows = [[i["id"], i["kind"], i["status"], i["attempt"], i.get("step"), i.get("node"),
+             i.get("rank"), _age(i["opened_at"]), _short(i["cause"])] for i in incs]
+    print(table(rows, ["ID", "KIND", "STATUS", "ATTEMPT", "STEP", "NODE", "RANK", "OPENED",
+                       "CAUSE"]))
+    return 0
+
+
+def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:
+    cps = _get(client, f"/runs/{args.run}/checkpoints")["checkpoints"]
+    rows = [[c["id"], c["step"], c["attempt"], "abandoned" if c.get("abandoned") else
+             ("complete" if c["complete"] else "incomplete"), c.get("bytes"), _age(c["t"]),
+             c["path"]] for c in cps]
+    print(table(rows, ["ID", "STEP", "ATTEMPT", "STATE", "BYTES", "AGE", "PATH"]))
+    return 0
+
+
+def _actions(client: httpx.Client, args: argparse.Namespace) -> int:
+    acts = _get(client, f"/runs/{args.run}/actions")["actions"]
+    rows = [[a["id"], a["kind"], a["actor"], a["status"], a["attempt"], a.get("resumed_step"),
+             _age(a["created_at"]), _short(a["reason"])] for a in acts]
+    print(table(rows, ["ID", "KIND", "ACTOR", "STATUS", "ATTEMPT", "RESUMED AT", "AGE",
+                       "REASON"]))
+    return 0
+
+
+def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"step": args.to, "skip": args.skip, "reason": args.reason}
+    if args.lr_scale != 1.0:
+        body.update(lr_scale=args.lr_scale, lr_scale_steps=args.lr_steps,
+                    lr_ramp_steps=args.lr_ramp_steps)
+    r = client.post(f"/runs/{args.run}/rollback", json=body)
+    r.raise_for_status()
+    action_id = r.json()["action_id"]
+    print(f"rollback of {args.run} to step {args.to} queued: action {action_id}")
+    deadline = time.monotonic() + args.wait
+    last = None
+    while time.monotonic() < deadline:
+        a = _get(client, f"/actions/{action_id}")
+        if a["status"] != last:
+            last = a["status"]
+            extra = f" at step {a['resumed_step']}" if a.get("resumed_step") is not None else ""
+            print(f"  action {action_id}: {last}{extra}")
+        if last in ("resumed", "failed", "superseded"):
+            return 0 if last == "resumed" else 1
+        time.sleep(0.5)
+    return 0
+
+
+def _short(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+_COMMANDS = {"runs": _runs, "incidents": _incidents, "checkpoints": _checkpoints,
+             "actions": _actions, "rollback": _rollback}
+COMMANDS = tuple(_COMMANDS)
