@@ -42,6 +42,8 @@ class Host(Protocol):
 
     def collect_stacks(self, reason: str, command_id: int | None) -> None: ...
 
+    def pin_checkpoint(self, path: str, reason: str) -> None: ...
+
     def stopped(self) -> bool: ...
 
     def launch(self, attempt: int, plan_path: Path | None) -> None: ...
@@ -166,6 +168,10 @@ class Executor:
                 return
             if plan.attempt is None:
                 plan = dataclasses.replace(plan, attempt=attempt)
+        if plan is not None and plan.checkpoint:
+            # The workers may still be saving (and pruning) while we stop them: the
+            # checkpoint this restart resumes from must survive their retention.
+            self.host.pin_checkpoint(plan.checkpoint, f"resume target of command {cid}")
         if cmd.get("collect_stacks"):
             # A hung run: read every worker's stacks first, then kill the tree at once.
             self.host.collect_stacks(str(cmd.get("reason", "")), cid)

@@ -9,6 +9,7 @@ supervisor is never in the training path.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -113,6 +114,7 @@ class Agent:
                                           startup_s=config.hang_startup_s,
                                           warmup_s=config.hang_warmup_s))
         self._hung_attempt: int | None = None
+        self._pins: list[str] = list(saved.get("pins") or [])
 
     # -- persisted state ---------------------------------------------------------------------
 
@@ -126,7 +128,8 @@ class Agent:
     def _save_state(self) -> None:
         tmp = self.state_path.with_suffix(".tmp")
         plan = str(self.plan_path) if self.plan_path else None
-        tmp.write_text(json.dumps({"attempt": self._attempt, "plan": plan}))
+        tmp.write_text(json.dumps({"attempt": self._attempt, "plan": plan,
+                                   "pins": getattr(self, "_pins", [])}))
         os.replace(tmp, self.state_path)
 
     def _register_request(self) -> protocol.RegisterRequest:
@@ -151,6 +154,24 @@ class Agent:
     def begin_stop(self, *, immediate: bool = False) -> None:
         self.state = "stopping"
         self.launcher.begin_stop(immediate=immediate)
+
+    def pin_checkpoint(self, path: str, reason: str) -> None:
+        """Mark the checkpoint a restart resumes from so the workers' retention keeps it
+        (``PINNED``, honoured by ``agent.worker.Checkpointer``); the pin this agent set for an
+        earlier restart is lifted, so pins do not pile up."""
+        target = Path(path)
+        try:
+            if target.is_dir():
+                (target / "PINNED").write_text(f"{reason}\n")
+        except OSError as e:
+            log.warning("could not pin %s: %s", path, e)
+            return
+        for old in self._pins:
+            if old != str(target):
+                with contextlib.suppress(OSError):
+                    (Path(old) / "PINNED").unlink(missing_ok=True)
+        self._pins = [str(target)]
+        self._save_state()
 
     def collect_stacks(self, reason: str, command_id: int | None) -> None:
         """Dump every worker's Python stacks and send them as a ``stacks`` event."""

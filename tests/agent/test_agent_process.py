@@ -400,3 +400,22 @@ def test_local_watchdog_acts_only_while_the_supervisor_is_away(
     assert "stacks" in names and "hang_detected_locally" in names
     local = [e for e in fake_supervisor.items("event") if e["name"] == "hang_detected_locally"]
     assert local[0]["step"] == 9 and "no step" in local[0]["message"].lower()
+
+
+def test_restart_pins_its_checkpoint_and_lifts_the_previous_pin(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    """The workers keep saving and pruning until they are stopped: the checkpoint a restart
+    resumes from is pinned first, so their retention cannot delete it."""
+    ck = fake_run.tmp_path / "ckpt"
+    for step in (50, 100):
+        (ck / f"step_{step}").mkdir(parents=True)
+    agent = make_agent(agents, fake_run.config("serve"), fake_supervisor)
+    agent.start()
+    fake_supervisor.commands[1] = {"id": 1, "kind": "restart", "attempt": 1,
+                                   "plan": {"checkpoint": str(ck / "step_50")}}
+    tick_until(agent, lambda: (ck / "step_50" / "PINNED").exists(), what="pin")
+    tick_until(agent, lambda: 1 not in fake_supervisor.commands, what="restart done")
+    fake_supervisor.commands[2] = {"id": 2, "kind": "restart", "attempt": 2,
+                                   "plan": {"checkpoint": str(ck / "step_100")}}
+    tick_until(agent, lambda: (ck / "step_100" / "PINNED").exists(), what="second pin")
+    assert not (ck / "step_50" / "PINNED").exists()
