@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory whose free space is reported")
     parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL of the workers (default 5)")
-    parser.add_argument("--hang-floor", type=float, default=30.0, metavar="S",
+    parser.add_argument("--hang-floor", type=float, default=25.0, metavar="S",
                         help="local hang watchdog: shortest deadline without step progress "
                              "(acts only while the supervisor is unreachable)")
     parser.add_argument("--hang-startup", type=float, default=600.0, metavar="S",

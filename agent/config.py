@@ -61,7 +61,7 @@ class AgentConfig:
     flush_timeout_s: float = 10.0
     # The local hang watchdog (acts only while the supervisor is unreachable): the floor of
     # the learned deadline, and the allowances for start-up and the first steps.
-    hang_floor_s: float = 30.0
+    hang_floor_s: float = 25.0
     hang_startup_s: float = 600.0
     hang_warmup_s: float = 300.0
 

@@ -246,6 +246,10 @@ def measure(sup: Supervisor, sc: Scenario | None, root: Path, timeout: float,
         res.resumed_step = act.get("resumed_step")
         if res.injected_at is not None:
             res.fault_to_resume_s = resumed - res.injected_at
+    if sc.restarts and res.resume_s is None:
+        res.error = (res.error + "; " if res.error else "") + "no restart resumed"
+    if not sc.restarts and res.restarts:
+        res.error = (res.error + "; " if res.error else "") + f"{res.restarts} restart(s)"
     res.within_target = target_met(res, sc, hang_floor)
     return res
 
@@ -277,8 +281,8 @@ def summary_table(results: list[RunResult], scs: dict[str, Scenario]) -> str:
     head = ("| fault | expected incident | n | detection median s | detection max s | "
             "DESIGN target | within target | incident -> first resumed step median s "
             "(max) | fault -> resumed median s | kind ok | rank ok | step ok | "
-            "final status |")
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+            "incidents per run | final status |")
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
     order = [k for k in ALL_KINDS if k in scs] + ["clean"]
     for kind in order:
         rs = [r for r in results if r.kind == kind]
@@ -286,13 +290,13 @@ def summary_table(results: list[RunResult], scs: dict[str, Scenario]) -> str:
             continue
         statuses = ", ".join(f"{s} x{c}" for s, c in Counter(str(r.status) for r in rs).items())
         n = len(rs)
+        counts = [len(r.incidents) for r in rs]
         if kind == "clean":
-            counts = [len(r.incidents) for r in rs]
             kinds = Counter(i["kind"] for r in rs for i in r.incidents)
+            extra = f" {dict(kinds)}" if kinds else ""
             lines.append(
                 f"| clean (no fault) | none | {n} | - | - | 0 incidents | "
-                f"{sum(c == 0 for c in counts)}/{n} (incidents per run: {counts}"
-                f"{'; ' + dict(kinds).__repr__() if kinds else ''}) | - | - | - | - | - | "
+                f"{sum(c == 0 for c in counts)}/{n} | - | - | - | - | - | {counts}{extra} | "
                 f"{statuses} |")
             continue
         sc = scs[kind]
@@ -304,12 +308,16 @@ def summary_table(results: list[RunResult], scs: dict[str, Scenario]) -> str:
         if kind == "hang":
             within_s += f" (stacks {sum(bool(r.stacks_ok) for r in rs)}/{n})"
         resume = "-" if not res else f"{fmt(med(res))} ({fmt(max(res))})"
+        seen = Counter(str(r.incident_kind) for r in rs)
+        kind_ok = f"{sum(r.kind_ok for r in rs)}/{n}"
+        if seen.keys() - {sc.incident}:
+            kind_ok += " (saw " + ", ".join(f"{k} x{c}" for k, c in seen.items()) + ")"
         lines.append(
             f"| {kind} | {sc.incident} | {n} | {fmt(med(det))} | "
             f"{fmt(max(det) if det else None)} | {sc.target} | {within_s} | {resume} | "
-            f"{fmt(med(f2r))} | {sum(r.kind_ok for r in rs)}/{n} | "
+            f"{fmt(med(f2r))} | {kind_ok} | "
             f"{sum(r.rank_ok for r in rs)}/{n} | {sum(r.step_ok for r in rs)}/{n} | "
-            f"{statuses} |")
+            f"{counts} | {statuses} |")
     return "\n".join(lines)
 
 
@@ -347,7 +355,12 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep logs, checkpoints and the supervisor's database here")
     ap.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    ap.add_argument("--report", type=Path, default=None, metavar="JSON",
+                    help="only print the tables of an earlier --json file")
     args = ap.parse_args()
+    if args.report:
+        report_from_json(args.report)
+        return
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(ALL_KINDS))
     if unknown:
@@ -357,7 +370,10 @@ def main() -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="trainwarden-detection-"))
     root.mkdir(parents=True, exist_ok=True)
     env = {} if args.hang_floor is None else {"TRAINWARDEN_HANG_FLOOR_S": f"{args.hang_floor:g}"}
-    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    exe = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        exe = exe.relative_to(Path.cwd())
+    command = shlex.join([str(exe), *sys.argv])
     print(f"# command: {command}", flush=True)
     print(f"# hang floor: {floor:g} s ({'--hang-floor' if env else 'supervisor default'}); "
           f"work dir {root}; {os.cpu_count()} CPUs", flush=True)
@@ -379,9 +395,17 @@ def main() -> None:
     finally:
         sup.stop()
     total = time.monotonic() - t_start
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "hang_floor_s": floor,
+                                         "minutes": total / 60, "kinds": list(scs),
+                                         "results": [asdict(r) for r in results]}, indent=1))
+    report(results, scs, command=command, floor=floor, minutes=total / 60)
 
+
+def report(results: list[RunResult], scs: dict[str, Scenario], *, command: str, floor: float,
+           minutes: float) -> None:
     print()
-    print(f"## Detection benchmark ({total / 60:.1f} min, hang floor {floor:g} s)")
+    print(f"## Detection benchmark ({minutes:.1f} min, hang floor {floor:g} s)")
     print()
     print(f"Command: `{command}`")
     print()
@@ -390,15 +414,24 @@ def main() -> None:
     print("Targets (DESIGN.md): crash within 5 s; hang within max(30 s, 10 x median step time) "
           "with the stuck rank's stack captured; a 1.5x straggler named (right rank) within "
           "50 steps / 60 s; 0 incidents on clean runs.  Detection is from the worker's "
-          "`fault_injected` event to the incident's `opened_at`; resume is from `opened_at` "
-          "to the restart action's `progress.resumed` (first step report of the new attempt, "
-          "as the supervisor's evaluator saw it).  Hang rank: None is accepted (both ranks "
-          "stop at the same step, so none is behind; the stacks name the stuck one).")
+          "`fault_injected` event to the first incident's `opened_at`; resume is from "
+          "`opened_at` to the restart action's `progress.resumed` (first step report of the "
+          "new attempt, as the supervisor's evaluator saw it).  Hang rank: None is accepted "
+          "(both ranks stop at the same step, so none is behind; the stacks name the stuck "
+          "one).  Straggler target: `details.flagged_at_step` <= fault step + 50 and "
+          "detection <= 60 s.")
     print()
     print(runs_table(results))
-    if args.json:
-        args.json.write_text(json.dumps({"command": command, "hang_floor_s": floor,
-                                         "results": [asdict(r) for r in results]}, indent=1))
+
+
+def report_from_json(path: Path) -> None:
+    """Print the tables again from a ``--json`` file (no runs)."""
+    data = json.loads(path.read_text())
+    results = [RunResult(**r) for r in data["results"]]
+    kinds = data.get("kinds") or {r.kind for r in results}
+    scs = {k: v for k, v in scenarios(data["hang_floor_s"]).items() if k in kinds}
+    report(results, scs, command=data["command"], floor=data["hang_floor_s"],
+           minutes=data.get("minutes", sum(r.wall_s for r in results) / 60))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ class SupervisorSettings(BaseSettings):
     evaluator_interval_s: float = Field(default=0.5, gt=0.0)
     # Detection (see supervisor/detect/): the hang deadline's floor and its allowances for
     # start-up and the first steps of an attempt; how long an agent may be silent.
-    hang_floor_s: float = Field(default=30.0, gt=0.0)
+    hang_floor_s: float = Field(default=25.0, gt=0.0)
     hang_startup_s: float = Field(default=600.0, gt=0.0)
     hang_warmup_s: float = Field(default=300.0, gt=0.0)
     node_lost_s: float = Field(default=30.0, gt=0.0)

@@ -24,9 +24,10 @@ log = logging.getLogger("trainwarden.evaluator")
 Clock = Callable[[], float]
 
 
-# Worker events that end an attempt, with the incident kind they open.
-_FAILURE_EVENTS = {"collective_timeout": "collective_timeout",
-                   "distributed_error": "collective_timeout"}
+# Worker events that end an attempt, with the incident kind they open.  A "distributed_error"
+# (connection reset by a peer, ...) is left out on purpose: it is what the survivors see when
+# a peer dies, and the agent's exit report that follows names the rank that really failed.
+_FAILURE_EVENTS = {"collective_timeout": "collective_timeout"}
 _STACKS_EVENT = "stacks"
 
 
@@ -119,6 +120,11 @@ class Evaluator:
                 continue
             details = dict(ev.get("details") or {})
             collective = details.get("collective", "unknown")
+            if ev.get("step") is None and ev.get("rank") is not None:
+                # The step it was stuck in: the one after the last its rank reported.
+                last = {int(r["rank"]): int(r["step"]) for r in repo.rank_progress(
+                    conn, run_id=run["id"], attempt=int(ev["attempt"]))}.get(int(ev["rank"]))
+                ev = {**ev, "step": None if last is None else last + 1}
             where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
             finding = policy.FindingFacts(
                 kind=_FAILURE_EVENTS[ev["name"]], severity="incident",
@@ -168,7 +174,7 @@ class Evaluator:
         rows = observe.loss_rows(conn, run, cfg=cfg)
         findings += observe.loss_findings(rows, cfg=cfg)
         findings += observe.throughput_findings(rows, cfg=cfg)
-        self._resolve_ended_stragglers(conn, run, {f.rank for f in stragglers}, now)
+        self._resolve_ended_stragglers(conn, run, {f.rank: f for f in stragglers}, now)
         for f in findings:
             if f.kind == "rank_stalled":
                 continue  # its hang (if it is one) is judged by the hang finding
@@ -180,11 +186,26 @@ class Evaluator:
             self._decide(conn, run, facts, now, rep)
             run = repo.get_run(conn, run_id=run["id"])  # a decision may have moved it
 
-    def _resolve_ended_stragglers(self, conn: Connection, run: dict, slow: set[int | None],
-                                  now: float) -> None:
+    def _resolve_ended_stragglers(self, conn: Connection, run: dict,
+                                  slow: dict[int | None, Finding], now: float) -> None:
+        """One episode, one incident: while its rank is flagged the incident is updated;
+        it is resolved once the rank has not been flagged for a whole hold window (a score
+        near the threshold flickers, and that must not open and close incidents)."""
+        span = repo.step_range(conn, run_id=run["id"], attempt=run["attempt"])
+        newest = span[1] if span else None
+        hold = max(self.detection.straggler.hold_steps, self.detection.straggler.window_steps)
         for inc in repo.incidents_of(conn, run_id=run["id"], kinds=["straggler"],
                                      status="open"):
-            if inc["rank"] not in slow:
+            details = dict(inc["details"] or {})
+            f = slow.get(inc["rank"])
+            if f is not None:
+                details.update(last_flagged_step=newest, score=f.details.get("score"))
+                repo.update_incident(conn, incident_id=inc["id"], details=details,
+                                     updated_at=now)
+                continue
+            last = details.get("last_flagged_step", details.get("flagged_at_step"))
+            if inc["attempt"] != run["attempt"] or newest is None or last is None \
+                    or newest - int(last) >= hold:
                 repo.resolve_incident(conn, incident_id=inc["id"], now=now)
 
     def _decide(self, conn: Connection, run: dict, finding: policy.FindingFacts, now: float,

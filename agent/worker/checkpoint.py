@@ -375,6 +375,16 @@ class Checkpointer:
             passed.append((c.path, c.reason))
         return None, passed
 
+    def _complete_at_or_before(self, named: str) -> Path | None:
+        m = STEP_DIR.match(Path(named).name)
+        if m is None:
+            return None
+        limit = int(m.group(1))
+        for c in reversed(list_checkpoints(Path(named).parent)):
+            if c.step <= limit and c.complete:
+                return c.path
+        return None
+
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore model, optimiser, this rank's data position and RNG; returns the metadata."""
         msd, osd = get_state_dict(self.model, self.optimizer)
@@ -414,11 +424,19 @@ class Checkpointer:
         if self.rank == 0:
             if plan is not None and plan.checkpoint:
                 v = validate_checkpoint(plan.checkpoint)
-                if not v.ok:
-                    chosen[:] = [("error", f"resume plan names checkpoint {plan.checkpoint}, "
-                                  f"which is not complete: {v.reason}"), []]
-                else:
+                if v.ok:
                     chosen[:] = [str(plan.checkpoint), []]
+                else:
+                    # Gone (pruned before the pin arrived) or damaged: roll back further, to
+                    # the newest complete checkpoint before it, never forward past it.
+                    older = self._complete_at_or_before(plan.checkpoint)
+                    if older is None:
+                        chosen[:] = [("error", f"resume plan names checkpoint "
+                                      f"{plan.checkpoint}, which is not complete "
+                                      f"({v.reason}), and no complete checkpoint precedes it"),
+                                     []]
+                    else:
+                        chosen[:] = [str(older), [(str(plan.checkpoint), v.reason)]]
             else:
                 path, passed = self.newest_complete()
                 chosen[:] = [str(path) if path else None, [(str(p), r) for p, r in passed]]

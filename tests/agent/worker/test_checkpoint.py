@@ -107,13 +107,23 @@ def test_incomplete_checkpoints_are_skipped_with_a_log_line(
     assert loader2.position == 1
 
 
-def test_plan_naming_an_incomplete_checkpoint_is_refused(tmp_path: Path) -> None:
-    model, opt, loader, ckpt = make(tmp_path)
-    ckpt.save(3)
+def test_plan_naming_a_missing_checkpoint_rolls_back_further_or_refuses(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, opt, loader, ckpt = make(tmp_path, keep=5)
+    for step in (2, 3, 5):
+        ckpt.save(step)
     (tmp_path / "step_3" / ".metadata").unlink()
-    _, _, _, ckpt2 = make(tmp_path)
-    with pytest.raises(ValueError, match=r"not complete: no \.metadata"):
-        ckpt2.resume(ResumePlan(checkpoint=str(tmp_path / "step_3")))
+    # The plan's checkpoint is damaged: the newest complete one before it, never a later one.
+    _, _, _, ckpt2 = make(tmp_path, keep=5)
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        info = ckpt2.resume(ResumePlan(checkpoint=str(tmp_path / "step_3"), skip=((9, 9),)))
+    assert info.start_step == 2 and info.skip == [(9, 9)]
+    assert "step_3: no .metadata" in caplog.text
+    # Nothing complete at or before it: refused, with the reason.
+    (tmp_path / "step_2" / ".metadata").unlink()
+    _, _, _, ckpt3 = make(tmp_path, keep=5)
+    with pytest.raises(ValueError, match=r"not complete \(no \.metadata.*no complete"):
+        ckpt3.resume(ResumePlan(checkpoint=str(tmp_path / "step_3")))
 
 
 def test_retention_keeps_last_k_plus_pinned(tmp_path: Path) -> None:

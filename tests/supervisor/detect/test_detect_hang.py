@@ -139,8 +139,8 @@ def test_hang_names_the_rank_furthest_behind() -> None:
     ranks[2] = RankProgress(step=119, t=t - 1.0)
     w = ProgressWindow(attempt_started_at=START, ranks=ranks, steps_in_attempt=121,
                        step_intervals=[1.0] * 100, nodes={5: "gpu-b", 2: "gpu-a"})
-    assert detect_hang(w, t + 29.0) == []
-    [f] = detect_hang(w, t + 31.0)
+    assert detect_hang(w, t + 24.0) == []
+    [f] = detect_hang(w, t + 26.0)
     assert (f.kind, f.rank, f.node, f.step) == ("hang", 5, "gpu-b", 120)
     assert f.details["behind"] == {"5": 118, "2": 119}
     assert "rank 5 on gpu-b" in f.message
