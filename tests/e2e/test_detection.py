@@ -21,9 +21,12 @@ TRAIN = ["--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50"]
 @pytest.fixture(scope="module")
 def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
     # Short deadlines so tests are quick: a hang after 6 s without progress.
+    # Detection on its own: spikes and NaN open incidents without the automatic rollback
+    # (tests/e2e/test_recovery.py covers that).
     sup = Supervisor(tmp_path_factory.mktemp("sup"), env={
         "TRAINWARDEN_HANG_FLOOR_S": "6", "TRAINWARDEN_HANG_WARMUP_S": "20",
-        "TRAINWARDEN_HANG_STARTUP_S": "120", "TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}).start()
+        "TRAINWARDEN_HANG_STARTUP_S": "120", "TRAINWARDEN_RESTART_BACKOFF_S": "0.5",
+        "TRAINWARDEN_ROLLBACK_BUDGET": "0"}).start()
     yield sup
     sup.stop()
 

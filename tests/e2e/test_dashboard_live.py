@@ -1,0 +1,70 @@
+"""The dashboard in a real browser during a real run: a loss spike injected into torchrun,
+detected and rolled back by the supervisor, seen on the page; then an operator rolls back
+through the page's form and follows the action to the resumed step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.dashboard.browser import (
+    browser_page,
+    login,
+    require_browser,
+    rollback_via_form,
+    screenshot,
+    wait_for_charts,
+    wait_for_rollback,
+)
+from tests.e2e.system import OPERATOR_TOKEN, Agent, Supervisor, ddp_script, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def test_spike_rollback_seen_and_operator_rollback_through_the_form(tmp_path: Path) -> None:
+    require_browser()
+    sup = Supervisor(tmp_path / "sup", env={"TRAINWARDEN_ROLLBACK_LR_STEPS": "30",
+                                            "TRAINWARDEN_ROLLBACK_LR_RAMP_STEPS": "20",
+                                            "TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}).start()
+    agent = Agent(sup.url, "live", "node0", tmp_path, [
+        "--nproc_per_node=2", "--standalone", *ddp_script(
+            "--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50", "--keep", "10",
+            "--steps", "3000", "--step-sleep", "0.01", "--inject", "spike@300",
+            "--checkpoint-dir", str(tmp_path / "ck"))])
+    try:
+        def auto_rollback() -> dict | None:
+            acts = (sup.get_or_none("/runs/live/actions") or {}).get("actions", [])
+            done = [a for a in acts if a["cause"] == "spike" and a["status"] == "resumed"]
+            return done[0] if done else None
+
+        auto = wait_until(auto_rollback, 180, "the automatic rollback past the spike")
+        target = int(auto["resumed_step"])  # pinned by the agent: it stays on disk
+        with browser_page() as page:
+            login(page, sup.url, OPERATOR_TOKEN, path="/runs/live")
+            wait_for_charts(page)
+            text = page.inner_text("body")
+            assert "loss_spike" in text and "resumed" in text
+            series = httpx.get(f"{sup.url}/dashboard/api/runs/live/series", timeout=10,
+                               headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).json()
+            spikes = [m for m in series["markers"] if m["type"] == "spike"]
+            assert spikes and spikes[0]["from"] == 300  # the spike is marked on the loss chart
+            assert any(m["type"] == "restart" and m["from"] == target
+                       for m in series["markers"])
+            screenshot(page, "live-run-after-spike-rollback")
+            rollback_via_form(page, checkpoint_step=target, operator_token=OPERATOR_TOKEN,
+                              reason="from the dashboard", skip="600-649", lr_scale=0.5,
+                              lr_scale_steps=20, lr_ramp_steps=10,
+                              screenshot_name="live-rollback-dialog")
+            progress = wait_for_rollback(page, "resumed", timeout_ms=120_000)
+            assert f"{target}" in progress
+            screenshot(page, "live-rollback-resumed")
+        (mine,) = [a for a in sup.get("/runs/live/actions")["actions"]
+                   if a["actor"] == "operator"]
+        assert mine["reason"] == "from the dashboard" and mine["status"] == "resumed"
+        assert mine["plan"]["skip"] == [[600, 649]]
+        assert mine["plan"]["lr"] == {"scale": 0.5, "steps": 20, "ramp_steps": 10}
+    finally:
+        agent.stop()
+        sup.stop()
