@@ -45,7 +45,8 @@ class Reporter:
     """
 
     def __init__(self, socket_path: str | None = None, *, rank: int | None = None,
-                 local_rank: int | None = None, world_size: int | None = None) -> None:
+                 local_rank: int | None = None, world_size: int | None = None,
+                 sender_thread: bool = True) -> None:
         self.path = socket_path if socket_path is not None else os.environ.get(ENV_AGENT_SOCKET)
         self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self.local_rank = (local_rank if local_rank is not None
@@ -63,6 +64,7 @@ class Reporter:
         self.set_identity(self.rank, self.world_size)
         self._queue: deque[tuple[Any, ...] | bytes] = deque()
         self.max_queue = MAX_QUEUE
+        self.sender_thread = sender_thread  # False: the caller flushes (tests)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one drainer at a time keeps the order
         if self.path:
@@ -162,7 +164,7 @@ class Reporter:
             loss = loss.detach()
         self._queue.append((step, time.time(), batch_index, loss, samples, tokens, lr,
                             grad_norm, data_s, compute_s, step_s))
-        if self._thread is None:
+        if self._thread is None and self.sender_thread:
             self._start_sender()
         return True
 
@@ -241,7 +243,7 @@ class Reporter:
             self.dropped += 1
             return False
         self._queue.append(data)
-        if self._thread is None:
+        if self._thread is None and self.sender_thread:
             self._start_sender()
         return True
 

@@ -314,9 +314,15 @@ class FakeHost:
         self.stopping = False
         self.finished = False
 
-    def begin_stop(self) -> None:
-        self.calls.append("stop")
+    def begin_stop(self, *, immediate: bool = False) -> None:
+        self.calls.append("kill" if immediate else "stop")
         self.stopping = True
+
+    def collect_stacks(self, reason: str, command_id: int | None) -> None:
+        self.calls.append(("stacks", command_id))
+
+    def pin_checkpoint(self, path: str, reason: str) -> None:
+        self.calls.append(("pin", path))
 
     def stopped(self) -> bool:
         return not self.stopping
@@ -341,21 +347,22 @@ def test_executor_restart_once_with_plan_and_backoff(tmp_path: Path) -> None:
     ex.submit([cmd])
     ex.submit([cmd])  # re-sent before our result arrived: applied once
     ex.tick()
-    assert host.calls == ["stop"]
+    # The resume target is pinned before the workers are stopped (they may still prune).
+    assert host.calls == [("pin", "/ck/step_40"), "stop"]
     host.stopping = False
     ex.tick()
-    assert host.calls == ["stop"]  # waiting for not_before
+    assert host.calls == [("pin", "/ck/step_40"), "stop"]  # waiting for not_before
     clock.t += 10
     ex.tick()
-    assert host.calls[1][:2] == ("launch", 2)
-    plan = protocol.ResumePlan.from_json(host.calls[1][2].read_text())
+    assert host.calls[2][:2] == ("launch", 2)
+    plan = protocol.ResumePlan.from_json(host.calls[2][2].read_text())
     assert plan.checkpoint == "/ck/step_40" and plan.skip == ((10, 19),) and plan.attempt == 2
     assert [(i["command_id"], i["status"]) for i in out] == [(5, "delivered"), (5, "done")]
     # A later incarnation does not apply it again, but repeats the result when asked.
     ex2 = Executor(tmp_path, host, out.append, clock)
     ex2.submit([cmd])
     ex2.tick()
-    assert len(host.calls) == 2 and out[-1]["status"] == "done"
+    assert len(host.calls) == 3 and out[-1]["status"] == "done"
 
 
 def test_executor_rejects_bad_plan_without_stopping(tmp_path: Path) -> None:

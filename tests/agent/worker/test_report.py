@@ -53,7 +53,7 @@ def test_full_agent_queue_drops_instead_of_blocking(tmp_path: Path) -> None:
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(path)  # bound but never read: its queue fills up
     try:
-        r = Reporter(path)
+        r = Reporter(path, sender_thread=False)  # nothing drains the queue behind our back
         r.max_queue = 100
         queued = [r.step(i, loss=1.0) for i in range(5000)]
         # The training thread only queues; past the bound, reports are dropped, not waited on.
