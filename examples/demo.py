@@ -2,9 +2,10 @@
 
 Starts the supervisor on a SQLite file in ./demo-data, then one node agent wrapping a real
 2-worker `torchrun` of examples/train_ddp.py with faults injected (rank 1 is killed with
-SIGKILL mid-run).  Watch the supervisor notice, restart the whole run from the newest complete
-checkpoint, and finish.  The supervisor stays up afterwards so you can look around; Ctrl-C
-stops everything.
+SIGKILL mid-run, and later 20 batches of corrupted data make the loss spike).  Watch the
+supervisor notice, restart the whole run from the newest complete checkpoint, roll back past
+the spike (skipping its batches, LR lowered for a while), and finish.  The supervisor stays
+up afterwards so you can look around; Ctrl-C stops everything.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--inject", action="append", default=None,
-                    help="faults for the training script (default: crash@1200:rank=1)")
+                    help="faults for the training script "
+                         "(default: crash@1200:rank=1 and spike@2000)")
     ap.add_argument("--exit-when-done", action="store_true",
                     help="stop the supervisor once the run has ended (for scripted use)")
     args = ap.parse_args()
-    inject = args.inject or ["crash@1200:rank=1"]
+    inject = args.inject or ["crash@1200:rank=1", "spike@2000"]
 
     data = Path(args.data_dir)
     shutil.rmtree(data, ignore_errors=True)
@@ -86,7 +88,8 @@ def main() -> int:
               f"--inject {' --inject '.join(inject)}` (log: {agent_log.name})")
         print()
         print("Look at (reads are public in the demo; writes need the operator token):")
-        for path in ("/docs", "/api/v1/runs", "/api/v1/runs/demo",
+        print(f"  {url}/runs/demo   (the dashboard: charts, incidents, actions, roll back)")
+        for path in ("/metrics", "/docs", "/api/v1/runs", "/api/v1/runs/demo",
                      "/api/v1/runs/demo/incidents", "/api/v1/runs/demo/actions",
                      "/api/v1/runs/demo/checkpoints", "/api/v1/runs/demo/steps?max_points=20"):
             print(f"  {url}{path}")

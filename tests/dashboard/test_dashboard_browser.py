@@ -44,7 +44,10 @@ def test_run_page_of_a_live_supervisor(tmp_path: Path) -> None:
     require_browser()
     # The synthetic history is fed in seconds: no automatic rollback of its spike (the page,
     # not the policy, is under test here), and no hang call on its old timestamps.
-    env = {"TRAINWARDEN_ROLLBACK_BUDGET": "0", "TRAINWARDEN_HANG_FLOOR_S": "600"}
+    # Its agents go quiet once it is fed: no node-lost call either, so the run stays unchanged
+    # and the page's conditional polls get 304.
+    env = {"TRAINWARDEN_ROLLBACK_BUDGET": "0", "TRAINWARDEN_HANG_FLOOR_S": "600",
+           "TRAINWARDEN_NODE_LOST_S": "3600"}
     with supervisor_process(tmp_path, agent_token="agent-secret", operator_token=OPERATOR_TOKEN,
                             env=env) as sup, sup.client() as client:
         feed_demo_run(client, "demo", time.time() - 90)
