@@ -199,9 +199,11 @@ class Evaluator:
             details = dict(inc["details"] or {})
             f = slow.get(inc["rank"])
             if f is not None:
-                details.update(last_flagged_step=newest, score=f.details.get("score"))
-                repo.update_incident(conn, incident_id=inc["id"], details=details,
-                                     updated_at=now)
+                fresh = {**details, "last_flagged_step": newest,
+                         "score": f.details.get("score")}
+                if fresh != details:  # touch the row only when the episode moved on
+                    repo.update_incident(conn, incident_id=inc["id"], details=fresh,
+                                         updated_at=now)
                 continue
             last = details.get("last_flagged_step", details.get("flagged_at_step"))
             if inc["attempt"] != run["attempt"] or newest is None or last is None \
