@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent import protocol
+from agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,8 @@ class Executor:
         self.job: _Job | None = None
         self._last_result: dict[int, float] = {}
         self.seen: dict[int, dict[str, Any]] = {}
-        try:
-            raw = json.loads(self.path.read_text())
-            self.seen = {int(k): v for k, v in raw.items() if isinstance(v, dict)}
-        except (OSError, ValueError, AttributeError):
-            pass
+        raw = load_json(self.path)
+        self.seen = {int(k): v for k, v in raw.items() if isinstance(v, dict) and k.isdigit()}
         # Accepted by an earlier incarnation but not finished: decide now whether it is done.
         for rec in self.seen.values():
             if rec.get("status") == "delivered":
@@ -92,9 +89,7 @@ class Executor:
         return self.job is not None or bool(self.queue)
 
     def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(k): v for k, v in self.seen.items()}))
-        os.replace(tmp, self.path)
+        save_json(self.path, {str(k): v for k, v in self.seen.items()})
 
     def _result(self, cid: int, status: str, detail: str = "") -> None:
         rec = self.seen.setdefault(cid, {})

@@ -18,7 +18,6 @@ failure summary.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from typing import IO, Any
 import psutil
 
 from agent import protocol
+from agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +206,7 @@ class Launcher:
 
         Candidates come from the recorded group and from an environment scan; each is
         verified with psutil to carry our marks before it is signalled (pids get reused)."""
-        record: dict[str, Any] = {}
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads(self.record_path.read_text())
+        record = load_json(self.record_path)
         found: dict[int, psutil.Process] = {p.pid: p for p in self.find_ours()}
         pid = record.get("pid")
         if isinstance(pid, int) and pid not in found:
@@ -280,9 +278,7 @@ class Launcher:
             ct = None
         rec = {"pid": self.proc.pid, "pgid": self.proc.pid, "create_time": ct,
                "attempt": self.attempt, **self.marks()}
-        tmp = self.record_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, self.record_path)
+        save_json(self.record_path, rec)
 
     # -- observe -----------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from agent.config import AgentConfig
 from agent.executor import Executor
 from agent.launcher import ExitInfo, Launcher, PopenFactory
 from agent.monitor import DatagramReceiver, WorkerStats, disk_free_bytes, hostname
+from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
 from agent.watchdog import HangWatch
 from supervisor.detect.hang import HangConfig
@@ -119,18 +119,12 @@ class Agent:
     # -- persisted state ---------------------------------------------------------------------
 
     def _load_state(self) -> dict[str, Any]:
-        try:
-            d = json.loads(self.state_path.read_text())
-            return d if isinstance(d, dict) else {}
-        except (OSError, ValueError):
-            return {}
+        return load_json(self.state_path)
 
     def _save_state(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
         plan = str(self.plan_path) if self.plan_path else None
-        tmp.write_text(json.dumps({"attempt": self._attempt, "plan": plan,
-                                   "pins": getattr(self, "_pins", [])}))
-        os.replace(tmp, self.state_path)
+        save_json(self.state_path, {"attempt": self._attempt, "plan": plan,
+                                    "pins": getattr(self, "_pins", [])})
 
     def _register_request(self) -> protocol.RegisterRequest:
         return {

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,6 +31,7 @@ import httpx
 
 from agent import protocol
 from agent.spool import Spool
+from agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +92,10 @@ class Uplink:
     # -- state -------------------------------------------------------------------------------
 
     def _load_state(self) -> dict[str, Any]:
-        try:
-            d = json.loads(self.state_path.read_text())
-            return d if isinstance(d, dict) else {}
-        except (OSError, ValueError):
-            return {}
+        return load_json(self.state_path)
 
     def _save_state(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"next_seq": self.next_seq, "dropped": self.dropped}))
-        os.replace(tmp, self.state_path)
+        save_json(self.state_path, {"next_seq": self.next_seq, "dropped": self.dropped})
 
     @property
     def dropped(self) -> int:

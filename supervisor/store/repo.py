@@ -1107,6 +1107,13 @@ def _point(*, loss_sum: float | None, loss_count: int | None, **kw: Any) -> dict
     return kw
 
 
+def _with_specials(d: dict[str, Any]) -> dict[str, Any]:
+    """A per-rank row with its NaN/Inf loss and grad norm put back (see ``split_float``)."""
+    d["loss"] = join_float(d["loss"], d.pop("loss_special"))
+    d["grad_norm"] = join_float(d["grad_norm"], d.pop("grad_norm_special"))
+    return d
+
+
 def rank_latest(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
     q = (
         select(ranks, agents.c.node)
@@ -1114,13 +1121,7 @@ def rank_latest(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
         .where(ranks.c.run_id == run_id)
         .order_by(ranks.c.rank)
     )
-    out = []
-    for r in conn.execute(q):
-        d = _row(r)
-        d["loss"] = join_float(d["loss"], d.pop("loss_special"))
-        d["grad_norm"] = join_float(d["grad_norm"], d.pop("grad_norm_special"))
-        out.append(d)
-    return out
+    return [_with_specials(_row(r)) for r in conn.execute(q)]
 
 
 def rank_steps_for(
@@ -1133,13 +1134,7 @@ def rank_steps_for(
         .where(c.run_id == run_id, c.attempt == attempt, c.step >= step_from, c.step <= step_to)
         .order_by(c.step, c.rank)
     )
-    out = []
-    for r in conn.execute(q):
-        d = _row(r)
-        d["loss"] = join_float(d["loss"], d.pop("loss_special"))
-        d["grad_norm"] = join_float(d["grad_norm"], d.pop("grad_norm_special"))
-        out.append(d)
-    return out
+    return [_with_specials(_row(r)) for r in conn.execute(q)]
 
 
 def _list(conn: Connection, table: Table, run_id: int, order: Iterable[Any], limit: int
