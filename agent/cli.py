@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spool, logs, plans and ids (default: "
                              "~/.local/state/trainwarden/RUN/NODE)")
     parser.add_argument("--checkpoint-root", type=Path, default=None, metavar="DIR",
-                        help="checkpoint directory whose free space is reported")
+                        help="checkpoint directory whose free space is reported (default: "
+                             "the directory of the checkpoints the workers report)")
     parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL of the workers (default 5)")
     parser.add_argument("--hang-floor", type=float, default=25.0, metavar="S",

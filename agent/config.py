@@ -64,6 +64,8 @@ class AgentConfig:
     hang_floor_s: float = 25.0
     hang_startup_s: float = 600.0
     hang_warmup_s: float = 300.0
+    # GPU health (NVML) is read at most this often; heartbeats in between carry none.
+    gpu_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         self.supervisor_url = self.supervisor_url.rstrip("/")
@@ -88,6 +90,8 @@ class AgentConfig:
             raise ValueError("stop grace must be >= 0 seconds")
         if min(self.hang_floor_s, self.hang_startup_s, self.hang_warmup_s) <= 0:
             raise ValueError("hang deadlines (--hang-floor, --hang-startup) must be > 0 seconds")
+        if self.gpu_interval_s <= 0:
+            raise ValueError("the GPU reading interval must be > 0 seconds")
         if self.batch_interval_s <= 0 or self.tick_interval_s <= 0:
             raise ValueError("batch and tick intervals must be > 0 seconds")
         if self.tick_interval_s > self.batch_interval_s:

@@ -9,7 +9,6 @@ supervisor is never in the training path.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -28,7 +27,8 @@ from agent import protocol
 from agent.config import AgentConfig
 from agent.executor import Executor
 from agent.launcher import ExitInfo, Launcher, PopenFactory
-from agent.monitor import DatagramReceiver, WorkerStats, disk_free_bytes, hostname
+from agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
+from agent.pins import CheckpointPins
 from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
 from agent.watchdog import HangWatch
@@ -74,6 +74,7 @@ class Agent:
         popen: PopenFactory = subprocess.Popen,
         threaded_uplink: bool = True,
         echo: bool = True,
+        gpu_module: Any = None,
     ) -> None:
         self.cfg = config
         self.clock = clock
@@ -101,6 +102,11 @@ class Agent:
         )
         self.executor = Executor(self.state_dir, self, self._emit, clock)
         self.stats = WorkerStats()
+        self.gpus = GpuHealth(gpu_module)
+        self._gpus_read_at = float("-inf")
+        # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
+        # directory of the checkpoints the workers report.
+        self.checkpoint_root: Path | None = config.checkpoint_root
         self.pending: list[dict[str, Any]] = []
         self.urgent = False
         self.state = "starting"
@@ -114,7 +120,9 @@ class Agent:
                                           startup_s=config.hang_startup_s,
                                           warmup_s=config.hang_warmup_s))
         self._hung_attempt: int | None = None
-        self._pins: list[str] = list(saved.get("pins") or [])
+        pins = saved.get("pins")
+        # (an agent of an earlier version saved its restart pins as a plain list)
+        self.pins = CheckpointPins({"restart": pins} if isinstance(pins, list) else pins)
 
     # -- persisted state ---------------------------------------------------------------------
 
@@ -123,8 +131,8 @@ class Agent:
 
     def _save_state(self) -> None:
         plan = str(self.plan_path) if self.plan_path else None
-        save_json(self.state_path, {"attempt": self._attempt, "plan": plan,
-                                    "pins": getattr(self, "_pins", [])})
+        pins = self.pins.state() if hasattr(self, "pins") else {}
+        save_json(self.state_path, {"attempt": self._attempt, "plan": plan, "pins": pins})
 
     def _register_request(self) -> protocol.RegisterRequest:
         return {
@@ -153,19 +161,17 @@ class Agent:
         """Mark the checkpoint a restart resumes from so the workers' retention keeps it
         (``PINNED``, honoured by ``agent.worker.Checkpointer``); the pin this agent set for an
         earlier restart is lifted, so pins do not pile up."""
-        target = Path(path)
-        try:
-            if target.is_dir():
-                (target / "PINNED").write_text(f"{reason}\n")
-        except OSError as e:
-            log.warning("could not pin %s: %s", path, e)
-            return
-        for old in self._pins:
-            if old != str(target):
-                with contextlib.suppress(OSError):
-                    (Path(old) / "PINNED").unlink(missing_ok=True)
-        self._pins = [str(target)]
-        self._save_state()
+        if self.pins.set("restart", [path], reason):
+            self._save_state()
+
+    def _apply_protection(self) -> None:
+        """Pin what the supervisor's latest reply says to protect (and only that)."""
+        want = self.uplink.protect
+        if want is None:
+            return  # no reply yet (or an older supervisor): leave the pins as they are
+        if self.pins.set("protect", want, "protected by the supervisor (last good checkpoint "
+                                          "or the target of a pending restart)"):
+            self._save_state()
 
     def collect_stacks(self, reason: str, command_id: int | None) -> None:
         """Dump every worker's Python stacks and send them as a ``stacks`` event."""
@@ -220,10 +226,13 @@ class Agent:
             self.watch.observe(msg)
             if msg.get("type") == "step" and self.state == "starting":
                 self.state = "running"
+            elif msg.get("type") == "checkpoint" and self.cfg.checkpoint_root is None:
+                self.checkpoint_root = Path(msg["path"]).parent
         if self.launcher.stopping:
             self.launcher.stop_step()
         self._check_exit()
         self.executor.submit(self.uplink.take_commands())
+        self._apply_protection()
         self.executor.tick()
         if self.launcher.stopping:
             self.launcher.stop_step()
@@ -305,12 +314,21 @@ class Agent:
         workers = self.stats.collect(self.launcher.pid) if self.launcher.running else []
         if workers and self.state == "starting":
             self.state = "running"
-        return {
-            "type": "heartbeat", "t": self.clock(), "attempt": self._attempt,
+        now = self.clock()
+        disk = disk_usage(self.checkpoint_root)
+        hb: dict[str, Any] = {
+            "type": "heartbeat", "t": now, "attempt": self._attempt,
             "state": self.state,
             "workers": workers,
-            "disk_free_bytes": disk_free_bytes(self.cfg.checkpoint_root),
+            "disk_free_bytes": disk[0] if disk else None,
+            "disk_total_bytes": disk[1] if disk else None,
         }
+        # GPU readings change slowly and cost NVML calls: every gpu_interval_s, and the
+        # supervisor keeps the last one between them.
+        if now - self._gpus_read_at >= self.cfg.gpu_interval_s:
+            self._gpus_read_at = now
+            hb["gpus"] = self.gpus.read()
+        return hb
 
     def send_batch(self) -> None:
         items, self.pending = self.pending, []

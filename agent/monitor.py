@@ -1,4 +1,5 @@
-"""Observation only: worker datagrams, worker process stats, free disk.  No decisions here.
+"""Observation only: worker datagrams, worker process stats, disk space, GPU health.  No
+decisions here.
 
 torchrun exit detection (exit code, signal, failed ranks from its summary) lives with the
 process it observes, in ``launcher.Launcher.poll``.
@@ -12,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +186,9 @@ def _ranks_of(proc: psutil.Process) -> tuple[int, int] | None:
         return None
 
 
-def disk_free_bytes(path: Path | None) -> int | None:
-    """Free bytes on the file system holding ``path`` (its nearest existing parent)."""
+def disk_usage(path: Path | None) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system holding ``path`` (its nearest existing parent);
+    None when there is no path or it cannot be read."""
     if path is None:
         return None
     p = path
@@ -194,9 +197,72 @@ def disk_free_bytes(path: Path | None) -> int | None:
             return None
         p = p.parent
     try:
-        return shutil.disk_usage(p).free
+        u = shutil.disk_usage(p)
     except OSError:
         return None
+    return int(u.free), int(u.total)
+
+
+class GpuHealth:
+    """GPU readings through NVML (``nvidia-ml-py``): utilisation, memory, temperature, power,
+    uncorrected ECC errors.  Where NVML cannot start (no driver, no GPU: every CPU machine)
+    ``read()`` says "not available" and why, once; it never raises.
+
+    ``nvml`` is the module to use (``pynvml``); tests pass a fake."""
+
+    def __init__(self, nvml: Any = None) -> None:
+        self._nvml = nvml
+        self._handles: list[Any] | None = None
+        self._unavailable: str | None = None
+
+    def _start(self) -> list[Any] | None:
+        if self._handles is not None or self._unavailable is not None:
+            return self._handles
+        try:
+            if self._nvml is None:
+                import pynvml  # nvidia-ml-py
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            count = int(self._nvml.nvmlDeviceGetCount())
+            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError...
+            self._unavailable = f"{type(e).__name__}: {e}"
+            log.info("GPU health not available: %s", self._unavailable)
+            return None
+        return self._handles
+
+    def read(self) -> dict[str, Any]:
+        """``{"available": True, "devices": [...]}`` or ``{"available": False, "reason"}``."""
+        handles = self._start()
+        if handles is None:
+            return {"available": False, "reason": self._unavailable or "unknown"}
+        return {"available": True, "devices": [self._device(i, h) for i, h in enumerate(handles)]}
+
+    def _device(self, index: int, h: Any) -> dict[str, Any]:
+        nv = self._nvml
+
+        def get(fn: Callable[[], Any]) -> Any:
+            try:
+                return fn()
+            except Exception:  # NVMLError_NotSupported and friends: that reading is absent
+                return None
+
+        name = get(lambda: nv.nvmlDeviceGetName(h))
+        mem = get(lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        util = get(lambda: nv.nvmlDeviceGetUtilizationRates(h))
+        power_mw = get(lambda: nv.nvmlDeviceGetPowerUsage(h))
+        return {
+            "index": index,
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "util_percent": None if util is None else int(util.gpu),
+            "mem_used_bytes": None if mem is None else int(mem.used),
+            "mem_total_bytes": None if mem is None else int(mem.total),
+            "temp_c": get(lambda: int(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))),
+            "power_w": None if power_mw is None else round(power_mw / 1000.0, 1),
+            "ecc_uncorrected": get(lambda: int(nv.nvmlDeviceGetTotalEccErrors(
+                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC))),
+        }
 
 
 def hostname() -> str:

@@ -13,7 +13,8 @@ Three hops, one vocabulary:
 2. agent -> supervisor: ``POST /api/v1/ingest`` with an ``IngestBatch`` holding the worker
    messages plus agent items (``heartbeat``, ``exit``, ``command_result``).  Batches carry a
    per-agent sequence number so a replayed batch is stored once.
-3. supervisor -> agent: the ingest reply carries pending ``Command`` objects.  A ``restart``
+3. supervisor -> agent: the ingest reply carries pending ``Command`` objects and the
+   checkpoints to protect from retention.  A ``restart``
    command carries a ``ResumePlan`` that the agent writes to a JSON file and names in
    ``TRAINWARDEN_RESUME_PLAN`` for the next torchrun attempt.
 
@@ -37,6 +38,9 @@ ENV_RESUME_PLAN = "TRAINWARDEN_RESUME_PLAN"
 ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 ENV_RUN = "TRAINWARDEN_RUN"
 ENV_NODE = "TRAINWARDEN_NODE"
+
+# A checkpoint directory holding this file is never deleted by the workers' retention.
+PIN_FILE = "PINNED"
 
 # A datagram larger than this is refused by the sender (and counted as dropped).
 MAX_DATAGRAM_BYTES = 60_000
@@ -77,6 +81,8 @@ EVENT_CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint pass
 EVENT_CHECKPOINT_FAILED = "checkpoint_failed"
 EVENT_FINISHED = "worker_finished"
 EVENT_CHECKPOINT_STARTED = "checkpoint_started"  # a save began (hang deadlines allow for it)
+# details: {peak_flops_per_rank, flops_per_sample | flops_per_token} (for MFU)
+EVENT_FLOPS_DECLARED = "flops_declared"
 # Sent by the agent:
 EVENT_STACKS = "stacks"  # details: {"stacks": {rank: text}, "reason", "command_id"}
 EVENT_LOCAL_HANG = "hang_detected_locally"  # the agent's watchdog acted, supervisor away
@@ -325,7 +331,12 @@ class HeartbeatItem(TypedDict, total=False):
     attempt: int
     state: str  # "starting" | "running" | "stopping" | "stopped" | "finished" | "failed"
     workers: list[dict[str, Any]]  # {rank, local_rank, pid, cpu_percent, rss_bytes}
-    disk_free_bytes: int | None
+    disk_free_bytes: int | None  # of the checkpoint root's file system
+    disk_total_bytes: int | None
+    # NVML readings, every few heartbeats: {"available": true, "devices": [{index, name,
+    # util_percent, mem_used_bytes, mem_total_bytes, temp_c, power_w, ecc_uncorrected}]}
+    # or {"available": false, "reason": "..."}; absent when not read this time.
+    gpus: dict[str, Any]
 
 
 class ExitItem(TypedDict, total=False):
@@ -375,8 +386,12 @@ class Command(TypedDict, total=False):
     collect_stacks: bool
 
 
-class IngestReply(TypedDict):
+class IngestReply(TypedDict, total=False):
     seq: int
     duplicate: bool
     attempt: int
     commands: list[Command]
+    # Checkpoint paths the workers' retention must keep: the last good one before an open
+    # incident, the target of a pending restart.  The agent pins exactly these (and the
+    # target of the restart it applies); an older supervisor sends none.
+    protect: list[str]

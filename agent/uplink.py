@@ -74,6 +74,8 @@ class Uplink:
         self.spool = Spool(state_dir / "spool", max_bytes=spool_max_bytes,
                            max_batches=spool_max_batches)
         self.commands: queue.Queue[protocol.Command] = queue.Queue()
+        # The checkpoints the supervisor's newest reply says to protect (None: no reply yet).
+        self.protect: list[str] | None = None
         self.registration: protocol.RegisterReply | None = None
         self.sent = 0
         self.rejected = 0
@@ -258,6 +260,9 @@ class Uplink:
             try:
                 reply = r.json()
                 commands = reply.get("commands") or []
+                protect = reply.get("protect")
+                if isinstance(protect, list):
+                    self.protect = [p for p in protect if isinstance(p, str)]
             except (ValueError, AttributeError):
                 commands = []
                 log.error("ingest reply for seq %d unreadable: %s", seq, r.text[:500])

@@ -60,7 +60,7 @@ from tests.e2e.system import (  # noqa: E402
 )
 from tests.e2e.torchrun import TORCHRUN, worker_env  # noqa: E402
 
-DEFAULT_HANG_FLOOR_S = 30.0  # supervisor.config.SupervisorSettings.hang_floor_s
+DEFAULT_HANG_FLOOR_S = 25.0  # supervisor.config.SupervisorSettings.hang_floor_s
 FINAL = ("completed", "failed", "stopped")
 RESTART_KINDS = ("crash", "hang", "collective_timeout")
 ALL_KINDS = ("crash", "hang", "collective_timeout", "slow", "spike", "nan")
@@ -269,6 +269,14 @@ def target_met(r: RunResult, sc: Scenario, hang_floor: float) -> bool | None:
     return None
 
 
+def command_line() -> str:
+    """How this benchmark was started, to print beside its figures."""
+    exe = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        exe = exe.relative_to(Path.cwd())
+    return shlex.join([str(exe), *sys.argv])
+
+
 def fmt(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -370,10 +378,7 @@ def main() -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="trainwarden-detection-"))
     root.mkdir(parents=True, exist_ok=True)
     env = {} if args.hang_floor is None else {"TRAINWARDEN_HANG_FLOOR_S": f"{args.hang_floor:g}"}
-    exe = Path(sys.executable)
-    with contextlib.suppress(ValueError):
-        exe = exe.relative_to(Path.cwd())
-    command = shlex.join([str(exe), *sys.argv])
+    command = command_line()
     print(f"# command: {command}", flush=True)
     print(f"# hang floor: {floor:g} s ({'--hang-floor' if env else 'supervisor default'}); "
           f"work dir {root}; {os.cpu_count()} CPUs", flush=True)

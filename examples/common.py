@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
+from agent.worker import declare_flops as worker_declare_flops
 from agent.worker.faults import Fault, parse_fault
 
 IN_DIM, OUT_DIM = 32, 8
@@ -37,6 +38,8 @@ def parse_args(description: str) -> argparse.Namespace:
                    help="save on wall-clock time")
     p.add_argument("--checkpoint-every-steps", type=int, default=None, metavar="N")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--retention-grace", type=float, default=30.0, metavar="SECONDS",
+                   help="a checkpoint beyond --keep is deleted this long after it fell out")
     p.add_argument("--async-checkpoint", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--summary-json", default=None, metavar="PATH")
@@ -45,11 +48,26 @@ def parse_args(description: str) -> argparse.Namespace:
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="extra compute time per step (to mimic a bigger model)")
     p.add_argument("--inject", action="append", default=[], type=_fault,
-                   metavar="KIND@STEP[:rank=R]", help="crash, hang, slow, spike or nan")
+                   metavar="KIND@STEP[:rank=R][:len=L]", help="crash, hang, slow, spike or nan")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
+                   help="peak TFLOP/s of one rank's device: declared with the model's FLOPs "
+                        "per sample so the supervisor shows MFU")
     args = p.parse_args()
     if args.checkpoint_every is None and args.checkpoint_every_steps is None:
         args.checkpoint_every_steps = 50
     return args
+
+
+def declare_flops(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """With ``--peak-tflops``: declare ~6 x parameters FLOPs per sample (forward 2, backward
+    4 per weight) and the peak, for the supervisor's MFU."""
+    if args.peak_tflops is None:
+        return
+    if args.peak_tflops <= 0:
+        raise SystemExit(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    params = sum(p.numel() for p in model.parameters())
+    worker_declare_flops(flops_per_sample=6.0 * params,
+                         peak_flops_per_rank=args.peak_tflops * 1e12)
 
 
 def _fault(spec: str) -> Fault:

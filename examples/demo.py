@@ -75,7 +75,9 @@ def main() -> int:
         train = [TORCHRUN, "--nproc_per_node=2", "--standalone", "--monitor-interval=0.1",
                  str(REPO / "examples" / "train_ddp.py"), "--steps", str(args.steps),
                  "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
-                 "--step-sleep", "0.004", "--summary-json", str(data / "summary.json")]
+                 "--step-sleep", "0.004", "--summary-json", str(data / "summary.json"),
+                 # a nominal peak for one CPU core, so the dashboard can show MFU
+                 "--peak-tflops", "0.05"]
         for spec in inject:
             train += ["--inject", spec]
         agent_log = open(data / "agent.log", "wb")  # noqa: SIM115

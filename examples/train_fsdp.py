@@ -71,10 +71,13 @@ def main() -> None:
                              collate_fn=common.collate)
     ckpt = Checkpointer(args.checkpoint_dir, model, optimizer, loader=loader,
                         interval_s=args.checkpoint_every, every_steps=args.checkpoint_every_steps,
-                        keep=args.keep, async_save=args.async_checkpoint, seed=args.seed,
+                        keep=args.keep, retention_grace_s=args.retention_grace,
+                        async_save=args.async_checkpoint, seed=args.seed,
                         config=vars(args) | {"inject": [str(f) for f in args.inject]})
     start = resume(ckpt)
-    faults = FaultInjector(args.inject, rank=info.rank, world_size=info.world_size)
+    faults = FaultInjector(args.inject, rank=info.rank, world_size=info.world_size,
+                           fired_dir=args.checkpoint_dir)
+    common.declare_flops(model, args)
     log = common.BatchLog(args.batch_log, info.rank)
     held_out = common.make_data(args.seed, 1024, split=1)
     timer = PhaseTimer()
@@ -109,7 +112,7 @@ def main() -> None:
 
         loss_value = loss.item()
         log.write(step, batch.index, lr)
-        report_step(step, loss=loss_value, samples=len(x) * info.world_size, lr=lr,
+        report_step(step, loss=loss_value, samples=len(x), lr=lr,
                     grad_norm=grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                     else grad_norm, timer=timer, batch_index=batch.index)
         if ckpt.due(step + 1):

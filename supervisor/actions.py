@@ -103,12 +103,12 @@ def apply(conn: Connection, *, run: dict[str, Any], decision: Decision | Finding
             reason=decision.reason, actor=decision.actor, status="queued",
             attempt=decision.attempt, not_before=decision.not_before, created_at=now,
             cause=decision.cause, high_step=repo.high_step(conn, run_id=run_id),
+            rollback_to_step=decision.rollback_to_step,
         )
         if decision.rollback_to_step is not None:
             # The branch beyond the rollback point is abandoned: its checkpoints are never
             # offered as the newest again (the new attempt writes its own).
-            repo.abandon_checkpoints(conn, run_id=run_id,
-                                     after_step=decision.rollback_to_step)
+            repo.abandon_branches(conn, run_id=run_id)
         plan = decision.plan(action_id=action_id)
         repo.update_action(conn, action_id=action_id, plan=plan)
         repo.create_commands(conn, rows=[

@@ -18,6 +18,7 @@ from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.config import SupervisorSettings
 from supervisor.detect import HangConfig, NodeLostConfig
+from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
@@ -87,6 +88,8 @@ def create_app(
             hang=HangConfig(floor_s=settings.hang_floor_s, startup_s=settings.hang_startup_s,
                             warmup_s=settings.hang_warmup_s),
             node_lost=NodeLostConfig(deadline_s=settings.node_lost_s),
+            disk=DiskConfig(low_ratio=settings.disk_low_ratio,
+                            hysteresis=min(0.02, (1 - settings.disk_low_ratio) / 2)),
         ),
     )
 
@@ -141,5 +144,6 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
-    metrics.install(app, db=database, clock=clock, restart_budget=settings.restart_budget)
+    metrics.install(app, db=database, clock=clock, restart_budget=settings.restart_budget,
+                    rollback_budget=settings.rollback_budget)
     return app

@@ -98,6 +98,8 @@ class SupervisorSettings(BaseSettings):
     hang_startup_s: float = Field(default=600.0, gt=0.0)
     hang_warmup_s: float = Field(default=300.0, gt=0.0)
     node_lost_s: float = Field(default=30.0, gt=0.0)
+    # A node's checkpoint disk below this free share: a disk_low event (and the alert).
+    disk_low_ratio: float = Field(default=0.10, gt=0.0, lt=1.0)
     # Recovery from loss spikes / NaN (0 rollbacks: incidents only, no automatic rollback).
     rollback_budget: int = Field(default=3, ge=0)
     rollback_margin_steps: int = Field(default=10, ge=0)

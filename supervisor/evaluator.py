@@ -16,6 +16,7 @@ from sqlalchemy import Connection
 
 from supervisor import actions, observe, policy
 from supervisor.detect import Finding
+from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.store import repo
 from supervisor.store.db import Database
 
@@ -29,6 +30,8 @@ Clock = Callable[[], float]
 # a peer dies, and the agent's exit report that follows names the rank that really failed.
 _FAILURE_EVENTS = {"collective_timeout": "collective_timeout"}
 _STACKS_EVENT = "stacks"
+# Event findings whose detector already reports each episode once (from the store's events).
+_EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
 
 
 @dataclass
@@ -73,6 +76,8 @@ class Evaluator:
                         attempt=ex["attempt"], outcome=ex["outcome"],
                         exit_code=ex["exit_code"], signal=ex["signal"],
                         failed_ranks=list(ex["failed_ranks"] or []),
+                        rank_steps={int(r["rank"]): int(r["step"]) for r in repo.rank_progress(
+                            conn, run_id=run["id"], attempt=int(ex["attempt"]))},
                     ),
                     agent_ids=agent_ids,
                     completed_agent_ids=frozenset(
@@ -100,7 +105,26 @@ class Evaluator:
             self._worker_events(conn, now, rep)
             for run in repo.active_runs(conn):
                 self._detect(conn, run, now, rep)
+            for run in repo.active_runs(conn):
+                repo.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
+                self._protect(conn, run)
         return rep
+
+    def _protect(self, conn: Connection, run: dict) -> None:
+        """Publish what the workers' retention must keep (every ingest reply carries it)."""
+        facts = policy.ProtectFacts(
+            checkpoints=tuple(repo.lineage_checkpoint_times(conn, run_id=run["id"])),
+            open_incidents=tuple(
+                (i["kind"], i["step"], float(i["opened_at"]))
+                for i in repo.incidents_of(conn, run_id=run["id"], status="open")),
+            pending_targets=tuple(
+                str(a["plan"]["checkpoint"]) for a in repo.actions_in_progress(conn)
+                if a["run_id"] == run["id"] and a["kind"] == "restart"
+                and isinstance((a.get("plan") or {}).get("checkpoint"), str)),
+        )
+        paths = policy.protected_checkpoints(facts, self.cfg)
+        if paths != list(run.get("protected") or []):
+            repo.set_protected(conn, run_id=run["id"], paths=paths)
 
     # -- detection ---------------------------------------------------------------------------
 
@@ -174,6 +198,7 @@ class Evaluator:
         rows = observe.loss_rows(conn, run, cfg=cfg)
         findings += observe.loss_findings(rows, cfg=cfg)
         findings += observe.throughput_findings(rows, cfg=cfg)
+        findings += observe.disk_findings(conn, run, cfg=cfg)
         self._resolve_ended_stragglers(conn, run, {f.rank: f for f in stragglers}, now)
         for f in findings:
             if f.kind == "rank_stalled":
@@ -230,7 +255,7 @@ class Evaluator:
         if not isinstance(decision, policy.RecordEvent):
             rep.decisions += 1
             log.info("run %s: %s", run["name"], decision)
-        elif _seen_event(conn, run, decision):
+        elif decision.name not in _EPISODE_EVENTS and _seen_event(conn, run, decision):
             return
         actions.apply(conn, run=run, decision=decision, now=now)
 

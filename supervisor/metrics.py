@@ -4,19 +4,20 @@ own request metrics.
 The exported names and labels are a contract (``deploy/prometheus/alerts.yml`` and the
 Grafana dashboard are written against them); change them only together.
 
-Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes), per agent
-(node) two, and at most ``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs
-that are active, or whose status changed in the last ``RECENT_S`` seconds, are exported.
+Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes, 4 budgets),
+per agent (node) six, per GPU four (at most ``GPUS_PER_NODE`` per node), and at most
+``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs that are active, or
+whose status changed in the last ``RECENT_S`` seconds, are exported.
 
 Derived values: a restart's ``cause`` is the kind of the incident its action answers
 (loss_spike/nonfinite -> "spike"), "operator" for an operator's action, "other" for anything
 else; ``restarts_without_progress`` counts, from the newest ended attempt backwards, the
 attempts started by a restart whose highest step did not pass the highest step of every
 earlier attempt (the running attempt ends the streak once it passes, and is not counted
-while it has not).
-
-Not exported: ``trainwarden_agent_disk_free_ratio`` (agents report free bytes of the
-checkpoint root, not its total size, so there is no ratio to give).
+while it has not); ``restart_budget_remaining{cause}`` is each budget (crash, hang,
+node_lost: the restart budget; spike: the rollback budget) less the automatic restarts
+counted against it; ``mfu_ratio`` is throughput x declared FLOPs per sample (or token) /
+(ranks x declared peak FLOP/s per rank), exported once the run declared them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ _CAUSE_OF_KIND = {"crash": "crash", "hang": "hang", "loss_spike": "spike", "nonf
                   "collective_timeout": "collective_timeout"}
 STRAGGLER_WINDOW = 20  # steps of per-rank timings behind a straggler score
 STRAGGLER_TOP = 16  # rank series exported per run: the lowest scores
+BUDGET_CAUSES = ("crash", "hang", "node_lost", "spike")
+GPUS_PER_NODE = 16  # GPU series exported per node
 INGEST_PATH = "/api/v1/ingest"
 INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -117,6 +120,43 @@ def run_scores(conn: Connection, run_id: int, newest: dict[str, Any] | None
     return straggler_scores(rows)
 
 
+def mfu(declared: dict[str, Any] | None, throughput: dict[str, Any]) -> float | None:
+    """Model FLOPs utilisation from a ``flops_declared`` event's details and
+    ``repo.throughput``'s figures; None when not declared or not measurable yet."""
+    factor = mfu_factor(declared, throughput.get("ranks"))
+    if factor is None:
+        return None
+    rate = throughput.get("samples_per_s" if factor[0] == "samples" else "tokens_per_s")
+    return None if rate is None else rate * factor[1]
+
+
+def mfu_factor(declared: dict[str, Any] | None, ranks: Any) -> tuple[str, float] | None:
+    """(unit, factor): MFU = throughput in ``unit`` per second x factor."""
+    if not declared or not isinstance(ranks, int) or ranks < 1:
+        return None
+    peak = declared.get("peak_flops_per_rank")
+    if not isinstance(peak, int | float) or peak <= 0:
+        return None
+    for unit, key in (("samples", "flops_per_sample"), ("tokens", "flops_per_token")):
+        flops = declared.get(key)
+        if isinstance(flops, int | float) and flops > 0:
+            return unit, float(flops) / (ranks * float(peak))
+    return None
+
+
+def budgets_left(restarts: Sequence[dict[str, Any]], *, restart_budget: int,
+                 rollback_budget: int) -> dict[str, int]:
+    """Per budget cause: what is left after the automatic restarts counted against it (as
+    ``policy.budget_left`` counts them)."""
+    used = dict.fromkeys(BUDGET_CAUSES, 0)
+    for a in restarts:
+        if a.get("actor") == "policy":
+            cause = a.get("cause") or "crash"
+            used[cause] = used.get(cause, 0) + 1
+    return {c: max(0, (rollback_budget if c == "spike" else restart_budget) - used[c])
+            for c in BUDGET_CAUSES}
+
+
 def mean_loss(agg: dict[str, Any]) -> float | None:
     if agg.get("loss_nonfinite"):
         return math.nan
@@ -148,7 +188,11 @@ class _Families:
         self.restarts = CounterMetricFamily("trainwarden_run_restarts",
                                             "Restarts by cause", labels=["run", "cause"])
         self.budget = g("trainwarden_run_restart_budget_remaining",
-                        "Restarts left in the run's budget", labels=["run"])
+                        "Automatic restarts left in each budget (spike: rollbacks)",
+                        labels=["run", "cause"])
+        self.mfu = g("trainwarden_run_mfu_ratio",
+                     "Model FLOPs utilisation (declared FLOPs per sample and peak)",
+                     labels=["run"])
         self.incidents = g("trainwarden_run_open_incidents", "Open incidents by kind",
                            labels=["run", "kind"])
         self.no_progress = g("trainwarden_run_restarts_without_progress",
@@ -161,21 +205,40 @@ class _Families:
                         "Seconds since the agent was last heard from", labels=["run", "node"])
         self.disk = g("trainwarden_agent_disk_free_bytes",
                       "Free bytes of the checkpoint root", labels=["run", "node"])
+        self.disk_ratio = g("trainwarden_agent_disk_free_ratio",
+                            "Free share of the checkpoint root's file system",
+                            labels=["run", "node"])
+        self.cpu = g("trainwarden_agent_worker_cpu_percent",
+                     "CPU of the node's workers, summed (100 = one core)", labels=["run", "node"])
+        self.rss = g("trainwarden_agent_worker_rss_bytes",
+                     "Resident memory of the node's workers, summed", labels=["run", "node"])
+        self.gpu_ok = g("trainwarden_agent_gpu_available",
+                        "1 when the agent reads its GPUs through NVML", labels=["run", "node"])
+        gl = ["run", "node", "gpu"]
+        self.gpu_util = g("trainwarden_gpu_utilization_percent", "GPU utilisation", labels=gl)
+        self.gpu_mem = g("trainwarden_gpu_memory_used_bytes", "GPU memory in use", labels=gl)
+        self.gpu_temp = g("trainwarden_gpu_temperature_celsius", "GPU temperature", labels=gl)
+        self.gpu_ecc = g("trainwarden_gpu_ecc_uncorrected_errors",
+                         "Uncorrected ECC errors since the driver loaded (volatile count)",
+                         labels=gl)
 
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
-                self.since_step, self.ckpt_age, self.restarts, self.budget, self.incidents,
-                self.no_progress, self.straggler, self.hb_age, self.disk]
+                self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
+                self.incidents, self.no_progress, self.straggler, self.hb_age, self.disk,
+                self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util, self.gpu_mem,
+                self.gpu_temp, self.gpu_ecc]
 
 
 class StoreCollector(Collector):
     """Reads the store at scrape time (one read transaction per scrape)."""
 
-    def __init__(self, db: Database, clock: Clock = time.time, *, restart_budget: int = 10
-                 ) -> None:
+    def __init__(self, db: Database, clock: Clock = time.time, *, restart_budget: int = 10,
+                 rollback_budget: int = 3) -> None:
         self.db = db
         self.clock = clock
         self.restart_budget = restart_budget
+        self.rollback_budget = rollback_budget
 
     def collect(self) -> Iterator[Metric]:
         f = _Families()
@@ -190,7 +253,6 @@ class StoreCollector(Collector):
         f.info.add_metric([name, str(run["status"])], 1)
         f.active.add_metric([name], 1 if run["status"] in ACTIVE_STATUSES else 0)
         f.attempt.add_metric([name], run["attempt"])
-        f.budget.add_metric([name], max(0, self.restart_budget - int(run["restarts"])))
         newest = repo.newest_step(conn, run_id=run_id)
         if newest is not None:
             f.step.add_metric([name], newest["step"])
@@ -200,6 +262,9 @@ class StoreCollector(Collector):
             tp = repo.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
             if tp["samples_per_s"] is not None:
                 f.throughput.add_metric([name], tp["samples_per_s"])
+            util = mfu(repo.flops_declaration(conn, run_id=run_id), tp)
+            if util is not None:
+                f.mfu.add_metric([name], util)
         f.since_step.add_metric(
             [name], max(0.0, now - (newest["t_last"] if newest else run["created_at"])))
         ckpt = repo.newest_complete_checkpoint(conn, run_id=run_id)
@@ -212,6 +277,9 @@ class StoreCollector(Collector):
             by_cause[cause] = by_cause.get(cause, 0) + 1
         for cause, n in by_cause.items():
             f.restarts.add_metric([name, cause], n)
+        for cause, left in budgets_left(restarts, restart_budget=self.restart_budget,
+                                        rollback_budget=self.rollback_budget).items():
+            f.budget.add_metric([name, cause], left)
         counts = repo.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
@@ -225,9 +293,35 @@ class StoreCollector(Collector):
                     :STRAGGLER_TOP]:
                 f.straggler.add_metric([name, str(rank), nodes.get(rank, "")], score)
         for ag in repo.run_agents(conn, run_id=run_id):
-            f.hb_age.add_metric([name, ag["node"]], max(0.0, now - ag["last_seen_at"]))
-            if ag["disk_free_bytes"] is not None:
-                f.disk.add_metric([name, ag["node"]], ag["disk_free_bytes"])
+            self._agent(f, name, ag, now)
+
+    @staticmethod
+    def _agent(f: _Families, name: str, ag: dict[str, Any], now: float) -> None:
+        node = str(ag["node"])
+        f.hb_age.add_metric([name, node], max(0.0, now - ag["last_seen_at"]))
+        free, total = ag["disk_free_bytes"], ag.get("disk_total_bytes")
+        if free is not None:
+            f.disk.add_metric([name, node], free)
+            if total:
+                f.disk_ratio.add_metric([name, node], free / total)
+        workers = ag.get("workers")
+        if isinstance(workers, list) and workers:
+            f.cpu.add_metric([name, node], sum(float(w.get("cpu_percent") or 0.0)
+                                               for w in workers))
+            f.rss.add_metric([name, node], sum(float(w.get("rss_bytes") or 0) for w in workers))
+        gpus = ag.get("gpus")
+        if not isinstance(gpus, dict):
+            return
+        f.gpu_ok.add_metric([name, node], 1 if gpus.get("available") else 0)
+        for d in (gpus.get("devices") or [])[:GPUS_PER_NODE]:
+            if not isinstance(d, dict):
+                continue
+            labels = [name, node, str(d.get("index", ""))]
+            for fam, key in ((f.gpu_util, "util_percent"), (f.gpu_mem, "mem_used_bytes"),
+                             (f.gpu_temp, "temp_c"), (f.gpu_ecc, "ecc_uncorrected")):
+                v = d.get(key)
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    fam.add_metric(labels, v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,10 +385,11 @@ def route_template(scope: dict[str, Any], root_path: str = "") -> str:
 
 
 def install(app: FastAPI, *, db: Database, clock: Clock, restart_budget: int,
-            prefix: str = "") -> CollectorRegistry:
+            rollback_budget: int, prefix: str = "") -> CollectorRegistry:
     """Add the request middleware and ``GET /metrics`` (read auth) to ``app``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(db, clock, restart_budget=restart_budget))
+    registry.register(StoreCollector(db, clock, restart_budget=restart_budget,
+                                     rollback_budget=rollback_budget))
     app.add_middleware(RequestMetrics, registry=registry)
     router = APIRouter(tags=["metrics"])
 

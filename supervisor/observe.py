@@ -32,6 +32,7 @@ from supervisor.detect import (
     intervals_from_times,
     pre_collective_table,
 )
+from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
 from supervisor.store import repo
 
 # An agent sends a batch at least every second; its newest batch tells us up to when we
@@ -50,6 +51,7 @@ class DetectionConfig:
     loss: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     throughput: ThroughputConfig = field(default_factory=lambda: ThroughputConfig(
         unit="samples/s"))
+    disk: DiskConfig = field(default_factory=DiskConfig)
     straggler_table_steps: int = 100  # newest steps of per-rank timings read each tick
     interval_history: int = 300  # step intervals the hang deadline learns from
 
@@ -167,3 +169,18 @@ def throughput_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> 
     if not points or all(p.amount == 0 for p in points):
         return []
     return detect_throughput_decay(points, cfg=cfg.throughput)
+
+
+def disk_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig
+                  ) -> list[Finding]:
+    """Free share of each node's checkpoint file system; a node is in a low episode while
+    its newest disk event is ``disk_low``."""
+    usage = {str(a["node"]): (int(a["disk_free_bytes"]), int(a["disk_total_bytes"]))
+             for a in repo.run_agents(conn, run_id=run["id"])
+             if a["disk_free_bytes"] is not None and a["disk_total_bytes"]}
+    if not usage:
+        return []
+    latest = repo.latest_event_by_node(conn, run_id=run["id"],
+                                       names=[DISK_LOW, DISK_RECOVERED])
+    low = {node for node, name in latest.items() if name == DISK_LOW}
+    return detect_disk(usage, low, cfg.disk)

@@ -81,6 +81,8 @@ class ExitFacts:
     exit_code: int | None
     signal: int | None
     failed_ranks: list[dict[str, Any]] = field(default_factory=list)
+    # Each rank's newest step report of that attempt (to name the step it failed in).
+    rank_steps: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -255,9 +257,14 @@ def on_exit(
     if ex.outcome == "hung":  # the agent's own watchdog acted while we were unreachable
         kind = "hang"
         cause = f"no step progress on node {ex.node}; the agent's watchdog killed the workers"
+    # The step it failed in: the one after the failed rank's newest report (after the
+    # newest of any rank when the exit names none).
+    last = ex.rank_steps.get(rank) if rank is not None else None
+    if last is None and ex.rank_steps:
+        last = max(ex.rank_steps.values())
     incident = IncidentSpec(
         kind=kind, cause=cause, attempt=ex.attempt, agent_id=ex.agent_id, node=ex.node,
-        rank=rank, exit_code=code, signal=sig,
+        rank=rank, exit_code=code, signal=sig, step=None if last is None else last + 1,
         details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
                  "failed_ranks": ex.failed_ranks},
     )
@@ -427,3 +434,36 @@ def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,
                    reason=reason or f"operator rollback to step {step}", actor=actor,
                    counts_against_budget=False, skip=skip, lr=lr, cause="operator",
                    rollback_to_step=step)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint protection (what the workers' retention must keep)
+
+PROTECT_MAX = 16  # paths per run; the oldest incidents' checkpoints go first past it
+
+
+@dataclass(frozen=True)
+class ProtectFacts:
+    # Complete checkpoints of the current lineage: (step, unix time saved, path), oldest first.
+    checkpoints: tuple[tuple[int, float, str], ...] = ()
+    # Open incidents: (kind, step where it started or None, opened at).
+    open_incidents: tuple[tuple[str, int | None, float], ...] = ()
+    # Checkpoints named by restart actions not yet resumed (a rollback's target).
+    pending_targets: tuple[str, ...] = ()
+
+
+def protected_checkpoints(facts: ProtectFacts, cfg: PolicyConfig) -> list[str]:
+    """The checkpoints retention must keep besides the newest few: for each open incident the
+    last good checkpoint before it (for a spike, the one a rollback would pick: ``margin``
+    steps before its start; without a step, the newest saved before it opened), and the
+    target of every pending restart.  Sorted, at most ``PROTECT_MAX``."""
+    out: list[str] = list(dict.fromkeys(facts.pending_targets))
+    for kind, step, opened_at in sorted(facts.open_incidents, key=lambda i: -i[2]):
+        if step is not None:
+            limit = step - (cfg.rollback_margin_steps if kind in ROLLBACK_KINDS else 0)
+            good = [p for s, _, p in facts.checkpoints if s <= limit]
+        else:
+            good = [p for _, t, p in facts.checkpoints if t <= opened_at]
+        if good and good[-1] not in out:
+            out.append(good[-1])
+    return sorted(out[:PROTECT_MAX])

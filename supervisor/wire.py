@@ -95,8 +95,10 @@ class HeartbeatItem(_Wire):
     t: float | None = None
     attempt: NonNeg | None = None
     state: str = Field(default="running", max_length=20)
-    workers: list[dict[str, Any]] = Field(default_factory=list)
+    workers: list[dict[str, Any]] = Field(default_factory=list, max_length=4096)
     disk_free_bytes: NonNeg | None = None
+    disk_total_bytes: NonNeg | None = None
+    gpus: dict[str, Any] | None = None  # absent: not read this time (the last one stands)
 
 
 class ExitItem(_Wire):
@@ -149,6 +151,8 @@ class IngestReply(BaseModel):
     duplicate: bool
     attempt: int
     commands: list[CommandOut]
+    # Checkpoint paths the workers' retention must keep (the agent pins them).
+    protect: list[str] = Field(default_factory=list)
 
 
 # The Literal above must name the protocol's command kinds.

@@ -31,7 +31,14 @@ from agent.worker.checkpoint import (
 )
 from agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
 from agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
-from agent.worker.report import PhaseTimer, Reporter, get_reporter, report_event, report_step
+from agent.worker.report import (
+    PhaseTimer,
+    Reporter,
+    declare_flops,
+    get_reporter,
+    report_event,
+    report_step,
+)
 
 
 def resume(checkpointer: Checkpointer, plan: ResumePlan | str | None = "env") -> int:
@@ -52,6 +59,7 @@ __all__ = [
     "ResumeInfo",
     "ResumePlan",
     "attach_compute_timer",
+    "declare_flops",
     "get_reporter",
     "init_distributed",
     "list_checkpoints",

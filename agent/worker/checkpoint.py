@@ -41,6 +41,7 @@ from agent.protocol import (
     EVENT_CHECKPOINT_SKIPPED,
     EVENT_CHECKPOINT_STARTED,
     EVENT_RESUMED,
+    PIN_FILE,
     LRSchedule,
     ResumePlan,
     normalize_ranges,
@@ -53,7 +54,6 @@ log = logging.getLogger("trainwarden")
 STEP_DIR = re.compile(r"^step_(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 META_FILE = "trainwarden.json"  # written beside the DCP files, readable without torch
-PIN_FILE = "PINNED"
 FORMAT_VERSION = 1
 
 
@@ -174,7 +174,11 @@ class Checkpointer:
 
     ``interval_s`` saves on wall-clock time (``due()`` agrees across ranks: rank clocks are
     combined with one tiny all-reduce every ``sync_every`` steps); ``every_steps`` saves every
-    N steps.  ``keep`` complete checkpoints are retained, plus pinned ones.  With
+    N steps.  ``keep`` complete checkpoints are retained, plus pinned ones; one that falls out
+    of the newest ``keep`` is deleted ``retention_grace_s`` seconds later (at a ``due()`` or
+    save after that), so that the supervisor, which sees a loss spike or a crash a second or
+    two after it happened, can still pin the last good checkpoint before it even when saves
+    come faster than that.  With
     ``async_save`` the write runs in the background on a process group of its own (on the
     default group it breaks gloo: TORCH-CPU-NOTES trap 3).
     """
@@ -184,7 +188,7 @@ class Checkpointer:
                  interval_s: float | None = None, every_steps: int | None = None,
                  keep: int = 3, async_save: bool = False, seed: int | None = None,
                  config: dict[str, Any] | None = None, sync_every: int = 10,
-                 reporter: Reporter | None = None,
+                 retention_grace_s: float = 30.0, reporter: Reporter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if interval_s is not None and interval_s <= 0:
             raise ValueError("interval_s must be > 0 (or None to save on steps only)")
@@ -194,10 +198,15 @@ class Checkpointer:
             raise ValueError("keep must be >= 1: retention never deletes the newest checkpoint")
         if sync_every < 1:
             raise ValueError("sync_every must be >= 1")
+        if retention_grace_s < 0:
+            raise ValueError("retention_grace_s must be >= 0 (0 deletes at once)")
         self.root = Path(root)
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.interval_s, self.every_steps, self.keep = interval_s, every_steps, keep
         self.async_save, self.sync_every = async_save, sync_every
+        self.retention_grace_s = retention_grace_s
+        # Surplus checkpoints (rank 0) and when they fell out of the newest ``keep``.
+        self._surplus_since: dict[Path, float] = {}
         self.seed, self.config = seed, dict(config or {})
         self.reporter = reporter or get_reporter()
         self.clock = clock
@@ -220,6 +229,9 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """Should ``step`` (steps done) be saved now?  The same answer on every rank."""
         self.poll()
+        if self._surplus_since and (min(self._surplus_since.values()) + self.retention_grace_s
+                                    <= self.clock()):
+            self.apply_retention()
         if self.every_steps and step % self.every_steps == 0:
             return True
         if self.interval_s is None or step % self.sync_every != 0:
@@ -340,17 +352,22 @@ class Checkpointer:
 
     # ---- retention ----------------------------------------------------------------------
     def apply_retention(self) -> list[Path]:
-        """Keep the newest ``keep`` complete checkpoints plus pinned ones; rank 0 only."""
+        """Keep the newest ``keep`` complete checkpoints plus pinned ones, and the surplus ones
+        until their grace is over; rank 0 only.  Returns what was deleted."""
         if self.rank != 0:
             return []
+        now = self.clock()
         cps = list_checkpoints(self.root)
         complete = [c for c in cps if c.complete]
         keep = {c.path for c in complete[-self.keep:]} | {c.path for c in cps if c.pinned}
+        surplus = {c.path for c in complete if c.path not in keep}
+        self._surplus_since = {p: self._surplus_since.get(p, now) for p in surplus}
         removed = []
-        for c in complete:
-            if c.path not in keep:
-                shutil.rmtree(c.path, ignore_errors=True)
-                removed.append(c.path)
+        for path, since in list(self._surplus_since.items()):
+            if now - since >= self.retention_grace_s:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                del self._surplus_since[path]
         in_flight = self._pending.partial if self._pending else None
         for child in self.root.glob(f"step_*{PARTIAL_SUFFIX}"):
             if child != in_flight:  # a save that died with its process

@@ -1,12 +1,17 @@
 """Fault injection for the examples and tests: ``--inject KIND@STEP[:key=value...]``.
 
 Kinds: ``crash`` (SIGKILL of the rank during the step), ``hang`` (the rank stops making
-progress), ``slow`` (the rank's compute takes ``factor`` times as long from that step on),
+progress), ``slow`` (the rank's compute takes ``factor`` times as long from that step on, for
+``len`` steps when given, else to the end),
 ``spike`` (the *data* of global batches STEP..STEP+len-1 is corrupted, so the loss jumps; a
 property of those batches, so it comes back if they are trained again) and ``nan`` (the input
 of global batch STEP is made non-finite, so the loss is NaN at the step that trains it).
-``crash``, ``hang`` and ``slow`` fire on the first attempt only; ``spike`` and ``nan`` are
-tied to batch indices and fire whenever those batches are trained.  ``rank`` defaults to 1 for
+``crash``, ``hang`` and ``slow`` fire once per run: with ``fired_dir`` (the examples pass
+their checkpoint directory) a marker file records that a fault fired, so a later attempt that
+trains the same step again does not fire it twice while a fault further on still fires in
+whichever attempt gets there (a schedule of faults in one run); without it they fire on the
+first attempt only.  ``spike`` and ``nan`` are tied to batch indices and fire whenever those
+batches are trained.  ``rank`` defaults to 1 for
 crash/hang/slow where the world has a rank 1 (else 0); spike and nan hit every rank.
 """
 
@@ -16,12 +21,14 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from agent.worker.report import current_attempt, get_reporter
 
 EVENT_FAULT_INJECTED = "fault_injected"
+FIRED_DIR = ".trainwarden-faults"  # under fired_dir: one marker file per fault that fired
 
 KINDS = ("crash", "hang", "slow", "spike", "nan")
 
@@ -31,9 +38,19 @@ class Fault:
     kind: str
     step: int
     rank: int | None = None
-    length: int = 20
+    length: int | None = None  # spike: batches corrupted (20 if not given); slow: steps
     factor: float = 1.5
     scale: float = 30.0
+
+    @property
+    def span(self) -> int:
+        """Batches a spike corrupts."""
+        return self.length if self.length is not None else 20
+
+    def __str__(self) -> str:
+        extra = "".join(f":{k}={v}" for k, v in (("rank", self.rank), ("len", self.length))
+                        if v is not None)
+        return f"{self.kind}@{self.step}{extra}"
 
 
 def parse_fault(spec: str) -> Fault:
@@ -60,7 +77,7 @@ def parse_fault(spec: str) -> Fault:
         except ValueError:
             raise ValueError(f"--inject {spec!r}: {key} must be a number") from None
     fault = Fault(kind, at, **kw)  # type: ignore[arg-type]
-    if fault.length < 1 or fault.factor < 1.0:
+    if (fault.length is not None and fault.length < 1) or fault.factor < 1.0:
         raise ValueError(f"--inject {spec!r}: len must be >= 1 and factor >= 1")
     return fault
 
@@ -69,17 +86,29 @@ class FaultInjector:
     """Applies the parsed faults to this rank's training loop."""
 
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int,
-                 attempt: int | None = None) -> None:
+                 attempt: int | None = None, fired_dir: str | os.PathLike[str] | None = None
+                 ) -> None:
         self.rank = rank
         self._announced: set[tuple[str, int]] = set()
         if attempt is None:
             attempt = current_attempt() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.first_attempt = attempt == 0
+        self.fired_dir = Path(fired_dir) / FIRED_DIR if fired_dir is not None else None
         default_rank = 1 if world_size > 1 else 0
         self.faults = [f for f in faults
                        if f.kind in ("spike", "nan")
-                       or (self.first_attempt and (f.rank if f.rank is not None
-                                                   else default_rank) == rank)]
+                       or ((f.rank if f.rank is not None else default_rank) == rank
+                           and not self._fired_before(f))]
+
+    def _fired_before(self, f: Fault) -> bool:
+        if self.fired_dir is None:
+            return not self.first_attempt
+        return (self.fired_dir / f"{f.kind}@{f.step}").exists()
+
+    def _mark_fired(self, f: Fault) -> None:
+        if self.fired_dir is not None and f.kind in ("crash", "hang", "slow"):
+            self.fired_dir.mkdir(parents=True, exist_ok=True)
+            (self.fired_dir / f"{f.kind}@{f.step}").write_text(f"rank {self.rank}\n")
 
     def before_step(self, step: int) -> None:
         """Crash or hang here when a fault says so."""
@@ -98,6 +127,7 @@ class FaultInjector:
         if (f.kind, f.step) in self._announced:
             return
         self._announced.add((f.kind, f.step))
+        self._mark_fired(f)
         get_reporter().event(EVENT_FAULT_INJECTED, f"{f.kind}@{f.step} fired", step=step,
                              details={"kind": f.kind, "at": f.step, "rank": self.rank},
                              blocking=f.kind in ("crash", "hang"))
@@ -105,7 +135,7 @@ class FaultInjector:
     def slowdown(self, step: int, compute_s: float) -> None:
         """Sleep so this step's compute takes ``factor`` times as long (a straggler)."""
         for f in self.faults:
-            if f.kind == "slow" and step >= f.step:
+            if f.kind == "slow" and f.step <= step < f.step + (f.length or 1 << 62):
                 self._announce(f, step)
                 time.sleep(compute_s * (f.factor - 1.0))
 
@@ -113,7 +143,7 @@ class FaultInjector:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Corrupt the data of the batches a spike or nan fault names."""
         for f in self.faults:
-            if f.kind == "spike" and f.step <= batch_index < f.step + f.length:
+            if f.kind == "spike" and f.step <= batch_index < f.step + f.span:
                 if self.rank == 0:
                     self._announce(f, batch_index)
                 # Large, wrong targets: a loss jump whose gradients wreck the weights and

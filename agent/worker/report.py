@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import select
 import socket
@@ -20,6 +21,7 @@ from typing import Any
 from agent.protocol import (
     ENV_AGENT_SOCKET,
     ENV_ATTEMPT,
+    EVENT_FLOPS_DECLARED,
     MAX_DATAGRAM_BYTES,
     PROTOCOL_VERSION,
     encode_datagram,
@@ -355,9 +357,11 @@ def report_step(step: int, *, loss: Any = None, samples: int | None = None,
                 timer: PhaseTimer | None = None) -> None:
     """Report one finished step to the local agent.  Never blocks, never raises.
 
-    ``step`` is the 0-based index of the step just trained.  Phase times come from ``timer``
-    when given (after its ``stop()``), else from the keyword arguments.  Pass ``loss`` as a
-    Python float where you already have one: a CUDA tensor is synchronised by ``.item()``.
+    ``step`` is the 0-based index of the step just trained; ``samples`` and ``tokens`` are
+    what *this rank* trained in it (the supervisor sums them over ranks).  Phase times come
+    from ``timer`` when given (after its ``stop()``), else from the keyword arguments.  Pass
+    ``loss`` as a Python float where you already have one: a CUDA tensor is synchronised by
+    ``.item()``.
     """
     try:
         if timer is not None:
@@ -374,3 +378,24 @@ def report_event(name: str, message: str = "", *, step: int | None = None,
     """Report a worker event (free-form name); never blocks, never raises."""
     with contextlib.suppress(Exception):
         get_reporter().event(name, message, step=step, details=details)
+
+
+def declare_flops(*, peak_flops_per_rank: float, flops_per_sample: float | None = None,
+                  flops_per_token: float | None = None) -> None:
+    """Declare the model's training FLOPs per sample (or per token) and the peak FLOP/s of
+    one rank's accelerator, so the supervisor can show model FLOPs utilisation (MFU):
+    throughput x FLOPs per sample / (ranks x peak).  For a dense transformer a common
+    estimate is ``6 x parameters`` FLOPs per token (forward and backward).  Call once after
+    ``init_distributed``; bad numbers raise ``ValueError`` here, sending never raises."""
+    given = [x for x in (flops_per_sample, flops_per_token) if x is not None]
+    if len(given) != 1:
+        raise ValueError("declare_flops: pass exactly one of flops_per_sample, flops_per_token")
+    for name, x in (("peak_flops_per_rank", peak_flops_per_rank), ("flops", given[0])):
+        if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
+            raise ValueError(f"declare_flops: {name} must be a positive number, got {x!r}")
+    details = {"peak_flops_per_rank": float(peak_flops_per_rank),
+               "flops_per_sample": None if flops_per_sample is None else float(flops_per_sample),
+               "flops_per_token": None if flops_per_token is None else float(flops_per_token)}
+    with contextlib.suppress(Exception):
+        get_reporter().event(EVENT_FLOPS_DECLARED, "FLOPs per sample/token and peak declared",
+                             details=details)

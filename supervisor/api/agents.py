@@ -44,7 +44,8 @@ def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float) -> repo.In
 async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _auth: AgentAuth
                  ) -> Response:
     """Store one batch (idempotent by ``agent_id`` + ``seq``: a replay stores nothing and is
-    answered ``duplicate: true``).  The reply carries the agent's unacknowledged commands.
+    answered ``duplicate: true``).  The reply carries the agent's unacknowledged commands and
+    the checkpoints its workers' retention must keep (``protect``).
 
     The hot path, kept lean on purpose: the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), the store work runs inline (SQLite) or in the
@@ -71,5 +72,5 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
             f"unknown agent_id {batch.agent_id}: register first (POST /api/v1/agents/register)",
         ) from None
     reply = {"seq": batch.seq, "duplicate": res.duplicate, "attempt": res.attempt,
-             "commands": res.commands}
+             "commands": res.commands, "protect": res.protect}
     return Response(json.dumps(reply, separators=(",", ":")), media_type="application/json")

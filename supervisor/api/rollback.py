@@ -66,15 +66,15 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
         ck = repo.checkpoint_by(conn, run_id=r["id"], checkpoint_id=req.checkpoint,
                                 step=req.step)
         what = (f"checkpoint {req.checkpoint}" if req.checkpoint is not None
-                else f"a checkpoint at step {req.step}")
+                else f"checkpoint at step {req.step}")
         if ck is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run!r} has no {what}")
         if not ck["complete"]:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY,
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                                 f"checkpoint {ck['id']} (step {ck['step']}) is not complete")
         if ck["abandoned"]:
             raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_ENTITY,
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
                 f"checkpoint {ck['id']} (step {ck['step']}) is on a branch an earlier "
                 "rollback abandoned; pick one of the current lineage (GET .../checkpoints)")
         lr = None

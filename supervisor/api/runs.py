@@ -41,9 +41,12 @@ def _summary(conn: Connection, run: dict[str, Any]) -> dict[str, Any]:
             {k: ckpt[k] for k in ("step", "path", "bytes", "attempt", "lineage", "t")}
             if ckpt else None
         ),
+        # Kept by the workers' retention besides the newest few (pinned by the agents).
+        "protected": list(run.get("protected") or []),
         "agents": [
             {k: a[k] for k in ("id", "node", "hostname", "state", "attempt", "last_seen_at",
-                               "disk_free_bytes", "dropped")}
+                               "disk_free_bytes", "disk_total_bytes", "workers", "gpus",
+                               "dropped")}
             for a in repo.run_agents(conn, run_id=run["id"])
         ],
         "created_at": run["created_at"],

@@ -213,9 +213,9 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
 
 @router.get("/dashboard/api/runs/{run}/series")
 def run_series(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
-    """Chart extras: spike/rollback markers, per-rank phase times; MFU is not reported by
-    runs yet (it needs FLOPs per sample and the hardware peak)."""
+    """Chart extras: spike/rollback markers, per-rank phase times, and the factor that turns
+    throughput into MFU (null until the run declares FLOPs and the hardware peak)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
         return {"run": run, "markers": views.markers(conn, r["id"]),
-                "ranks": views.rank_series(conn, r["id"]), "mfu": None}
+                "ranks": views.rank_series(conn, r["id"]), "mfu": views.mfu_feed(conn, r["id"])}

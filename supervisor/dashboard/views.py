@@ -21,14 +21,18 @@ def run_row(conn: Connection, run: dict[str, Any], now: float) -> dict[str, Any]
     """One line of the runs list (also the head of the run page)."""
     newest = repo.newest_step(conn, run_id=run["id"])
     tp = (repo.throughput(conn, run_id=run["id"], attempt=int(newest["attempt"]))
-          if newest else {"samples_per_s": None, "tokens_per_s": None, "steps_per_s": None})
+          if newest else {"samples_per_s": None, "tokens_per_s": None, "steps_per_s": None,
+                          "ranks": None})
     ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
+    declared = repo.flops_declaration(conn, run_id=run["id"])
     return {
         **run,
         "step": newest["step"] if newest else None,
         "step_at": newest["t_last"] if newest else None,
         "loss": metrics.mean_loss(newest) if newest else None,
         "throughput": tp,
+        "flops_declared": declared,
+        "mfu": metrics.mfu(declared, tp),
         "checkpoint": ckpt,
         "checkpoint_age": (now - ckpt["t"]) if ckpt else None,
         "open_incidents": repo.open_incident_counts(conn, run_id=run["id"]),
@@ -65,14 +69,48 @@ def run_tables(conn: Connection, run: dict[str, Any], now: float) -> dict[str, A
     for r in ranks:
         r["score"] = scores.get(int(r["rank"]))
     ranks.sort(key=lambda r: (r["score"] if r["score"] is not None else 9e9, r["rank"]))
+    protected = set(run.get("protected") or [])
+    checkpoints = repo.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)
+    for c in checkpoints:
+        c["protected"] = c["path"] in protected
     return {
         "incidents": incidents,
         "actions": repo.list_actions(conn, run_id=run_id, limit=LIST_LIMIT),
-        "checkpoints": repo.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT),
-        "agents": repo.run_agents(conn, run_id=run_id),
+        "checkpoints": checkpoints,
+        "agents": [node_health(a) for a in repo.run_agents(conn, run_id=run_id)],
         "ranks": ranks[:RANKS_SHOWN],
         "ranks_total": len(ranks),
     }
+
+
+def node_health(agent: dict[str, Any]) -> dict[str, Any]:
+    """An agent row plus what the nodes table shows of its health."""
+    free, total = agent.get("disk_free_bytes"), agent.get("disk_total_bytes")
+    raw_workers, raw_gpus = agent.get("workers"), agent.get("gpus")
+    workers: list[dict[str, Any]] = [w for w in raw_workers if isinstance(w, dict)] \
+        if isinstance(raw_workers, list) else []
+    gpus: dict[str, Any] | None = raw_gpus if isinstance(raw_gpus, dict) else None
+    return {
+        **agent,
+        "disk_free_ratio": free / total if free is not None and total else None,
+        "workers_cpu": sum(float(w.get("cpu_percent") or 0.0) for w in workers)
+        if workers else None,
+        "workers_rss": sum(float(w.get("rss_bytes") or 0) for w in workers) if workers else None,
+        "workers_list": sorted(workers, key=lambda w: (w.get("rank", 0), w.get("pid", 0))),
+        "gpu_available": None if gpus is None else bool(gpus.get("available")),
+        "gpu_reason": "" if gpus is None else str(gpus.get("reason") or ""),
+        "gpu_devices": [d for d in (gpus or {}).get("devices") or [] if isinstance(d, dict)],
+    }
+
+
+def mfu_feed(conn: Connection, run_id: int) -> dict[str, Any] | None:
+    """What the page's script needs to draw MFU from the throughput it already has."""
+    newest = repo.newest_step(conn, run_id=run_id)
+    if newest is None:
+        return None
+    tp = repo.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
+    factor = metrics.mfu_factor(repo.flops_declaration(conn, run_id=run_id), tp["ranks"])
+    return None if factor is None else {"unit": factor[0], "factor": factor[1]}
 
 
 def _int(x: Any) -> int | None:

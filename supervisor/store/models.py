@@ -58,6 +58,9 @@ class Run(Base):
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     reason: Mapped[str] = mapped_column(Text, default="")  # why the status last changed
+    # Checkpoint paths the workers' retention must keep (policy.protected_checkpoints, set
+    # by the evaluator); every ingest reply carries them to the agents, who pin them.
+    protected: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -82,6 +85,11 @@ class Agent(Base):
     attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)  # as last reported
     state: Mapped[str] = mapped_column(String(20), default="registered")
     disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    disk_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # From the newest heartbeat that carried them: the workers' CPU and memory
+    # ([{rank, local_rank, pid, cpu_percent, rss_bytes}]) and the GPU readings (NVML).
+    workers: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    gpus: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     dropped: Mapped[int] = mapped_column(Integer, default=0)
 
 
@@ -260,6 +268,9 @@ class Action(Base):
     # run's highest step when it was decided (for the no-progress stop).
     cause: Mapped[str | None] = mapped_column(String(20), nullable=True)
     high_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # A rollback: the step it goes back to.  Checkpoints of earlier attempts beyond it are
+    # on the abandoned branch, also those that arrive late (the old workers ran on a little).
+    rollback_to_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     actor: Mapped[str] = mapped_column(String(100))  # "policy" | "operator"
     # queued -> delivered -> restarted -> resumed (restart); queued -> delivered -> done (stop);
     # failed when an agent reports the command failed

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     ColumnElement,
     Connection,
@@ -194,16 +195,19 @@ def first_step(conn: Connection, *, run_id: int, attempt: int) -> int | None:
 def throughput(
     conn: Connection, *, run_id: int, attempt: int, window: int = 20
 ) -> dict[str, float | None]:
-    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt."""
+    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt,
+    and ``ranks``: the most ranks that reported one of those steps."""
     q = (
-        select(step_aggregates.c.samples, step_aggregates.c.tokens, step_aggregates.c.t_last)
+        select(step_aggregates.c.samples, step_aggregates.c.tokens, step_aggregates.c.t_last,
+               step_aggregates.c.ranks)
         .where(step_aggregates.c.run_id == run_id, step_aggregates.c.attempt == attempt)
         .order_by(step_aggregates.c.step.desc())
         .limit(window)
     )
     rows = conn.execute(q).all()
     out: dict[str, float | None] = {"steps_per_s": None, "samples_per_s": None,
-                                    "tokens_per_s": None}
+                                    "tokens_per_s": None,
+                                    "ranks": max((r.ranks for r in rows), default=None)}
     if len(rows) < 2:
         return out
     span = rows[0].t_last - rows[-1].t_last
@@ -226,6 +230,7 @@ class IngestResult:
     attempt: int
     duplicate: bool
     commands: list[dict[str, Any]]
+    protect: list[str] = field(default_factory=list)  # checkpoint paths to keep
 
 
 class UnknownAgent(LookupError):
@@ -265,11 +270,13 @@ def ingest_batches(
 def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
                   batches: Sequence[wire.IngestBatch], ids: list[int], now: float
                   ) -> list[IngestResult | UnknownAgent]:
+    # agent id -> (run id, the run's attempt, its protected checkpoints)
+    heads: dict[int, tuple[int, int, list[str]]]
     if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
         r = hot.fetchone(cur, "head", {"agent_id": ids[0]})
-        heads = {ids[0]: (int(r[0]), int(r[1]))} if r else {}
+        heads = {ids[0]: (int(r[0]), int(r[1]), _json_list(r[2]))} if r else {}
     else:
-        heads = {int(r[0]): (int(r[1]), int(r[2]))
+        heads = {int(r[0]): (int(r[1]), int(r[2]), _json_list(r[3]))
                  for r in conn.execute(_HEADS, {"ids": ids})}
     # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
     wanted: dict[tuple[int, int], dict[str, Any]] = {}
@@ -301,10 +308,17 @@ def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
         if b.agent_id not in heads:
             out.append(UnknownAgent(b.agent_id))
             continue
-        run_id, attempt = heads[b.agent_id]
+        run_id, attempt, protect = heads[b.agent_id]
         out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
-                                commands=pending.get(b.agent_id, [])))
+                                commands=pending.get(b.agent_id, []), protect=protect))
     return out
+
+
+def _json_list(raw: Any) -> list[str]:
+    """A JSON list column read on the raw cursor (text on SQLite, decoded on Postgres)."""
+    if isinstance(raw, str | bytes):
+        raw = json.loads(raw)
+    return [str(x) for x in raw] if isinstance(raw, list) else []
 
 
 def _pending(conn: Connection, hot: _HotSQL, cur: Any, agent_ids: list[int], now: float
@@ -353,7 +367,7 @@ class _HotSQL:
         ins = postgresql.insert if dialect.name == "postgresql" else sqlite.insert
         stmts: dict[str, tuple[Any, Sequence[str] | None]] = {
             "head": (
-                select(agents.c.run_id, runs.c.attempt)
+                select(agents.c.run_id, runs.c.attempt, runs.c.protected)
                 .join(runs, runs.c.id == agents.c.run_id)
                 .where(agents.c.id == bindparam("agent_id")),
                 None,
@@ -507,7 +521,24 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> 
         "agent_id": agent_id, "now": now, "dropped": batch.dropped, "attempt": batch.attempt,
         "state": heartbeat.state if heartbeat else None,
         "disk": heartbeat.disk_free_bytes if heartbeat else None,
+        "disk_total": heartbeat.disk_total_bytes if heartbeat else None,
+        # JSON text for the raw statement (a cast to JSON on Postgres); None keeps the last.
+        "workers": _worker_stats(heartbeat.workers) if heartbeat else None,
+        "gpus": (json.dumps(_json_safe(heartbeat.gpus), separators=(",", ":"))
+                 if heartbeat and heartbeat.gpus is not None else None),
     })
+
+
+_WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
+
+
+def _worker_stats(workers: list[dict[str, Any]]) -> str:
+    """The heartbeat's worker list as stored: the known keys with finite numbers only."""
+    rows = [{k: w[k] for k in _WORKER_KEYS
+             if isinstance(w.get(k), int | float) and not isinstance(w.get(k), bool)
+             and math.isfinite(w[k])}
+            for w in workers]
+    return json.dumps(rows, separators=(",", ":"))
 
 
 def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
@@ -542,6 +573,10 @@ _AGENT_SEEN = (
         state=func.coalesce(bindparam("state", type_=String), agents.c.state),
         disk_free_bytes=func.coalesce(bindparam("disk", type_=BigInteger),
                                       agents.c.disk_free_bytes),
+        disk_total_bytes=func.coalesce(bindparam("disk_total", type_=BigInteger),
+                                       agents.c.disk_total_bytes),
+        workers=func.coalesce(bindparam("workers", type_=JSON), agents.c.workers),
+        gpus=func.coalesce(bindparam("gpus", type_=JSON), agents.c.gpus),
     )
 )
 
@@ -556,7 +591,7 @@ _PENDING_ONE = (
     .order_by(commands.c.id)
 )
 _HEADS = (
-    select(agents.c.id, agents.c.run_id, runs.c.attempt)
+    select(agents.c.id, agents.c.run_id, runs.c.attempt, runs.c.protected)
     .join(runs, runs.c.id == agents.c.run_id)
     .where(agents.c.id.in_(bindparam("ids", expanding=True)))
 )
@@ -893,6 +928,15 @@ def events_after(conn: Connection, *, after_id: int, names: Sequence[str], limit
     return [_row(r) for r in conn.execute(q)]
 
 
+def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
+    """The details of the run's newest ``flops_declared`` event (for MFU), or None."""
+    q = (select(events.c.details).where(events.c.run_id == run_id,
+                                         events.c.name == "flops_declared")
+         .order_by(events.c.id.desc()).limit(1))
+    d = conn.execute(q).scalar()
+    return d if isinstance(d, dict) else None
+
+
 def latest_event(conn: Connection, *, run_id: int, attempt: int, name: str
                  ) -> dict[str, Any] | None:
     q = (select(events).where(events.c.run_id == run_id, events.c.attempt == attempt,
@@ -900,6 +944,20 @@ def latest_event(conn: Connection, *, run_id: int, attempt: int, name: str
          .order_by(events.c.id.desc()).limit(1))
     r = conn.execute(q).first()
     return _row(r) if r else None
+
+
+def latest_event_by_node(conn: Connection, *, run_id: int, names: Sequence[str]
+                         ) -> dict[str, str]:
+    """node (``details.node``) -> the name of its newest event among ``names``."""
+    q = (select(events.c.name, events.c.details)
+         .where(events.c.run_id == run_id, events.c.name.in_(list(names)))
+         .order_by(events.c.id.desc()).limit(1000))
+    out: dict[str, str] = {}
+    for name, details in conn.execute(q):
+        node = (details or {}).get("node") if isinstance(details, dict) else None
+        if isinstance(node, str):
+            out.setdefault(node, str(name))
+    return out
 
 
 def recent_save_seconds(conn: Connection, *, run_id: int, limit: int = 10) -> list[float]:
@@ -976,12 +1034,33 @@ def lineage_checkpoints(conn: Connection, *, run_id: int) -> list[tuple[int, str
     return sorted(by_step.items())
 
 
-def abandon_checkpoints(conn: Connection, *, run_id: int, after_step: int) -> int:
-    """A rollback to ``after_step`` abandons the branch beyond it: those checkpoints are never
-    offered as the newest again.  Returns how many were marked."""
+def lineage_checkpoint_times(conn: Connection, *, run_id: int
+                             ) -> list[tuple[int, float, str]]:
+    """(step, saved at, path) of the complete checkpoints of the current lineage, oldest
+    first (a step saved twice counts once, with its newest save)."""
+    c = checkpoints.c
+    q = (select(c.step, c.t, c.path).where(c.run_id == run_id, c.complete.is_(True),
+                                           c.abandoned.is_(False)).order_by(c.t, c.id))
+    by_step = {int(r[0]): (float(r[1]), str(r[2])) for r in conn.execute(q)}
+    return [(s, t, p) for s, (t, p) in sorted(by_step.items())]
+
+
+def set_protected(conn: Connection, *, run_id: int, paths: list[str]) -> None:
+    conn.execute(update(runs).where(runs.c.id == run_id).values(protected=paths))
+
+
+def abandon_branches(conn: Connection, *, run_id: int) -> int:
+    """Mark the checkpoints a rollback abandoned: those written by an attempt before the
+    rollback's attempt, beyond the step it went back to.  They are never offered as the
+    newest again.  Run when a rollback is decided and again on every evaluator tick: the old
+    workers keep saving until the restart reaches them, and those late reports arrive after
+    the decision.  Returns how many were marked now."""
+    ck, ac = checkpoints.c, actions.c
+    beyond = (select(literal(1)).where(
+        ac.run_id == ck.run_id, ac.rollback_to_step.is_not(None), ck.attempt < ac.attempt,
+        ck.step > ac.rollback_to_step).exists())
     r = conn.execute(update(checkpoints)
-                     .where(checkpoints.c.run_id == run_id, checkpoints.c.step > after_step,
-                            checkpoints.c.abandoned.is_(False))
+                     .where(ck.run_id == run_id, ck.abandoned.is_(False), beyond)
                      .values(abandoned=True))
     return int(r.rowcount or 0)
 
@@ -1218,7 +1297,7 @@ def restart_actions(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
     ac = actions.c
     q = (
         select(ac.id, ac.kind, ac.actor, ac.status, ac.attempt, ac.resumed_step,
-               ac.created_at, incidents.c.kind.label("incident_kind"))
+               ac.created_at, ac.cause, incidents.c.kind.label("incident_kind"))
         .select_from(actions.outerjoin(incidents, incidents.c.id == ac.incident_id))
         .where(ac.run_id == run_id, ac.kind.in_(("restart", "rollback")))
         .order_by(ac.id)

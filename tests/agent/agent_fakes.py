@@ -54,6 +54,7 @@ class FakeSupervisor:
         self.registers: list[dict[str, Any]] = []
         self.next_seq = 0
         self.attempt = 0
+        self.protect: list[str] | None = None  # None: an older supervisor (no field)
 
     # -- behaviour ---------------------------------------------------------------------------
 
@@ -84,8 +85,11 @@ class FakeSupervisor:
                 for item in data.get("items", []):
                     if item.get("type") == "command_result":
                         self.commands.pop(item["command_id"], None)
-                return 200, {"seq": seq, "duplicate": dup, "attempt": self.attempt,
-                             "commands": list(self.commands.values())}
+                reply = {"seq": seq, "duplicate": dup, "attempt": self.attempt,
+                         "commands": list(self.commands.values())}
+                if self.protect is not None:
+                    reply["protect"] = list(self.protect)
+                return 200, reply
             return 404, {"detail": "not found"}
 
     # -- inspection --------------------------------------------------------------------------
@@ -150,10 +154,10 @@ class FakeRun:
                **kw: Any) -> AgentConfig:
         kw.setdefault("stop_grace_s", 0.5)
         kw.setdefault("flush_timeout_s", 2.0)
+        kw.setdefault("checkpoint_root", self.tmp_path / "ckpt")
         return AgentConfig(supervisor_url=url, run="run1", node="node1",
                            command=self.command(mode, *extra), token="agent-token",
-                           state_dir=self.state_dir, checkpoint_root=self.tmp_path / "ckpt",
-                           **kw)
+                           state_dir=self.state_dir, **kw)
 
     def records(self, role: str | None = None) -> list[dict[str, Any]]:
         out = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -419,3 +420,58 @@ def test_restart_pins_its_checkpoint_and_lifts_the_previous_pin(
                                    "plan": {"checkpoint": str(ck / "step_100")}}
     tick_until(agent, lambda: (ck / "step_100" / "PINNED").exists(), what="second pin")
     assert not (ck / "step_50" / "PINNED").exists()
+
+
+def test_pins_follow_what_the_supervisor_protects_without_lifting_the_restart_pin(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    """The supervisor names the last good checkpoint before an open incident: it is pinned
+    while named, unpinned when no longer named, and a restart's own pin stays meanwhile."""
+    ck = fake_run.tmp_path / "ckpt"
+    for step in (50, 100, 150):
+        (ck / f"step_{step}").mkdir(parents=True)
+    (ck / "step_150" / "PINNED").write_text("pinned by the user\n")
+    agent = make_agent(agents, fake_run.config("serve"), fake_supervisor)
+    agent.start()
+    fake_supervisor.commands[1] = {"id": 1, "kind": "restart", "attempt": 1,
+                                   "plan": {"checkpoint": str(ck / "step_100")}}
+    tick_until(agent, lambda: (ck / "step_100" / "PINNED").exists(), what="restart pin")
+    fake_supervisor.protect = [str(ck / "step_50"), str(ck / "step_100"), str(ck / "gone")]
+    tick_until(agent, lambda: (ck / "step_50" / "PINNED").exists(), what="protect pin")
+    assert "protected by the supervisor" in (ck / "step_50" / "PINNED").read_text()
+    fake_supervisor.protect = []
+    tick_until(agent, lambda: not (ck / "step_50" / "PINNED").exists(), what="unpinned")
+    assert (ck / "step_100" / "PINNED").exists()  # the restart still holds it
+    assert (ck / "step_150" / "PINNED").read_text() == "pinned by the user\n"
+    saved = json.loads((agent.state_dir / "agent.json").read_text())
+    assert saved["pins"] == {"restart": [str(ck / "step_100")]}
+
+
+def test_heartbeats_carry_disk_of_the_reported_checkpoints_and_gpu_health(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    """Without --checkpoint-root the agent measures the disk of the checkpoints the workers
+    report; GPU readings ride on a heartbeat every gpu_interval_s (here NVML cannot start,
+    and the heartbeat says why)."""
+    ck = fake_run.tmp_path / "ckpt"
+    (ck / "step_5").mkdir(parents=True)
+
+    class NoNvml:
+        def nvmlInit(self) -> None:
+            raise OSError("NVML Shared Library Not Found")
+
+    cfg = fake_run.config("serve", checkpoint_root=None, gpu_interval_s=3600.0)
+    agent = make_agent(agents, cfg, fake_supervisor, gpu_module=NoNvml())
+    agent.start()
+    tick_until(agent, lambda: fake_supervisor.items("heartbeat"), what="a heartbeat")
+    first = fake_supervisor.items("heartbeat")[0]
+    assert first["disk_free_bytes"] is None and first["disk_total_bytes"] is None
+    assert first["gpus"] == {"available": False,
+                             "reason": "OSError: NVML Shared Library Not Found"}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(protocol.encode_datagram({"type": "checkpoint", "rank": 0, "step": 5,
+                                           "path": str(ck / "step_5"), "t": time.time()}),
+                 str(cfg.socket_path))
+    tick_until(agent, lambda: any(h["disk_total_bytes"] for h in
+                                  fake_supervisor.items("heartbeat")), what="disk reading")
+    beat = next(h for h in fake_supervisor.items("heartbeat") if h["disk_total_bytes"])
+    assert 0 < beat["disk_free_bytes"] <= beat["disk_total_bytes"]
+    assert "gpus" not in beat  # read once an hour here: the supervisor keeps the last one

@@ -14,7 +14,7 @@ from agent import protocol
 from agent.config import AgentConfig
 from agent.executor import Executor
 from agent.launcher import parse_failure_summary
-from agent.monitor import DatagramReceiver, disk_free_bytes
+from agent.monitor import DatagramReceiver, GpuHealth, disk_usage
 from agent.spool import Spool
 from agent.uplink import Uplink
 
@@ -96,13 +96,85 @@ def test_config_socket_path_fits_and_nproc(tmp_path: Path) -> None:
     assert cfg.nproc_per_node == 4 and cfg.supervisor_url == "http://s"
 
 
-def test_disk_free_of_missing_dir_uses_parent(tmp_path: Path) -> None:
-    free = disk_free_bytes(tmp_path / "not" / "yet")
-    assert isinstance(free, int) and free > 0
-    assert disk_free_bytes(None) is None
-
-
 # -- monitor: datagram socket ---------------------------------------------------------------
+
+
+def test_disk_usage_of_a_missing_dir_is_its_parents(tmp_path: Path) -> None:
+    usage = disk_usage(tmp_path / "not" / "yet")
+    assert usage is not None
+    free, total = usage
+    assert 0 < free <= total and disk_usage(None) is None
+
+
+class FakeNvml:
+    """The part of pynvml that GpuHealth uses: two GPUs, one without power readings."""
+
+    NVML_TEMPERATURE_GPU = 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+
+    class NotSupported(Exception):
+        pass
+
+    def __init__(self, fail_init: Exception | None = None) -> None:
+        self.fail_init = fail_init
+        self.inits = 0
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+        if self.fail_init:
+            raise self.fail_init
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetName(self, h: int) -> bytes:
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return type("Mem", (), {"used": (h + 1) * 2**30, "total": 141 * 2**30})()
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return type("Util", (), {"gpu": 90 + h})()
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        if h == 1:
+            raise self.NotSupported("not supported")
+        return 612_345
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return 60 + h
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, kind: int, counter: int) -> int:
+        assert (kind, counter) == (1, 0)
+        return 4 * h
+
+
+def test_gpu_health_reads_every_device_and_leaves_unsupported_readings_out() -> None:
+    nvml = FakeNvml()
+    g = GpuHealth(nvml)
+    first = g.read()
+    assert g.read() == first and nvml.inits == 1  # initialised once
+    assert first == {"available": True, "devices": [
+        {"index": 0, "name": "NVIDIA H200", "util_percent": 90, "mem_used_bytes": 2**30,
+         "mem_total_bytes": 141 * 2**30, "temp_c": 60, "power_w": 612.3,
+         "ecc_uncorrected": 0},
+        {"index": 1, "name": "NVIDIA H200", "util_percent": 91, "mem_used_bytes": 2 * 2**30,
+         "mem_total_bytes": 141 * 2**30, "temp_c": 61, "power_w": None,
+         "ecc_uncorrected": 4}]}
+
+
+def test_gpu_health_without_nvml_says_why_and_never_raises() -> None:
+    g = GpuHealth(FakeNvml(fail_init=RuntimeError("driver not loaded")))
+    assert g.read() == {"available": False, "reason": "RuntimeError: driver not loaded"}
+    # The real NVML bindings on this machine: no driver, no GPU.
+    real = GpuHealth().read()
+    if real["available"]:
+        pytest.skip("this machine has GPUs: the not-available path is the fake's above")
+    assert real["reason"] and "NVML" in real["reason"]
 
 
 def test_receiver_counts_invalid_and_overflow(tmp_path: Path) -> None:

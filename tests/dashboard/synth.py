@@ -57,7 +57,8 @@ class SynthRun:
     def train(self, steps: range, *, t0: float, attempt: int = 0, dt: float = 1.0,
               spike: tuple[int, int] | None = None, nan_at: int | None = None,
               slow_rank: int | None = None, checkpoint_every: int = 0,
-              disk_free: int = 50 * 2**30) -> None:
+              disk_free: int = 50 * 2**30, disk_total: int | None = 100 * 2**30,
+              gpus: dict[str, Any] | None = None) -> None:
         """Report ``steps`` from every rank (one batch per node per 10 steps)."""
         for chunk_start in range(steps.start, steps.stop, 10):
             chunk = range(chunk_start, min(chunk_start + 10, steps.stop))
@@ -76,13 +77,24 @@ class SynthRun:
                                       "path": f"/ckpt/{self.name}/step-{s:06d}",
                                       "bytes": 123_456_789, "save_s": 1.5,
                                       "lineage": f"a{attempt}"})
-                items.append({"type": "heartbeat", "t": t0 + chunk[-1] * dt,
-                              "attempt": attempt, "state": "running",
-                              "disk_free_bytes": disk_free,
-                              "workers": [{"rank": n * self.ranks_per_node + lr,
-                                           "cpu_percent": 99.0, "rss_bytes": 2**30}
-                                          for lr in range(self.ranks_per_node)]})
+                beat = {"type": "heartbeat", "t": t0 + chunk[-1] * dt,
+                        "attempt": attempt, "state": "running",
+                        "disk_free_bytes": disk_free, "disk_total_bytes": disk_total,
+                        "workers": [{"rank": n * self.ranks_per_node + lr,
+                                     "pid": 1000 + n * self.ranks_per_node + lr,
+                                     "cpu_percent": 99.0, "rss_bytes": 2**30}
+                                    for lr in range(self.ranks_per_node)]}
+                if gpus is not None:
+                    beat["gpus"] = gpus
+                items.append(beat)
                 self.send(n, items, attempt=attempt)
+
+    def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float) -> None:
+        """What ``agent.worker.declare_flops`` sends (rank 0's event)."""
+        self.send(0, [{"type": "event", "rank": 0, "name": "flops_declared",
+                       "details": {"flops_per_sample": flops_per_sample,
+                                   "flops_per_token": None,
+                                   "peak_flops_per_rank": peak_flops_per_rank}}])
 
     def crash(self, node: int = 0, attempt: int = 0, rank: int = 0, t: float = 0.0) -> None:
         self.send(node, [{"type": "exit", "attempt": attempt, "t": t, "exit_code": 1,

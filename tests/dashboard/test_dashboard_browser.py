@@ -68,7 +68,8 @@ def test_run_page_of_a_live_supervisor(tmp_path: Path) -> None:
             assert crash.count() == 1 and "rank 3" in crash.inner_text()
             assert page.locator("#checkpoints form.rollback").count() == 4  # attempt 0: 25..100
             assert page.locator("#actions", has_text="resumed").count() == 1
-            assert page.locator("#chart-mfu", has_text="n/a").count() == 1
+            assert page.locator("#mfu-value", has_text="n/a").count() == 1  # not declared
+            assert page.locator("#nodes", has_text="% CPU").count() == 1
             # polling an unchanged run: conditional requests answered 304, the page intact
             page.wait_for_event("response", lambda r: "/dashboard/api/runs/demo/state" in r.url
                                 and r.status == 304, timeout=10_000)

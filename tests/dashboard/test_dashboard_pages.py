@@ -54,9 +54,11 @@ def test_runs_list_and_run_page(client: TestClient, db: Database, clock: FakeClo
     assert "queued" in html and "&#34;attempt&#34;: 1" in html
     # checkpoints, each with a rollback form
     assert html.count('class="rollback"') == 2 and 'data-step="40"' in html
-    # nodes: heartbeat age, free disk, what is not stored
-    assert 'id="nodes"' in html and "9.0 GiB" in html and "not stored" in html
-    assert "not available" in html  # GPU health
+    # nodes: heartbeat age, free disk and its share, the workers' CPU and memory
+    assert 'id="nodes"' in html and "9.0 GiB (9.0% of 100.0 GiB)" in html
+    assert "198% CPU, 2.0 GiB" in html and "2 workers" in html
+    assert "not reported" in html  # GPU health: this synthetic agent sends no reading
+    assert 'id="mfu-value" class="muted"' in html and 'id="chart-mfu"' not in html
     # charts' containers and the vendored uPlot (no CDN)
     assert 'id="chart-loss"' in html and "/static/vendor/uplot/uPlot.iife.min.js" in html
     assert "https://" not in html.split("<main>")[0]
@@ -84,6 +86,32 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
     assert len(ranks["median"]) == 5 and feed["mfu"] is None
     steps = client.get("/api/v1/runs/alpha/steps?max_points=10", headers=OPERATOR).json()
     assert len(steps["points"]) <= 10
+
+
+def test_gpu_health_and_mfu_when_the_run_declares_its_flops(
+        client: TestClient, clock: FakeClock) -> None:
+    run = SynthRun(client, "gpu").register()
+    run.declare_flops(flops_per_sample=2e9, peak_flops_per_rank=1e12)
+    gpus = {"available": True, "devices": [
+        {"index": 0, "name": "NVIDIA H200", "util_percent": 97, "mem_used_bytes": 70 * 2**30,
+         "mem_total_bytes": 141 * 2**30, "temp_c": 64, "power_w": 612.5,
+         "ecc_uncorrected": 0},
+        {"index": 1, "name": "NVIDIA H200", "util_percent": 12, "mem_used_bytes": 2**30,
+         "mem_total_bytes": 141 * 2**30, "temp_c": 88, "power_w": None,
+         "ecc_uncorrected": 3}]}
+    run.train(range(30), t0=T0, gpus=gpus)
+    html = client.get("/runs/gpu", headers=OPERATOR).text
+    assert "GPU 0 NVIDIA H200: 97% util, 70.0 GiB / 141.0 GiB, 64 &deg;C, 612.5 W" in html
+    assert "3 uncorrected ECC errors" in html
+    # 4 ranks x 8 samples a second x 2 GFLOPs / (4 ranks x 1 TFLOP/s) = 1.6%
+    assert 'id="chart-mfu"' in html and ">1.6 %</dd>" in html
+    feed = client.get("/dashboard/api/runs/gpu/series", headers=OPERATOR).json()
+    assert feed["mfu"] == {"unit": "samples", "factor": 2e9 / 4e12}
+    # An agent whose NVML cannot start says so, with the reason.
+    SynthRun(client, "cpu").register().train(range(3), t0=T0, gpus={
+        "available": False, "reason": "NVMLError_LibraryNotFound: NVML Shared Library Not Found"})
+    html = client.get("/runs/cpu", headers=OPERATOR).text
+    assert "not available (NVML: NVMLError_LibraryNotFound" in html
 
 
 def test_unchanged_conditional_requests_get_304(client: TestClient, clock: FakeClock) -> None:

@@ -58,6 +58,7 @@ def test_crash_on_rank_1_restarts_the_run_from_the_newest_checkpoint(
     inc = incidents[0]
     assert inc["kind"] == "crash" and inc["rank"] == 1 and inc["node"] == "node0"
     assert inc["signal"] == 9 and inc["status"] == "resolved" and inc["attempt"] == 0
+    assert inc["step"] == 230, inc  # killed in step 230, its last report step 229
     actions = supervisor.get("/runs/crashy/actions")["actions"]
     assert len(actions) == 1, actions
     act = actions[0]

@@ -30,8 +30,9 @@ def test_spike_rollback_seen_and_operator_rollback_through_the_form(tmp_path: Pa
                                             "TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}).start()
     agent = Agent(sup.url, "live", "node0", tmp_path, [
         "--nproc_per_node=2", "--standalone", *ddp_script(
-            "--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50", "--keep", "10",
+            "--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50",
             "--steps", "3000", "--step-sleep", "0.01", "--inject", "spike@300",
+            "--peak-tflops", "0.05",
             "--checkpoint-dir", str(tmp_path / "ck"))])
     try:
         def auto_rollback() -> dict | None:
@@ -46,6 +47,11 @@ def test_spike_rollback_seen_and_operator_rollback_through_the_form(tmp_path: Pa
             wait_for_charts(page)
             text = page.inner_text("body")
             assert "loss_spike" in text and "resumed" in text
+            # MFU (the run declared its FLOPs and a peak), the nodes' health as measured here
+            page.wait_for_selector("#chart-mfu canvas")
+            assert page.inner_text("#mfu-value").endswith("%")
+            nodes = page.inner_text("#nodes")
+            assert "% CPU" in nodes and "not available (NVML" in nodes, nodes
             series = httpx.get(f"{sup.url}/dashboard/api/runs/live/series", timeout=10,
                                headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).json()
             spikes = [m for m in series["markers"] if m["type"] == "spike"]

@@ -95,9 +95,13 @@ def test_straggler_is_named_without_a_restart(supervisor: Supervisor, tmp_path: 
     assert re.search(r"rank 1", inc["cause"])
 
 
-def test_loss_spike_and_nan_open_incidents_at_their_steps(supervisor: Supervisor,
-                                                          tmp_path: Path) -> None:
-    run, incidents = run_to_end(supervisor, tmp_path, "spiky", "--steps", "300",
+def test_loss_spike_and_nan_open_incidents_and_their_last_good_checkpoints_are_kept(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """No automatic rollback here: the incidents stay open, and the last good checkpoint
+    before each (what an operator would roll back to) outlives the workers' retention (keep 3,
+    a 4 s grace) because the supervisor has the agent pin it."""
+    run, incidents = run_to_end(supervisor, tmp_path, "spiky", "--steps", "900",
+                                "--step-sleep", "0.01", "--retention-grace", "4",
                                 "--inject", "spike@120", "--inject", "nan@220")
     assert run["status"] == "completed" and run["restarts"] == 0, run
     by_kind = {i["kind"]: i for i in incidents}
@@ -106,3 +110,10 @@ def test_loss_spike_and_nan_open_incidents_at_their_steps(supervisor: Supervisor
     assert by_kind["nonfinite"]["step"] == 220
     summary = json.loads((tmp_path / "spiky" / "summary.json").read_text())
     assert summary["final_train_loss"] != summary["final_train_loss"]  # NaN: nothing fixed it
+    ck = tmp_path / "spiky" / "ck"
+    # the newest checkpoint 10 steps or more before each: step 100 and step 200
+    assert sorted(run["protected"]) == [str(ck / "step_100"), str(ck / "step_200")], run
+    for step in (100, 200):
+        assert "protected by the supervisor" in (ck / f"step_{step}" / "PINNED").read_text()
+    kept = {p.name for p in ck.iterdir() if p.name.startswith("step_")}
+    assert not kept & {"step_50", "step_150"}, kept  # retention went on

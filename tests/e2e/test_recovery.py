@@ -19,10 +19,10 @@ from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
 pytestmark = pytest.mark.e2e
 
 LR = 2e-3
-# Checkpoints every 50 steps (under a second here) are far more frequent than in a real run:
-# keep 10, so the checkpoint before a spike outlives the seconds detection takes.
-TRAIN = ["--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50", "--lr", str(LR),
-         "--keep", "10"]
+# Checkpoints every 50 steps (a fraction of a second here, far more often than in a real run)
+# and the default retention (keep 3): the checkpoint before a spike falls out of the newest
+# three before detection has run; the retention grace keeps it until the supervisor pins it.
+TRAIN = ["--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50", "--lr", str(LR)]
 # Rollback defaults scaled for a 600-step run: LR x0.5 for 30 steps, back over 20.
 SUPERVISOR_ENV = {"TRAINWARDEN_ROLLBACK_LR_STEPS": "30",
                   "TRAINWARDEN_ROLLBACK_LR_RAMP_STEPS": "20",
@@ -78,6 +78,7 @@ def test_spike_is_rolled_back_skipped_and_the_run_ends_as_well_as_a_clean_one(
     (act,) = supervisor.get("/runs/spike/actions")["actions"]
     assert act["cause"] == "spike" and act["status"] == "resumed"
     assert act["plan"]["checkpoint"].endswith("step_250")  # newest <= 300 - 10
+    assert act["resumed_step"] == 250  # it was still there: kept, then pinned
     assert act["plan"]["skip"] == [[290, 389]]
     assert act["plan"]["lr"] == {"scale": 0.5, "steps": 30, "ramp_steps": 20}
     summary = json.loads((tw_dir / "summary.json").read_text())

@@ -20,6 +20,7 @@ from supervisor.metrics import (
 from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import OPERATOR, SynthRun
+from tests.deploy.test_alert_rules import CONTRACT
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -55,7 +56,11 @@ def series(samples: list[Sample], name: str, **labels: str) -> list[dict[str, st
 def test_metrics_carry_the_contract_for_an_ingested_run(
         client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
     run = SynthRun(client, "alpha").register()
-    run.train(range(30), t0=T0, checkpoint_every=20, disk_free=7 * 2**30)
+    run.declare_flops(flops_per_sample=1e9, peak_flops_per_rank=1e12)
+    run.train(range(30), t0=T0, checkpoint_every=20, disk_free=7 * 2**30,
+              disk_total=70 * 2**30, gpus={"available": True, "devices": [
+                  {"index": 0, "util_percent": 90, "mem_used_bytes": 5, "temp_c": 70,
+                   "ecc_uncorrected": 0}, {"index": 1, "util_percent": None}]})
     clock.now = T0 + 40
     samples = scrape(client)
     for name in RUN_GAUGES:
@@ -70,8 +75,12 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
                               run="alpha"), 32.0)
     assert value(samples, "trainwarden_run_seconds_since_last_step", run="alpha") == 11.0
     assert value(samples, "trainwarden_run_checkpoint_age_seconds", run="alpha") == 20.0
-    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha") == 3
+    for cause in ("crash", "hang", "node_lost", "spike"):
+        assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha",
+                     cause=cause) == 3
     assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 0
+    # 32 samples a second x 1 GFLOP / (4 ranks x 1 TFLOP/s)
+    assert math.isclose(value(samples, "trainwarden_run_mfu_ratio", run="alpha"), 0.008)
     for kind in INCIDENT_KINDS:
         assert value(samples, "trainwarden_run_open_incidents", run="alpha", kind=kind) == 0
     for cause in RESTART_CAUSES:
@@ -81,7 +90,23 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
                      run="alpha", node=node) == 40.0  # ingested at T0, scraped at T0 + 40
         assert value(samples, "trainwarden_agent_disk_free_bytes",
                      run="alpha", node=node) == 7 * 2**30
-    assert not series(samples, "trainwarden_agent_disk_free_ratio")  # total is not reported
+        assert value(samples, "trainwarden_agent_disk_free_ratio", run="alpha",
+                     node=node) == 0.1
+        assert value(samples, "trainwarden_agent_worker_cpu_percent", run="alpha",
+                     node=node) == 198.0
+        assert value(samples, "trainwarden_agent_worker_rss_bytes", run="alpha",
+                     node=node) == 2 * 2**30
+        assert value(samples, "trainwarden_agent_gpu_available", run="alpha", node=node) == 1
+        assert value(samples, "trainwarden_gpu_utilization_percent", run="alpha", node=node,
+                     gpu="0") == 90
+        assert value(samples, "trainwarden_gpu_temperature_celsius", run="alpha", node=node,
+                     gpu="0") == 70
+        assert value(samples, "trainwarden_gpu_ecc_uncorrected_errors", run="alpha",
+                     node=node, gpu="0") == 0
+    # a reading the GPU does not support is left out, not exported as 0
+    assert not series(samples, "trainwarden_gpu_utilization_percent", gpu="1")
+    # everything the alert rules and the Grafana dashboard are written against is exported
+    assert {n for n, _, _ in samples} >= CONTRACT
     scores = series(samples, "trainwarden_rank_straggler_score", run="alpha")
     assert {(s["rank"], s["node"]) for s in scores} == {("0", "n0"), ("1", "n0"),
                                                          ("2", "n1"), ("3", "n1")}
@@ -95,7 +120,10 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
     assert value(samples, "trainwarden_run_active", run="alpha") == 1
     assert value(samples, "trainwarden_run_attempt", run="alpha") == 1
     assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause="crash") == 1
-    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha") == 2
+    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha",
+                 cause="crash") == 2
+    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha",
+                 cause="spike") == 3
     assert value(samples, "trainwarden_run_open_incidents", run="alpha", kind="crash") == 1
     assert value(samples, "trainwarden_run_step", run="alpha") == 29  # attempt 1: none yet
 

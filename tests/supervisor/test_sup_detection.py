@@ -46,10 +46,12 @@ class Run:
         self.agent = register(client, node="n0")["agent_id"]
         self.seq = 0
         self.step = 0
+        self.disk: dict[str, int] = {}
 
     def send(self, items: list[dict[str, Any]], attempt: int = 0) -> dict[str, Any]:
         # Like the real agent: every batch carries a heartbeat.
-        beat = {"type": "heartbeat", "t": self.clock.now, "attempt": attempt, "state": "running"}
+        beat = {"type": "heartbeat", "t": self.clock.now, "attempt": attempt, "state": "running",
+                **self.disk}
         r = ingest(self.client, self.agent, self.seq, [*items, beat], attempt=attempt)
         self.seq += 1
         return r
@@ -197,3 +199,22 @@ def test_transient_spike_is_an_event_and_nan_an_incident_at_once(
     run.train(1, loss=lambda s: float("nan"))
     (inc,) = get(client, "/incidents")["incidents"]
     assert inc["kind"] == "nonfinite" and inc["step"] == 80
+
+
+def test_disk_filling_is_one_event_per_episode(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    run = Run(client, clock, evaluator)
+    run.disk = {"disk_free_bytes": 50, "disk_total_bytes": 100}
+    run.train(5)
+    run.disk = {"disk_free_bytes": 5, "disk_total_bytes": 100}  # 5% free
+    run.train(10)
+    run.disk = {"disk_free_bytes": 30, "disk_total_bytes": 100}  # retention freed it
+    run.train(3)
+    run.disk = {"disk_free_bytes": 8, "disk_total_bytes": 100}  # filling again
+    run.train(3)
+    names = [(e["name"], e["details"]["node"], e["details"]["free_ratio"])
+             for e in get(client, "/events")["events"]
+             if e["name"].startswith("disk_")]
+    assert sorted(names) == sorted([("disk_low", "n0", 0.05), ("disk_recovered", "n0", 0.3),
+                                    ("disk_low", "n0", 0.08)])
+    assert get(client, "/incidents")["incidents"] == []  # an alert, not a restart

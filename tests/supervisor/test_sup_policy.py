@@ -97,6 +97,7 @@ def test_crash_opens_one_incident_and_restarts_every_agent(
     inc = incidents[0]
     assert inc["kind"] == "crash" and inc["node"] == "n0" and inc["rank"] == 1
     assert inc["exit_code"] == 7 and inc["attempt"] == 0 and "code 7" in inc["cause"]
+    assert inc["step"] == 1  # rank 1 reported step 0: it failed in step 1
     run = get(client, "")
     assert run["status"] == "restarting" and run["attempt"] == 1 and run["restarts"] == 1
     # one restart command per agent, carried by the ingest reply

@@ -128,10 +128,20 @@ def test_operator_rollback_queues_a_gang_restart_with_the_plan(
     assert act["plan"]["lr"] == {"scale": 0.5, "steps": 20, "ramp_steps": 10}
     (cmd,) = ingest(client, a, 1, [])["commands"]
     assert cmd["kind"] == "restart" and cmd["plan"] == act["plan"]
+    assert act["rollback_to_step"] == 100
     # The branch after step 100 is abandoned: never offered as the newest checkpoint again.
     cps = {c["step"]: c["abandoned"] for c in
            client.get("/api/v1/runs/r1/checkpoints", headers=OPERATOR).json()["checkpoints"]}
     assert cps == {50: False, 100: False, 125: True}
+    assert client.get("/api/v1/runs/r1", headers=OPERATOR).json()["checkpoint"]["step"] == 100
+    # The old workers save once more before the restart reaches them: that late checkpoint
+    # is on the abandoned branch too, and never becomes the newest.
+    ingest(client, a, 10, [{"type": "checkpoint", "step": 150, "path": "/ck/step_150",
+                            "bytes": 5, "t": 300.0, "lineage": "a0", "attempt": 0}])
+    evaluator.tick()
+    cps = {c["step"]: c["abandoned"] for c in
+           client.get("/api/v1/runs/r1/checkpoints", headers=OPERATOR).json()["checkpoints"]}
+    assert cps == {50: False, 100: False, 125: True, 150: True}
     assert client.get("/api/v1/runs/r1", headers=OPERATOR).json()["checkpoint"]["step"] == 100
     # Progress: delivered, restarted, resumed at the first step of the new attempt.
     ack = {"type": "command_result", "t": 1.0, "command_id": cmd["id"]}
@@ -146,7 +156,7 @@ def test_operator_rollback_queues_a_gang_restart_with_the_plan(
 @pytest.mark.parametrize("body, headers, code, msg", [
     ({"step": 100}, {}, 401, ""),
     ({"step": 100}, AGENT, 403, ""),
-    ({"step": 7}, None, 404, "no a checkpoint at step 7"),
+    ({"step": 7}, None, 404, "has no checkpoint at step 7"),
     ({"checkpoint": 999}, None, 404, "no checkpoint 999"),
     ({"step": 100, "checkpoint": 1}, None, 422, "exactly one"),
     ({}, None, 422, "exactly one"),

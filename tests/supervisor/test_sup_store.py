@@ -23,6 +23,35 @@ def agents(db: Database, n: int) -> list[int]:
                                     now=1.0)["agent_id"] for i in range(n)]
 
 
+def test_heartbeat_health_is_stored_and_the_last_gpu_reading_stands(db: Database) -> None:
+    """Worker CPU/RSS, disk free and total, and GPU readings reach the agent row; a heartbeat
+    without GPU readings (they are read every few seconds) keeps the last ones."""
+    (a,) = agents(db, 1)
+    gpus = {"available": True, "devices": [{"index": 0, "name": "H200", "util_percent": 97,
+                                            "temp_c": 61, "ecc_uncorrected": 0}]}
+    beat = {"type": "heartbeat", "state": "running", "disk_free_bytes": 10,
+            "disk_total_bytes": 100, "gpus": gpus,
+            "workers": [{"rank": 0, "local_rank": 0, "pid": 11, "cpu_percent": 99.5,
+                         "rss_bytes": 300 << 20, "cmdline": "not kept"},
+                        {"rank": 1, "cpu_percent": float("nan")}]}
+    with db.write() as c:
+        repo.ingest_batches(c, batches=[batch(a, 0, [beat])], now=10.0)
+        repo.ingest_batches(c, batches=[batch(a, 1, [{
+            "type": "heartbeat", "state": "running", "disk_free_bytes": 9,
+            "workers": [{"rank": 0, "pid": 11, "cpu_percent": 50.0}]}])], now=11.0)
+    with db.read() as c:
+        (ag,) = repo.run_agents(c, run_id=1)
+    assert (ag["disk_free_bytes"], ag["disk_total_bytes"]) == (9, 100)
+    assert ag["workers"] == [{"rank": 0, "pid": 11, "cpu_percent": 50.0}]
+    assert ag["gpus"] == gpus
+    with db.write() as c:
+        repo.ingest_batches(c, batches=[batch(a, 2, [beat])], now=12.0)
+    with db.read() as c:
+        (ag,) = repo.run_agents(c, run_id=1)
+    assert ag["workers"] == [{"rank": 0, "local_rank": 0, "pid": 11, "cpu_percent": 99.5,
+                              "rss_bytes": 300 << 20}, {"rank": 1}]
+
+
 def test_group_ingest_merges_and_isolates(db: Database) -> None:
     a0, a1 = agents(db, 2)
     group = [

@@ -162,12 +162,22 @@
 
   function attemptLabel(k) { return k === "older" ? "earlier attempts" : "attempt " + k; }
 
-  function drawSteps(points) {
+  function drawSteps(points, mfu) {
     var loss = byAttempt(points, function (p) { return num(p.loss_mean); });
     draw("chart-loss", loss.keys, loss.data, attemptLabel, {markers: true});
     var tp = throughputOf(points);
     var thr = byAttempt(points, function (p, i) { return tp[i]; });
     draw("chart-throughput", thr.keys, thr.data, attemptLabel);
+    if (mfu) {
+      // The same throughput in the declared unit, times FLOPs / (ranks x peak), in percent.
+      var rate = mfu.unit === "tokens" ? throughputOf(points.map(function (p) {
+        return {attempt: p.attempt, t: p.t, samples: p.tokens};
+      })) : tp;
+      var m = byAttempt(points, function (p, i) {
+        return rate[i] === null ? null : 100 * rate[i] * mfu.factor;
+      });
+      draw("chart-mfu", m.keys, m.data, attemptLabel);
+    }
   }
 
   function drawRanks(ranks) {
@@ -199,7 +209,7 @@
       var tables = getCached("/runs/" + enc + "/tables", "text");
       return Promise.all([steps, series, tables]).then(function (res) {
         markers = res[1].data.markers;
-        if (res[0].changed || res[1].changed) drawSteps(res[0].data.points);
+        if (res[0].changed || res[1].changed) drawSteps(res[0].data.points, res[1].data.mfu);
         if (res[1].changed) drawRanks(res[1].data.ranks);
         if (res[2].changed) {
           var open = {};

@@ -127,7 +127,7 @@ def test_plan_naming_a_missing_checkpoint_rolls_back_further_or_refuses(
 
 
 def test_retention_keeps_last_k_plus_pinned(tmp_path: Path) -> None:
-    model, opt, loader, ckpt = make(tmp_path, keep=2)
+    model, opt, loader, ckpt = make(tmp_path, keep=2, retention_grace_s=0)
     for step in (1, 2, 3):
         ckpt.save(step)
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3]
@@ -140,6 +140,28 @@ def test_retention_keeps_last_k_plus_pinned(tmp_path: Path) -> None:
     ckpt.unpin(2)
     ckpt.save(7)
     assert [c.step for c in list_checkpoints(tmp_path)] == [6, 7]
+
+
+def test_retention_waits_out_the_grace_so_a_late_pin_still_saves_the_checkpoint(
+        tmp_path: Path) -> None:
+    """Saves faster than the supervisor reacts: the checkpoint that fell out of the newest
+    ``keep`` stays for the grace, a pin in that time keeps it for good, and without one it
+    goes at the first ``due()`` after the grace."""
+    now = [0.0]
+    model, opt, loader, ckpt = make(tmp_path, keep=2, retention_grace_s=30.0,
+                                    clock=lambda: now[0])
+    for step in (1, 2, 3, 4):
+        ckpt.save(step)
+        now[0] += 1.0
+    assert [c.step for c in list_checkpoints(tmp_path)] == [1, 2, 3, 4]
+    ckpt.pin(1, "the supervisor's pin arrived late")
+    now[0] += 28.0  # t=32: step 2 fell out of the newest two at t=3 (step 1 at t=2: pinned)
+    assert not ckpt.due(5) and len(list_checkpoints(tmp_path)) == 4
+    now[0] += 1.0
+    assert not ckpt.due(5)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [1, 3, 4]
+    with pytest.raises(ValueError, match="retention_grace_s"):
+        make(tmp_path, retention_grace_s=-1)
 
 
 def test_stale_partial_save_is_removed_and_never_used(tmp_path: Path) -> None:

@@ -39,3 +39,27 @@ def test_spike_and_nan_corrupt_only_their_batches() -> None:
     assert inj.corrupt(11, x, y)[0].abs().max() > 10
     assert torch.isnan(inj.corrupt(20, x, y)[0]).all()
     assert torch.equal(inj.corrupt(12, x, y)[0], x)
+
+
+def test_with_a_marker_dir_each_process_fault_fires_once_per_run(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A schedule in one run: the crash at 5 fired in attempt 0, so attempt 1 (which trains
+    step 5 again after resuming from an earlier checkpoint) does not crash there, but the slow
+    spell at 8 that attempt 0 never reached fires in attempt 1, for its 3 steps only."""
+    from agent.worker import faults as mod
+
+    monkeypatch.setattr(mod, "get_reporter", lambda: type("R", (), {
+        "event": lambda self, *a, **k: True})())
+    monkeypatch.setattr(mod.time, "sleep", lambda s: slept.append(s))
+    slept: list[float] = []
+    sched = [parse_fault("crash@5"), parse_fault("slow@8:len=3:factor=2")]
+    assert str(sched[1]) == "slow@8:len=3"
+    first = FaultInjector(sched, rank=1, world_size=2, attempt=0, fired_dir=tmp_path)
+    assert [f.kind for f in first.faults] == ["crash", "slow"]
+    first._announce(first.faults[0], 5)  # what before_step(5) does before the SIGKILL
+    later = FaultInjector(sched, rank=1, world_size=2, attempt=1, fired_dir=tmp_path)
+    assert [f.kind for f in later.faults] == ["slow"]
+    for step in range(5, 14):
+        later.slowdown(step, 0.5)
+    assert slept == [0.5, 0.5, 0.5]  # steps 8, 9, 10
+    again = FaultInjector(sched, rank=1, world_size=2, attempt=2, fired_dir=tmp_path)
+    assert again.faults == []

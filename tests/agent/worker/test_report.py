@@ -3,8 +3,10 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
 from agent.protocol import decode_datagrams
-from agent.worker.report import PhaseTimer, Reporter, report_step, set_reporter
+from agent.worker.report import PhaseTimer, Reporter, declare_flops, report_step, set_reporter
 
 
 def test_without_an_agent_reports_are_dropped_and_counted() -> None:
@@ -46,6 +48,27 @@ def test_step_report_reaches_the_agent(receiver, tmp_path: Path) -> None:  # typ
     assert step["grad_norm"] == 2.0 and step["batch_index"] == 9 and step["samples"] == 64
     assert step["data_s"] >= 0 and step["compute_s"] >= 0 and step["step_s"] >= 0
     assert event["name"] == "custom" and event["message"] == "hello"
+
+
+def test_flops_declaration_reaches_the_agent_and_bad_numbers_are_refused(
+        receiver, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    r = Reporter(receiver.path, rank=0, local_rank=0, world_size=2)
+    set_reporter(r)
+    try:
+        declare_flops(flops_per_sample=6e6, peak_flops_per_rank=1e11)
+        for bad in ({"flops_per_sample": 1.0, "flops_per_token": 1.0},
+                    {"flops_per_sample": -5.0}, {"flops_per_token": float("nan")}, {}):
+            with pytest.raises(ValueError, match="declare_flops"):
+                declare_flops(peak_flops_per_rank=1e11, **bad)
+        with pytest.raises(ValueError, match="peak_flops_per_rank"):
+            declare_flops(flops_per_sample=1.0, peak_flops_per_rank=0)
+        _wait(lambda: len(receiver.messages) == 1)
+    finally:
+        set_reporter(None)
+    (ev,) = receiver.messages
+    assert ev["name"] == "flops_declared"
+    assert ev["details"] == {"peak_flops_per_rank": 1e11, "flops_per_sample": 6e6,
+                             "flops_per_token": None}
 
 
 def test_full_agent_queue_drops_instead_of_blocking(tmp_path: Path) -> None:

@@ -1,0 +1,58 @@
+"""Disk filling: the free share of a node's checkpoint file system.
+
+Agents report free and total bytes of the file system that holds the run's checkpoints with
+every heartbeat.  A node goes low when the free share falls below ``low_ratio``, and counts as
+recovered only once it is back above ``low_ratio + hysteresis`` (a save fills the disk for a
+moment and retention frees it again: a share hovering at the threshold must not flap).
+``low`` is the set of nodes already in a low episode (the caller keeps it), so one episode
+gives one ``disk_low`` finding and one ``disk_recovered``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from dataclasses import dataclass
+
+from supervisor.detect._stats import require
+from supervisor.detect.findings import EVENT, Finding
+
+DISK_LOW = "disk_low"
+DISK_RECOVERED = "disk_recovered"
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    low_ratio: float = 0.10
+    hysteresis: float = 0.02
+
+    def __post_init__(self) -> None:
+        require(0 < self.low_ratio < 1,
+                f"DiskConfig.low_ratio must be in (0, 1) (got {self.low_ratio}); try 0.1")
+        require(0 <= self.hysteresis < 1 - self.low_ratio,
+                f"DiskConfig.hysteresis must be in [0, 1 - low_ratio) (got {self.hysteresis})")
+
+
+def detect_disk(usage: Mapping[str, tuple[int, int]], low: Set[str],
+                cfg: DiskConfig | None = None) -> list[Finding]:
+    """``usage``: node -> (free bytes, total bytes).  Findings sorted by node: ``disk_low``
+    for a node newly below the threshold, ``disk_recovered`` for one of ``low`` back above it
+    (plus the hysteresis).  Nodes with no total (not reported) are passed over."""
+    cfg = cfg or DiskConfig()
+    out = []
+    for node, (free, total) in sorted(usage.items()):
+        if total <= 0:
+            continue
+        ratio = free / total
+        details = {"free_bytes": free, "total_bytes": total, "free_ratio": round(ratio, 4),
+                   "low_ratio": cfg.low_ratio, "node": node}
+        if node not in low and ratio < cfg.low_ratio:
+            out.append(Finding(
+                kind=DISK_LOW, severity=EVENT, node=node, details=details,
+                message=f"checkpoint disk on node {node} almost full: {ratio:.1%} free "
+                        f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB; threshold "
+                        f"{cfg.low_ratio:.0%})"))
+        elif node in low and ratio >= cfg.low_ratio + cfg.hysteresis - 1e-9:
+            out.append(Finding(
+                kind=DISK_RECOVERED, severity=EVENT, node=node, details=details,
+                message=f"checkpoint disk on node {node} has room again: {ratio:.1%} free"))
+    return out
