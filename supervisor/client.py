@@ -129,8 +129,14 @@ def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
 
 def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:
     cps = _get(client, f"/runs/{args.run}/checkpoints")["checkpoints"]
-    rows = [[c["id"], c["step"], c["attempt"], "abandoned" if c.get("abandoned") else
-             ("complete" if c["complete"] else "incomplete"), c.get("bytes"), _age(c["t"]),
+    protected = set(_get(client, f"/runs/{args.run}").get("protected") or [])
+
+    def state(c: dict[str, Any]) -> str:
+        text = "abandoned" if c.get("abandoned") else (
+            "complete" if c["complete"] else "incomplete")
+        return text + (", protected" if c["path"] in protected else "")
+
+    rows = [[c["id"], c["step"], c["attempt"], state(c), c.get("bytes"), _age(c["t"]),
              c["path"]] for c in cps]
     print(table(rows, ["ID", "STEP", "ATTEMPT", "STATE", "BYTES", "AGE", "PATH"]))
     return 0

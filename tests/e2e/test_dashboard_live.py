@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.dashboard.browser import (
     browser_page,
@@ -21,6 +22,54 @@ from tests.dashboard.browser import (
 from tests.e2e.system import OPERATOR_TOKEN, Agent, Supervisor, ddp_script, wait_until
 
 pytestmark = pytest.mark.e2e
+
+
+def scrape(sup: Supervisor) -> dict[str, list[tuple[dict[str, str], float]]]:
+    r = httpx.get(f"{sup.url}/metrics", timeout=10,
+                  headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"})
+    assert r.status_code == 200, r.text
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for smp in fam.samples:
+            out.setdefault(smp.name, []).append((dict(smp.labels), smp.value))
+    return out
+
+
+def one(m: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+    found = [v for lab, v in m.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    assert len(found) == 1, (name, labels, m.get(name))
+    return found[0]
+
+
+def check_metrics_of_a_live_run(sup: Supervisor) -> None:
+    """/metrics of the real run, parsed by prometheus-client: the series the alert rules and
+    the Grafana dashboard read, with values that match what happened."""
+    def trained_on() -> dict[str, list[tuple[dict[str, str], float]]] | None:
+        m = scrape(sup)  # the resumed attempt has steps, a rate and a checkpoint again
+        return m if m.get("trainwarden_run_checkpoint_age_seconds") and m.get(
+            "trainwarden_run_throughput_samples_per_second") else None
+
+    m = wait_until(trained_on, 60, "metrics of the resumed attempt")
+    assert one(m, "trainwarden_run_info", run="live", status="running") == 1
+    assert one(m, "trainwarden_run_active", run="live") == 1
+    assert one(m, "trainwarden_run_attempt", run="live") == 1
+    assert one(m, "trainwarden_run_step", run="live") >= 250
+    assert one(m, "trainwarden_run_loss", run="live") < 5.0  # back down after the rollback
+    assert one(m, "trainwarden_run_throughput_samples_per_second", run="live") > 100
+    assert 0 < one(m, "trainwarden_run_mfu_ratio", run="live") < 1
+    assert one(m, "trainwarden_run_seconds_since_last_step", run="live") < 30
+    assert one(m, "trainwarden_run_restarts_total", run="live", cause="spike") == 1
+    assert one(m, "trainwarden_run_restart_budget_remaining", run="live", cause="spike") == 2
+    assert one(m, "trainwarden_run_restart_budget_remaining", run="live", cause="crash") == 10
+    assert one(m, "trainwarden_run_open_incidents", run="live", kind="loss_spike") == 0
+    assert {lab["rank"] for lab, _ in m["trainwarden_rank_straggler_score"]} == {"0", "1"}
+    assert one(m, "trainwarden_agent_heartbeat_age_seconds", run="live", node="node0") < 30
+    assert one(m, "trainwarden_agent_disk_free_bytes", run="live", node="node0") > 0
+    assert 0 < one(m, "trainwarden_agent_disk_free_ratio", run="live", node="node0") <= 1
+    assert one(m, "trainwarden_agent_worker_cpu_percent", run="live", node="node0") > 0
+    assert one(m, "trainwarden_agent_worker_rss_bytes", run="live", node="node0") > 100e6
+    assert one(m, "trainwarden_agent_gpu_available", run="live", node="node0") == 0  # CPU box
+    assert one(m, "trainwarden_ingest_latency_seconds_count") > 10
 
 
 def test_spike_rollback_seen_and_operator_rollback_through_the_form(tmp_path: Path) -> None:
@@ -42,6 +91,7 @@ def test_spike_rollback_seen_and_operator_rollback_through_the_form(tmp_path: Pa
 
         auto = wait_until(auto_rollback, 180, "the automatic rollback past the spike")
         target = int(auto["resumed_step"])  # pinned by the agent: it stays on disk
+        check_metrics_of_a_live_run(sup)
         with browser_page() as page:
             login(page, sup.url, OPERATOR_TOKEN, path="/runs/live")
             wait_for_charts(page)
