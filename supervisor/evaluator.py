@@ -1,7 +1,13 @@
 """The evaluation loop: ``tick()`` reads the store, asks the policy, writes actions.
 
-``tick`` is one write transaction; ``run`` is a thin loop around it (a daemon thread started
-by the app).  The clock is injected so tests drive exactly one tick at a chosen time.
+``tick`` observes first, in a read transaction: the detectors' windows (per-rank timings of
+the newest steps, losses, progress) are the expensive part, thousands of rows for a big run,
+and reading them inside the write transaction held the store's one writer (and with it every
+agent's ingest) for the whole tick.  Then one short write transaction applies what the policy
+makes of the exits, worker events and findings.  A finding observed for an attempt the run
+has left by then is dropped (the next tick observes the new one).  ``run`` is a thin loop
+around ``tick`` (a daemon thread started by the app); the clock is injected so tests drive
+exactly one tick at a chosen time.
 """
 
 from __future__ import annotations
@@ -35,6 +41,15 @@ _EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
 
 
 @dataclass
+class Observation:
+    """What the detectors found for one run's attempt (read outside the write lock)."""
+
+    attempt: int
+    findings: list[Finding]
+    stragglers: dict[int | None, Finding] | None  # None: not looked at this tick
+
+
+@dataclass
 class TickReport:
     exits: int = 0
     decisions: int = 0
@@ -54,10 +69,15 @@ class Evaluator:
         self.observing_since = clock()
         self._event_cursor = 0  # worker events are read once, in id order
         self._unattached: list[dict] = []  # stack dumps that arrived before their incident
+        self._straggler_at: dict[int, float] = {}  # run id -> when its stragglers were judged
+        self._phase_windows: dict[int, observe.PhaseWindow] = {}  # run id -> its window
 
     def tick(self) -> TickReport:
         now = self.clock()
         rep = TickReport()
+        with self.db.read() as conn:
+            observed = {int(run["id"]): obs for run in repo.active_runs(conn)
+                        if (obs := self._observe(conn, run, now)) is not None}
         with self.db.write() as conn:
             for ex in repo.unhandled_exits(conn):
                 rep.exits += 1
@@ -104,7 +124,9 @@ class Evaluator:
                     rep.advanced += 1
             self._worker_events(conn, now, rep)
             for run in repo.active_runs(conn):
-                self._detect(conn, run, now, rep)
+                obs = observed.get(int(run["id"]))
+                if obs is not None and obs.attempt == int(run["attempt"]):
+                    self._act_on(conn, run, obs, now, rep)
             for run in repo.active_runs(conn):
                 repo.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
@@ -180,33 +202,51 @@ class Evaluator:
                   "stacks_node": ev.get("node")}
         repo.update_incident(conn, incident_id=incident_id, details=merged, updated_at=now)
 
-    def _detect(self, conn: Connection, run: dict, now: float, rep: TickReport) -> None:
+    def _observe(self, conn: Connection, run: dict, now: float) -> Observation | None:
+        """Run the detectors on the run's windows (reads only)."""
         cfg = self.detection
         started = observe.attempt_started_at(conn, run)
         if started is None:
-            return  # a restart is under way: judge the new attempt once it runs
+            return None  # a restart is under way: judge the new attempt once it runs
         since = max(self.observing_since, started)
+        agents = repo.agent_liveness(conn, run_id=run["id"])
         findings: list[Finding] = []
         findings += observe.hang_findings(conn, run, now=now,
-                                          observing_since=self.observing_since, cfg=cfg)
+                                          observing_since=self.observing_since, cfg=cfg,
+                                          agents=agents)
         findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
-                                               cfg=cfg)
-        open_stragglers = {int(i["rank"]) for i in repo.incidents_of(
-            conn, run_id=run["id"], kinds=["straggler"], status="open") if i["rank"] is not None}
-        stragglers = observe.straggler_findings(conn, run, cfg=cfg, open_ranks=open_stragglers)
-        findings += stragglers
+                                               cfg=cfg, agents=agents)
+        slow: dict[int | None, Finding] | None = None
+        if now - self._straggler_at.get(int(run["id"]), float("-inf")) >= \
+                cfg.straggler_interval_s:
+            self._straggler_at[int(run["id"])] = now
+            open_stragglers = {int(i["rank"]) for i in repo.incidents_of(
+                conn, run_id=run["id"], kinds=["straggler"], status="open")
+                if i["rank"] is not None}
+            window = self._phase_windows.setdefault(
+                int(run["id"]), observe.PhaseWindow(cfg.straggler_table_steps))
+            stragglers = observe.straggler_findings(conn, run, cfg=cfg,
+                                                    open_ranks=open_stragglers, window=window)
+            findings += stragglers
+            slow = {f.rank: f for f in stragglers}
         rows = observe.loss_rows(conn, run, cfg=cfg)
         findings += observe.loss_findings(rows, cfg=cfg)
         findings += observe.throughput_findings(rows, cfg=cfg)
-        findings += observe.disk_findings(conn, run, cfg=cfg)
-        self._resolve_ended_stragglers(conn, run, {f.rank: f for f in stragglers}, now)
-        for f in findings:
+        findings += observe.disk_findings(conn, run, cfg=cfg, agents=agents)
+        return Observation(attempt=int(run["attempt"]), findings=findings, stragglers=slow)
+
+    def _act_on(self, conn: Connection, run: dict, obs: Observation, now: float,
+                rep: TickReport) -> None:
+        """Hand one run's findings to the policy and apply its decisions."""
+        if obs.stragglers is not None:
+            self._resolve_ended_stragglers(conn, run, obs.stragglers, now)
+        for f in obs.findings:
             if f.kind == "rank_stalled":
                 continue  # its hang (if it is one) is judged by the hang finding
             rep.findings += 1
             facts = policy.FindingFacts(
                 kind=f.kind, severity=f.severity, message=f.message,
-                attempt=int(run["attempt"]), step=f.step, rank=f.rank, node=f.node,
+                attempt=obs.attempt, step=f.step, rank=f.rank, node=f.node,
                 details=_jsonable(f.details))
             self._decide(conn, run, facts, now, rep)
             run = repo.get_run(conn, run_id=run["id"])  # a decision may have moved it

@@ -24,6 +24,7 @@ from supervisor.detect import (
     StragglerConfig,
     ThroughputConfig,
     ThroughputPoint,
+    add_pre_collective,
     detect_hang,
     detect_loss,
     detect_lost_nodes,
@@ -52,7 +53,10 @@ class DetectionConfig:
     throughput: ThroughputConfig = field(default_factory=lambda: ThroughputConfig(
         unit="samples/s"))
     disk: DiskConfig = field(default_factory=DiskConfig)
-    straggler_table_steps: int = 100  # newest steps of per-rank timings read each tick
+    straggler_table_steps: int = 100  # newest steps of per-rank timings read each time
+    # The straggler table is the biggest read (ranks x steps); a minute-scale condition needs
+    # it every few seconds, not every tick.
+    straggler_interval_s: float = 2.0
     interval_history: int = 300  # step intervals the hang deadline learns from
 
 
@@ -96,7 +100,8 @@ def progress_window(conn: Connection, run: dict[str, Any], *, started_at: float,
 
 
 def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
-                  observing_since: float, cfg: DetectionConfig) -> list[Finding]:
+                  observing_since: float, cfg: DetectionConfig,
+                  agents: list[dict[str, Any]] | None = None) -> list[Finding]:
     started = attempt_started_at(conn, run)
     if started is None:
         return []
@@ -104,8 +109,9 @@ def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
     # Judge progress only up to what every agent has delivered: reports reach us through
     # the agents, and a batch that is late (a slow network, a busy supervisor) is a delivery
     # gap, not a hang.  An agent that stays silent is the node-lost detector's business.
-    seen = [float(a["last_seen_at"]) for a in repo.run_agents(conn, run_id=run["id"])
-            if a["state"] in _LIVE_AGENT_STATES]
+    if agents is None:
+        agents = repo.agent_liveness(conn, run_id=run["id"])
+    seen = [float(a["last_seen_at"]) for a in agents if a["state"] in _LIVE_AGENT_STATES]
     if seen:
         now = min(now, min(seen) + _DELIVERY_SLACK_S)
     out = detect_hang(w, now, cfg.hang)
@@ -117,23 +123,57 @@ def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
 
 
 def lost_node_findings(conn: Connection, run: dict[str, Any], *, now: float,
-                       observing_since: float, cfg: DetectionConfig) -> list[Finding]:
-    agents = [a for a in repo.run_agents(conn, run_id=run["id"])
-              if a["state"] in _LIVE_AGENT_STATES]
-    beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents}
+                       observing_since: float, cfg: DetectionConfig,
+                       agents: list[dict[str, Any]] | None = None) -> list[Finding]:
+    if agents is None:
+        agents = repo.agent_liveness(conn, run_id=run["id"])
+    beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents
+             if a["state"] in _LIVE_AGENT_STATES}
     return detect_lost_nodes(beats, now, cfg.node_lost, observing_since=observing_since)
 
 
+class PhaseWindow:
+    """The newest ``steps`` steps of one run attempt's per-rank pre-collective times, kept
+    between ticks and read incrementally: the first read takes the window by step, each later
+    one only the rows stored since (by row id).  For a big run that is thousands of rows a
+    tick instead of ranks x steps."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.attempt: int | None = None
+        self.after_id = 0
+        self.table: dict[int, dict[int, float]] = {}
+
+    def refresh(self, conn: Connection, run_id: int, attempt: int) -> dict[int, dict[int, float]]:
+        if attempt != self.attempt:
+            self.attempt, self.table = attempt, {}
+            # The id first: a row stored after it is read by the next refresh, not lost.
+            self.after_id = repo.max_rank_step_id(conn)
+            span = repo.step_range(conn, run_id=run_id, attempt=attempt)
+            if span is not None:
+                lo = max(span[0], span[1] - self.steps + 1)
+                self.table = pre_collective_table(repo.rank_phase_rows(
+                    conn, run_id=run_id, attempt=attempt, step_from=lo))
+        else:
+            rows = repo.rank_phase_rows_after(conn, run_id=run_id, attempt=attempt,
+                                              after_id=self.after_id)
+            if rows:
+                self.after_id = rows[-1][0]
+            for _, step, rank, d, c in rows:
+                add_pre_collective(self.table, step, rank, d, c)
+        if self.table:
+            newest = max(self.table)
+            for s in [s for s in self.table if s <= newest - self.steps]:
+                del self.table[s]
+        return self.table
+
+
 def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
-                       open_ranks: set[int]) -> list[Finding]:
+                       open_ranks: set[int], window: PhaseWindow | None = None
+                       ) -> list[Finding]:
     run_id, attempt = int(run["id"]), int(run["attempt"])
-    span = repo.step_range(conn, run_id=run_id, attempt=attempt)
-    if span is None:
-        return []
-    lo = max(span[0], span[1] - cfg.straggler_table_steps + 1)
-    rows = repo.rank_steps_for(conn, run_id=run_id, attempt=attempt, step_from=lo,
-                               step_to=span[1])
-    table = pre_collective_table(rows)
+    window = window or PhaseWindow(cfg.straggler_table_steps)
+    table = window.refresh(conn, run_id, attempt)
     if len({r for row in table.values() for r in row}) < 2:
         return []  # one rank has no peers; its own history alone is throughput's business
     return detect_stragglers(table, cfg=cfg.straggler,
@@ -171,13 +211,14 @@ def throughput_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> 
     return detect_throughput_decay(points, cfg=cfg.throughput)
 
 
-def disk_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig
-                  ) -> list[Finding]:
+def disk_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
+                  agents: list[dict[str, Any]] | None = None) -> list[Finding]:
     """Free share of each node's checkpoint file system; a node is in a low episode while
     its newest disk event is ``disk_low``."""
+    if agents is None:
+        agents = repo.agent_liveness(conn, run_id=run["id"])
     usage = {str(a["node"]): (int(a["disk_free_bytes"]), int(a["disk_total_bytes"]))
-             for a in repo.run_agents(conn, run_id=run["id"])
-             if a["disk_free_bytes"] is not None and a["disk_total_bytes"]}
+             for a in agents if a["disk_free_bytes"] is not None and a["disk_total_bytes"]}
     if not usage:
         return []
     latest = repo.latest_event_by_node(conn, run_id=run["id"],

@@ -33,6 +33,7 @@ from supervisor.detect.loss_spike import (
 from supervisor.detect.node_lost import NodeLostConfig, detect_lost_nodes
 from supervisor.detect.straggler import (
     StragglerConfig,
+    add_pre_collective,
     detect_stragglers,
     pre_collective_table,
     rank_baselines,
@@ -61,6 +62,7 @@ __all__ = [
     "StragglerConfig",
     "ThroughputConfig",
     "ThroughputPoint",
+    "add_pre_collective",
     "detect_hang",
     "detect_loss",
     "detect_lost_nodes",

@@ -91,17 +91,23 @@ class StragglerConfig:
 
 def pre_collective_table(rows: Iterable[Mapping[str, Any]]) -> dict[int, dict[int, float]]:
     """Build the detector's input from per-rank step rows (dicts with ``step``, ``rank``,
-    ``data_s``, ``compute_s``, as the store returns them).  A missing part counts as 0; a row
-    with neither, or a non-finite or non-positive total, is left out."""
+    ``data_s``, ``compute_s``, as the store returns them); see ``add_pre_collective``."""
     out: dict[int, dict[int, float]] = {}
     for row in rows:
-        d, c = row.get("data_s"), row.get("compute_s")
-        if d is None and c is None:
-            continue
-        v = float(d or 0.0) + float(c or 0.0)
-        if math.isfinite(v) and v > 0:
-            out.setdefault(int(row["step"]), {})[int(row["rank"])] = v
+        add_pre_collective(out, int(row["step"]), int(row["rank"]), row.get("data_s"),
+                           row.get("compute_s"))
     return out
+
+
+def add_pre_collective(table: dict[int, dict[int, float]], step: int, rank: int,
+                       data_s: float | None, compute_s: float | None) -> None:
+    """Put one rank's step into ``table``.  A missing part counts as 0; a row with neither,
+    or a non-finite or non-positive total, is left out."""
+    if data_s is None and compute_s is None:
+        return
+    v = float(data_s or 0.0) + float(compute_s or 0.0)
+    if math.isfinite(v) and v > 0:
+        table.setdefault(step, {})[rank] = v
 
 
 def rank_baselines(table: PreCollectiveTable, min_steps: int = 1) -> dict[int, float]:
@@ -141,6 +147,8 @@ def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None 
     ranks = {r for s in recent_steps for r, v in table[s].items() if _ok(v)}
     out: list[Finding] = []
     if len(ranks) >= 2:
+        if not flagged_ranks and all(v[0] >= cfg.threshold for v in short.values()):
+            return []  # nobody slow, no episode to hold: the longer window cannot change that
         hold_steps = steps[-cfg.hold_steps:] if cfg.hold_steps > len(recent_steps) else []
         held = _peer_scores(table, hold_steps, cfg.min_steps) if hold_steps else {}
         held_open = {r: v for r, v in held.items() if r in set(flagged_ranks)}

@@ -152,6 +152,15 @@ def run_agents(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
     return [_row(r) for r in conn.execute(q)]
 
 
+def agent_liveness(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
+    """What the detectors need of each agent (no JSON health columns: read every tick)."""
+    a = agents.c
+    q = (select(a.id, a.node, a.state, a.last_seen_at, a.disk_free_bytes, a.disk_total_bytes)
+         .where(a.run_id == run_id).order_by(a.id))
+    return [{"id": i, "node": n, "state": st, "last_seen_at": t, "disk_free_bytes": f,
+             "disk_total_bytes": tot} for i, n, st, t, f, tot in conn.execute(q)]
+
+
 def set_run_status(
     conn: Connection,
     *,
@@ -1305,14 +1314,36 @@ def restart_actions(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
     return [_row(r) for r in conn.execute(q)]
 
 
-def rank_phase_rows(conn: Connection, *, run_id: int, attempt: int, step_from: int
-                    ) -> list[dict[str, Any]]:
-    """(step, rank, data_s, compute_s) of one attempt from ``step_from`` on (straggler input)."""
+def rank_phase_rows(conn: Connection, *, run_id: int, attempt: int, step_from: int,
+                    step_to: int | None = None) -> list[dict[str, Any]]:
+    """{step, rank, data_s, compute_s} of one attempt from ``step_from`` (to ``step_to``): the
+    straggler detector's input, read every tick for every rank of the newest steps (tens of
+    thousands of rows for a big run), so built from plain tuples."""
     c = rank_steps.c
-    q = (select(c.step, c.rank, c.data_s, c.compute_s)
-         .where(c.run_id == run_id, c.attempt == attempt, c.step >= step_from)
-         .order_by(c.step, c.rank))
-    return [_row(r) for r in conn.execute(q)]
+    cond = [c.run_id == run_id, c.attempt == attempt, c.step >= step_from]
+    if step_to is not None:
+        cond.append(c.step <= step_to)
+    q = select(c.step, c.rank, c.data_s, c.compute_s).where(*cond).order_by(c.step, c.rank)
+    return [{"step": s, "rank": r, "data_s": d, "compute_s": cs}
+            for s, r, d, cs in conn.execute(q)]
+
+
+def rank_phase_rows_after(conn: Connection, *, run_id: int, attempt: int, after_id: int
+                          ) -> list[tuple[int, int, int, float | None, float | None]]:
+    """(id, step, rank, data_s, compute_s) of one attempt stored after row ``after_id``: what
+    an incremental straggler window reads each time.  The run and attempt are compared as
+    expressions on purpose, so that both SQLite and Postgres walk the primary key from
+    ``after_id`` (the new rows only) instead of the (run, attempt, step) index (every row of a
+    long attempt).  Rows of one run are committed in id order (one ingest writer)."""
+    c = rank_steps.c
+    q = (select(c.id, c.step, c.rank, c.data_s, c.compute_s)
+         .where(c.id > after_id, c.run_id + 0 == run_id, c.attempt + 0 == attempt)
+         .order_by(c.id))
+    return [(int(i), int(st), int(r), d, cs) for i, st, r, d, cs in conn.execute(q)]
+
+
+def max_rank_step_id(conn: Connection) -> int:
+    return int(conn.execute(select(func.max(rank_steps.c.id))).scalar_one() or 0)
 
 
 def rank_node_names(conn: Connection, *, run_id: int) -> dict[int, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 from sup_helpers import step
 
 from supervisor import wire
@@ -127,3 +128,37 @@ def test_ingest_writer_groups_and_answers_each_batch(db: Database) -> None:
     with db.read() as c:
         assert repo.count_rows(c, table="rank_steps") == 15
         assert repo.count_rows(c, table="step_aggregates") == 5
+
+
+def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> None:
+    """The straggler window reads only the rows stored since its last refresh (late ones
+    included) and keeps the newest steps: the same table as reading the window whole."""
+    from supervisor.detect import pre_collective_table
+    from supervisor.observe import PhaseWindow
+
+    a0, a1 = agents(db, 2)
+    window = PhaseWindow(steps=5)
+    seq = {a0: 0, a1: 0}
+
+    def send(agent: int, items: list[dict[str, Any]]) -> None:
+        with db.write() as c:
+            repo.ingest_batches(c, batches=[batch(agent, seq[agent], items)], now=10.0)
+        seq[agent] += 1
+
+    send(a0, [step(0, s, data_s=0.01, compute_s=0.1 * (s + 1)) for s in range(4)])
+    with db.read() as c:
+        assert window.refresh(c, 1, 0) == pre_collective_table(
+            repo.rank_phase_rows(c, run_id=1, attempt=0, step_from=0))
+    send(a0, [step(0, s, data_s=0.01, compute_s=0.2) for s in range(4, 9)])
+    send(a1, [step(1, s, data_s=0.02, compute_s=0.3) for s in range(2, 9)])  # late for 2, 3
+    send(a1, [step(1, 3, attempt=1, data_s=5.0)])  # another attempt: not this window's
+    with db.read() as c:
+        table = window.refresh(c, 1, 0)
+        full = pre_collective_table(repo.rank_phase_rows(c, run_id=1, attempt=0, step_from=4))
+    assert table == full and sorted(table) == [4, 5, 6, 7, 8]
+    assert table[8] == {0: pytest.approx(0.21), 1: pytest.approx(0.32)}
+    with db.read() as c:  # nothing new: the same table, no rows read
+        assert window.refresh(c, 1, 0) == full
+        assert repo.rank_phase_rows_after(c, run_id=1, attempt=0,
+                                          after_id=window.after_id) == []
+        assert sorted(window.refresh(c, 1, 1)) == [3]  # a new attempt starts a new window
