@@ -76,8 +76,11 @@ class Evaluator:
         now = self.clock()
         rep = TickReport()
         with self.db.read() as conn:
-            observed = {int(run["id"]): obs for run in repo.active_runs(conn)
+            active = repo.active_runs(conn)
+            observed = {int(run["id"]): obs for run in active
                         if (obs := self._observe(conn, run, now)) is not None}
+        for gone in self._phase_windows.keys() - {int(r["id"]) for r in active}:
+            del self._phase_windows[gone]  # the run ended: its window goes with it
         with self.db.write() as conn:
             for ex in repo.unhandled_exits(conn):
                 rep.exits += 1
@@ -98,6 +101,9 @@ class Evaluator:
                         failed_ranks=list(ex["failed_ranks"] or []),
                         rank_steps={int(r["rank"]): int(r["step"]) for r in repo.rank_progress(
                             conn, run_id=run["id"], attempt=int(ex["attempt"]))},
+                        peer_error_ranks=repo.ranks_with_event(
+                            conn, run_id=run["id"], attempt=int(ex["attempt"]),
+                            name="distributed_error"),
                     ),
                     agent_ids=agent_ids,
                     completed_agent_ids=frozenset(

@@ -56,7 +56,7 @@ class DetectionConfig:
     straggler_table_steps: int = 100  # newest steps of per-rank timings read each time
     # The straggler table is the biggest read (ranks x steps); a minute-scale condition needs
     # it every few seconds, not every tick.
-    straggler_interval_s: float = 2.0
+    straggler_interval_s: float = 1.0
     interval_history: int = 300  # step intervals the hang deadline learns from
 
 

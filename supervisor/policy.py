@@ -83,6 +83,9 @@ class ExitFacts:
     failed_ranks: list[dict[str, Any]] = field(default_factory=list)
     # Each rank's newest step report of that attempt (to name the step it failed in).
     rank_steps: Mapping[int, int] = field(default_factory=dict)
+    # Ranks that reported a distributed error (a peer's connection reset...) in that attempt:
+    # when a peer dies the survivors fail too, and torchrun may list one of them first.
+    peer_error_ranks: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,12 @@ def backoff_s(restarts_so_far: int, cfg: PolicyConfig) -> float:
 
 
 def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | None]:
-    """Cause text plus the (rank, exit code, signal) of the first failed rank."""
-    first = ex.failed_ranks[0] if ex.failed_ranks else {}
+    """Cause text plus the (rank, exit code, signal) of the failed rank to blame: torchrun's
+    root cause, unless it reported a distributed error and another failed rank did not (the
+    survivor of a peer's death fails on the broken connection, sometimes first)."""
+    culprits = sorted(ex.failed_ranks,  # stable: torchrun's order among equals
+                      key=lambda f: _int_or_none(f.get("rank")) in ex.peer_error_ranks)
+    first = culprits[0] if culprits else {}
     rank = _int_or_none(first.get("rank"))
     code = _int_or_none(first.get("exit_code"))
     sig = _int_or_none(first.get("signal"))

@@ -937,6 +937,14 @@ def events_after(conn: Connection, *, after_id: int, names: Sequence[str], limit
     return [_row(r) for r in conn.execute(q)]
 
 
+def ranks_with_event(conn: Connection, *, run_id: int, attempt: int, name: str
+                     ) -> frozenset[int]:
+    q = (select(events.c.rank).distinct()
+         .where(events.c.run_id == run_id, events.c.attempt == attempt, events.c.name == name,
+                events.c.rank.is_not(None)))
+    return frozenset(int(r[0]) for r in conn.execute(q))
+
+
 def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
     """The details of the run's newest ``flops_declared`` event (for MFU), or None."""
     q = (select(events.c.details).where(events.c.run_id == run_id,

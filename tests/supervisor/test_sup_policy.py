@@ -82,6 +82,26 @@ def get(client: TestClient, path: str) -> Any:
     return r.json()
 
 
+def test_the_survivor_of_a_peers_death_is_not_blamed_for_it(
+    client: TestClient, evaluator: Evaluator
+) -> None:
+    """Rank 1 is SIGKILLed; rank 0 fails on the reset connection (and says so) and aborts,
+    and torchrun lists rank 0 as the root cause: the incident names rank 1."""
+    a0, _ = two_nodes(client)
+    exit_item = crash(attempt=0, rank=0)
+    exit_item["failed_ranks"] = [
+        {"rank": 0, "local_rank": 0, "exit_code": -6, "signal": 6, "pid": 10,
+         "message": "Signal 6 (SIGABRT) received by PID 10"},
+        {"rank": 1, "local_rank": 1, "exit_code": -9, "signal": 9, "pid": 11,
+         "message": "Signal 9 (SIGKILL) received by PID 11"}]
+    ingest(client, a0, 2, [{"type": "event", "rank": 0, "attempt": 0, "t": 199.0,
+                            "name": "distributed_error",
+                            "message": "RuntimeError: Connection reset by peer"}, exit_item])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["rank"] == 1 and inc["signal"] == 9 and "SIGKILL" in inc["cause"], inc
+
+
 def test_crash_opens_one_incident_and_restarts_every_agent(
     client: TestClient, evaluator: Evaluator, db: Database, clock: FakeClock
 ) -> None:
