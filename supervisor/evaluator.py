@@ -71,6 +71,7 @@ class Evaluator:
         self._unattached: list[dict] = []  # stack dumps that arrived before their incident
         self._straggler_at: dict[int, float] = {}  # run id -> when its stragglers were judged
         self._phase_windows: dict[int, observe.PhaseWindow] = {}  # run id -> its window
+        self._loss_seen: dict[int, tuple[int, int]] = {}  # run id -> (attempt, newest step)
 
     def tick(self) -> TickReport:
         now = self.clock()
@@ -79,8 +80,11 @@ class Evaluator:
             active = repo.active_runs(conn)
             observed = {int(run["id"]): obs for run in active
                         if (obs := self._observe(conn, run, now)) is not None}
-        for gone in self._phase_windows.keys() - {int(r["id"]) for r in active}:
+        live = {int(r["id"]) for r in active}
+        for gone in self._phase_windows.keys() - live:
             del self._phase_windows[gone]  # the run ended: its window goes with it
+        for gone in self._loss_seen.keys() - live:
+            del self._loss_seen[gone]
         with self.db.write() as conn:
             for ex in repo.unhandled_exits(conn):
                 rep.exits += 1
@@ -235,7 +239,11 @@ class Evaluator:
                                                     open_ranks=open_stragglers, window=window)
             findings += stragglers
             slow = {f.rank: f for f in stragglers}
-        rows = observe.loss_rows(conn, run, cfg=cfg)
+        seen = self._loss_seen.get(int(run["id"]))
+        rows = observe.loss_rows(conn, run, cfg=cfg, seen_step=seen[1] if seen and
+                                 seen[0] == int(run["attempt"]) else None)
+        if rows:
+            self._loss_seen[int(run["id"])] = (int(run["attempt"]), int(rows[-1]["step"]))
         findings += observe.loss_findings(rows, cfg=cfg)
         findings += observe.throughput_findings(rows, cfg=cfg)
         findings += observe.disk_findings(conn, run, cfg=cfg, agents=agents)

@@ -181,10 +181,23 @@ def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionC
                              flagged_ranks=open_ranks)
 
 
-def loss_rows(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig
-              ) -> list[dict[str, Any]]:
-    return repo.loss_series(conn, run_id=run["id"], attempt=run["attempt"],
-                            limit=cfg.loss.lookback_steps + cfg.loss.window_steps)
+# Most steps read beyond the detector's window when many arrived since the last look.
+_LOSS_CATCH_UP_MAX = 20_000
+
+
+def loss_rows(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
+              seen_step: int | None = None) -> list[dict[str, Any]]:
+    """The loss window: the detector's lookback, plus every step stored since ``seen_step``
+    (the newest step the previous look saw).  A fast run delivers a second of steps in one
+    batch; with a fixed window the steps before a spike that came in one such burst would
+    have slid out, and the detector would judge the spike against a baseline it polluted
+    (placing its start a few steps late)."""
+    limit = cfg.loss.lookback_steps + cfg.loss.window_steps
+    if seen_step is not None:
+        span = repo.step_range(conn, run_id=run["id"], attempt=run["attempt"])
+        if span is not None:
+            limit += min(_LOSS_CATCH_UP_MAX, max(0, span[1] - seen_step))
+    return repo.loss_series(conn, run_id=run["id"], attempt=run["attempt"], limit=limit)
 
 
 def loss_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> list[Finding]:

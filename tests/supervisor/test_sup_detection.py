@@ -218,3 +218,18 @@ def test_disk_filling_is_one_event_per_episode(
     assert sorted(names) == sorted([("disk_low", "n0", 0.05), ("disk_recovered", "n0", 0.3),
                                     ("disk_low", "n0", 0.08)])
     assert get(client, "/incidents")["incidents"] == []  # an alert, not a restart
+
+
+def test_a_spike_delivered_in_one_burst_is_placed_at_its_first_step(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """A fast run: a second of steps arrives in one batch.  The spike starts at step 100 and
+    150 steps of it come at once; the window still reaches back before it."""
+    run = Run(client, clock, evaluator)
+    run.train(100, loss=lambda s: 1.0 + 0.01 * (s % 3))
+    clock.advance(1.0)
+    for lo in (100, 175):  # two batches (the test server's body limit), then one tick
+        run.send([step(rank, s, t=clock.now, loss=40.0, compute_s=0.2, data_s=0.01,
+                       world_size=2) for s in range(lo, lo + 75) for rank in (0, 1)])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "loss_spike" and inc["step"] == 100, inc
