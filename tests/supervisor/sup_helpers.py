@@ -74,3 +74,16 @@ def crash(attempt: int = 0, rank: int = 0, code: int = 1) -> dict[str, Any]:
             "outcome": "crashed",
             "failed_ranks": [{"rank": rank, "local_rank": rank % 2, "exit_code": code,
                               "signal": None, "pid": 10, "message": "boom"}]}
+
+
+def run_with_checkpoints(client: TestClient) -> int:
+    """Run r1 on one agent (two ranks): steps 0-129 and complete checkpoints at steps 50, 100
+    and 125 (/ck/step_N); returns the agent id (its next seq is 1)."""
+    a = register(client, node="n0")["agent_id"]
+    items: list[dict[str, Any]] = [step(r, s, world_size=2) for s in range(0, 130)
+                                   for r in (0, 1)]
+    for s in (50, 100, 125):
+        items.append({"type": "checkpoint", "step": s, "path": f"/ck/step_{s}", "bytes": 5,
+                      "t": 100.0 + s, "lineage": "a0", "save_s": 0.1})
+    ingest(client, a, 0, items)
+    return int(a)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.testclient import TestClient
-from sup_helpers import OPERATOR, FakeClock, ingest, register, step
+from sup_helpers import OPERATOR, FakeClock, ingest, run_with_checkpoints, step
 
 from supervisor import policy
 from supervisor.evaluator import Evaluator
@@ -47,20 +47,9 @@ def test_pending_restart_targets_are_protected_and_the_list_is_bounded() -> None
     assert len(protect(pending_targets=many)) == policy.PROTECT_MAX
 
 
-def setup_run(client: TestClient) -> int:
-    a = register(client, node="n0")["agent_id"]
-    items: list[dict[str, Any]] = [step(r, s, world_size=2) for s in range(0, 130)
-                                   for r in (0, 1)]
-    for s in (50, 100, 125):
-        items.append({"type": "checkpoint", "step": s, "path": f"/ck/step_{s}", "bytes": 5,
-                      "t": 100.0 + s, "lineage": "a0", "save_s": 0.1})
-    ingest(client, a, 0, items)
-    return int(a)
-
-
 def test_the_evaluator_publishes_protection_and_ingest_replies_carry_it(
         client: TestClient, evaluator: Evaluator, db: Database, clock: FakeClock) -> None:
-    a = setup_run(client)
+    a = run_with_checkpoints(client)
     assert ingest(client, a, 1, [])["protect"] == []
     with db.write() as conn:
         run = repo.get_run_by_name(conn, name="r1")

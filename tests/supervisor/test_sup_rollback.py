@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import AGENT, OPERATOR, FakeClock, ingest, register, step
+from sup_helpers import AGENT, OPERATOR, FakeClock, ingest, run_with_checkpoints, step
 
 from supervisor import policy
 from supervisor.evaluator import Evaluator
@@ -92,17 +92,6 @@ def test_no_progress_across_restarts_stops_the_run() -> None:
 # --- the operator's rollback through the API --------------------------------------------------
 
 
-def setup_run(client: TestClient) -> int:
-    a = register(client, node="n0")["agent_id"]
-    items: list[dict[str, Any]] = [step(r, s, world_size=2) for s in range(0, 130)
-                                   for r in (0, 1)]
-    for s in (50, 100, 125):
-        items.append({"type": "checkpoint", "step": s, "path": f"/ck/step_{s}", "bytes": 5,
-                      "t": 100.0 + s, "lineage": "a0", "save_s": 0.1})
-    ingest(client, a, 0, items)
-    return int(a)
-
-
 def post(client: TestClient, body: dict[str, Any], headers: dict[str, str] | None = None,
          run: str = "r1") -> Any:
     return client.post(f"/api/v1/runs/{run}/rollback", json=body,
@@ -116,7 +105,7 @@ def count_actions(db: Database) -> int:
 
 def test_operator_rollback_queues_a_gang_restart_with_the_plan(
         client: TestClient, evaluator: Evaluator, db: Database, clock: FakeClock) -> None:
-    a = setup_run(client)
+    a = run_with_checkpoints(client)
     r = post(client, {"step": 100, "skip": [[110, 129]], "lr_scale": 0.5,
                       "lr_scale_steps": 20, "lr_ramp_steps": 10, "reason": "bad shard"})
     assert r.status_code == 202, r.text
@@ -168,7 +157,7 @@ def test_operator_rollback_queues_a_gang_restart_with_the_plan(
 def test_bad_rollbacks_are_refused_and_store_nothing(
         client: TestClient, db: Database, body: dict[str, Any], headers: Any, code: int,
         msg: str) -> None:
-    setup_run(client)
+    run_with_checkpoints(client)
     before = count_actions(db)
     r = post(client, body, headers)
     assert r.status_code == code, r.text
@@ -178,7 +167,7 @@ def test_bad_rollbacks_are_refused_and_store_nothing(
 
 def test_rollback_to_an_abandoned_checkpoint_or_an_unknown_run_is_refused(
         client: TestClient, db: Database) -> None:
-    setup_run(client)
+    run_with_checkpoints(client)
     assert post(client, {"step": 50}).status_code == 202
     before = count_actions(db)
     r = post(client, {"step": 125})
