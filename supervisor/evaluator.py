@@ -69,7 +69,8 @@ class Evaluator:
         self.observing_since = clock()
         self._event_cursor = 0  # worker events are read once, in id order
         self._unattached: list[dict] = []  # stack dumps that arrived before their incident
-        self._straggler_at: dict[int, float] = {}  # run id -> when its stragglers were judged
+        # run id -> when its stragglers were last judged, and how long that took
+        self._straggler_at: dict[int, tuple[float, float]] = {}
         self._phase_windows: dict[int, observe.PhaseWindow] = {}  # run id -> its window
         self._loss_seen: dict[int, tuple[int, int]] = {}  # run id -> (attempt, newest step)
 
@@ -85,6 +86,8 @@ class Evaluator:
             del self._phase_windows[gone]  # the run ended: its window goes with it
         for gone in self._loss_seen.keys() - live:
             del self._loss_seen[gone]
+        for gone in self._straggler_at.keys() - live:
+            del self._straggler_at[gone]
         with self.db.write() as conn:
             for ex in repo.unhandled_exits(conn):
                 rep.exits += 1
@@ -227,9 +230,9 @@ class Evaluator:
         findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
                                                cfg=cfg, agents=agents)
         slow: dict[int | None, Finding] | None = None
-        if now - self._straggler_at.get(int(run["id"]), float("-inf")) >= \
-                cfg.straggler_interval_s:
-            self._straggler_at[int(run["id"])] = now
+        last_at, cost = self._straggler_at.get(int(run["id"]), (float("-inf"), 0.0))
+        if now - last_at >= max(cfg.straggler_interval_s, cfg.straggler_cost_factor * cost):
+            t0 = time.perf_counter()
             open_stragglers = {int(i["rank"]) for i in repo.incidents_of(
                 conn, run_id=run["id"], kinds=["straggler"], status="open")
                 if i["rank"] is not None}
@@ -239,6 +242,7 @@ class Evaluator:
                                                     open_ranks=open_stragglers, window=window)
             findings += stragglers
             slow = {f.rank: f for f in stragglers}
+            self._straggler_at[int(run["id"])] = (now, time.perf_counter() - t0)
         seen = self._loss_seen.get(int(run["id"]))
         rows = observe.loss_rows(conn, run, cfg=cfg, seen_step=seen[1] if seen and
                                  seen[0] == int(run["attempt"]) else None)

@@ -54,9 +54,12 @@ class DetectionConfig:
         unit="samples/s"))
     disk: DiskConfig = field(default_factory=DiskConfig)
     straggler_table_steps: int = 100  # newest steps of per-rank timings read each time
-    # The straggler table is the biggest read (ranks x steps); a minute-scale condition needs
-    # it every few seconds, not every tick.
-    straggler_interval_s: float = 1.0
+    # Judging stragglers costs ranks x steps (57 ms for 4,096 ranks here) and competes with
+    # ingest for the process: it runs at most every straggler_interval_s and never more
+    # often than 25 times its own last duration (at most ~4% of a core), so a small run is
+    # judged every tick and one of thousands of ranks every second or two.
+    straggler_interval_s: float = 0.0
+    straggler_cost_factor: float = 25.0
     interval_history: int = 300  # step intervals the hang deadline learns from
 
 
