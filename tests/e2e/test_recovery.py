@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.system import OPERATOR_TOKEN, REPO, Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
@@ -141,6 +143,14 @@ def test_spike_that_keeps_coming_back_spends_the_budget_and_stops_the_run(
         assert scales == [0.25, 0.5]  # lowered further
         stops = [a for a in sup.get("/runs/doomed/actions")["actions"] if a["kind"] == "stop"]
         assert len(stops) == 1 and stops[0]["actor"] == "policy"
+        # What the TrainwardenRunFailed alert reads: the failed status, the spike budget gone.
+        metrics = httpx.get(f"{sup.url}/metrics", timeout=10,
+                            headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(metrics) for s in fam.samples}
+        assert samples[("trainwarden_run_info", (("run", "doomed"), ("status", "failed")))] == 1
+        assert samples[("trainwarden_run_restart_budget_remaining",
+                        (("cause", "spike"), ("run", "doomed")))] == 0
     finally:
         sup.stop()
 
