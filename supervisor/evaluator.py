@@ -226,7 +226,7 @@ class Evaluator:
         findings: list[Finding] = []
         findings += observe.hang_findings(conn, run, now=now,
                                           observing_since=self.observing_since, cfg=cfg,
-                                          agents=agents)
+                                          agents=agents, started=started)
         findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
                                                cfg=cfg, agents=agents)
         slow: dict[int | None, Finding] | None = None

@@ -104,8 +104,11 @@ def progress_window(conn: Connection, run: dict[str, Any], *, started_at: float,
 
 def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
                   observing_since: float, cfg: DetectionConfig,
-                  agents: list[dict[str, Any]] | None = None) -> list[Finding]:
-    started = attempt_started_at(conn, run)
+                  agents: list[dict[str, Any]] | None = None,
+                  started: float | None = None) -> list[Finding]:
+    """``started``: the attempt's launch time when the caller has it (else it is read)."""
+    if started is None:
+        started = attempt_started_at(conn, run)
     if started is None:
         return []
     w = progress_window(conn, run, started_at=started, observing_since=observing_since, cfg=cfg)
