@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -78,12 +80,33 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     install_failure_reporting()
+    _free_backends_before_interpreter_shutdown()
     reporter = get_reporter()
     reporter.set_identity(rank, world_size)
     reporter.event(EVENT_STARTED, f"rank {rank}/{world_size} started",
                    details={"backend": backend, "timeout_s": timeout.total_seconds(),
                             "local_rank": local_rank})
     return DistInfo(rank, world_size, local_rank, backend, device, attempt)
+
+
+_backend_cleanup_registered = False
+
+
+def _free_backends_before_interpreter_shutdown() -> None:
+    """Collect garbage at exit, while the interpreter is still whole.
+
+    torch's state-dict helpers (DCP's ``get_state_dict``) leave reference cycles that hold the
+    model, and through DDP the process group with its gloo threads, past the end of ``main()``
+    and past ``destroy_process_group()``.  Freed by the garbage collector during interpreter
+    shutdown instead, the backend's threads sometimes die mid-call and the process aborts
+    with "terminate called without an active exception" (exit -6, about 1 clean run in 20 on
+    this 2-core machine).  An ``atexit`` collection frees them first, on the
+    main thread, where their threads are joined normally.
+    """
+    global _backend_cleanup_registered
+    if not _backend_cleanup_registered:
+        _backend_cleanup_registered = True
+        atexit.register(gc.collect)
 
 
 def install_failure_reporting() -> None:
