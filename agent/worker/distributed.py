@@ -98,10 +98,12 @@ def _free_backends_before_interpreter_shutdown() -> None:
     torch's state-dict helpers (DCP's ``get_state_dict``) leave reference cycles that hold the
     model, and through DDP the process group with its gloo threads, past the end of ``main()``
     and past ``destroy_process_group()``.  Freed by the garbage collector during interpreter
-    shutdown instead, the backend's threads sometimes die mid-call and the process aborts
-    with "terminate called without an active exception" (exit -6, about 1 clean run in 20 on
-    this 2-core machine).  An ``atexit`` collection frees them first, on the
-    main thread, where their threads are joined normally.
+    shutdown instead, a gloo thread releasing its last all-reduce's tensors needs the GIL,
+    Python ends that thread with ``pthread_exit`` because it is finalizing, and the forced
+    unwind through C++ aborts the finished worker ("terminate called without an active
+    exception", exit -6; 4 clean runs in 129 on this 2-core machine, core dumps show that
+    stack).  An ``atexit`` collection frees the group first, while its threads can still
+    finish and be joined.
     """
     global _backend_cleanup_registered
     if not _backend_cleanup_registered:
