@@ -47,6 +47,7 @@ from agent.protocol import (
     normalize_ranges,
 )
 from agent.worker.data import ResumableLoader
+from agent.worker.distributed import collect_garbage_at_exit
 from agent.worker.report import Reporter, current_attempt, get_reporter
 
 log = logging.getLogger("trainwarden")
@@ -200,6 +201,7 @@ class Checkpointer:
             raise ValueError("sync_every must be >= 1")
         if retention_grace_s < 0:
             raise ValueError("retention_grace_s must be >= 0 (0 deletes at once)")
+        collect_garbage_at_exit()  # get_state_dict's cycles would hold the group into shutdown
         self.root = Path(root)
         self.model, self.optimizer, self.loader = model, optimizer, loader
         self.interval_s, self.every_steps, self.keep = interval_s, every_steps, keep
