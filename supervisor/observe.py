@@ -180,8 +180,19 @@ def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionC
     run_id, attempt = int(run["id"]), int(run["attempt"])
     window = window or PhaseWindow(cfg.straggler_table_steps)
     table = window.refresh(conn, run_id, attempt)
-    if len({r for row in table.values() for r in row}) < 2:
+    newest: dict[int, int] = {}  # rank -> the newest step it has delivered
+    for s, row in table.items():
+        for r in row:
+            if s > newest.get(r, -1):
+                newest[r] = s
+    if len(newest) < 2:
         return []  # one rank has no peers; its own history alone is throughput's business
+    # Judge only the steps every rank has delivered: ranks report through their own sockets
+    # and batches, so the newest steps often hold one rank only, and the detector would
+    # compare that rank with its own past instead of with its peers.
+    upto = min(newest.values())
+    if upto < max(newest.values()):
+        table = {s: row for s, row in table.items() if s <= upto}
     return detect_stragglers(table, cfg=cfg.straggler,
                              nodes=repo.rank_nodes(conn, run_id=run_id),
                              flagged_ranks=open_ranks)

@@ -63,8 +63,9 @@ class StragglerConfig:
     self_threshold: float = 0.75  # baseline / recent below this: slower than its own past
     min_baseline_steps: int = 10  # older steps needed for an own-history baseline
     onset_gap: int = 3  # this many consecutive normal steps end the slow stretch (onset search)
-    # A rank must also be slower than its peers by this many seconds (median over the
-    # window): with steps of a few milliseconds, scheduler noise alone makes 2x ratios.
+    # A rank must also be slower than its peers (or, alone, than its own past) by this many
+    # seconds (median over the window): with steps of a few milliseconds, scheduler noise
+    # alone makes 2x ratios.
     min_excess_s: float = 0.01
 
     def __post_init__(self) -> None:
@@ -167,7 +168,8 @@ def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None 
         return out
     for r in sorted(ranks):  # a single rank: only its own history can tell
         own = _own_history(table, r, recent_steps, older_steps, baseline, cfg)
-        if own is None or own["self_score"] >= cfg.self_threshold:
+        if (own is None or own["self_score"] >= cfg.self_threshold
+                or own["recent_s"] - own["baseline_s"] < cfg.min_excess_s):
             continue
         series = [(s, own["baseline_s"] / table[s][r]) for s in steps if _ok(table[s].get(r))]
         out.append(_finding(r, nodes.get(r), "self", own["self_score"], cfg.self_threshold,

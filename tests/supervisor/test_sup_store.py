@@ -162,3 +162,35 @@ def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> Non
         assert repo.rank_phase_rows_after(c, run_id=1, attempt=0,
                                           after_id=window.after_id) == []
         assert sorted(window.refresh(c, 1, 1)) == [3]  # a new attempt starts a new window
+
+
+def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -> None:
+    """Ranks report through their own sockets and batches, so the newest steps often hold one
+    rank only.  Those steps are not judged: one rank alone there would be compared with its
+    own past (a tail of fast, noisy steps made a 2-rank run's rank 0 a "straggler")."""
+    from supervisor.observe import DetectionConfig, PhaseWindow, straggler_findings
+
+    a0, a1 = agents(db, 2)
+    cfg = DetectionConfig()
+    window = PhaseWindow(cfg.straggler_table_steps)
+    seq = {a0: 0, a1: 0}
+
+    def send(agent: int, rank: int, steps: range, compute_s: float) -> None:
+        with db.write() as c:
+            repo.ingest_batches(c, batches=[batch(agent, seq[agent], [
+                step(rank, s, data_s=0.001, compute_s=compute_s) for s in steps])], now=10.0)
+        seq[agent] += 1
+
+    def findings() -> list[Any]:
+        with db.read() as c:
+            return straggler_findings(c, {"id": 1, "attempt": 0}, cfg=cfg, open_ranks=set(),
+                                      window=window)
+
+    send(a0, 0, range(0, 60), 0.05)
+    send(a1, 1, range(0, 60), 0.05)
+    assert findings() == []
+    send(a0, 0, range(60, 90), 0.10)  # rank 0 twice as slow; rank 1's steps not in yet
+    assert findings() == []
+    send(a1, 1, range(60, 90), 0.05)  # now the peers say it
+    (f,) = findings()
+    assert f.rank == 0 and f.details["signal"] == "peers", f

@@ -99,6 +99,10 @@ def test_a_single_rank_is_judged_against_its_own_history() -> None:
     assert f.details["self_score"] < 0.75 and f.details["baseline_source"] == "window"
     # The same single rank without a slowdown: quiet.
     assert slide(make_table(1, 200, 3)) == []
+    # The same 1.5x on sub-millisecond steps (0.1 ms -> 0.15 ms): scheduler noise, not a
+    # straggler; below min_excess_s, as with peers.
+    tiny = {s: {0: v[0] / 1000} for s, v in table.items()}
+    assert slide(tiny) == []
 
 
 def test_own_history_is_reported_and_an_explicit_baseline_is_used() -> None:
