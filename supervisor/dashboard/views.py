@@ -167,7 +167,7 @@ def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
         by_step.setdefault(int(r["step"]), {})[int(r["rank"])] = \
             float(r["data_s"] or 0.0) + float(r["compute_s"] or 0.0)
     steps = sorted(by_step)
-    scores = metrics.straggler_scores(rows)
+    scores = metrics.run_scores(conn, run_id, newest)  # the same as the table's and /metrics'
     shown = sorted(scores, key=lambda k: (scores[k], k))[:RANK_SERIES_SHOWN]
     return {
         "attempt": newest["attempt"],

@@ -58,11 +58,12 @@ class SynthRun:
               spike: tuple[int, int] | None = None, nan_at: int | None = None,
               slow_rank: int | None = None, checkpoint_every: int = 0,
               disk_free: int = 50 * 2**30, disk_total: int | None = 100 * 2**30,
-              gpus: dict[str, Any] | None = None) -> None:
-        """Report ``steps`` from every rank (one batch per node per 10 steps)."""
+              gpus: dict[str, Any] | None = None, nodes: range | None = None) -> None:
+        """Report ``steps`` from every rank of ``nodes`` (all of them unless given; one batch
+        per node per 10 steps)."""
         for chunk_start in range(steps.start, steps.stop, 10):
             chunk = range(chunk_start, min(chunk_start + 10, steps.stop))
-            for n in range(self.nodes):
+            for n in nodes if nodes is not None else range(self.nodes):
                 items: list[dict[str, Any]] = []
                 for s in chunk:
                     for lr in range(self.ranks_per_node):

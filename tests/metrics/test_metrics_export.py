@@ -166,6 +166,24 @@ def test_straggler_series_are_bounded_with_40_ranks(client: TestClient,
     assert min(scores.items(), key=lambda kv: kv[1][1])[0] == 27
 
 
+def test_straggler_scores_cover_every_rank_while_one_node_lags(client: TestClient) -> None:
+    """Agents deliver through their own batches, so one node's newest steps can be far ahead
+    of another's: the scores are judged on the steps every rank has delivered, and a slow
+    rank on the node behind is still named."""
+    run = SynthRun(client, "lagging").register()
+    run.train(range(30), t0=T0, slow_rank=3)
+    run.train(range(30, 60), t0=T0, slow_rank=3, nodes=range(1))  # node n1 has not sent these
+    scores = {int(lab["rank"]): v for n, lab, v in scrape(client)
+              if n == "trainwarden_rank_straggler_score" and lab["run"] == "lagging"}
+    assert set(scores) == {0, 1, 2, 3}
+    assert scores[3] < 0.75 and min(scores, key=lambda k: scores[k]) == 3
+    page = client.get("/runs/lagging", headers=OPERATOR)
+    assert page.status_code == 200, page.text
+    assert page.text.count('class="slow"') == 1 and f"{scores[3]:.2f}" in page.text
+    chart = client.get("/dashboard/api/runs/lagging/series", headers=OPERATOR).json()["ranks"]
+    assert chart["series"][0]["rank"] == 3 and chart["series"][0]["score"] == scores[3]
+
+
 def test_only_active_or_recent_runs_are_exported(db: Database, clock: FakeClock) -> None:
     app = build_app(db, clock)
     with TestClient(app) as client:
