@@ -45,9 +45,12 @@ def check_metrics_of_a_live_run(sup: Supervisor) -> None:
     """/metrics of the real run, parsed by prometheus-client: the series the alert rules and
     the Grafana dashboard read, with values that match what happened."""
     def trained_on() -> dict[str, list[tuple[dict[str, str], float]]] | None:
-        m = scrape(sup)  # the resumed attempt has steps, a rate and a checkpoint again
+        # The resumed attempt has steps, a rate and a checkpoint again, and both ranks have
+        # reported in it (each worker's reports reach the agent on their own).
+        m = scrape(sup)
         return m if m.get("trainwarden_run_checkpoint_age_seconds") and m.get(
-            "trainwarden_run_throughput_samples_per_second") else None
+            "trainwarden_run_throughput_samples_per_second") and len(m.get(
+                "trainwarden_rank_straggler_score", [])) == 2 else None
 
     m = wait_until(trained_on, 60, "metrics of the resumed attempt")
     assert one(m, "trainwarden_run_info", run="live", status="running") == 1
