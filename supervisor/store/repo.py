@@ -204,13 +204,19 @@ def first_step(conn: Connection, *, run_id: int, attempt: int) -> int | None:
 def throughput(
     conn: Connection, *, run_id: int, attempt: int, window: int = 20
 ) -> dict[str, float | None]:
-    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt,
-    and ``ranks``: the most ranks that reported one of those steps."""
+    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt
+    that every rank has delivered, and ``ranks``: the most ranks that reported one of those
+    steps.  Ranks report through their own agents and batches, so the newest steps often
+    hold some ranks' samples only, which would read as a drop in throughput."""
+    a = step_aggregates.c
+    delivered = (select(func.min(ranks.c.step))
+                 .where(ranks.c.run_id == run_id, ranks.c.attempt == attempt)
+                 .scalar_subquery())
     q = (
-        select(step_aggregates.c.samples, step_aggregates.c.tokens, step_aggregates.c.t_last,
-               step_aggregates.c.ranks)
-        .where(step_aggregates.c.run_id == run_id, step_aggregates.c.attempt == attempt)
-        .order_by(step_aggregates.c.step.desc())
+        select(a.samples, a.tokens, a.t_last, a.ranks)
+        .where(a.run_id == run_id, a.attempt == attempt,
+               or_(delivered.is_(None), a.step <= delivered))
+        .order_by(a.step.desc())
         .limit(window)
     )
     rows = conn.execute(q).all()

@@ -168,13 +168,18 @@ def test_straggler_series_are_bounded_with_40_ranks(client: TestClient,
 
 def test_straggler_scores_cover_every_rank_while_one_node_lags(client: TestClient) -> None:
     """Agents deliver through their own batches, so one node's newest steps can be far ahead
-    of another's: the scores are judged on the steps every rank has delivered, and a slow
-    rank on the node behind is still named."""
+    of another's: throughput and the scores are judged on the steps every rank has delivered,
+    and a slow rank on the node behind is still named."""
     run = SynthRun(client, "lagging").register()
     run.train(range(30), t0=T0, slow_rank=3)
     run.train(range(30, 60), t0=T0, slow_rank=3, nodes=range(1))  # node n1 has not sent these
-    scores = {int(lab["rank"]): v for n, lab, v in scrape(client)
+    samples = scrape(client)
+    scores = {int(lab["rank"]): v for n, lab, v in samples
               if n == "trainwarden_rank_straggler_score" and lab["run"] == "lagging"}
+    # 4 ranks x 8 samples a step, a step a second: not half of it from node n0's steps alone
+    assert math.isclose(value(samples, "trainwarden_run_throughput_samples_per_second",
+                              run="lagging"), 32.0)
+    assert value(samples, "trainwarden_run_step", run="lagging") == 59
     assert set(scores) == {0, 1, 2, 3}
     assert scores[3] < 0.75 and min(scores, key=lambda k: scores[k]) == 3
     page = client.get("/runs/lagging", headers=OPERATOR)
