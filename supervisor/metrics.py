@@ -112,17 +112,15 @@ def straggler_scores(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
 
 def run_scores(conn: Connection, run_id: int, newest: dict[str, Any] | None
                ) -> dict[int, float]:
-    """Straggler scores of the newest attempt's last ``STRAGGLER_WINDOW`` steps that every
-    rank has delivered.  Ranks report through their own agents and batches, so the newest
-    steps often hold some ranks only: scored there, a rank would be compared with fewer
-    peers, and the ranks behind would get no score at all."""
+    """Straggler scores of the newest attempt's last ``STRAGGLER_WINDOW`` steps up to
+    ``repo.delivered_step``: scored on newer steps, a rank would be compared with fewer peers,
+    and the ranks behind would get no score at all."""
     if newest is None:
         return {}
     attempt = int(newest["attempt"])
-    progress = repo.rank_progress(conn, run_id=run_id, attempt=attempt)
-    if len(progress) < 2:
+    upto = repo.delivered_step(conn, run_id=run_id, attempt=attempt)
+    if upto is None:
         return {}
-    upto = min(int(p["step"]) for p in progress)
     rows = repo.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
                                 step_from=upto - STRAGGLER_WINDOW + 1, step_to=upto)
     return straggler_scores(rows)

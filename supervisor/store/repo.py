@@ -20,6 +20,7 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Connection,
+    Select,
     String,
     Table,
     and_,
@@ -201,17 +202,29 @@ def first_step(conn: Connection, *, run_id: int, attempt: int) -> int | None:
     return None if v is None else int(v)
 
 
+def _delivered_step(run_id: int, attempt: int) -> Select[Any]:
+    # Each rank's newest step of the attempt is in ``ranks`` (one row per rank).
+    return select(func.min(ranks.c.step)).where(ranks.c.run_id == run_id,
+                                                ranks.c.attempt == attempt)
+
+
+def delivered_step(conn: Connection, *, run_id: int, attempt: int) -> int | None:
+    """The newest step of ``attempt`` that every rank reporting in it has delivered (None
+    before any).  Ranks report through their own agents and batches, so the steps after it
+    hold some ranks only: a figure over ranks (throughput, straggler scores) ends here."""
+    v = conn.execute(_delivered_step(run_id, attempt)).scalar_one()
+    return None if v is None else int(v)
+
+
 def throughput(
     conn: Connection, *, run_id: int, attempt: int, window: int = 20
 ) -> dict[str, float | None]:
-    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt
-    that every rank has delivered, and ``ranks``: the most ranks that reported one of those
-    steps.  Ranks report through their own agents and batches, so the newest steps often
-    hold some ranks' samples only, which would read as a drop in throughput."""
+    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt up
+    to ``delivered_step`` (the steps after it hold some ranks' samples only, which would read
+    as a drop in throughput), and ``ranks``: the most ranks that reported one of those
+    steps."""
     a = step_aggregates.c
-    delivered = (select(func.min(ranks.c.step))
-                 .where(ranks.c.run_id == run_id, ranks.c.attempt == attempt)
-                 .scalar_subquery())
+    delivered = _delivered_step(run_id, attempt).scalar_subquery()
     q = (
         select(a.samples, a.tokens, a.t_last, a.ranks)
         .where(a.run_id == run_id, a.attempt == attempt,

@@ -164,6 +164,25 @@ def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> Non
         assert sorted(window.refresh(c, 1, 1)) == [3]  # a new attempt starts a new window
 
 
+def test_delivered_step_is_the_newest_step_every_rank_of_the_attempt_sent(db: Database
+                                                                           ) -> None:
+    (a0,) = agents(db, 1)
+    with db.read() as c:
+        assert repo.delivered_step(c, run_id=1, attempt=0) is None  # nothing reported yet
+    with db.write() as c:
+        repo.ingest_batches(c, batches=[batch(a0, 0, [step(0, s) for s in range(10)]
+                                              + [step(1, s) for s in range(5)])], now=10.0)
+    with db.read() as c:
+        assert repo.delivered_step(c, run_id=1, attempt=0) == 4  # rank 1 is behind
+    with db.write() as c:  # rank 0 goes on in attempt 1; rank 1 has not reported there yet
+        repo.ingest_batches(c, batches=[wire.IngestBatch.model_validate(
+            {"agent_id": a0, "seq": 1, "sent_at": 5.0, "attempt": 1,
+             "items": [step(0, s, attempt=1) for s in range(3)]})], now=11.0)
+    with db.read() as c:
+        assert repo.delivered_step(c, run_id=1, attempt=1) == 2
+        assert repo.delivered_step(c, run_id=1, attempt=2) is None
+
+
 def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -> None:
     """Ranks report through their own sockets and batches, so the newest steps often hold one
     rank only.  Those steps are not judged: one rank alone there would be compared with its
