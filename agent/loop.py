@@ -31,12 +31,13 @@ from agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, 
 from agent.pins import CheckpointPins
 from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
+from agent.version import version
 from agent.watchdog import HangWatch
 from supervisor.detect.hang import HangConfig
 
 log = logging.getLogger(__name__)
 
-AGENT_VERSION = "0.1.0"
+AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
 
 

@@ -1,15 +1,38 @@
 """``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``agent ...``.
 
 Imports are lazy: ``trainwarden agent`` runs on GPU nodes and must not pull in FastAPI or
-SQLAlchemy; only the chosen subcommand imports what it needs.
+SQLAlchemy; only the chosen subcommand imports what it needs.  Each role is an extra of the
+package; a subcommand whose extra is not installed says which one to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from agent.version import version
+
+# What each role's subcommands import, by the extra that provides it.
+EXTRA_MODULES = {
+    "supervisor": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "pydantic_settings",
+                   "jinja2", "prometheus_client", "httpx"),
+    "agent": ("psutil", "httpx"),
+    "cli": ("httpx",),
+}
+
+
+def require_extra(extra: str, command: str) -> None:
+    """Exit with the install line to run when ``extra``'s packages are missing."""
+    missing = [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"trainwarden {command}: needs the '{extra}' extra, which is not installed "
+            f"(missing: {', '.join(missing)}); install it with: "
+            f"pip install 'trainwarden[{extra}]'"
+        )
 
 
 def _add_db_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainwarden", description="Fault-tolerant supervisor for distributed training."
     )
+    parser.add_argument("--version", action="version", version=f"trainwarden {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("supervisor", help="run the central supervisor (HTTP API)")
@@ -71,6 +95,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _cmd_supervisor(args: argparse.Namespace) -> int:
+    require_extra("supervisor", "supervisor")
     settings = _settings(
         args, host=args.host, port=args.port, public_reads=args.public_reads,
         insecure_no_auth=args.insecure_no_auth, restart_budget=args.restart_budget,
@@ -82,6 +107,7 @@ def _cmd_supervisor(args: argparse.Namespace) -> int:
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
+    require_extra("supervisor", "db")
     settings = _settings(args)
     from supervisor import migrate
 
@@ -97,12 +123,9 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
 
 def _cmd_agent(argv: Sequence[str]) -> int:
-    try:
-        from agent import cli as agent_cli
-    except ImportError as e:
-        print(f"trainwarden agent: the node agent is not available ({e}); "
-              "it is provided by agent.cli", file=sys.stderr)
-        return 2
+    require_extra("agent", "agent")
+    from agent import cli as agent_cli
+
     parser = argparse.ArgumentParser(prog="trainwarden agent",
                                      description="Node agent: wraps torchrun on one node.")
     agent_cli.add_arguments(parser)
@@ -123,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from supervisor import client
 
     if args.cmd in client.COMMANDS:
+        require_extra("cli", args.cmd)
         return client.run(args)
     raise AssertionError(args.cmd)
 

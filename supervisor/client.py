@@ -9,9 +9,10 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
+    import httpx
 
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
@@ -57,6 +58,8 @@ def _range(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx
+
     token = args.token or os.environ.get(ENV_TOKEN)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(base_url=args.supervisor.rstrip("/") + "/api/v1", headers=headers,
