@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from supervisor.text import duration
+
 DAY_S = 86_400.0
 # Published failure rates per node-day (8-GPU nodes).
 META_RSC_PER_NODE_DAY = 6.5 / 1000  # Kokolis et al. 2024, RSC-1
@@ -164,8 +166,8 @@ def advise(inp: IntervalInputs) -> Advice:
                 "storage allows")
     else:
         note = (f"{source} failure rate {per_node_s * DAY_S * 1000:.2f} per 1,000 node-days: "
-                f"one failure every {mtbf / 3600:.2f} h on {inp.nodes} node(s); "
-                f"save every {rec / 60:.1f} min")
+                f"one failure every {duration(mtbf)} on {inp.nodes} node(s); "
+                f"save every {duration(rec)}")
     return Advice(rate_source=source, rate_per_node_day=per_node_s * DAY_S,
                   failures_per_day=lam * DAY_S, mtbf_s=mtbf, young_s=young, recommended_s=rec,
                   current_s=cur, ettr_current=e_cur, ettr_recommended=e_rec,
