@@ -411,6 +411,10 @@ def make_plan(inp: PlanInputs) -> Plan:
                                  (exposed / st) if st and exposed is not None else None,
                                  name == inp.interconnect))
     mfu = (tokens_dev * fpt / peak / step) if step and tokens_dev else None
+    chosen = next(r for r in sync_rows if r.chosen)
+    if chosen.share_of_step is not None and chosen.share_of_step > 0.10:
+        notes.append(f"the expected MFU is held down by the gradient sync on "
+                     f"{inp.interconnect}: {chosen.share_of_step:.0%} of the step waits for it")
     if tokens_dev is None:
         notes.append("step time and MFU need --seq-len (tokens per step)")
 

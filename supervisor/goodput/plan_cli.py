@@ -113,8 +113,8 @@ def _f(x: float | None, fmt: str = ".1f") -> str | None:
     return None if x is None else format(x, fmt)
 
 
-def _pct(x: float | None) -> str | None:
-    return None if x is None else f"{x:.0%}"
+def _pct(x: float | None, fmt: str = ".0%") -> str | None:
+    return None if x is None else format(x, fmt)
 
 
 def render(plan: pl.Plan) -> str:
@@ -155,8 +155,8 @@ def render(plan: pl.Plan) -> str:
                     _dur(plan.checkpoint_stall_s), _dur(inp.restart_s)]],
                   ["NODES", "FAILURES/1000 NODE-DAYS", "FAILURES/DAY", "MTBF", "CHECKPOINT GB",
                    "SAVE STALL", "RESTART"]),
-            table([["current", _dur(ad.current_s), _pct(ad.ettr_current)],
-                   ["recommended", _dur(ad.recommended_s), _pct(ad.ettr_recommended)]],
+            table([["current", _dur(ad.current_s), _pct(ad.ettr_current, ".1%")],
+                   ["recommended", _dur(ad.recommended_s), _pct(ad.ettr_recommended, ".1%")]],
                   ["INTERVAL", "EVERY", "EXPECTED ETTR"]),
             ad.note]
     out += [f"note: {n}" for n in plan.notes]
