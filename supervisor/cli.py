@@ -1,4 +1,5 @@
-"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``agent ...``.
+"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``agent ...``,
+``plan ...``.
 
 Imports are lazy: ``trainwarden agent`` runs on GPU nodes and must not pull in FastAPI or
 SQLAlchemy; only the chosen subcommand imports what it needs.  Each role is an extra of the
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = sub.add_parser("agent", help="run the node agent (wraps torchrun)", add_help=False)
     ap.add_argument("agent_args", nargs=argparse.REMAINDER)
+    pp = sub.add_parser("plan", help="capacity planner: memory, sync time, MFU, ETTR",
+                        add_help=False)
+    pp.add_argument("plan_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -138,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The agent parses its own arguments (its own parser, its own --help).
     if argv and argv[0] == "agent":
         return _cmd_agent(argv[1:])
+    if argv and argv[0] == "plan":  # standard library only: runs where only the agent is
+        from supervisor.goodput import plan_cli
+
+        return plan_cli.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "supervisor":
         return _cmd_supervisor(args)

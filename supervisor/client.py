@@ -8,18 +8,20 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
     import httpx
 
+from supervisor.text import table
+
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8765"
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--supervisor", default=os.environ.get(ENV_URL, "http://127.0.0.1:8765"),
+    p.add_argument("--supervisor", default=os.environ.get(ENV_URL, DEFAULT_URL),
                    metavar="URL", help=f"supervisor URL (default ${ENV_URL} or local)")
     p.add_argument("--token", default=None, metavar="T",
                    help=f"operator token (default ${ENV_TOKEN})")
@@ -57,13 +59,20 @@ def _range(text: str) -> list[int]:
     return [int(m.group(1)), int(m.group(2))]
 
 
+def connect(supervisor: str, token: str | None) -> httpx.Client:
+    """A client of the supervisor's API with the operator token (or ``$ENV_TOKEN``'s)."""
+    import httpx
+
+    token = token or os.environ.get(ENV_TOKEN)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=supervisor.rstrip("/") + "/api/v1", headers=headers,
+                        timeout=10)
+
+
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    token = args.token or os.environ.get(ENV_TOKEN)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with httpx.Client(base_url=args.supervisor.rstrip("/") + "/api/v1", headers=headers,
-                      timeout=10) as client:
+    with connect(args.supervisor, args.token) as client:
         try:
             return _COMMANDS[args.cmd](client, args)
         except httpx.HTTPStatusError as e:
@@ -95,16 +104,6 @@ def _age(t: float | None) -> str:
         return "-"
     s = max(0.0, time.time() - t)
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
-
-
-def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r]
-                                          for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
