@@ -103,7 +103,9 @@ def eval_loss(model: torch.nn.Module, data: MarkovText) -> float:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 through the Trainer's fsdp arguments, "
+        "a shard per GPT-2 block"))
     if args.async_checkpoint:
         raise SystemExit("--async-checkpoint: the Trainer saves synchronously")
     torch.set_num_threads(1)
@@ -128,7 +130,10 @@ def main() -> None:
         save_steps=args.checkpoint_every_steps or 500, save_total_limit=args.keep,
         train_sampling_strategy="sequential", ignore_data_skip=True,  # trainwarden's order
         logging_steps=100, report_to="none", disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        **({"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                                           "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+           if args.fsdp else {}))
     log = common.BatchLog(args.batch_log, info.rank)
     trainer = Trainer(model=model, args=targs, train_dataset=train,
                       data_collator=default_data_collator,
@@ -147,7 +152,9 @@ def main() -> None:
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
                          final_eval_loss=final_eval, weights_sha256=digest,
                          attempt=info.attempt, started_at_step=start, resumed_from=resume_from,
-                         skipped=[list(r) for r in tw.skipped], wall_s=time.time() - t_start)
+                         skipped=[list(r) for r in tw.skipped], wall_s=time.time() - t_start,
+                         fsdp=bool(trainer.is_fsdp_enabled),
+                         parameters=type(next(trainer.model.parameters())).__name__)
     dist.destroy_process_group()
 
 

@@ -17,17 +17,18 @@ import common
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from train_ddp import build_model
 
 from agent.integrations.lightning import TrainwardenCallback
 from agent.worker import init_distributed
 from agent.worker.faults import FaultInjector
-from train_ddp import build_model
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, hidden: int, lr: float, step_sleep: float) -> None:
+    def __init__(self, hidden: int, lr: float, step_sleep: float, fsdp: bool = False) -> None:
         super().__init__()
+        self.fsdp = fsdp
         self.net = build_model(hidden)
         self.drop = torch.nn.Dropout(0.1)  # random numbers every step: resume must restore RNG
         self.lr, self.step_sleep = lr, step_sleep
@@ -41,6 +42,14 @@ class Regression(pl.LightningModule):
         if self.step_sleep:
             time.sleep(self.step_sleep)
         return torch.nn.functional.mse_loss(self(x), y)
+
+    def configure_model(self) -> None:
+        if self.fsdp:  # FSDP2, a shard per layer (Lightning's ModelParallelStrategy)
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
@@ -64,7 +73,9 @@ class ExampleHooks(pl.Callback):
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 (fully_shard per layer) through Lightning's "
+        "ModelParallelStrategy; its FSDPStrategy (FSDP1) refuses the CPU"))
     if args.async_checkpoint:
         raise SystemExit("--async-checkpoint: Lightning's ModelCheckpoint saves synchronously")
     torch.set_num_threads(1)
@@ -74,7 +85,7 @@ def main() -> None:
                            fired_dir=args.checkpoint_dir)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    module = Regression(args.hidden, args.lr, args.step_sleep)
+    module = Regression(args.hidden, args.lr, args.step_sleep, fsdp=args.fsdp)
     tw = TrainwardenCallback(args.checkpoint_dir, keep=args.keep,
                              retention_grace_s=args.retention_grace, seed=args.seed,
                              config=vars(args) | {"inject": [str(f) for f in args.inject]})
@@ -84,7 +95,9 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     trainer = pl.Trainer(
         max_steps=args.steps, accelerator="gpu" if cuda else "cpu", devices=info.world_size,
-        strategy=DDPStrategy(process_group_backend=info.backend), num_nodes=1,
+        strategy=ModelParallelStrategy(data_parallel_size=info.world_size,
+                                       tensor_parallel_size=1) if args.fsdp
+        else DDPStrategy(process_group_backend=info.backend), num_nodes=1,
         callbacks=[tw, checkpoints, ExampleHooks(tw, faults, common.BatchLog(args.batch_log,
                                                                              info.rank))],
         logger=False, enable_progress_bar=False, enable_model_summary=False,

@@ -419,7 +419,7 @@ def _choose(root: Path, pattern: re.Pattern[str], plan: ResumePlan | None) -> li
             return [("error", f"resume plan names checkpoint {named}, which is not complete "
                               f"({v.reason}), and no complete checkpoint precedes it"), []]
         return [str(older), [(str(named), v.reason)]]
-    passed = []
+    passed: list[tuple[str, str]] = []
     for c in reversed(list_step_checkpoints(root, pattern)):
         if c.complete:
             return [str(c.path), passed]

@@ -175,7 +175,7 @@ class TrainwardenCallback(TrainerCallback):
                     control: TrainerControl, **kwargs: Any) -> None:
         _check_args(args)
         self._args = args
-        self.root = Path(args.output_dir)
+        self.root = Path(args.output_dir or ".")
         s = self.session
         if s.seed is None:
             s.seed = args.seed
