@@ -98,6 +98,9 @@ class Agent:
             state_dir=self.state_dir, register_request=self._register_request(),
             spool_max_bytes=config.spool_max_bytes, spool_max_batches=config.spool_max_batches,
             max_items_per_batch=config.max_items_per_batch,
+            max_5xx_tries=config.max_5xx_tries,
+            dead_letter_max_bytes=config.dead_letter_max_bytes,
+            dead_letter_max_batches=config.dead_letter_max_batches,
             http_timeout_s=config.http_timeout_s, transport=transport, clock=clock,
         )
         self.executor = Executor(self.state_dir, self, self._emit, clock)
