@@ -1,5 +1,9 @@
 """``trainwarden runs | incidents RUN | checkpoints RUN | rollback RUN ...``: thin clients of
-the REST API that print readable tables."""
+the REST API that print readable tables.
+
+Everything printed that came from the supervisor (node names, paths, reasons: text agents and
+operators chose) goes through ``printable`` first, so a stored escape sequence cannot retitle,
+clear or rewrite the operator's terminal."""
 
 from __future__ import annotations
 
@@ -15,6 +19,21 @@ import httpx
 
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
+
+# C0 controls (tab and newline included: a cell is one line), DEL, C1 controls (0x9b is CSI
+# on its own), and the Unicode direction overrides that reorder what the eye reads.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: Any) -> str:
+    """``value`` as text with every control character shown escaped (``ESC`` as ``\\x1b``):
+    the escape sequence it began is then inert text."""
+    return _CONTROL.sub(_escape, str(value))
+
+
+def _escape(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -65,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             return _COMMANDS[args.cmd](client, args)
         except httpx.HTTPStatusError as e:
             print(f"trainwarden {args.cmd}: {e.response.status_code} "
-                  f"{_detail(e.response)}", file=sys.stderr)
+                  f"{printable(_detail(e.response))}", file=sys.stderr)
             return 1
         except httpx.HTTPError as e:
             print(f"trainwarden {args.cmd}: cannot reach {args.supervisor}: {e}",
@@ -95,8 +114,8 @@ def _age(t: float | None) -> str:
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r]
-                                          for r in rows]
+    cells = [[printable(h) for h in header]] + [["-" if c is None else printable(c)
+                                                 for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in cells]
@@ -167,7 +186,7 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
         if a["status"] != last:
             last = a["status"]
             extra = f" at step {a['resumed_step']}" if a.get("resumed_step") is not None else ""
-            print(f"  action {action_id}: {last}{extra}")
+            print(f"  action {action_id}: {printable(last)}{extra}")
         if last in ("resumed", "failed", "superseded"):
             return 0 if last == "resumed" else 1
         time.sleep(0.5)
