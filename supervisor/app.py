@@ -20,6 +20,7 @@ from supervisor.config import SupervisorSettings
 from supervisor.detect import HangConfig, NodeLostConfig
 from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import Clock, Evaluator
+from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
 from supervisor.store import repo
@@ -116,7 +117,10 @@ def create_app(
     app = FastAPI(
         title="trainwarden supervisor",
         version="1",
-        docs_url="/docs",
+        # /docs is the dashboard's own page (vendored Swagger UI, see dashboard.routes);
+        # FastAPI's pages would load Swagger UI and ReDoc from a CDN through inline scripts.
+        docs_url=None,
+        redoc_url=None,
         openapi_url="/openapi.json",
         default_response_class=SafeJSONResponse,
         lifespan=lifespan,
@@ -146,4 +150,5 @@ def create_app(
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, restart_budget=settings.restart_budget,
                     rollback_budget=settings.rollback_budget)
+    app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

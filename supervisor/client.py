@@ -1,5 +1,9 @@
 """``trainwarden runs | incidents RUN | checkpoints RUN | rollback RUN ...``: thin clients of
-the REST API that print readable tables."""
+the REST API that print readable tables.
+
+Everything printed that came from the supervisor (node names, paths, reasons: text agents and
+operators chose) goes through ``printable`` first, so a stored escape sequence cannot retitle,
+clear or rewrite the operator's terminal."""
 
 from __future__ import annotations
 
@@ -13,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
     import httpx
 
-from supervisor.text import table
+from supervisor.text import printable, table
 
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8765"
-
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--supervisor", default=os.environ.get(ENV_URL, DEFAULT_URL),
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             return _COMMANDS[args.cmd](client, args)
         except httpx.HTTPStatusError as e:
             print(f"trainwarden {args.cmd}: {e.response.status_code} "
-                  f"{_detail(e.response)}", file=sys.stderr)
+                  f"{printable(_detail(e.response))}", file=sys.stderr)
             return 1
         except httpx.HTTPError as e:
             print(f"trainwarden {args.cmd}: cannot reach {args.supervisor}: {e}",
@@ -169,7 +172,7 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
         if a["status"] != last:
             last = a["status"]
             extra = f" at step {a['resumed_step']}" if a.get("resumed_step") is not None else ""
-            print(f"  action {action_id}: {last}{extra}")
+            print(f"  action {action_id}: {printable(last)}{extra}")
         if last in ("resumed", "failed", "superseded"):
             return 0 if last == "resumed" else 1
         time.sleep(0.5)

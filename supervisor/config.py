@@ -91,6 +91,15 @@ class SupervisorSettings(BaseSettings):
     restart_backoff_max_s: float = Field(default=60.0, ge=0.0)
     heartbeat_interval_s: float = Field(default=1.0, gt=0.0)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # Slow and idle clients (supervisor/httpguard.py): a request's headers must be complete
+    # within http_header_timeout_s of the connection opening (or of the previous response),
+    # its body within http_body_timeout_s of the headers (else 408 and closed); an idle
+    # keep-alive connection is closed after http_keep_alive_s; past http_max_connections open
+    # connections, requests are answered 503.
+    http_header_timeout_s: float = Field(default=10.0, gt=0.0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0.0)
+    http_keep_alive_s: int = Field(default=5, ge=1)
+    http_max_connections: int = Field(default=2048, ge=1)
     evaluator_interval_s: float = Field(default=0.5, gt=0.0)
     # Detection (see supervisor/detect/): the hang deadline's floor and its allowances for
     # start-up and the first steps of an attempt; how long an agent may be silent.

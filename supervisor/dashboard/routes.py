@@ -120,6 +120,9 @@ async def login_form(request: Request) -> HTMLResponse:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
+    if not auth.same_origin(request):
+        # A cross-site form would sign this browser in with the forger's token (login CSRF).
+        return _login_page(request, auth.CROSS_SITE, status.HTTP_403_FORBIDDEN)
     token = await auth.form_token(request)
     nxt = _safe_next(request.query_params.get("next", "/"))
     if not auth.valid_token_text(token) or await auth.check(request, token) is None:
@@ -130,10 +133,20 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    if not auth.same_origin(request):
+        return _login_page(request, auth.CROSS_SITE, status.HTTP_403_FORBIDDEN)
     resp = RedirectResponse("/login", status.HTTP_303_SEE_OTHER)
     auth.clear_cookie(resp)
     return resp
+
+
+@router.get("/docs", response_class=HTMLResponse)
+def api_docs(request: Request) -> Response:
+    """Swagger UI over ``/openapi.json``, from the vendored assets (no CDN, no inline
+    script)."""
+    return templates.TemplateResponse(request, "docs.html",
+                                      {"openapi_url": request.app.openapi_url})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,42 @@ def test_plan_naming_a_missing_checkpoint_rolls_back_further_or_refuses(
         ckpt3.resume(ResumePlan(checkpoint=str(tmp_path / "step_3")))
 
 
+@pytest.mark.parametrize("named", ["/etc", "../../..", "symlink", "elsewhere"])
+def test_plan_naming_a_checkpoint_outside_the_directory_stops_the_worker(
+        tmp_path: Path, named: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP unpickles .metadata: only the Checkpointer's own directory is ever loaded."""
+    root, other = tmp_path / "ck", tmp_path / "other"
+    _, _, _, elsewhere = make(other)
+    elsewhere.save(5)  # a complete checkpoint, just not this run's
+    _, _, _, ckpt = make(root)
+    ckpt.save(2)
+    (root / "step_9").symlink_to(other / "step_5")
+    monkeypatch.chdir(root)
+    path = {"/etc": "/etc", "../../..": "../../..", "symlink": str(root / "step_9"),
+            "elsewhere": str(other / "step_5")}[named]
+    _, _, _, ckpt2 = make(root)
+    with pytest.raises(ValueError, match=r"resume plan refused: checkpoint .* is not inside "
+                                         r"this run.s checkpoint directory"):
+        ckpt2.resume(ResumePlan(checkpoint=path))
+    with pytest.raises(ValueError, match="not inside"):
+        ckpt2.load(path)
+
+
+def test_a_step_symlink_leading_out_of_the_directory_is_passed_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, other = tmp_path / "ck", tmp_path / "other"
+    _, _, _, elsewhere = make(other)
+    elsewhere.save(5)
+    _, _, _, ckpt = make(root)
+    ckpt.save(2)
+    (root / "step_9").symlink_to(other / "step_5")
+    _, _, _, ckpt2 = make(root)
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        info = ckpt2.resume(None)
+    assert info.start_step == 2 and info.checkpoint == root / "step_2"
+    assert f"step_9: resolves to {other / 'step_5'}, outside" in caplog.text
+
+
 def test_retention_keeps_last_k_plus_pinned(tmp_path: Path) -> None:
     model, opt, loader, ckpt = make(tmp_path, keep=2, retention_grace_s=0)
     for step in (1, 2, 3):
