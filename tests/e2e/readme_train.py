@@ -193,5 +193,6 @@ if info.rank == 0 and args.summary_json:
         h.update(full[key].detach().contiguous().numpy().tobytes())
     with open(args.summary_json, "w") as f:
         json.dump({"weights_sha256": h.hexdigest(), "final_loss": loss.item(),
-                   "started_at_step": start, "resumed_from": ckpt.resumed_from}, f)
+                   "started_at_step": start, "resumed_from": ckpt.resumed_from,
+                   "model_class": type(model).__name__}, f)
 dist.destroy_process_group()

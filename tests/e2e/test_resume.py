@@ -119,6 +119,8 @@ def test_readme_loop_with_dropout_and_random_augmentation_resumes_bit_identical(
     assert crashed.returncode == 0, crashed.output[-3000:]
     assert "exitcode: -9" in crashed.output, crashed.output[-3000:]
     assert clean.summary is not None and crashed.summary is not None
+    assert clean.summary["model_class"] == {"ddp": "DistributedDataParallel",
+                                            "fsdp": "FSDPNet"}[wrap]
     assert clean.summary["started_at_step"] == 0
     assert crashed.summary["started_at_step"] > 0, crashed.summary  # from a checkpoint
     assert crashed.summary["weights_sha256"] == clean.summary["weights_sha256"]
