@@ -148,7 +148,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
-    metrics.install(app, db=database, clock=clock, restart_budget=settings.restart_budget,
-                    rollback_budget=settings.rollback_budget)
+    metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
+                    straggler=evaluator.detection.straggler)
     app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

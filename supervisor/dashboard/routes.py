@@ -18,8 +18,9 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
-from supervisor.api.deps import DB, ClockDep, ReadAuth
+from supervisor.api.deps import DB, ClockDep, ReadAuth, Straggler
 from supervisor.dashboard import auth, etag, views
+from supervisor.detect.straggler import StragglerConfig
 from supervisor.store import repo
 
 HERE = Path(__file__).resolve().parent
@@ -160,10 +161,12 @@ def _run_or_404(conn: Connection, name: str) -> dict[str, Any]:
     return run
 
 
-def _run_context(db: Any, name: str, now: float) -> dict[str, Any]:
+def _run_context(db: Any, name: str, now: float, straggler: StragglerConfig
+                 ) -> dict[str, Any]:
     with db.read() as conn:
         r = _run_or_404(conn, name)
-        return {"run": views.run_row(conn, r, now), **views.run_tables(conn, r, now)}
+        return {"run": views.run_row(conn, r, now),
+                **views.run_tables(conn, r, now, straggler)}
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -183,22 +186,23 @@ async def runs_page(request: Request, db: DB, clock: ClockDep) -> Response:
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)
-async def run_page(run: str, request: Request, db: DB, clock: ClockDep) -> Response:
+async def run_page(run: str, request: Request, db: DB, clock: ClockDep,
+                   straggler: Straggler) -> Response:
     role = await _page_auth(request)
     if isinstance(role, Response):
         return role
     now = clock()
-    ctx = await run_in_threadpool(_run_context, db, run, now)
+    ctx = await run_in_threadpool(_run_context, db, run, now, straggler)
     return templates.TemplateResponse(
         request, "run.html", {**ctx, "now": now, "principal": role, "poll_ms": POLL_MS})
 
 
 @router.get("/runs/{run}/tables", response_class=HTMLResponse)
-def run_tables(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth
-               ) -> Response:
+def run_tables(run: str, request: Request, db: DB, clock: ClockDep, straggler: Straggler,
+               _auth: ReadAuth) -> Response:
     """The run page's tables alone (the page's script swaps them in when the run changed)."""
     now = clock()
-    ctx = _run_context(db, run, now)
+    ctx = _run_context(db, run, now, straggler)
     return templates.TemplateResponse(request, "_run_tables.html", {**ctx, "now": now})
 
 
@@ -225,10 +229,11 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
 
 
 @router.get("/dashboard/api/runs/{run}/series")
-def run_series(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+def run_series(run: str, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
     """Chart extras: spike/rollback markers, per-rank phase times, and the factor that turns
     throughput into MFU (null until the run declares FLOPs and the hardware peak)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
         return {"run": run, "markers": views.markers(conn, r["id"]),
-                "ranks": views.rank_series(conn, r["id"]), "mfu": views.mfu_feed(conn, r["id"])}
+                "ranks": views.rank_series(conn, r["id"], straggler),
+                "mfu": views.mfu_feed(conn, r["id"])}

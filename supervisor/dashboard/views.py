@@ -7,7 +7,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from supervisor import metrics
+from supervisor import metrics, observe
+from supervisor.detect.straggler import StragglerConfig
 from supervisor.store import repo
 
 LIST_LIMIT = 200  # rows of each table on the run page
@@ -55,8 +56,10 @@ def stacks_of(incident: dict[str, Any]) -> list[tuple[str, str]]:
     return [(str(k), str(stacks[k])) for k in sorted(stacks, key=key)]
 
 
-def run_tables(conn: Connection, run: dict[str, Any], now: float) -> dict[str, Any]:
-    """Incidents, actions, checkpoints, nodes and ranks of a run."""
+def run_tables(conn: Connection, run: dict[str, Any], now: float,
+               straggler: StragglerConfig) -> dict[str, Any]:
+    """Incidents, actions, checkpoints, nodes and ranks of a run (``straggler``: the
+    detector's configuration, which the ranks' scores are computed with)."""
     run_id = run["id"]
     incidents = repo.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT)
     for inc in incidents:
@@ -64,11 +67,7 @@ def run_tables(conn: Connection, run: dict[str, Any], now: float) -> dict[str, A
         inc["details_other"] = {k: v for k, v in (inc.get("details") or {}).items()
                                 if k != "stacks"}
     newest = repo.newest_step(conn, run_id=run_id)
-    scores = metrics.run_scores(conn, run_id, newest)
-    ranks = repo.rank_latest(conn, run_id=run_id)
-    for r in ranks:
-        r["score"] = scores.get(int(r["rank"]))
-    ranks.sort(key=lambda r: (r["score"] if r["score"] is not None else 9e9, r["rank"]))
+    ranks = observe.rank_rows(conn, run_id, newest, straggler)
     protected = set(run.get("protected") or [])
     checkpoints = repo.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)
     for c in checkpoints:
@@ -80,6 +79,7 @@ def run_tables(conn: Connection, run: dict[str, Any], now: float) -> dict[str, A
         "agents": [node_health(a) for a in repo.run_agents(conn, run_id=run_id)],
         "ranks": ranks[:RANKS_SHOWN],
         "ranks_total": len(ranks),
+        "straggler": straggler,
     }
 
 
@@ -149,7 +149,7 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
     return out
 
 
-def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
+def rank_series(conn: Connection, run_id: int, straggler: StragglerConfig) -> dict[str, Any]:
     """Per-rank data+compute seconds over the newest attempt's last steps: the slowest ranks
     and the median over all ranks (so a slow rank stands out)."""
     newest = repo.newest_step(conn, run_id=run_id)
@@ -157,7 +157,7 @@ def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
         return {"attempt": None, "steps": [], "series": [], "median": []}
     nodes = repo.rank_node_names(conn, run_id=run_id)
     n_ranks = max(1, len(nodes))
-    window = max(metrics.STRAGGLER_WINDOW, min(300, RANK_POINTS_BUDGET // n_ranks))
+    window = max(straggler.window_steps, min(300, RANK_POINTS_BUDGET // n_ranks))
     rows = repo.rank_phase_rows(conn, run_id=run_id, attempt=int(newest["attempt"]),
                                 step_from=int(newest["step"]) - window + 1)
     by_step: dict[int, dict[int, float]] = {}
@@ -167,12 +167,15 @@ def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
         by_step.setdefault(int(r["step"]), {})[int(r["rank"])] = \
             float(r["data_s"] or 0.0) + float(r["compute_s"] or 0.0)
     steps = sorted(by_step)
-    scores = metrics.run_scores(conn, run_id, newest)  # the same as the table's and /metrics'
-    shown = sorted(scores, key=lambda k: (scores[k], k))[:RANK_SERIES_SHOWN]
+    # the same scores as the table's, the API's and /metrics'
+    scores = observe.run_scores(conn, run_id, newest, straggler)
+    shown = sorted(scores, key=lambda k: (scores[k].score, k))[:RANK_SERIES_SHOWN]
     return {
         "attempt": newest["attempt"],
         "steps": steps,
-        "series": [{"rank": k, "node": nodes.get(k, ""), "score": scores[k],
+        "threshold": straggler.threshold,
+        "series": [{"rank": k, "node": nodes.get(k, ""), "score": scores[k].score,
+                    "slow": scores[k].slow,
                     "values": [by_step[s].get(k) for s in steps]} for k in shown],
         "median": [statistics.median(by_step[s].values()) for s in steps],
     }

@@ -77,16 +77,19 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
                                               clock: FakeClock, evaluator: Evaluator) -> None:
     seed(client, db, clock, evaluator)
     run = SynthRun(client, "alpha", agents={0: 1, 1: 2}, seq={0: 100, 1: 100})
-    run.train(range(40, 45), t0=T0 + 30, attempt=1, slow_rank=2)
+    # 12 steps: the detector judges a rank on 10 or more (a fresh attempt is not scored on
+    # a handful), and the chart's scores are the detector's
+    run.train(range(40, 52), t0=T0 + 30, attempt=1, slow_rank=2)
     clock.advance(1)
     evaluator.tick()  # the restart resumes at step 40
     feed = client.get("/dashboard/api/runs/alpha/series", headers=OPERATOR).json()
     kinds = {(m["type"], m["from"], m["to"]) for m in feed["markers"]}
     assert ("spike", 30, 36) in kinds and ("restart", 40, 40) in kinds
     ranks = feed["ranks"]
-    assert ranks["attempt"] == 1 and ranks["steps"] == [40, 41, 42, 43, 44]
+    assert ranks["attempt"] == 1 and ranks["steps"] == list(range(40, 52))
     assert ranks["series"][0]["rank"] == 2 and ranks["series"][0]["score"] < 0.75
-    assert len(ranks["median"]) == 5 and feed["mfu"] is None
+    assert ranks["series"][0]["slow"] is True and ranks["threshold"] == 0.75
+    assert len(ranks["median"]) == 12 and feed["mfu"] is None
     steps = client.get("/api/v1/runs/alpha/steps?max_points=10", headers=OPERATOR).json()
     assert len(steps["points"]) <= 10
 

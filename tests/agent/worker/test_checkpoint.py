@@ -13,6 +13,7 @@ from agent.protocol import LRSchedule, ResumePlan
 from agent.worker import Checkpointer, ResumableLoader, list_checkpoints, read_meta
 from agent.worker.checkpoint import PARTIAL_SUFFIX, validate_checkpoint
 from agent.worker.report import Reporter
+from tests.agent.worker.rng import global_rng
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -267,3 +268,26 @@ def test_saved_lr_schedule_resumes_mid_ramp(tmp_path: Path) -> None:
     assert [ckpt3.lr_factor(s) for s in (12, 19, 20)] == [ckpt2.lr_factor(s)
                                                            for s in (12, 19, 20)]
     assert ckpt3.lr_factor(12) == pytest.approx(0.2 + 0.8 * 3 / 10)
+
+
+@pytest.mark.parametrize("iter_first", [False, True], ids=["resume-then-iter", "iter-then-resume"])
+def test_iterating_a_restored_loader_leaves_the_global_rngs_as_resume_left_them(
+        tmp_path: Path, iter_first: bool) -> None:
+    """After ``resume()`` restored the RNGs, nothing of trainwarden draws from them: the
+    first ``next()`` starts the loader (a DataLoader draws a base seed from the global
+    torch RNG unless it has a generator of its own), and every dropout mask after a resume
+    would be shifted by that draw."""
+    model, opt, loader, ckpt = make(tmp_path)
+    train(model, opt, iter(loader), 3)
+    ckpt.save(3)
+    _, _, loader2, ckpt2 = make(tmp_path)
+    batches = iter(loader2) if iter_first else None
+    ckpt2.resume(None)
+    restored = global_rng()
+    if batches is None:
+        batches = iter(loader2)
+    assert global_rng() == restored
+    assert next(batches).index == 3
+    assert global_rng() == restored
+    next(batches)
+    assert global_rng() == restored
