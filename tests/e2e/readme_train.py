@@ -126,11 +126,6 @@ def shard_per_block(model: Net) -> Net:
 
 
 DDP: Any = DistributedDataParallel if args.wrap == "ddp" else shard_per_block
-if args.wrap == "fsdp":
-    # The library's attach_compute_timer registers a DDP comm hook, which an FSDP2 model does
-    # not have: it raises AttributeError there.  FSDP2's compute time is then the whole step.
-    def attach_compute_timer(model: torch.nn.Module, timer: PhaseTimer) -> None:
-        pass
 
 dataset = AugmentedData(4096)
 _calls = 0
