@@ -16,6 +16,7 @@ from supervisor import dashboard, metrics, observe, policy, wire
 from supervisor.api import agents, rollback, runs
 from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
+from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
 from supervisor.detect import HangConfig, NodeLostConfig
 from supervisor.detect.disk import DiskConfig
@@ -144,7 +145,8 @@ def create_app(
             repo.ping(conn)
         return {"status": "ok"}
 
-    # Outermost: oversized bodies are refused before anything parses them.
+    app.add_middleware(JsonApiBodies)  # curl -d's default form type carries JSON too
+    # Outside it: oversized bodies are refused before anything parses them.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
