@@ -22,7 +22,7 @@ from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
-from supervisor.store import repo
+from supervisor.store import reads
 from supervisor.store.db import Database, make_database
 
 log = logging.getLogger("trainwarden.supervisor")
@@ -137,7 +137,7 @@ def create_app(
     def healthz(db: DB) -> dict[str, str]:
         """Liveness plus a database round trip; no token needed."""
         with db.read() as conn:
-            repo.ping(conn)
+            reads.ping(conn)
         return {"status": "ok"}
 
     # Outermost: oversized bodies are refused before anything parses them.

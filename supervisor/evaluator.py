@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sqlalchemy import Connection
-
 from supervisor import actions, observe, policy
 from supervisor.detect import Finding
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
-from supervisor.store import repo
-from supervisor.store.db import Database
+from supervisor.store import recovery as rec
+from supervisor.store import registry, windows
+from supervisor.store.db import Connection, Database
+from supervisor.store.rows import NodeEventRow, RunRow
 
 log = logging.getLogger("trainwarden.evaluator")
 
@@ -68,7 +68,7 @@ class Evaluator:
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
         self._event_cursor = 0  # worker events are read once, in id order
-        self._unattached: list[dict] = []  # stack dumps that arrived before their incident
+        self._unattached: list[NodeEventRow] = []  # stack dumps that arrived before their incident
         # run id -> when its stragglers were last judged, and how long that took
         self._straggler_at: dict[int, tuple[float, float]] = {}
         self._phase_windows: dict[int, observe.PhaseWindow] = {}  # run id -> its window
@@ -78,7 +78,7 @@ class Evaluator:
         now = self.clock()
         rep = TickReport()
         with self.db.read() as conn:
-            active = repo.active_runs(conn)
+            active = registry.active_runs(conn)
             observed = {int(run["id"]): obs for run in active
                         if (obs := self._observe(conn, run, now)) is not None}
         live = {int(r["id"]) for r in active}
@@ -89,13 +89,13 @@ class Evaluator:
         for gone in self._straggler_at.keys() - live:
             del self._straggler_at[gone]
         with self.db.write() as conn:
-            for ex in repo.unhandled_exits(conn):
+            for ex in rec.unhandled_exits(conn):
                 rep.exits += 1
                 # Fresh run state each time: an earlier exit in this tick may have moved it.
-                run = repo.get_run(conn, run_id=ex["run_id"])
-                agent_ids = frozenset(a["id"] for a in repo.run_agents(conn, run_id=run["id"]))
-                ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
-                pending = repo.restart_action_for(conn, run_id=run["id"],
+                run = registry.get_run(conn, run_id=ex["run_id"])
+                agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"]))
+                ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+                pending = rec.restart_action_for(conn, run_id=run["id"],
                                                   attempt=run["attempt"])
                 restart_pending = pending is not None and pending["status"] in (
                     "queued", "delivered") and ex["attempt"] == run["attempt"] - 1
@@ -106,15 +106,15 @@ class Evaluator:
                         attempt=ex["attempt"], outcome=ex["outcome"],
                         exit_code=ex["exit_code"], signal=ex["signal"],
                         failed_ranks=list(ex["failed_ranks"] or []),
-                        rank_steps={int(r["rank"]): int(r["step"]) for r in repo.rank_progress(
+                        rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
                             conn, run_id=run["id"], attempt=int(ex["attempt"]))},
-                        peer_error_ranks=repo.ranks_with_event(
+                        peer_error_ranks=windows.ranks_with_event(
                             conn, run_id=run["id"], attempt=int(ex["attempt"]),
                             name="distributed_error"),
                     ),
                     agent_ids=agent_ids,
                     completed_agent_ids=frozenset(
-                        repo.completed_agents(conn, run_id=run["id"],
+                        rec.completed_agents(conn, run_id=run["id"],
                                               attempt=ex["attempt"] if restart_pending
                                               else run["attempt"])
                     ),
@@ -131,35 +131,35 @@ class Evaluator:
                 verdict = decision.verdict if isinstance(decision, policy.Note) else (
                     "completed" if isinstance(decision, policy.Complete) else "failure"
                 )
-                repo.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
-            for action in repo.actions_in_progress(conn):
+                rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
+            for action in rec.actions_in_progress(conn):
                 if actions.advance(conn, action=action, now=now) != action["status"]:
                     rep.advanced += 1
             self._worker_events(conn, now, rep)
-            for run in repo.active_runs(conn):
+            for run in registry.active_runs(conn):
                 obs = observed.get(int(run["id"]))
                 if obs is not None and obs.attempt == int(run["attempt"]):
                     self._act_on(conn, run, obs, now, rep)
-            for run in repo.active_runs(conn):
-                repo.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
+            for run in registry.active_runs(conn):
+                rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
         return rep
 
-    def _protect(self, conn: Connection, run: dict) -> None:
+    def _protect(self, conn: Connection, run: RunRow) -> None:
         """Publish what the workers' retention must keep (every ingest reply carries it)."""
         facts = policy.ProtectFacts(
-            checkpoints=tuple(repo.lineage_checkpoint_times(conn, run_id=run["id"])),
+            checkpoints=tuple(rec.lineage_checkpoints(conn, run_id=run["id"])),
             open_incidents=tuple(
                 (i["kind"], i["step"], float(i["opened_at"]))
-                for i in repo.incidents_of(conn, run_id=run["id"], status="open")),
+                for i in rec.incidents_of(conn, run_id=run["id"], status="open")),
             pending_targets=tuple(
-                str(a["plan"]["checkpoint"]) for a in repo.actions_in_progress(conn)
+                str((a["plan"] or {})["checkpoint"]) for a in rec.actions_in_progress(conn)
                 if a["run_id"] == run["id"] and a["kind"] == "restart"
-                and isinstance((a.get("plan") or {}).get("checkpoint"), str)),
+                and isinstance((a["plan"] or {}).get("checkpoint"), str)),
         )
         paths = policy.protected_checkpoints(facts, self.cfg)
         if paths != list(run.get("protected") or []):
-            repo.set_protected(conn, run_id=run["id"], paths=paths)
+            registry.set_protected(conn, run_id=run["id"], paths=paths)
 
     # -- detection ---------------------------------------------------------------------------
 
@@ -170,19 +170,20 @@ class Evaluator:
         retry, self._unattached = self._unattached, []
         for ev in retry:
             if now - float(ev["t"]) < 300:  # an incident that never comes: give up in time
-                self._attach_stacks(conn, repo.get_run(conn, run_id=ev["run_id"]), ev, now)
-        for ev in repo.events_after(conn, after_id=self._event_cursor, names=names):
+                self._attach_stacks(conn, registry.get_run(conn, run_id=ev["run_id"]), ev, now)
+        for ev in windows.events_after(conn, after_id=self._event_cursor, names=names):
             self._event_cursor = max(self._event_cursor, int(ev["id"]))
-            run = repo.get_run(conn, run_id=ev["run_id"])
+            run = registry.get_run(conn, run_id=ev["run_id"])
             if ev["name"] == _STACKS_EVENT:
                 self._attach_stacks(conn, run, ev, now)
                 continue
             details = dict(ev.get("details") or {})
             collective = details.get("collective", "unknown")
-            if ev.get("step") is None and ev.get("rank") is not None:
+            rank = ev["rank"]
+            if ev["step"] is None and rank is not None:
                 # The step it was stuck in: the one after the last its rank reported.
-                last = {int(r["rank"]): int(r["step"]) for r in repo.rank_progress(
-                    conn, run_id=run["id"], attempt=int(ev["attempt"]))}.get(int(ev["rank"]))
+                last = {int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
+                    conn, run_id=run["id"], attempt=int(ev["attempt"]))}.get(rank)
                 ev = {**ev, "step": None if last is None else last + 1}
             where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
             finding = policy.FindingFacts(
@@ -195,34 +196,34 @@ class Evaluator:
             rep.findings += 1
             self._decide(conn, run, finding, now, rep)
 
-    def _attach_stacks(self, conn: Connection, run: dict, ev: dict, now: float) -> None:
+    def _attach_stacks(self, conn: Connection, run: RunRow, ev: NodeEventRow, now: float) -> None:
         details = ev.get("details") or {}
         incident_id = None
         if isinstance(details.get("command_id"), int):
-            incident_id = repo.incident_for_command(conn, command_id=details["command_id"])
+            incident_id = rec.incident_for_command(conn, command_id=details["command_id"])
         if incident_id is None:  # the agent's own watchdog: the hang of that attempt
-            hangs = repo.incidents_of(conn, run_id=run["id"], attempt=ev["attempt"],
+            hangs = rec.incidents_of(conn, run_id=run["id"], attempt=ev["attempt"],
                                       kinds=["hang"])
             incident_id = hangs[-1]["id"] if hangs else None
         if incident_id is None:
             self._unattached.append(ev)  # the exit that opens the hang incident may follow
             return
-        inc = repo.get_incident(conn, incident_id=incident_id)
+        inc = rec.get_incident(conn, incident_id=incident_id)
         assert inc is not None
         merged = {**(inc["details"] or {}),
                   "stacks": {**((inc["details"] or {}).get("stacks") or {}),
                              **(details.get("stacks") or {})},
                   "stacks_node": ev.get("node")}
-        repo.update_incident(conn, incident_id=incident_id, details=merged, updated_at=now)
+        rec.update_incident(conn, incident_id=incident_id, details=merged, updated_at=now)
 
-    def _observe(self, conn: Connection, run: dict, now: float) -> Observation | None:
+    def _observe(self, conn: Connection, run: RunRow, now: float) -> Observation | None:
         """Run the detectors on the run's windows (reads only)."""
         cfg = self.detection
         started = observe.attempt_started_at(conn, run)
         if started is None:
             return None  # a restart is under way: judge the new attempt once it runs
         since = max(self.observing_since, started)
-        agents = repo.agent_liveness(conn, run_id=run["id"])
+        agents = windows.agent_liveness(conn, run_id=run["id"])
         findings: list[Finding] = []
         findings += observe.hang_findings(conn, run, now=now,
                                           observing_since=self.observing_since, cfg=cfg,
@@ -233,7 +234,7 @@ class Evaluator:
         last_at, cost = self._straggler_at.get(int(run["id"]), (float("-inf"), 0.0))
         if now - last_at >= max(cfg.straggler_interval_s, cfg.straggler_cost_factor * cost):
             t0 = time.perf_counter()
-            open_stragglers = {int(i["rank"]) for i in repo.incidents_of(
+            open_stragglers = {int(i["rank"]) for i in rec.incidents_of(
                 conn, run_id=run["id"], kinds=["straggler"], status="open")
                 if i["rank"] is not None}
             window = self._phase_windows.setdefault(
@@ -253,7 +254,7 @@ class Evaluator:
         findings += observe.disk_findings(conn, run, cfg=cfg, agents=agents)
         return Observation(attempt=int(run["attempt"]), findings=findings, stragglers=slow)
 
-    def _act_on(self, conn: Connection, run: dict, obs: Observation, now: float,
+    def _act_on(self, conn: Connection, run: RunRow, obs: Observation, now: float,
                 rep: TickReport) -> None:
         """Hand one run's findings to the policy and apply its decisions."""
         if obs.stragglers is not None:
@@ -267,17 +268,17 @@ class Evaluator:
                 attempt=obs.attempt, step=f.step, rank=f.rank, node=f.node,
                 details=_jsonable(f.details))
             self._decide(conn, run, facts, now, rep)
-            run = repo.get_run(conn, run_id=run["id"])  # a decision may have moved it
+            run = registry.get_run(conn, run_id=run["id"])  # a decision may have moved it
 
-    def _resolve_ended_stragglers(self, conn: Connection, run: dict,
+    def _resolve_ended_stragglers(self, conn: Connection, run: RunRow,
                                   slow: dict[int | None, Finding], now: float) -> None:
         """One episode, one incident: while its rank is flagged the incident is updated;
         it is resolved once the rank has not been flagged for a whole hold window (a score
         near the threshold flickers, and that must not open and close incidents)."""
-        span = repo.step_range(conn, run_id=run["id"], attempt=run["attempt"])
+        span = windows.step_range(conn, run_id=run["id"], attempt=run["attempt"])
         newest = span[1] if span else None
         hold = max(self.detection.straggler.hold_steps, self.detection.straggler.window_steps)
-        for inc in repo.incidents_of(conn, run_id=run["id"], kinds=["straggler"],
+        for inc in rec.incidents_of(conn, run_id=run["id"], kinds=["straggler"],
                                      status="open"):
             details = dict(inc["details"] or {})
             f = slow.get(inc["rank"])
@@ -285,22 +286,22 @@ class Evaluator:
                 fresh = {**details, "last_flagged_step": newest,
                          "score": f.details.get("score")}
                 if fresh != details:  # touch the row only when the episode moved on
-                    repo.update_incident(conn, incident_id=inc["id"], details=fresh,
+                    rec.update_incident(conn, incident_id=inc["id"], details=fresh,
                                          updated_at=now)
                 continue
             last = details.get("last_flagged_step", details.get("flagged_at_step"))
             if inc["attempt"] != run["attempt"] or newest is None or last is None \
                     or newest - int(last) >= hold:
-                repo.resolve_incident(conn, incident_id=inc["id"], now=now)
+                rec.resolve_incident(conn, incident_id=inc["id"], now=now)
 
-    def _decide(self, conn: Connection, run: dict, finding: policy.FindingFacts, now: float,
+    def _decide(self, conn: Connection, run: RunRow, finding: policy.FindingFacts, now: float,
                 rep: TickReport) -> None:
-        this_attempt = repo.incidents_of(conn, run_id=run["id"], attempt=run["attempt"])
+        this_attempt = rec.incidents_of(conn, run_id=run["id"], attempt=run["attempt"])
         open_watch = frozenset(
             (i["kind"], i["rank"] if i["kind"] == "straggler" else None)
-            for i in repo.incidents_of(conn, run_id=run["id"], status="open")
+            for i in rec.incidents_of(conn, run_id=run["id"], status="open")
             if i["kind"] in policy.WATCH_KINDS)
-        ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
         decision = policy.on_finding(
             actions.facts(run), finding,
             incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
@@ -333,9 +334,9 @@ class Evaluator:
         return th, stop
 
 
-def _seen_event(conn: Connection, run: dict, d: policy.RecordEvent) -> bool:
+def _seen_event(conn: Connection, run: RunRow, d: policy.RecordEvent) -> bool:
     """An event finding is recorded once per episode (same name and start step)."""
-    prev = repo.latest_event(conn, run_id=run["id"], attempt=run["attempt"], name=d.name)
+    prev = windows.latest_event(conn, run_id=run["id"], attempt=run["attempt"], name=d.name)
     return prev is not None and prev.get("step") == d.step
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Response
@@ -33,12 +33,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection
 
 from supervisor.api.deps import ReadAuth
 from supervisor.evaluator import Clock
-from supervisor.store import repo
-from supervisor.store.db import Database
+from supervisor.store import reads, registry, windows
+from supervisor.store import recovery as rec
+from supervisor.store.db import Connection, Database
+from supervisor.store.rows import AgentRow, RunRow, StepAggregateRow, Throughput
 
 ACTIVE_STATUSES = ("running", "restarting")
 RECENT_S = 24 * 3600.0
@@ -61,7 +62,7 @@ INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # derived values (pure)
 
 
-def restart_cause(action: dict[str, Any]) -> str:
+def restart_cause(action: Mapping[str, Any]) -> str:
     """The ``cause`` label of one restart action."""
     if action.get("actor") == "operator":
         return "operator"
@@ -93,7 +94,7 @@ def restarts_without_progress(max_steps: dict[int, int], current_attempt: int,
     return streak
 
 
-def straggler_scores(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
+def straggler_scores(rows: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     """Median-based score per rank over per-rank timing rows (``rank``, ``data_s``,
     ``compute_s``): median over ranks of the mean pre-collective time / this rank's mean.
     1.0 is typical, below ~0.75 a straggler.  Ranks without timings get no score."""
@@ -110,29 +111,29 @@ def straggler_scores(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
     return {rank: (med / m if m > 0 else 1.0) for rank, m in means.items()}
 
 
-def run_scores(conn: Connection, run_id: int, newest: dict[str, Any] | None
+def run_scores(conn: Connection, run_id: int, newest: StepAggregateRow | None
                ) -> dict[int, float]:
     """Straggler scores of the newest attempt's last ``STRAGGLER_WINDOW`` steps up to
-    ``repo.delivered_step``: scored on newer steps, a rank would be compared with fewer peers,
+    ``reads.delivered_step``: scored on newer steps, a rank would be compared with fewer peers,
     and the ranks behind would get no score at all."""
     if newest is None:
         return {}
     attempt = int(newest["attempt"])
-    upto = repo.delivered_step(conn, run_id=run_id, attempt=attempt)
+    upto = reads.delivered_step(conn, run_id=run_id, attempt=attempt)
     if upto is None:
         return {}
-    rows = repo.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
+    rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
                                 step_from=upto - STRAGGLER_WINDOW + 1, step_to=upto)
     return straggler_scores(rows)
 
 
-def mfu(declared: dict[str, Any] | None, throughput: dict[str, Any]) -> float | None:
+def mfu(declared: dict[str, Any] | None, throughput: Throughput) -> float | None:
     """Model FLOPs utilisation from a ``flops_declared`` event's details and
-    ``repo.throughput``'s figures; None when not declared or not measurable yet."""
-    factor = mfu_factor(declared, throughput.get("ranks"))
+    ``reads.throughput``'s figures; None when not declared or not measurable yet."""
+    factor = mfu_factor(declared, throughput["ranks"])
     if factor is None:
         return None
-    rate = throughput.get("samples_per_s" if factor[0] == "samples" else "tokens_per_s")
+    rate = throughput["samples_per_s"] if factor[0] == "samples" else throughput["tokens_per_s"]
     return None if rate is None else rate * factor[1]
 
 
@@ -150,7 +151,7 @@ def mfu_factor(declared: dict[str, Any] | None, ranks: Any) -> tuple[str, float]
     return None
 
 
-def budgets_left(restarts: Sequence[dict[str, Any]], *, restart_budget: int,
+def budgets_left(restarts: Sequence[Mapping[str, Any]], *, restart_budget: int,
                  rollback_budget: int) -> dict[str, int]:
     """Per budget cause: what is left after the automatic restarts counted against it (as
     ``policy.budget_left`` counts them)."""
@@ -163,7 +164,7 @@ def budgets_left(restarts: Sequence[dict[str, Any]], *, restart_budget: int,
             for c in BUDGET_CAUSES}
 
 
-def mean_loss(agg: dict[str, Any]) -> float | None:
+def mean_loss(agg: Mapping[str, Any]) -> float | None:
     if agg.get("loss_nonfinite"):
         return math.nan
     n = agg.get("loss_count") or 0
@@ -250,33 +251,34 @@ class StoreCollector(Collector):
         f = _Families()
         now = self.clock()
         with self.db.read() as conn:
-            for run in repo.runs_for_metrics(conn, active=ACTIVE_STATUSES, since=now - RECENT_S):
+            for run in registry.runs_for_metrics(conn, active=ACTIVE_STATUSES,
+                                                 since=now - RECENT_S):
                 self._run(conn, f, run, now)
         yield from f.all()
 
-    def _run(self, conn: Connection, f: _Families, run: dict[str, Any], now: float) -> None:
+    def _run(self, conn: Connection, f: _Families, run: RunRow, now: float) -> None:
         name, run_id = str(run["name"]), int(run["id"])
         f.info.add_metric([name, str(run["status"])], 1)
         f.active.add_metric([name], 1 if run["status"] in ACTIVE_STATUSES else 0)
         f.attempt.add_metric([name], run["attempt"])
-        newest = repo.newest_step(conn, run_id=run_id)
+        newest = reads.newest_step(conn, run_id=run_id)
         if newest is not None:
             f.step.add_metric([name], newest["step"])
             loss = mean_loss(newest)
             if loss is not None:
                 f.loss.add_metric([name], loss)
-            tp = repo.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
+            tp = reads.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
             if tp["samples_per_s"] is not None:
                 f.throughput.add_metric([name], tp["samples_per_s"])
-            util = mfu(repo.flops_declaration(conn, run_id=run_id), tp)
+            util = mfu(reads.flops_declaration(conn, run_id=run_id), tp)
             if util is not None:
                 f.mfu.add_metric([name], util)
         f.since_step.add_metric(
             [name], max(0.0, now - (newest["t_last"] if newest else run["created_at"])))
-        ckpt = repo.newest_complete_checkpoint(conn, run_id=run_id)
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run_id)
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))
-        restarts = repo.restart_actions(conn, run_id=run_id)
+        restarts = reads.restart_actions(conn, run_id=run_id)
         by_cause = dict.fromkeys(RESTART_CAUSES, 0)
         for a in restarts:
             cause = restart_cause(a)
@@ -286,23 +288,23 @@ class StoreCollector(Collector):
         for cause, left in budgets_left(restarts, restart_budget=self.restart_budget,
                                         rollback_budget=self.rollback_budget).items():
             f.budget.add_metric([name, cause], left)
-        counts = repo.open_incident_counts(conn, run_id=run_id)
+        counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
         f.no_progress.add_metric([name], restarts_without_progress(
-            repo.max_step_by_attempt(conn, run_id=run_id), int(run["attempt"]),
+            rec.max_steps(conn, run_id=run_id), int(run["attempt"]),
             (int(a["attempt"]) for a in restarts)))
         scores = run_scores(conn, run_id, newest)
         if scores:
-            nodes = repo.rank_node_names(conn, run_id=run_id)
+            nodes = windows.rank_nodes(conn, run_id=run_id)
             for rank, score in sorted(scores.items(), key=lambda kv: (kv[1], kv[0]))[
                     :STRAGGLER_TOP]:
                 f.straggler.add_metric([name, str(rank), nodes.get(rank, "")], score)
-        for ag in repo.run_agents(conn, run_id=run_id):
+        for ag in registry.run_agents(conn, run_id=run_id):
             self._agent(f, name, ag, now)
 
     @staticmethod
-    def _agent(f: _Families, name: str, ag: dict[str, Any], now: float) -> None:
+    def _agent(f: _Families, name: str, ag: AgentRow, now: float) -> None:
         node = str(ag["node"])
         f.hb_age.add_metric([name, node], max(0.0, now - ag["last_seen_at"]))
         free, total = ag["disk_free_bytes"], ag.get("disk_total_bytes")

@@ -8,7 +8,7 @@ Conventions, and why:
   (``"nan"``, ``"inf"``, ``"-inf"``): SQLite stores NaN as NULL, and a NaN loss is a signal that
   must survive storage; the value column is NULL then;
 * the hot tables (``rank_steps``, ``step_aggregates``) are written only through Core bulk
-  statements in ``repo.py``; the ORM classes exist for the schema and for readable queries.
+  statements in ``ingest.py``; the ORM classes exist for the schema and for readable queries.
 """
 
 from __future__ import annotations
