@@ -3,11 +3,13 @@
 ``tick`` observes first, in a read transaction: the detectors' windows (per-rank timings of
 the newest steps, losses, progress) are the expensive part, thousands of rows for a big run,
 and reading them inside the write transaction held the store's one writer (and with it every
-agent's ingest) for the whole tick.  Then one short write transaction applies what the policy
-makes of the exits, worker events and findings.  A finding observed for an attempt the run
-has left by then is dropped (the next tick observes the new one).  ``run`` is a thin loop
-around ``tick`` (a daemon thread started by the app); the clock is injected so tests drive
-exactly one tick at a chosen time.
+agent's ingest) for the whole tick.  Then one short write transaction, in steps: the agents'
+exit reports (``_exits``), the progress of the actions under way, the workers' failure events
+and stack dumps, the findings (a finding observed for an attempt the run has left by then is
+dropped: the next tick observes the new one), and last the checkpoints to protect.  What the
+evaluator keeps of a run between ticks is one ``RunState``.  ``run`` is a thin loop around
+``tick`` (a daemon thread started by the app); the clock is injected so tests drive exactly
+one tick at a chosen time.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
 from supervisor.store.db import Connection, Database
-from supervisor.store.rows import NodeEventRow, RunRow
+from supervisor.store.rows import ExitRow, NodeEventRow, RunRow
 
 log = logging.getLogger("trainwarden.evaluator")
 
@@ -57,6 +59,17 @@ class TickReport:
     findings: int = 0
 
 
+@dataclass
+class RunState:
+    """What the evaluator keeps about one active run between ticks; it goes when the run
+    stops being active (completed, failed, stopped)."""
+
+    window: observe.PhaseWindow  # per-rank pre-collective times, read incrementally
+    straggler_at: float = float("-inf")  # when its stragglers were last judged ...
+    straggler_cost_s: float = 0.0  # ... and how long that took
+    loss_seen: tuple[int, int] | None = None  # (attempt, newest step) of the last loss look
+
+
 class Evaluator:
     def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
                  detection: observe.DetectionConfig | None = None) -> None:
@@ -68,70 +81,15 @@ class Evaluator:
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
         self._event_cursor = 0  # worker events are read once, in id order
-        self._unattached: list[NodeEventRow] = []  # stack dumps that arrived before their incident
-        # run id -> when its stragglers were last judged, and how long that took
-        self._straggler_at: dict[int, tuple[float, float]] = {}
-        self._phase_windows: dict[int, observe.PhaseWindow] = {}  # run id -> its window
-        self._loss_seen: dict[int, tuple[int, int]] = {}  # run id -> (attempt, newest step)
+        self._unattached: list[NodeEventRow] = []  # stack dumps that came before their incident
+        self._runs: dict[int, RunState] = {}  # run id -> its state (active runs only)
 
     def tick(self) -> TickReport:
         now = self.clock()
         rep = TickReport()
-        with self.db.read() as conn:
-            active = registry.active_runs(conn)
-            observed = {int(run["id"]): obs for run in active
-                        if (obs := self._observe(conn, run, now)) is not None}
-        live = {int(r["id"]) for r in active}
-        for gone in self._phase_windows.keys() - live:
-            del self._phase_windows[gone]  # the run ended: its window goes with it
-        for gone in self._loss_seen.keys() - live:
-            del self._loss_seen[gone]
-        for gone in self._straggler_at.keys() - live:
-            del self._straggler_at[gone]
+        observed = self._observe_active(now)
         with self.db.write() as conn:
-            for ex in rec.unhandled_exits(conn):
-                rep.exits += 1
-                # Fresh run state each time: an earlier exit in this tick may have moved it.
-                run = registry.get_run(conn, run_id=ex["run_id"])
-                agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"]))
-                ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
-                pending = rec.restart_action_for(conn, run_id=run["id"],
-                                                  attempt=run["attempt"])
-                restart_pending = pending is not None and pending["status"] in (
-                    "queued", "delivered") and ex["attempt"] == run["attempt"] - 1
-                decision = policy.on_exit(
-                    actions.facts(run),
-                    policy.ExitFacts(
-                        id=ex["id"], agent_id=ex["agent_id"], node=ex["node"],
-                        attempt=ex["attempt"], outcome=ex["outcome"],
-                        exit_code=ex["exit_code"], signal=ex["signal"],
-                        failed_ranks=list(ex["failed_ranks"] or []),
-                        rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
-                            conn, run_id=run["id"], attempt=int(ex["attempt"]))},
-                        peer_error_ranks=windows.ranks_with_event(
-                            conn, run_id=run["id"], attempt=int(ex["attempt"]),
-                            name="distributed_error"),
-                    ),
-                    agent_ids=agent_ids,
-                    completed_agent_ids=frozenset(
-                        rec.completed_agents(conn, run_id=run["id"],
-                                              attempt=ex["attempt"] if restart_pending
-                                              else run["attempt"])
-                    ),
-                    restart_pending=restart_pending,
-                    recovery=actions.recovery(conn, run),
-                    checkpoint=ckpt["path"] if ckpt else None,
-                    cfg=self.cfg,
-                    now=now,
-                )
-                if not isinstance(decision, policy.Note):
-                    rep.decisions += 1
-                    log.info("run %s: %s", run["name"], decision)
-                actions.apply(conn, run=run, decision=decision, now=now)
-                verdict = decision.verdict if isinstance(decision, policy.Note) else (
-                    "completed" if isinstance(decision, policy.Complete) else "failure"
-                )
-                rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
+            self._exits(conn, now, rep)
             for action in rec.actions_in_progress(conn):
                 if actions.advance(conn, action=action, now=now) != action["status"]:
                     rep.advanced += 1
@@ -144,6 +102,67 @@ class Evaluator:
                 rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
         return rep
+
+    def _observe_active(self, now: float) -> dict[int, Observation]:
+        """Run the detectors on every active run (one read transaction); the state of runs
+        that are no longer active goes."""
+        with self.db.read() as conn:
+            active = registry.active_runs(conn)
+            for gone in self._runs.keys() - {int(r["id"]) for r in active}:
+                del self._runs[gone]
+            return {int(run["id"]): obs for run in active
+                    if (obs := self._observe(conn, run, self._state(run), now)) is not None}
+
+    def _state(self, run: RunRow) -> RunState:
+        state = self._runs.get(int(run["id"]))
+        if state is None:
+            state = self._runs[int(run["id"])] = RunState(
+                observe.PhaseWindow(self.detection.straggler_table_steps))
+        return state
+
+    # -- exits -------------------------------------------------------------------------------
+
+    def _exits(self, conn: Connection, now: float, rep: TickReport) -> None:
+        """Every agent exit report not handled yet, in the order they arrived."""
+        for ex in rec.unhandled_exits(conn):
+            rep.exits += 1
+            # Fresh run state each time: an earlier exit in this tick may have moved it.
+            run = registry.get_run(conn, run_id=ex["run_id"])
+            decision = self._on_exit(conn, run, ex, now)
+            if not isinstance(decision, policy.Note):
+                rep.decisions += 1
+                log.info("run %s: %s", run["name"], decision)
+            actions.apply(conn, run=run, decision=decision, now=now)
+            verdict = decision.verdict if isinstance(decision, policy.Note) else (
+                "completed" if isinstance(decision, policy.Complete) else "failure"
+            )
+            rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
+
+    def _on_exit(self, conn: Connection, run: RunRow, ex: ExitRow, now: float
+                 ) -> policy.Decision:
+        """The policy's decision on one exit, given the run's state in the store."""
+        agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"]))
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+        pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+        restart_pending = pending is not None and pending["status"] in (
+            "queued", "delivered") and ex["attempt"] == run["attempt"] - 1
+        attempt = int(ex["attempt"])
+        facts = policy.ExitFacts(
+            id=ex["id"], agent_id=ex["agent_id"], node=ex["node"], attempt=attempt,
+            outcome=ex["outcome"], exit_code=ex["exit_code"], signal=ex["signal"],
+            failed_ranks=list(ex["failed_ranks"] or []),
+            rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
+                conn, run_id=run["id"], attempt=attempt)},
+            peer_error_ranks=windows.ranks_with_event(
+                conn, run_id=run["id"], attempt=attempt, name="distributed_error"),
+        )
+        completed = rec.completed_agents(
+            conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])
+        return policy.on_exit(
+            actions.facts(run), facts, agent_ids=agent_ids,
+            completed_agent_ids=frozenset(completed), restart_pending=restart_pending,
+            recovery=actions.recovery(conn, run), checkpoint=ckpt["path"] if ckpt else None,
+            cfg=self.cfg, now=now)
 
     def _protect(self, conn: Connection, run: RunRow) -> None:
         """Publish what the workers' retention must keep (every ingest reply carries it)."""
@@ -216,7 +235,8 @@ class Evaluator:
                   "stacks_node": ev.get("node")}
         rec.update_incident(conn, incident_id=incident_id, details=merged, updated_at=now)
 
-    def _observe(self, conn: Connection, run: RunRow, now: float) -> Observation | None:
+    def _observe(self, conn: Connection, run: RunRow, state: RunState, now: float
+                 ) -> Observation | None:
         """Run the detectors on the run's windows (reads only)."""
         cfg = self.detection
         started = observe.attempt_started_at(conn, run)
@@ -231,24 +251,23 @@ class Evaluator:
         findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
                                                cfg=cfg, agents=agents)
         slow: dict[int | None, Finding] | None = None
-        last_at, cost = self._straggler_at.get(int(run["id"]), (float("-inf"), 0.0))
-        if now - last_at >= max(cfg.straggler_interval_s, cfg.straggler_cost_factor * cost):
+        if now - state.straggler_at >= max(cfg.straggler_interval_s,
+                                           cfg.straggler_cost_factor * state.straggler_cost_s):
             t0 = time.perf_counter()
             open_stragglers = {int(i["rank"]) for i in rec.incidents_of(
                 conn, run_id=run["id"], kinds=["straggler"], status="open")
                 if i["rank"] is not None}
-            window = self._phase_windows.setdefault(
-                int(run["id"]), observe.PhaseWindow(cfg.straggler_table_steps))
             stragglers = observe.straggler_findings(conn, run, cfg=cfg,
-                                                    open_ranks=open_stragglers, window=window)
+                                                    open_ranks=open_stragglers,
+                                                    window=state.window)
             findings += stragglers
             slow = {f.rank: f for f in stragglers}
-            self._straggler_at[int(run["id"])] = (now, time.perf_counter() - t0)
-        seen = self._loss_seen.get(int(run["id"]))
+            state.straggler_at, state.straggler_cost_s = now, time.perf_counter() - t0
+        seen = state.loss_seen
         rows = observe.loss_rows(conn, run, cfg=cfg, seen_step=seen[1] if seen and
                                  seen[0] == int(run["attempt"]) else None)
         if rows:
-            self._loss_seen[int(run["id"])] = (int(run["attempt"]), int(rows[-1]["step"]))
+            state.loss_seen = (int(run["attempt"]), int(rows[-1]["step"]))
         findings += observe.loss_findings(rows, cfg=cfg)
         findings += observe.throughput_findings(rows, cfg=cfg)
         findings += observe.disk_findings(conn, run, cfg=cfg, agents=agents)
