@@ -32,7 +32,6 @@ from agent.pins import CheckpointPins
 from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
 from agent.watchdog import HangWatch
-from supervisor.detect.hang import HangConfig
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +115,7 @@ class Agent:
         self._signal: int | None = None
         self._registered_attempt_checked = False
         self.started_at = clock()
-        self.watch = HangWatch(HangConfig(floor_s=config.hang_floor_s,
-                                          startup_s=config.hang_startup_s,
-                                          warmup_s=config.hang_warmup_s))
+        self.watch = HangWatch(config.hang)
         self._hung_attempt: int | None = None
         pins = saved.get("pins")
         # (an agent of an earlier version saved its restart pins as a plain list)

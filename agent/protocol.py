@@ -116,6 +116,9 @@ class CheckpointReport(TypedDict, total=False):
     save_s: float  # from the save call to complete
     async_save: bool
     lineage: str  # id of the chain of attempts that wrote it (see ResumePlan.lineage)
+    # agent.worker reports a checkpoint once it is complete and leaves this out (true); a
+    # reporter may send false for one it knows to be incomplete (never offered for a resume).
+    complete: bool
 
 
 WorkerMessage = StepReport | WorkerEvent | CheckpointReport
