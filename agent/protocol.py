@@ -30,6 +30,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
 
+from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+
 PROTOCOL_VERSION = 1
 
 # Environment variables the agent sets for the workers it launches.
@@ -332,7 +334,7 @@ class HeartbeatItem(TypedDict, total=False):
     type: Literal["heartbeat"]
     t: float
     attempt: int
-    state: str  # "starting" | "running" | "stopping" | "stopped" | "finished" | "failed"
+    state: AgentState
     workers: list[dict[str, Any]]  # {rank, local_rank, pid, cpu_percent, rss_bytes}
     disk_free_bytes: int | None  # of the checkpoint root's file system
     disk_total_bytes: int | None
@@ -350,9 +352,7 @@ class ExitItem(TypedDict, total=False):
     attempt: int
     exit_code: int | None
     signal: int | None
-    # "completed" (exit 0), "crashed" (a worker failed), "stopped" (by a command or signal),
-    # "hung" (the agent's watchdog killed it: no progress while the supervisor was away)
-    outcome: str
+    outcome: ExitOutcome
     failed_ranks: list[dict[str, Any]]  # {rank, local_rank, exit_code, signal, pid, message}
 
 
@@ -360,7 +360,7 @@ class CommandResultItem(TypedDict, total=False):
     type: Literal["command_result"]
     t: float
     command_id: int
-    status: str  # "delivered" | "done" | "failed"
+    status: CommandStatus  # one of COMMAND_RESULTS: delivered, done, failed
     detail: str
 
 
@@ -373,13 +373,13 @@ class IngestBatch(TypedDict, total=False):
     items: list[dict[str, Any]]
 
 
-COMMAND_RESTART = "restart"
-COMMAND_STOP = "stop"
+COMMAND_RESTART = CommandKind.RESTART
+COMMAND_STOP = CommandKind.STOP
 
 
 class Command(TypedDict, total=False):
     id: int
-    kind: str  # "restart" | "stop"
+    kind: CommandKind
     attempt: int  # for restart: the attempt number the new torchrun runs as
     plan: dict[str, Any] | None  # ResumePlan as a dict, for restart
     not_before: float | None  # unix time: backoff before relaunching

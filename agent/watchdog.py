@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from agent.core.findings import Finding
+from agent.core.findings import Finding, FindingKind
 from agent.core.hang import (
     HangConfig,
     ProgressWindow,
@@ -75,7 +75,7 @@ class HangWatch:
             steps_in_attempt=self.steps_in_attempt, step_intervals=list(self.intervals),
             checkpoint_since=self.checkpoint_since, recent_save_s=list(self.recent_save_s))
         for f in detect_hang(window, now, self.cfg):
-            if f.kind == "hang":
+            if f.kind == FindingKind.HANG:
                 return f
         return None
 

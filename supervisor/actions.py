@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.core.states import CommandKind, CommandStatus
 from supervisor import policy
+from supervisor.enums import ActionKind, ActionStatus, Actor, RestartCause, RunStatus
 from supervisor.policy import (
     Complete,
     Decision,
@@ -35,10 +37,11 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
     run_id = int(run["id"])
     ckpts = [(s, p) for s, _, p in rec.lineage_checkpoints(conn, run_id=run_id)]
     history = [h for h in rec.restart_history(conn, run_id=run_id)
-               if h["actor"] == "policy"]
+               if h["actor"] == Actor.POLICY]
     by_cause: dict[str, int] = {}
     for h in history:
-        by_cause[h["cause"] or "crash"] = by_cause.get(h["cause"] or "crash", 0) + 1
+        cause = h["cause"] or RestartCause.CRASH
+        by_cause[cause] = by_cause.get(cause, 0) + 1
     wanted = sorted({*(steps or []), *(s for s, _ in ckpts)})
     return policy.RecoveryFacts(
         checkpoints=tuple(ckpts),
@@ -84,16 +87,16 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
                           message=decision.message, details=decision.details)
         return None
     if isinstance(decision, Complete):
-        registry.set_run_status(conn, run_id=run_id, status="completed", now=now,
+        registry.set_run_status(conn, run_id=run_id, status=RunStatus.COMPLETED, now=now,
                                 reason=decision.reason)
         rec.resolve_incidents(conn, run_id=run_id, now=now)
         # A restart that never reached the workers is moot now.
         rec.supersede_commands(conn, run_id=run_id, now=now)
         for a in rec.actions_in_progress(conn):
             if a["run_id"] == run_id:
-                rec.update_action(conn, action_id=a["id"], status="superseded",
+                rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
                                    updated_at=now, progress={**a["progress"],
-                                                             "superseded": now})
+                                                             ActionStatus.SUPERSEDED: now})
         return None
     agent_ids = [a["id"] for a in registry.run_agents(conn, run_id=run_id)]
     incident_id = _incident(conn, run_id, decision.incident, now)
@@ -101,12 +104,13 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     rec.supersede_commands(conn, run_id=run_id, now=now)
     for a in rec.actions_in_progress(conn):
         if a["run_id"] == run_id:
-            rec.update_action(conn, action_id=a["id"], status="superseded", updated_at=now,
-                               progress={**a["progress"], "superseded": now})
+            rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
+                              updated_at=now,
+                              progress={**a["progress"], ActionStatus.SUPERSEDED: now})
     if isinstance(decision, Restart):
         action_id = rec.create_action(
-            conn, run_id=run_id, incident_id=incident_id, kind="restart",
-            reason=decision.reason, actor=decision.actor, status="queued",
+            conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.RESTART,
+            reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
             attempt=decision.attempt, not_before=decision.not_before, created_at=now,
             cause=decision.cause, high_step=_high_step(conn, run_id),
             rollback_to_step=decision.rollback_to_step,
@@ -118,27 +122,30 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
         plan = decision.plan(action_id=action_id)
         rec.update_action(conn, action_id=action_id, plan=plan)
         rec.create_commands(conn, rows=[
-            {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "restart",
+            {"run_id": run_id, "agent_id": aid, "action_id": action_id,
+             "kind": CommandKind.RESTART,
              "attempt": decision.attempt, "plan": plan, "not_before": decision.not_before,
-             "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
-             "collect_stacks": decision.collect_stacks, "created_at": now, "updated_at": now}
+             "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
+             "detail": "", "collect_stacks": decision.collect_stacks, "created_at": now,
+             "updated_at": now}
             for aid in agent_ids
         ])
         restarts = int(run["restarts"]) + (1 if decision.counts_against_budget else 0)
-        registry.set_run_status(conn, run_id=run_id, status="restarting", now=now,
+        registry.set_run_status(conn, run_id=run_id, status=RunStatus.RESTARTING, now=now,
                                 reason=decision.reason, attempt=decision.attempt,
                                 restarts=restarts)
         return action_id
     assert isinstance(decision, Stop)
     action_id = rec.create_action(
-        conn, run_id=run_id, incident_id=incident_id, kind="stop", reason=decision.reason,
-        actor=decision.actor, status="queued", attempt=int(run["attempt"]), created_at=now,
+        conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.STOP,
+        reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
+        attempt=int(run["attempt"]), created_at=now,
     )
     rec.create_commands(conn, rows=[
-        {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "stop",
+        {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": CommandKind.STOP,
          "attempt": int(run["attempt"]), "plan": None, "not_before": None,
-         "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
-         "created_at": now, "updated_at": now}
+         "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
+         "detail": "", "created_at": now, "updated_at": now}
         for aid in agent_ids
     ])
     registry.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
@@ -153,27 +160,29 @@ def advance(conn: Connection, *, action: ActionRow, now: float) -> str:
     statuses = rec.action_command_statuses(conn, action_id=action["id"])
     new = status
     values: dict[str, Any] = {}
-    if "failed" in statuses:
-        new = "failed"
+    if CommandStatus.FAILED in statuses:
+        new = ActionStatus.FAILED
     else:
-        acked = all(s in ("delivered", "done") for s in statuses)
-        done = all(s == "done" for s in statuses)
-        if new == "queued" and acked:
-            new = "delivered"
-            progress["delivered"] = now
-        if new == "delivered" and done:
-            new = "restarted" if action["kind"] == "restart" else "done"
+        acked = all(s in (CommandStatus.DELIVERED, CommandStatus.DONE) for s in statuses)
+        done = all(s == CommandStatus.DONE for s in statuses)
+        if new == ActionStatus.QUEUED and acked:
+            new = ActionStatus.DELIVERED
+            progress[ActionStatus.DELIVERED] = now
+        if new == ActionStatus.DELIVERED and done:
+            new = (ActionStatus.RESTARTED if action["kind"] == ActionKind.RESTART
+                   else ActionStatus.DONE)
             progress[new] = now
-        if action["kind"] == "restart":
+        if action["kind"] == ActionKind.RESTART:
             span = windows.step_range(conn, run_id=action["run_id"], attempt=action["attempt"])
             if span is not None:
                 first = span[0]
-                new = "resumed"
+                new = ActionStatus.RESUMED
                 values["resumed_step"] = first
                 run = registry.get_run(conn, run_id=action["run_id"])
-                if run["status"] == "restarting" and run["attempt"] == action["attempt"]:
-                    registry.set_run_status(conn, run_id=run["id"], status="running", now=now,
-                                            reason=f"resumed at step {first}")
+                if (run["status"] == RunStatus.RESTARTING
+                        and run["attempt"] == action["attempt"]):
+                    registry.set_run_status(conn, run_id=run["id"], status=RunStatus.RUNNING,
+                                            now=now, reason=f"resumed at step {first}")
                 rec.resolve_incidents(conn, run_id=action["run_id"], now=now)
     if new != status:
         progress[new] = now

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from supervisor.enums import ActionStatus
+
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
 
@@ -168,8 +170,8 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
             last = a["status"]
             extra = f" at step {a['resumed_step']}" if a.get("resumed_step") is not None else ""
             print(f"  action {action_id}: {last}{extra}")
-        if last in ("resumed", "failed", "superseded"):
-            return 0 if last == "resumed" else 1
+        if last in (ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatus.SUPERSEDED):
+            return 0 if last == ActionStatus.RESUMED else 1
         time.sleep(0.5)
     return 0
 

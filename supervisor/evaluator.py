@@ -20,9 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agent import protocol
+from agent.core.findings import FindingKind, Severity
 from supervisor import actions, observe, policy
 from supervisor.detect import Finding
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
+from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
 from supervisor.store.db import Connection, Database
@@ -36,8 +39,8 @@ Clock = Callable[[], float]
 # Worker events that end an attempt, with the incident kind they open.  A "distributed_error"
 # (connection reset by a peer, ...) is left out on purpose: it is what the survivors see when
 # a peer dies, and the agent's exit report that follows names the rank that really failed.
-_FAILURE_EVENTS = {"collective_timeout": "collective_timeout"}
-_STACKS_EVENT = "stacks"
+_FAILURE_EVENTS = {protocol.EVENT_COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
+_STACKS_EVENT = protocol.EVENT_STACKS
 # Event findings whose detector already reports each episode once (from the store's events).
 _EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
 
@@ -145,7 +148,7 @@ class Evaluator:
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
         pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
         restart_pending = pending is not None and pending["status"] in (
-            "queued", "delivered") and ex["attempt"] == run["attempt"] - 1
+            ActionStatus.QUEUED, ActionStatus.DELIVERED) and ex["attempt"] == run["attempt"] - 1
         attempt = int(ex["attempt"])
         facts = policy.ExitFacts(
             id=ex["id"], agent_id=ex["agent_id"], node=ex["node"], attempt=attempt,
@@ -154,7 +157,7 @@ class Evaluator:
             rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
                 conn, run_id=run["id"], attempt=attempt)},
             peer_error_ranks=windows.ranks_with_event(
-                conn, run_id=run["id"], attempt=attempt, name="distributed_error"),
+                conn, run_id=run["id"], attempt=attempt, name=protocol.EVENT_DISTRIBUTED_ERROR),
         )
         completed = rec.completed_agents(
             conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])
@@ -170,10 +173,11 @@ class Evaluator:
             checkpoints=tuple(rec.lineage_checkpoints(conn, run_id=run["id"])),
             open_incidents=tuple(
                 (i["kind"], i["step"], float(i["opened_at"]))
-                for i in rec.incidents_of(conn, run_id=run["id"], status="open")),
+                for i in rec.incidents_of(conn, run_id=run["id"],
+                                          status=IncidentStatus.OPEN)),
             pending_targets=tuple(
                 str((a["plan"] or {})["checkpoint"]) for a in rec.actions_in_progress(conn)
-                if a["run_id"] == run["id"] and a["kind"] == "restart"
+                if a["run_id"] == run["id"] and a["kind"] == ActionKind.RESTART
                 and isinstance((a["plan"] or {}).get("checkpoint"), str)),
         )
         paths = policy.protected_checkpoints(facts, self.cfg)
@@ -206,7 +210,7 @@ class Evaluator:
                 ev = {**ev, "step": None if last is None else last + 1}
             where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
             finding = policy.FindingFacts(
-                kind=_FAILURE_EVENTS[ev["name"]], severity="incident",
+                kind=_FAILURE_EVENTS[ev["name"]], severity=Severity.INCIDENT,
                 message=f"{ev['name'].replace('_', ' ')} in {collective} on {where}: "
                         f"{ev['message']}",
                 attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
@@ -222,7 +226,7 @@ class Evaluator:
             incident_id = rec.incident_for_command(conn, command_id=details["command_id"])
         if incident_id is None:  # the agent's own watchdog: the hang of that attempt
             hangs = rec.incidents_of(conn, run_id=run["id"], attempt=ev["attempt"],
-                                      kinds=["hang"])
+                                      kinds=[IncidentKind.HANG])
             incident_id = hangs[-1]["id"] if hangs else None
         if incident_id is None:
             self._unattached.append(ev)  # the exit that opens the hang incident may follow
@@ -255,7 +259,8 @@ class Evaluator:
                                            cfg.straggler_cost_factor * state.straggler_cost_s):
             t0 = time.perf_counter()
             open_stragglers = {int(i["rank"]) for i in rec.incidents_of(
-                conn, run_id=run["id"], kinds=["straggler"], status="open")
+                conn, run_id=run["id"], kinds=[IncidentKind.STRAGGLER],
+                status=IncidentStatus.OPEN)
                 if i["rank"] is not None}
             stragglers = observe.straggler_findings(conn, run, cfg=cfg,
                                                     open_ranks=open_stragglers,
@@ -279,7 +284,7 @@ class Evaluator:
         if obs.stragglers is not None:
             self._resolve_ended_stragglers(conn, run, obs.stragglers, now)
         for f in obs.findings:
-            if f.kind == "rank_stalled":
+            if f.kind == FindingKind.RANK_STALLED:
                 continue  # its hang (if it is one) is judged by the hang finding
             rep.findings += 1
             facts = policy.FindingFacts(
@@ -297,8 +302,8 @@ class Evaluator:
         span = windows.step_range(conn, run_id=run["id"], attempt=run["attempt"])
         newest = span[1] if span else None
         hold = max(self.detection.straggler.hold_steps, self.detection.straggler.window_steps)
-        for inc in rec.incidents_of(conn, run_id=run["id"], kinds=["straggler"],
-                                     status="open"):
+        for inc in rec.incidents_of(conn, run_id=run["id"], kinds=[IncidentKind.STRAGGLER],
+                                     status=IncidentStatus.OPEN):
             details = dict(inc["details"] or {})
             f = slow.get(inc["rank"])
             if f is not None:
@@ -317,8 +322,8 @@ class Evaluator:
                 rep: TickReport) -> None:
         this_attempt = rec.incidents_of(conn, run_id=run["id"], attempt=run["attempt"])
         open_watch = frozenset(
-            (i["kind"], i["rank"] if i["kind"] == "straggler" else None)
-            for i in rec.incidents_of(conn, run_id=run["id"], status="open")
+            (i["kind"], i["rank"] if i["kind"] == IncidentKind.STRAGGLER else None)
+            for i in rec.incidents_of(conn, run_id=run["id"], status=IncidentStatus.OPEN)
             if i["kind"] in policy.WATCH_KINDS)
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
         decision = policy.on_finding(

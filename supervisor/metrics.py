@@ -35,24 +35,28 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from supervisor.api.deps import ReadAuth
+from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind, RestartCause
 from supervisor.evaluator import Clock
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection, Database
 from supervisor.store.rows import AgentRow, RunRow, StepAggregateRow, Throughput
 
-ACTIVE_STATUSES = ("running", "restarting")
 RECENT_S = 24 * 3600.0
-INCIDENT_KINDS = ("crash", "hang", "collective_timeout", "node_lost", "straggler",
-                  "loss_spike", "nonfinite")
-RESTART_CAUSES = ("crash", "hang", "spike", "operator", "node_lost", "collective_timeout")
+INCIDENT_KINDS = tuple(IncidentKind)
+RESTART_CAUSES: tuple[str, ...] = (
+    RestartCause.CRASH, RestartCause.HANG, RestartCause.SPIKE, RestartCause.OPERATOR,
+    RestartCause.NODE_LOST, IncidentKind.COLLECTIVE_TIMEOUT)
 # Incident kind -> restart cause label; anything else is "other".
-_CAUSE_OF_KIND = {"crash": "crash", "hang": "hang", "loss_spike": "spike", "nonfinite": "spike",
-                  "spike": "spike", "node_lost": "node_lost",
-                  "collective_timeout": "collective_timeout"}
+_CAUSE_OF_KIND: dict[str, str] = {
+    IncidentKind.CRASH: RestartCause.CRASH, IncidentKind.HANG: RestartCause.HANG,
+    IncidentKind.LOSS_SPIKE: RestartCause.SPIKE, IncidentKind.NONFINITE: RestartCause.SPIKE,
+    RestartCause.SPIKE: RestartCause.SPIKE, IncidentKind.NODE_LOST: RestartCause.NODE_LOST,
+    IncidentKind.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
 STRAGGLER_WINDOW = 20  # steps of per-rank timings behind a straggler score
 STRAGGLER_TOP = 16  # rank series exported per run: the lowest scores
-BUDGET_CAUSES = ("crash", "hang", "node_lost", "spike")
+BUDGET_CAUSES = (RestartCause.CRASH, RestartCause.HANG, RestartCause.NODE_LOST,
+                 RestartCause.SPIKE)
 GPUS_PER_NODE = 16  # GPU series exported per node
 INGEST_PATH = "/api/v1/ingest"
 INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -64,8 +68,8 @@ INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 def restart_cause(action: Mapping[str, Any]) -> str:
     """The ``cause`` label of one restart action."""
-    if action.get("actor") == "operator":
-        return "operator"
+    if action.get("actor") == Actor.OPERATOR:
+        return RestartCause.OPERATOR
     return _CAUSE_OF_KIND.get(str(action.get("incident_kind") or ""), "other")
 
 
@@ -157,10 +161,10 @@ def budgets_left(restarts: Sequence[Mapping[str, Any]], *, restart_budget: int,
     ``policy.budget_left`` counts them)."""
     used = dict.fromkeys(BUDGET_CAUSES, 0)
     for a in restarts:
-        if a.get("actor") == "policy":
-            cause = a.get("cause") or "crash"
+        if a.get("actor") == Actor.POLICY:
+            cause = a.get("cause") or RestartCause.CRASH
             used[cause] = used.get(cause, 0) + 1
-    return {c: max(0, (rollback_budget if c == "spike" else restart_budget) - used[c])
+    return {c: max(0, (rollback_budget if c == RestartCause.SPIKE else restart_budget) - used[c])
             for c in BUDGET_CAUSES}
 
 
@@ -251,8 +255,7 @@ class StoreCollector(Collector):
         f = _Families()
         now = self.clock()
         with self.db.read() as conn:
-            for run in registry.runs_for_metrics(conn, active=ACTIVE_STATUSES,
-                                                 since=now - RECENT_S):
+            for run in registry.runs_for_metrics(conn, since=now - RECENT_S):
                 self._run(conn, f, run, now)
         yield from f.all()
 
@@ -279,7 +282,7 @@ class StoreCollector(Collector):
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))
         restarts = reads.restart_actions(conn, run_id=run_id)
-        by_cause = dict.fromkeys(RESTART_CAUSES, 0)
+        by_cause: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
         for a in restarts:
             cause = restart_cause(a)
             by_cause[cause] = by_cause.get(cause, 0) + 1

@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from agent.core.findings import FindingKind
+from agent.core.states import LIVE_AGENT_STATES
 from supervisor.detect import (
     Finding,
     HangConfig,
@@ -31,6 +33,7 @@ from supervisor.detect import (
     pre_collective_table,
 )
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
+from supervisor.enums import ActionStatus
 from supervisor.store import recovery as rec
 from supervisor.store import windows
 from supervisor.store.db import Connection
@@ -40,8 +43,6 @@ from supervisor.store.rows import AgentLiveness, LossRow, RunRow
 # know what its workers did.
 _DELIVERY_SLACK_S = 1.0
 
-# Agent states that mean "this node is supposed to be alive and training".
-_LIVE_AGENT_STATES = {"registered", "starting", "running", "stopping"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def attempt_started_at(conn: Connection, run: RunRow) -> float | None:
     if action is None:
         return float(run["updated_at"])
     progress = action.get("progress") or {}
-    t = progress.get("restarted") or progress.get("resumed")
+    t = progress.get(ActionStatus.RESTARTED) or progress.get(ActionStatus.RESUMED)
     return None if t is None else float(t)
 
 
@@ -117,13 +118,13 @@ def hang_findings(conn: Connection, run: RunRow, *, now: float,
     # gap, not a hang.  An agent that stays silent is the node-lost detector's business.
     if agents is None:
         agents = windows.agent_liveness(conn, run_id=run["id"])
-    seen = [float(a["last_seen_at"]) for a in agents if a["state"] in _LIVE_AGENT_STATES]
+    seen = [float(a["last_seen_at"]) for a in agents if a["state"] in LIVE_AGENT_STATES]
     if seen:
         now = min(now, min(seen) + _DELIVERY_SLACK_S)
     out = detect_hang(w, now, cfg.hang)
     if w.ranks:  # a hang is "after the newest step any rank reported"
         newest = max(p.step for p in w.ranks.values())
-        out = [dataclasses.replace(f, step=newest) if f.kind == "hang" and f.step is None
+        out = [dataclasses.replace(f, step=newest) if f.kind == FindingKind.HANG and f.step is None
                else f for f in out]
     return out
 
@@ -134,7 +135,7 @@ def lost_node_findings(conn: Connection, run: RunRow, *, now: float,
     if agents is None:
         agents = windows.agent_liveness(conn, run_id=run["id"])
     beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents
-             if a["state"] in _LIVE_AGENT_STATES}
+             if a["state"] in LIVE_AGENT_STATES}
     return detect_lost_nodes(beats, now, cfg.node_lost, observing_since=observing_since)
 
 

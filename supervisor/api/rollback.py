@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from agent.protocol import LRSchedule, normalize_ranges
 from supervisor import actions, policy
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor.enums import Actor
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
 from supervisor.store.rows import ActionRow
@@ -85,7 +86,7 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
             actions.facts(r), checkpoint=ck["path"], step=int(ck["step"]),
             skip=tuple((int(a), int(b)) for a, b in req.skip), lr=lr,
             reason=req.reason or f"operator rollback to step {ck['step']}",
-            actor="operator", now=now)
+            actor=Actor.OPERATOR, now=now)
         if isinstance(decision, policy.Note):
             raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
         action_id = actions.apply(conn, run=r, decision=decision, now=now)

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from supervisor import actions, policy
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor.enums import Actor
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
@@ -161,7 +162,7 @@ def restart_run(
             newest = rec.newest_complete_checkpoint(conn, run_id=r["id"])
             ckpt = newest["path"] if newest else None
         return policy.operator_restart(actions.facts(r), checkpoint=ckpt, reason=req.reason,
-                                       actor="operator", now=clock())
+                                       actor=Actor.OPERATOR, now=clock())
 
     return _operator(db, run, clock(), decide)
 
@@ -174,5 +175,5 @@ def stop_run(
     return _operator(
         db, run, clock(),
         lambda conn, r: policy.operator_stop(actions.facts(r), reason=req.reason,
-                                             actor="operator"),
+                                             actor=Actor.OPERATOR),
     )

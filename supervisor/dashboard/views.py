@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from supervisor import metrics
+from supervisor.enums import ActionKind, IncidentKind, RestartCause
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
@@ -14,7 +15,7 @@ from supervisor.store.rows import AgentRow, RunRow, Throughput
 
 LIST_LIMIT = 200  # rows of each table on the run page
 RANKS_SHOWN = 32  # the lowest straggler scores
-SPIKE_KINDS = frozenset({"loss_spike", "nonfinite", "spike"})
+SPIKE_KINDS = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE, RestartCause.SPIKE})
 RANK_SERIES_SHOWN = 8
 RANK_POINTS_BUDGET = 20_000  # per-rank timing rows read for the phase-time chart
 
@@ -136,7 +137,7 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
         out.append({"type": "spike", "kind": inc["kind"], "from": start,
                     "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}"})
     for a in reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):
-        if a["kind"] == "stop":
+        if a["kind"] == ActionKind.STOP:
             continue
         plan = a.get("plan") or {}
         step = _int(a.get("resumed_step"))

@@ -30,6 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from agent.core.states import CommandStatus
 from supervisor import wire
 from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
 from supervisor.store.tables import (
@@ -408,7 +409,7 @@ _PENDING_ONE = (
            commands.c.not_before, commands.c.reason, commands.c.collect_stacks)
     # A literal, not a bound value: the raw statement binds only the names it is given.
     .where(commands.c.agent_id == bindparam("agent_id"),
-           commands.c.status == literal_column("'pending'"))
+           commands.c.status == literal_column(f"'{CommandStatus.PENDING}'"))
     .order_by(commands.c.id)
 )
 _HEADS = (
@@ -421,7 +422,7 @@ _PENDING_MANY = (
            commands.c.plan, commands.c.not_before, commands.c.reason,
            commands.c.collect_stacks)
     .where(commands.c.agent_id.in_(bindparam("ids", expanding=True)),
-           commands.c.status == literal_column("'pending'"))
+           commands.c.status == literal_column(f"'{CommandStatus.PENDING}'"))
     .order_by(commands.c.id)
 )
 
@@ -512,8 +513,8 @@ def _apply_command_result(
     # Only the agent's own commands; "done"/"failed" are final, a late "delivered" after them
     # must not move the status back.
     cond = [commands.c.id == item.command_id, commands.c.agent_id == agent_id]
-    if item.status == "delivered":
-        cond.append(commands.c.status == "pending")
+    if item.status == CommandStatus.DELIVERED:
+        cond.append(commands.c.status == CommandStatus.PENDING)
     res = conn.execute(
         update(commands).where(*cond).values(status=item.status, detail=item.detail,
                                              updated_at=now)

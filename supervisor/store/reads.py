@@ -9,6 +9,8 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
+from agent.protocol import EVENT_FLOPS_DECLARED
+from supervisor.enums import ActionKind, IncidentStatus
 from supervisor.store._sql import row, with_specials
 from supervisor.store.rows import (
     ActionRow,
@@ -203,7 +205,7 @@ def list_events(conn: Connection, *, run_id: int, limit: int = 1000) -> list[Eve
 
 def open_incident_counts(conn: Connection, *, run_id: int) -> dict[str, int]:
     i = incidents.c
-    q = (select(i.kind, func.count()).where(i.run_id == run_id, i.status == "open")
+    q = (select(i.kind, func.count()).where(i.run_id == run_id, i.status == IncidentStatus.OPEN)
          .group_by(i.kind))
     return {str(r[0]): int(r[1]) for r in conn.execute(q)}
 
@@ -215,7 +217,7 @@ def restart_actions(conn: Connection, *, run_id: int) -> list[RestartRow]:
         select(ac.id, ac.kind, ac.actor, ac.status, ac.attempt, ac.resumed_step,
                ac.created_at, ac.cause, incidents.c.kind.label("incident_kind"))
         .select_from(actions.outerjoin(incidents, incidents.c.id == ac.incident_id))
-        .where(ac.run_id == run_id, ac.kind.in_(("restart", "rollback")))
+        .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART)
         .order_by(ac.id)
     )
     return [cast(RestartRow, row(r)) for r in conn.execute(q)]
@@ -224,7 +226,7 @@ def restart_actions(conn: Connection, *, run_id: int) -> list[RestartRow]:
 def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
     """The details of the run's newest ``flops_declared`` event (for MFU), or None."""
     q = (select(events.c.details).where(events.c.run_id == run_id,
-                                         events.c.name == "flops_declared")
+                                         events.c.name == EVENT_FLOPS_DECLARED)
          .order_by(events.c.id.desc()).limit(1))
     d = conn.execute(q).scalar()
     return d if isinstance(d, dict) else None

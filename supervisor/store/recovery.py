@@ -9,6 +9,8 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, func, literal, select, update
 
+from agent.core.states import CommandStatus, ExitOutcome
+from supervisor.enums import IN_PROGRESS, ActionKind, ActionStatus, IncidentStatus
 from supervisor.store._sql import row
 from supervisor.store.rows import (
     ActionRow,
@@ -48,9 +50,8 @@ def mark_exit(conn: Connection, *, exit_id: int, verdict: str) -> None:
 
 
 def completed_agents(conn: Connection, *, run_id: int, attempt: int) -> set[int]:
-    q = select(exits.c.agent_id).where(
-        exits.c.run_id == run_id, exits.c.attempt == attempt, exits.c.outcome == "completed"
-    )
+    q = select(exits.c.agent_id).where(exits.c.run_id == run_id, exits.c.attempt == attempt,
+                                       exits.c.outcome == ExitOutcome.COMPLETED)
     return {int(r[0]) for r in conn.execute(q)}
 
 
@@ -59,7 +60,7 @@ def completed_agents(conn: Connection, *, run_id: int, attempt: int) -> set[int]
 
 
 def open_incident(conn: Connection, **values: Any) -> int:
-    values.setdefault("status", "open")
+    values.setdefault("status", IncidentStatus.OPEN)
     values.setdefault("details", {})
     return int(conn.execute(
         incidents.insert().values(**values).returning(incidents.c.id)
@@ -70,14 +71,14 @@ def resolve_incidents(conn: Connection, *, run_id: int, now: float) -> None:
     """Every open incident of the run is resolved (it resumed, or it completed)."""
     conn.execute(
         update(incidents)
-        .where(incidents.c.run_id == run_id, incidents.c.status == "open")
-        .values(status="resolved", resolved_at=now)
+        .where(incidents.c.run_id == run_id, incidents.c.status == IncidentStatus.OPEN)
+        .values(status=IncidentStatus.RESOLVED, resolved_at=now)
     )
 
 
 def resolve_incident(conn: Connection, *, incident_id: int, now: float) -> None:
     conn.execute(update(incidents).where(incidents.c.id == incident_id)
-                 .values(status="resolved", resolved_at=now, updated_at=now))
+                 .values(status=IncidentStatus.RESOLVED, resolved_at=now, updated_at=now))
 
 
 def update_incident(conn: Connection, *, incident_id: int, **values: Any) -> None:
@@ -123,7 +124,7 @@ def insert_event(conn: Connection, **values: Any) -> None:
 
 
 def create_action(conn: Connection, **values: Any) -> int:
-    values.setdefault("progress", {"queued": values["created_at"]})
+    values.setdefault("progress", {ActionStatus.QUEUED: values["created_at"]})
     values.setdefault("updated_at", values["created_at"])
     return int(conn.execute(
         actions.insert().values(**values).returning(actions.c.id)
@@ -135,7 +136,7 @@ def update_action(conn: Connection, *, action_id: int, **values: Any) -> None:
 
 
 def actions_in_progress(conn: Connection) -> list[ActionRow]:
-    q = select(actions).where(actions.c.status.in_(("queued", "delivered", "restarted")))
+    q = select(actions).where(actions.c.status.in_(list(IN_PROGRESS)))
     return [cast(ActionRow, row(r)) for r in conn.execute(q.order_by(actions.c.id))]
 
 
@@ -146,7 +147,8 @@ def action_command_statuses(conn: Connection, *, action_id: int) -> list[str]:
 
 def restart_action_for(conn: Connection, *, run_id: int, attempt: int) -> ActionRow | None:
     """The restart action that started ``attempt`` (the newest one, if several)."""
-    q = (select(actions).where(actions.c.run_id == run_id, actions.c.kind == "restart",
+    q = (select(actions).where(actions.c.run_id == run_id,
+                               actions.c.kind == ActionKind.RESTART,
                                actions.c.attempt == attempt)
          .order_by(actions.c.id.desc()).limit(1))
     r = conn.execute(q).first()
@@ -157,7 +159,7 @@ def restart_history(conn: Connection, *, run_id: int) -> list[RestartSpent]:
     """The run's restart actions, oldest first (each decided one spent budget, even if a
     newer decision superseded it before the agents picked it up)."""
     q = (select(actions.c.cause, actions.c.high_step, actions.c.actor)
-         .where(actions.c.run_id == run_id, actions.c.kind == "restart")
+         .where(actions.c.run_id == run_id, actions.c.kind == ActionKind.RESTART)
          .order_by(actions.c.id))
     return [cast(RestartSpent, row(r)) for r in conn.execute(q)]
 
@@ -171,8 +173,8 @@ def supersede_commands(conn: Connection, *, run_id: int, now: float) -> None:
     """Unacknowledged commands of a run are dropped when a newer decision replaces them."""
     conn.execute(
         update(commands)
-        .where(commands.c.run_id == run_id, commands.c.status == "pending")
-        .values(status="superseded", updated_at=now)
+        .where(commands.c.run_id == run_id, commands.c.status == CommandStatus.PENDING)
+        .values(status=CommandStatus.SUPERSEDED, updated_at=now)
     )
 
 

@@ -3,12 +3,13 @@ a ``Connection``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
+from agent.core.states import AgentState
 from supervisor import wire
+from supervisor.enums import ACTIVE_STATUSES, RunStatus
 from supervisor.store._sql import insert, row
 from supervisor.store.rows import AgentRow, RegisteredAgent, RunRow
 from supervisor.store.tables import agents, ingested_batches, runs
@@ -18,7 +19,7 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
                    ) -> RegisteredAgent:
     """Create the run and the agent if new (an agent re-registering keeps its id)."""
     ins = insert(conn, runs).values(
-        name=req.run, status="running", attempt=0, restarts=0, reason="",
+        name=req.run, status=RunStatus.RUNNING, attempt=0, restarts=0, reason="",
         created_at=now, updated_at=now,
     )
     conn.execute(ins.on_conflict_do_nothing(index_elements=["name"]))
@@ -28,7 +29,8 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
     values = {
         "hostname": req.hostname, "pid": req.pid, "command": list(req.command),
         "nproc_per_node": req.nproc_per_node, "checkpoint_root": req.checkpoint_root,
-        "agent_version": req.agent_version, "last_seen_at": now, "state": "registered",
+        "agent_version": req.agent_version, "last_seen_at": now,
+        "state": AgentState.REGISTERED,
     }
     ins = insert(conn, agents).values(
         run_id=run.id, node=req.node, registered_at=now, dropped=0, **values
@@ -67,14 +69,14 @@ def list_runs(conn: Connection) -> list[RunRow]:
 
 def active_runs(conn: Connection) -> list[RunRow]:
     """The runs the evaluator watches: running or restarting."""
-    q = select(runs).where(runs.c.status.in_(("running", "restarting"))).order_by(runs.c.id)
+    q = select(runs).where(runs.c.status.in_(list(ACTIVE_STATUSES))).order_by(runs.c.id)
     return [_run(r) for r in conn.execute(q)]
 
 
-def runs_for_metrics(conn: Connection, *, active: Sequence[str], since: float
-                     ) -> list[RunRow]:
-    """Runs in an ``active`` status, or whose status changed at or after ``since``."""
-    q = select(runs).where(or_(runs.c.status.in_(list(active)), runs.c.updated_at >= since))
+def runs_for_metrics(conn: Connection, *, since: float) -> list[RunRow]:
+    """Active runs, and the runs whose status changed at or after ``since``."""
+    q = select(runs).where(or_(runs.c.status.in_(list(ACTIVE_STATUSES)),
+                               runs.c.updated_at >= since))
     return [_run(r) for r in conn.execute(q.order_by(runs.c.id))]
 
 

@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 class RunRow(TypedDict):
     id: int
     name: str
-    status: str  # running | restarting | completed | failed | stopped
+    status: str  # a RunStatus
     attempt: int
     restarts: int
     reason: str
@@ -44,7 +44,7 @@ class AgentRow(TypedDict):
     registered_at: float
     last_seen_at: float
     attempt: int | None
-    state: str  # as the agent last reported it (an open set: a newer agent may say more)
+    state: str  # an AgentState as last reported (a newer agent may report others)
     disk_free_bytes: int | None
     disk_total_bytes: int | None
     workers: list[Any] | None
@@ -82,8 +82,8 @@ class CheckpointRow(TypedDict):
 class IncidentRow(TypedDict):
     id: int
     run_id: int
-    kind: str  # an open set: every detector names its own kinds
-    status: str  # open | resolved
+    kind: str  # an IncidentKind (an open set: a detector may add kinds)
+    status: str  # an IncidentStatus
     step: int | None
     attempt: int
     cause: str
@@ -102,13 +102,13 @@ class ActionRow(TypedDict):
     id: int
     run_id: int
     incident_id: int | None
-    kind: str  # restart | stop
+    kind: str  # an ActionKind
     reason: str
     cause: str | None
     high_step: int | None
     rollback_to_step: int | None
-    actor: str
-    status: str
+    actor: str  # an Actor
+    status: str  # an ActionStatus
     attempt: int
     plan: dict[str, Any] | None
     not_before: float | None
