@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 from agent.config import ENV_AGENT_TOKEN, AgentConfig
+from agent.core.hang import HangConfig
+
+_HANG = HangConfig()  # the defaults of the local watchdog: the supervisor's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,11 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the directory of the checkpoints the workers report)")
     parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL of the workers (default 5)")
-    parser.add_argument("--hang-floor", type=float, default=25.0, metavar="S",
+    parser.add_argument("--hang-floor", type=float, default=_HANG.floor_s, metavar="S",
                         help="local hang watchdog: shortest deadline without step progress "
-                             "(acts only while the supervisor is unreachable)")
-    parser.add_argument("--hang-startup", type=float, default=600.0, metavar="S",
-                        help="local hang watchdog: allowance from launch to the first step")
+                             "(acts only while the supervisor is unreachable; default "
+                             f"{_HANG.floor_s:g})")
+    parser.add_argument("--hang-startup", type=float, default=_HANG.startup_s, metavar="S",
+                        help="local hang watchdog: allowance from launch to the first step "
+                             f"(default {_HANG.startup_s:g})")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -61,11 +66,19 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         state_dir=args.state_dir,
         checkpoint_root=args.checkpoint_root,
         stop_grace_s=args.stop_grace,
-        hang_floor_s=args.hang_floor,
-        hang_startup_s=args.hang_startup,
-        hang_warmup_s=min(300.0, max(args.hang_floor, args.hang_startup / 2)),
+        hang=_hang_config(args.hang_floor, args.hang_startup),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def _hang_config(floor_s: float, startup_s: float) -> HangConfig:
+    """The watchdog's deadlines from the two flags; the first steps get the default warm-up
+    allowance, shortened along with a shortened start-up allowance."""
+    try:
+        return HangConfig(floor_s=floor_s, startup_s=startup_s,
+                          warmup_s=min(_HANG.warmup_s, max(floor_s, startup_s / 2)))
+    except ValueError as e:
+        raise ValueError(f"--hang-floor / --hang-startup: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

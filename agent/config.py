@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent import deadletter
+from agent.core.hang import HangConfig
 from agent.uplink import MAX_5XX_TRIES
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
@@ -67,11 +68,9 @@ class AgentConfig:
     queue_max: int = 100_000
     # On exit (completed / stopped), how long to try delivering what is left in the spool.
     flush_timeout_s: float = 10.0
-    # The local hang watchdog (acts only while the supervisor is unreachable): the floor of
-    # the learned deadline, and the allowances for start-up and the first steps.
-    hang_floor_s: float = 25.0
-    hang_startup_s: float = 600.0
-    hang_warmup_s: float = 300.0
+    # The local hang watchdog (acts only while the supervisor is unreachable): the same
+    # statistic and defaults as the supervisor's hang detector.
+    hang: HangConfig = field(default_factory=HangConfig)
     # GPU health (NVML) is read at most this often; heartbeats in between carry none.
     gpu_interval_s: float = 5.0
 
@@ -96,8 +95,6 @@ class AgentConfig:
             )
         if self.stop_grace_s < 0:
             raise ValueError("stop grace must be >= 0 seconds")
-        if min(self.hang_floor_s, self.hang_startup_s, self.hang_warmup_s) <= 0:
-            raise ValueError("hang deadlines (--hang-floor, --hang-startup) must be > 0 seconds")
         if self.gpu_interval_s <= 0:
             raise ValueError("the GPU reading interval must be > 0 seconds")
         if self.batch_interval_s <= 0 or self.tick_interval_s <= 0:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agent import protocol
+from agent.core.states import CommandStatus
 from agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
@@ -74,11 +75,11 @@ class Executor:
         self.seen = {int(k): v for k, v in raw.items() if isinstance(v, dict) and k.isdigit()}
         # Accepted by an earlier incarnation but not finished: decide now whether it is done.
         for rec in self.seen.values():
-            if rec.get("status") == "delivered":
+            if rec.get("status") == CommandStatus.DELIVERED:
                 if rec.get("kind") == protocol.COMMAND_RESTART and isinstance(
                     rec.get("attempt"), int
                 ) and host.attempt >= rec["attempt"]:
-                    rec.update(status="done", detail="relaunched by the previous agent",
+                    rec.update(status=CommandStatus.DONE, detail="relaunched by the previous agent",
                                reported=False)
                 else:
                     rec["status"] = "interrupted"  # apply again when it is re-sent
@@ -91,7 +92,7 @@ class Executor:
     def _save(self) -> None:
         save_json(self.path, {str(k): v for k, v in self.seen.items()})
 
-    def _result(self, cid: int, status: str, detail: str = "") -> None:
+    def _result(self, cid: int, status: CommandStatus, detail: str = "") -> None:
         rec = self.seen.setdefault(cid, {})
         rec.update(status=status, detail=detail)
         self._save()
@@ -113,17 +114,17 @@ class Executor:
                 self._maybe_resend(cid, rec)
                 continue
             kind = cmd.get("kind")
-            self.seen[cid] = {"status": "delivered", "kind": kind,
+            self.seen[cid] = {"status": CommandStatus.DELIVERED, "kind": kind,
                               "attempt": cmd.get("attempt"), "detail": ""}
-            self._result(cid, "delivered")
+            self._result(cid, CommandStatus.DELIVERED)
             if kind not in (protocol.COMMAND_RESTART, protocol.COMMAND_STOP):
-                self._result(cid, "failed", f"unknown command kind {kind!r}")
+                self._result(cid, CommandStatus.FAILED, f"unknown command kind {kind!r}")
                 continue
             self.queue.append(cmd)
 
     def _maybe_resend(self, cid: int, rec: dict[str, Any]) -> None:
         """The supervisor still waits for our result: say it again, rate-limited."""
-        if rec.get("status") not in ("done", "failed"):
+        if rec.get("status") not in (CommandStatus.DONE, CommandStatus.FAILED):
             return  # in progress: the final result follows when it is reached
         last = self._last_result.get(cid)
         if last is None or self.clock() - last >= _RESEND_RESULT_S:
@@ -136,7 +137,7 @@ class Executor:
         if (self.job is not None and self.job.phase == "waiting"
                 and any(c.get("kind") == protocol.COMMAND_STOP for c in self.queue)):
             cid = int(self.job.command["id"])
-            self._result(cid, "failed", "superseded by a stop command")
+            self._result(cid, CommandStatus.FAILED, "superseded by a stop command")
             self.job = None
         if self.job is None:
             if not self.queue:
@@ -151,7 +152,7 @@ class Executor:
         if cmd.get("kind") == protocol.COMMAND_RESTART:
             attempt = cmd.get("attempt")
             if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-                self._result(cid, "failed", f"restart needs an integer attempt >= 0, "
+                self._result(cid, CommandStatus.FAILED, f"restart needs an integer attempt >= 0, "
                                             f"got {attempt!r}")
                 return
             try:
@@ -159,7 +160,7 @@ class Executor:
                 plan = (protocol.ResumePlan.from_dict(raw) if raw is not None
                         else protocol.ResumePlan(reason=str(cmd.get("reason", ""))))
             except (ValueError, TypeError) as e:
-                self._result(cid, "failed", f"invalid resume plan: {e}")
+                self._result(cid, CommandStatus.FAILED, f"invalid resume plan: {e}")
                 return
             if plan.attempt is None:
                 plan = dataclasses.replace(plan, attempt=attempt)
@@ -183,7 +184,7 @@ class Executor:
                 return
             if cmd.get("kind") == protocol.COMMAND_STOP:
                 self.job = None
-                self._result(cid, "done", "workers stopped")
+                self._result(cid, CommandStatus.DONE, "workers stopped")
                 self.host.finish()
                 return
             job.phase = "waiting"
@@ -199,10 +200,10 @@ class Executor:
         except Exception as e:  # OSError, a missing executable...: report, do not die
             self.job = None
             log.exception("restart %d failed to launch", cid)
-            self._result(cid, "failed", f"launch failed: {type(e).__name__}: {e}")
+            self._result(cid, CommandStatus.FAILED, f"launch failed: {type(e).__name__}: {e}")
             return
         self.job = None
-        self._result(cid, "done", f"relaunched as attempt {attempt}")
+        self._result(cid, CommandStatus.DONE, f"relaunched as attempt {attempt}")
 
     def _write_plan(self, attempt: int, plan: protocol.ResumePlan | None) -> Path | None:
         if plan is None:

@@ -25,6 +25,7 @@ import httpx
 
 from agent import protocol
 from agent.config import AgentConfig
+from agent.core.states import AgentState, ExitOutcome
 from agent.executor import Executor
 from agent.launcher import ExitInfo, Launcher, PopenFactory
 from agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
@@ -33,7 +34,6 @@ from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
 from agent.version import version
 from agent.watchdog import HangWatch
-from supervisor.detect.hang import HangConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +118,14 @@ class Agent:
             if isinstance(learned, list) else []
         self.pending: list[dict[str, Any]] = []
         self.urgent = False
-        self.state = "starting"
+        self.state = AgentState.STARTING
         self.exit_reported = False
         self.result: int | None = None  # set when the agent should end, with its exit code
         self.last_batch = float("-inf")
         self._signal: int | None = None
         self._registered_attempt_checked = False
         self.started_at = clock()
-        self.watch = HangWatch(HangConfig(floor_s=config.hang_floor_s,
-                                          startup_s=config.hang_startup_s,
-                                          warmup_s=config.hang_warmup_s))
+        self.watch = HangWatch(config.hang)
         self._hung_attempt: int | None = None
         pins = saved.get("pins")
         # (an agent of an earlier version saved its restart pins as a plain list)
@@ -194,7 +192,7 @@ class Agent:
         return self._attempt
 
     def begin_stop(self, *, immediate: bool = False) -> None:
-        self.state = "stopping"
+        self.state = AgentState.STOPPING
         self.launcher.begin_stop(immediate=immediate)
 
     def pin_checkpoint(self, path: str, reason: str) -> None:
@@ -233,12 +231,12 @@ class Agent:
         self._attempt, self.plan_path = attempt, plan_path
         self._save_state()
         self.exit_reported = False
-        self.state = "starting"
+        self.state = AgentState.STARTING
         self.watch.new_attempt(attempt, self.clock())
         self.launcher.start(attempt, plan_path)
 
     def finish(self) -> None:
-        self.state = "stopped"
+        self.state = AgentState.STOPPED
         self.result = 0
 
     def _emit(self, item: dict[str, Any]) -> None:
@@ -266,8 +264,8 @@ class Agent:
         for msg in self.receiver.take():
             self._emit(msg)
             self.watch.observe(msg)
-            if msg.get("type") == "step" and self.state == "starting":
-                self.state = "running"
+            if msg.get("type") == "step" and self.state == AgentState.STARTING:
+                self.state = AgentState.RUNNING
             elif msg.get("type") == "checkpoint":
                 self._learn_checkpoint(msg)
         if self.launcher.stopping:
@@ -278,8 +276,8 @@ class Agent:
         self.executor.tick()
         if self.launcher.stopping:
             self.launcher.stop_step()
-        if self.state == "stopping" and self.stopped():
-            self.state = "stopped"  # e.g. a restart waiting for its not_before
+        if self.state == AgentState.STOPPING and self.stopped():
+            self.state = AgentState.STOPPED  # e.g. a restart waiting for its not_before
         if self.urgent or self.clock() - self.last_batch >= self.cfg.batch_interval_s:
             self.send_batch()
         if not self.threaded_uplink:
@@ -304,7 +302,7 @@ class Agent:
         """Act on a hang ourselves only while the supervisor has been silent for longer than
         the hang deadline (otherwise it decides, for every node of the run at once)."""
         if (not self.launcher.running or self.launcher.stopping or self.executor.busy
-                or self.state not in ("starting", "running")):
+                or self.state not in (AgentState.STARTING, AgentState.RUNNING)):
             return
         now = self.clock()
         silent_since = self.uplink.last_ok if self.uplink.last_ok is not None \
@@ -328,34 +326,34 @@ class Agent:
         if info is None or self.exit_reported:
             return
         self.exit_reported = True
-        outcome = "hung" if info.attempt == self._hung_attempt else self.outcome(info)
+        outcome = ExitOutcome.HUNG if info.attempt == self._hung_attempt else self.outcome(info)
         self._emit({
             "type": "exit", "t": info.t, "attempt": info.attempt,
             "exit_code": info.exit_code, "signal": info.signal, "outcome": outcome,
             "failed_ranks": info.failed_ranks,
         })
-        if outcome != "stopped":
+        if outcome != ExitOutcome.STOPPED:
             # torchrun is gone; sweep whatever it left (a SIGKILLed torchrun orphans its
             # workers, which would otherwise train on unsupervised or hang in a collective).
             self.launcher.begin_stop()
-        if outcome == "completed":
-            self.state = "finished"
+        if outcome == ExitOutcome.COMPLETED:
+            self.state = AgentState.FINISHED
             self.result = 0
-        elif outcome in ("crashed", "hung"):
-            self.state = "failed"  # keep running: the supervisor decides (restart or stop)
+        elif outcome in (ExitOutcome.CRASHED, ExitOutcome.HUNG):
+            self.state = AgentState.FAILED  # keep running: the supervisor decides (restart or stop)
         else:
-            self.state = "stopped"
+            self.state = AgentState.STOPPED
 
     @staticmethod
-    def outcome(info: ExitInfo) -> str:
+    def outcome(info: ExitInfo) -> ExitOutcome:
         if info.stop_requested:
-            return "stopped"
-        return "completed" if info.exit_code == 0 else "crashed"
+            return ExitOutcome.STOPPED
+        return ExitOutcome.COMPLETED if info.exit_code == 0 else ExitOutcome.CRASHED
 
     def heartbeat(self) -> dict[str, Any]:
         workers = self.stats.collect(self.launcher.pid) if self.launcher.running else []
-        if workers and self.state == "starting":
-            self.state = "running"
+        if workers and self.state == AgentState.STARTING:
+            self.state = AgentState.RUNNING
         now = self.clock()
         disk = disk_usage(self.checkpoint_root)
         hb: dict[str, Any] = {
@@ -382,7 +380,7 @@ class Agent:
         """Stop the workers (group SIGTERM, then SIGKILL), report, flush (bounded)."""
         if self.launcher.running or self.launcher.stopping:
             log.info("stopping workers: %s", reason)
-            self.state = "stopping"
+            self.state = AgentState.STOPPING
             self.launcher.stop()
         self.launcher.pump_output()
         self.receiver.drain()

@@ -30,6 +30,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, TypedDict
 
+from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+
 PROTOCOL_VERSION = 1
 
 # Environment variables the agent sets for the workers it launches.
@@ -122,6 +124,9 @@ class CheckpointReport(TypedDict, total=False):
     save_s: float  # from the save call to complete
     async_save: bool
     lineage: str  # id of the chain of attempts that wrote it (see ResumePlan.lineage)
+    # agent.worker reports a checkpoint once it is complete and leaves this out (true); a
+    # reporter may send false for one it knows to be incomplete (never offered for a resume).
+    complete: bool
 
 
 WorkerMessage = StepReport | WorkerEvent | CheckpointReport
@@ -335,7 +340,7 @@ class HeartbeatItem(TypedDict, total=False):
     type: Literal["heartbeat"]
     t: float
     attempt: int
-    state: str  # "starting" | "running" | "stopping" | "stopped" | "finished" | "failed"
+    state: AgentState
     workers: list[dict[str, Any]]  # {rank, local_rank, pid, cpu_percent, rss_bytes}
     disk_free_bytes: int | None  # of the checkpoint root's file system
     disk_total_bytes: int | None
@@ -353,9 +358,7 @@ class ExitItem(TypedDict, total=False):
     attempt: int
     exit_code: int | None
     signal: int | None
-    # "completed" (exit 0), "crashed" (a worker failed), "stopped" (by a command or signal),
-    # "hung" (the agent's watchdog killed it: no progress while the supervisor was away)
-    outcome: str
+    outcome: ExitOutcome
     failed_ranks: list[dict[str, Any]]  # {rank, local_rank, exit_code, signal, pid, message}
 
 
@@ -363,7 +366,7 @@ class CommandResultItem(TypedDict, total=False):
     type: Literal["command_result"]
     t: float
     command_id: int
-    status: str  # "delivered" | "done" | "failed"
+    status: CommandStatus  # one of COMMAND_RESULTS: delivered, done, failed
     detail: str
 
 
@@ -376,13 +379,13 @@ class IngestBatch(TypedDict, total=False):
     items: list[dict[str, Any]]
 
 
-COMMAND_RESTART = "restart"
-COMMAND_STOP = "stop"
+COMMAND_RESTART = CommandKind.RESTART
+COMMAND_STOP = CommandKind.STOP
 
 
 class Command(TypedDict, total=False):
     id: int
-    kind: str  # "restart" | "stop"
+    kind: CommandKind
     attempt: int  # for restart: the attempt number the new torchrun runs as
     plan: dict[str, Any] | None  # ResumePlan as a dict, for restart
     not_before: float | None  # unix time: backoff before relaunching

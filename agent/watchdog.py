@@ -11,8 +11,14 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from supervisor.detect.findings import Finding
-from supervisor.detect.hang import HangConfig, ProgressWindow, RankProgress, detect_hang
+from agent.core.findings import Finding, FindingKind
+from agent.core.hang import (
+    HangConfig,
+    ProgressWindow,
+    RankProgress,
+    detect_hang,
+    learned_deadline,
+)
 
 
 class HangWatch:
@@ -69,15 +75,13 @@ class HangWatch:
             steps_in_attempt=self.steps_in_attempt, step_intervals=list(self.intervals),
             checkpoint_since=self.checkpoint_since, recent_save_s=list(self.recent_save_s))
         for f in detect_hang(window, now, self.cfg):
-            if f.kind == "hang":
+            if f.kind == FindingKind.HANG:
                 return f
         return None
 
     def deadline_s(self) -> float:
         """The learned steady deadline, or the floor (how long the supervisor may be silent
         before this watchdog acts on its own)."""
-        from supervisor.detect.hang import learned_deadline
-
         window = ProgressWindow(attempt_started_at=self.attempt_started_at,
                                 step_intervals=list(self.intervals))
         return learned_deadline(window, self.cfg) or self.cfg.floor_s

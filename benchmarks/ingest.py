@@ -233,14 +233,14 @@ def run_level(sup: Supervisor, n_agents: int, seconds: float, warmup: float) -> 
 
 def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
     sys.path.insert(0, str(REPO))
-    from supervisor.store import repo
+    from supervisor.store import ingest, registry
     from supervisor.store.db import make_database
     from supervisor.wire import RegisterRequest
 
     db = make_database(db_url, pool_size=1)
     try:
         with db.write() as conn:
-            reg = repo.register_agent(conn, req=RegisterRequest(run="raw-baseline", node="n"),
+            reg = registry.register_agent(conn, req=RegisterRequest(run="raw-baseline", node="n"),
                                       now=time.time())
         now = time.time()
         payload = []
@@ -257,7 +257,7 @@ def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
         t = time.perf_counter()
         for i in range(0, len(payload), 10_000):
             with db.write() as conn:
-                repo.bulk_insert_rank_steps(conn, rows=payload[i:i + 10_000])
+                ingest.bulk_insert_rank_steps(conn, rows=payload[i:i + 10_000])
         return (time.perf_counter() - t) / len(payload)
     finally:
         db.dispose()

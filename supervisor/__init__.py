@@ -1,7 +1,7 @@
 """trainwarden supervisor: the central service that stores what the node agents report, decides
 (policy) and sends commands back.
 
-Layout: ``config`` (settings), ``store/`` (models, engines, ``repo``: every SQL statement),
+Layout: ``config`` (settings), ``store/`` (models, engines, every SQL statement by concern),
 ``wire`` (request models mirroring ``agent.protocol``), ``api/`` (routes and dependencies),
 ``ingest`` (group-commit writer, Postgres), ``policy`` (the one place that decides),
 ``actions`` (decisions -> audited rows and commands), ``evaluator`` (tick: store -> policy ->

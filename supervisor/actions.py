@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection
-
+from agent.core.states import CommandKind, CommandStatus
 from supervisor import policy
+from supervisor.enums import ActionKind, ActionStatus, Actor, RestartCause, RunStatus
 from supervisor.policy import (
     Complete,
     Decision,
@@ -24,31 +24,40 @@ from supervisor.policy import (
     Restart,
     Stop,
 )
-from supervisor.store import repo
+from supervisor.store import recovery as rec
+from supervisor.store import registry, windows
+from supervisor.store.db import Connection
+from supervisor.store.rows import ActionRow, RunRow
 
 
-def recovery(conn: Connection, run: dict[str, Any], steps: list[int] | None = None
+def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
              ) -> policy.RecoveryFacts:
     """The run's history a restart or rollback decision needs (see ``policy.RecoveryFacts``);
     ``steps``: steps whose batch index the decision may name."""
     run_id = int(run["id"])
-    ckpts = repo.lineage_checkpoints(conn, run_id=run_id)
-    history = [h for h in repo.restart_history(conn, run_id=run_id)
-               if h["actor"] == "policy"]
+    ckpts = [(s, p) for s, _, p in rec.lineage_checkpoints(conn, run_id=run_id)]
+    history = [h for h in rec.restart_history(conn, run_id=run_id)
+               if h["actor"] == Actor.POLICY]
     by_cause: dict[str, int] = {}
     for h in history:
-        by_cause[h["cause"] or "crash"] = by_cause.get(h["cause"] or "crash", 0) + 1
+        cause = h["cause"] or RestartCause.CRASH
+        by_cause[cause] = by_cause.get(cause, 0) + 1
     wanted = sorted({*(steps or []), *(s for s, _ in ckpts)})
     return policy.RecoveryFacts(
         checkpoints=tuple(ckpts),
-        batch_index=repo.batch_indexes(conn, run_id=run_id, steps=wanted),
+        batch_index=rec.batch_indexes(conn, run_id=run_id, steps=wanted),
         restarts_by_cause=by_cause,
-        high_step=repo.high_step(conn, run_id=run_id),
+        high_step=_high_step(conn, run_id),
         high_at_restarts=tuple(h["high_step"] for h in history),
     )
 
 
-def facts(run: dict[str, Any]) -> policy.RunFacts:
+def _high_step(conn: Connection, run_id: int) -> int | None:
+    """The highest step the run ever reported (any attempt)."""
+    return max(rec.max_steps(conn, run_id=run_id).values(), default=None)
+
+
+def facts(run: RunRow) -> policy.RunFacts:
     return policy.RunFacts(id=run["id"], name=run["name"], status=run["status"],
                            attempt=run["attempt"], restarts=run["restarts"])
 
@@ -56,14 +65,14 @@ def facts(run: dict[str, Any]) -> policy.RunFacts:
 def _incident(conn: Connection, run_id: int, spec: IncidentSpec | None, now: float) -> int | None:
     if spec is None:
         return None
-    return repo.open_incident(
+    return rec.open_incident(
         conn, run_id=run_id, kind=spec.kind, cause=spec.cause, attempt=spec.attempt,
         agent_id=spec.agent_id, node=spec.node, rank=spec.rank, exit_code=spec.exit_code,
         signal=spec.signal, details=spec.details, opened_at=now, updated_at=now, step=spec.step,
     )
 
 
-def apply(conn: Connection, *, run: dict[str, Any], decision: Decision | FindingDecision,
+def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision,
           now: float) -> int | None:
     """Write what ``decision`` means; returns the action id when one was created."""
     run_id = int(run["id"])
@@ -73,102 +82,110 @@ def apply(conn: Connection, *, run: dict[str, Any], decision: Decision | Finding
         _incident(conn, run_id, decision.incident, now)
         return None
     if isinstance(decision, RecordEvent):
-        repo.insert_event(conn, run_id=run_id, agent_id=None, attempt=int(run["attempt"]),
+        rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=int(run["attempt"]),
                           rank=decision.rank, t=now, name=decision.name, step=decision.step,
                           message=decision.message, details=decision.details)
         return None
     if isinstance(decision, Complete):
-        repo.set_run_status(conn, run_id=run_id, status="completed", now=now,
-                            reason=decision.reason)
-        repo.resolve_incidents(conn, run_id=run_id, now=now)
+        registry.set_run_status(conn, run_id=run_id, status=RunStatus.COMPLETED, now=now,
+                                reason=decision.reason)
+        rec.resolve_incidents(conn, run_id=run_id, now=now)
         # A restart that never reached the workers is moot now.
-        repo.supersede_commands(conn, run_id=run_id, now=now)
-        for a in repo.actions_in_progress(conn):
+        rec.supersede_commands(conn, run_id=run_id, now=now)
+        for a in rec.actions_in_progress(conn):
             if a["run_id"] == run_id:
-                repo.update_action(conn, action_id=a["id"], status="superseded",
+                rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
                                    updated_at=now, progress={**a["progress"],
-                                                             "superseded": now})
+                                                             ActionStatus.SUPERSEDED: now})
         return None
-    agent_ids = [a["id"] for a in repo.run_agents(conn, run_id=run_id)]
+    agent_ids = [a["id"] for a in registry.run_agents(conn, run_id=run_id)]
     incident_id = _incident(conn, run_id, decision.incident, now)
     # A new decision replaces whatever the agents have not picked up yet.
-    repo.supersede_commands(conn, run_id=run_id, now=now)
-    for a in repo.actions_in_progress(conn):
+    rec.supersede_commands(conn, run_id=run_id, now=now)
+    for a in rec.actions_in_progress(conn):
         if a["run_id"] == run_id:
-            repo.update_action(conn, action_id=a["id"], status="superseded", updated_at=now,
-                               progress={**a["progress"], "superseded": now})
+            rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
+                              updated_at=now,
+                              progress={**a["progress"], ActionStatus.SUPERSEDED: now})
     if isinstance(decision, Restart):
-        action_id = repo.create_action(
-            conn, run_id=run_id, incident_id=incident_id, kind="restart",
-            reason=decision.reason, actor=decision.actor, status="queued",
+        action_id = rec.create_action(
+            conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.RESTART,
+            reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
             attempt=decision.attempt, not_before=decision.not_before, created_at=now,
-            cause=decision.cause, high_step=repo.high_step(conn, run_id=run_id),
+            cause=decision.cause, high_step=_high_step(conn, run_id),
             rollback_to_step=decision.rollback_to_step,
         )
         if decision.rollback_to_step is not None:
             # The branch beyond the rollback point is abandoned: its checkpoints are never
             # offered as the newest again (the new attempt writes its own).
-            repo.abandon_branches(conn, run_id=run_id)
+            rec.abandon_branches(conn, run_id=run_id)
         plan = decision.plan(action_id=action_id)
-        repo.update_action(conn, action_id=action_id, plan=plan)
-        repo.create_commands(conn, rows=[
-            {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "restart",
+        rec.update_action(conn, action_id=action_id, plan=plan)
+        rec.create_commands(conn, rows=[
+            {"run_id": run_id, "agent_id": aid, "action_id": action_id,
+             "kind": CommandKind.RESTART,
              "attempt": decision.attempt, "plan": plan, "not_before": decision.not_before,
-             "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
-             "collect_stacks": decision.collect_stacks, "created_at": now, "updated_at": now}
+             "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
+             "detail": "", "collect_stacks": decision.collect_stacks, "created_at": now,
+             "updated_at": now}
             for aid in agent_ids
         ])
         restarts = int(run["restarts"]) + (1 if decision.counts_against_budget else 0)
-        repo.set_run_status(conn, run_id=run_id, status="restarting", now=now,
-                            reason=decision.reason, attempt=decision.attempt, restarts=restarts)
+        registry.set_run_status(conn, run_id=run_id, status=RunStatus.RESTARTING, now=now,
+                                reason=decision.reason, attempt=decision.attempt,
+                                restarts=restarts)
         return action_id
     assert isinstance(decision, Stop)
-    action_id = repo.create_action(
-        conn, run_id=run_id, incident_id=incident_id, kind="stop", reason=decision.reason,
-        actor=decision.actor, status="queued", attempt=int(run["attempt"]), created_at=now,
+    action_id = rec.create_action(
+        conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.STOP,
+        reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
+        attempt=int(run["attempt"]), created_at=now,
     )
-    repo.create_commands(conn, rows=[
-        {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": "stop",
+    rec.create_commands(conn, rows=[
+        {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": CommandKind.STOP,
          "attempt": int(run["attempt"]), "plan": None, "not_before": None,
-         "reason": decision.reason, "status": "pending", "sent_count": 0, "detail": "",
-         "created_at": now, "updated_at": now}
+         "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
+         "detail": "", "created_at": now, "updated_at": now}
         for aid in agent_ids
     ])
-    repo.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
-                        reason=decision.reason)
+    registry.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
+                            reason=decision.reason)
     return action_id
 
 
-def advance(conn: Connection, *, action: dict[str, Any], now: float) -> str:
+def advance(conn: Connection, *, action: ActionRow, now: float) -> str:
     """Move one in-progress action forward from the store's facts; returns its status."""
     status = action["status"]
     progress = dict(action["progress"] or {})
-    statuses = repo.action_command_statuses(conn, action_id=action["id"])
+    statuses = rec.action_command_statuses(conn, action_id=action["id"])
     new = status
     values: dict[str, Any] = {}
-    if "failed" in statuses:
-        new = "failed"
+    if CommandStatus.FAILED in statuses:
+        new = ActionStatus.FAILED
     else:
-        acked = all(s in ("delivered", "done") for s in statuses)
-        done = all(s == "done" for s in statuses)
-        if new == "queued" and acked:
-            new = "delivered"
-            progress["delivered"] = now
-        if new == "delivered" and done:
-            new = "restarted" if action["kind"] == "restart" else "done"
+        acked = all(s in (CommandStatus.DELIVERED, CommandStatus.DONE) for s in statuses)
+        done = all(s == CommandStatus.DONE for s in statuses)
+        if new == ActionStatus.QUEUED and acked:
+            new = ActionStatus.DELIVERED
+            progress[ActionStatus.DELIVERED] = now
+        if new == ActionStatus.DELIVERED and done:
+            new = (ActionStatus.RESTARTED if action["kind"] == ActionKind.RESTART
+                   else ActionStatus.DONE)
             progress[new] = now
-        if action["kind"] == "restart":
-            first = repo.first_step(conn, run_id=action["run_id"], attempt=action["attempt"])
-            if first is not None:
-                new = "resumed"
+        if action["kind"] == ActionKind.RESTART:
+            span = windows.step_range(conn, run_id=action["run_id"], attempt=action["attempt"])
+            if span is not None:
+                first = span[0]
+                new = ActionStatus.RESUMED
                 values["resumed_step"] = first
-                run = repo.get_run(conn, run_id=action["run_id"])
-                if run["status"] == "restarting" and run["attempt"] == action["attempt"]:
-                    repo.set_run_status(conn, run_id=run["id"], status="running", now=now,
-                                        reason=f"resumed at step {first}")
-                repo.resolve_incidents(conn, run_id=action["run_id"], now=now)
+                run = registry.get_run(conn, run_id=action["run_id"])
+                if (run["status"] == RunStatus.RESTARTING
+                        and run["attempt"] == action["attempt"]):
+                    registry.set_run_status(conn, run_id=run["id"], status=RunStatus.RUNNING,
+                                            now=now, reason=f"resumed at step {first}")
+                rec.resolve_incidents(conn, run_id=action["run_id"], now=now)
     if new != status:
         progress[new] = now
-        repo.update_action(conn, action_id=action["id"], status=new, progress=progress,
+        rec.update_action(conn, action_id=action["id"], status=new, progress=progress,
                            updated_at=now, **values)
     return new

@@ -24,7 +24,7 @@ from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
-from supervisor.store import repo
+from supervisor.store import reads
 from supervisor.store.db import Database, make_database
 
 log = logging.getLogger("trainwarden.supervisor")
@@ -142,7 +142,7 @@ def create_app(
     def healthz(db: DB) -> dict[str, str]:
         """Liveness plus a database round trip; no token needed."""
         with db.read() as conn:
-            repo.ping(conn)
+            reads.ping(conn)
         return {"status": "ok"}
 
     app.add_middleware(JsonApiBodies)  # curl -d's default form type carries JSON too

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
     import httpx
 
+from supervisor.enums import ActionStatus
 from supervisor.text import printable, table
 
 ENV_URL = "TRAINWARDEN_URL"
@@ -173,8 +174,8 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
             last = a["status"]
             extra = f" at step {a['resumed_step']}" if a.get("resumed_step") is not None else ""
             print(f"  action {action_id}: {printable(last)}{extra}")
-        if last in ("resumed", "failed", "superseded"):
-            return 0 if last == "resumed" else 1
+        if last in (ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatus.SUPERSEDED):
+            return 0 if last == ActionStatus.RESUMED else 1
         time.sleep(0.5)
     return 0
 

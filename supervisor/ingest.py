@@ -2,7 +2,7 @@
 
 Requests hand their validated batch to one writer thread and await the result.  The thread
 takes everything that queued up while it wrote the previous group and stores it in ONE
-transaction (``repo.ingest_batches``): at low load a group is one batch (latency is one
+transaction (``store.ingest.ingest_batches``): at low load a group is one batch (latency is one
 transaction), at high load hundreds (the per-batch cost falls).  Why a single writer: SQLite
 has one writer anyway, and on Postgres concurrent ingest transactions of one run all update the
 same per-step aggregate row, so they would queue on its row lock (while competing for the GIL
@@ -20,12 +20,10 @@ import queue
 import threading
 from typing import Any
 
-from sqlalchemy import Connection
-
 from supervisor import wire
 from supervisor.evaluator import Clock
-from supervisor.store import repo
 from supervisor.store.db import Database
+from supervisor.store.ingest import IngestResult, ingest_batches
 
 log = logging.getLogger("trainwarden.ingest")
 
@@ -42,12 +40,12 @@ class IngestWriter:
         self._q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self._conn: Connection | None = None  # kept across groups, used by the thread only
+        self._kept = db.kept()  # one connection across groups, used by the thread only
         self.groups = 0  # counters for tests and benchmarks
         self.batches = 0
 
-    async def submit(self, batch: wire.IngestBatch) -> repo.IngestResult:
-        """Store ``batch``; raises ``repo.UnknownAgent`` (or a store error) as ingest_batch."""
+    async def submit(self, batch: wire.IngestBatch) -> IngestResult:
+        """Store ``batch``; raises ``UnknownAgent`` (or a store error) as ``ingest_batch``."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._ensure_started()
@@ -55,7 +53,7 @@ class IngestWriter:
         res = await fut
         if isinstance(res, BaseException):
             raise res
-        assert isinstance(res, repo.IngestResult)
+        assert isinstance(res, IngestResult)
         return res
 
     def _ensure_started(self) -> None:
@@ -72,17 +70,11 @@ class IngestWriter:
             self._q.put(None)
             self._thread.join(timeout)
 
-    def _drop_conn(self) -> None:
-        if self._conn is not None:
-            with contextlib.suppress(Exception):
-                self._conn.close()
-            self._conn = None
-
     def _run(self) -> None:
         try:
             self._loop()
         finally:
-            self._drop_conn()
+            self._kept.close()
 
     def _loop(self) -> None:
         while True:
@@ -108,13 +100,11 @@ class IngestWriter:
         now = self.clock()
         results: list[Any]
         try:
-            if self._conn is None:
-                self._conn = self.db.engine.connect()
-            with self.db.write_on(self._conn) as conn:
-                results = list(repo.ingest_batches(conn, batches=[g[0] for g in group],
-                                                   now=now))
+            # A failed group drops the kept connection (it may be broken); the next group
+            # takes a fresh one.
+            with self._kept.write() as conn:
+                results = list(ingest_batches(conn, batches=[g[0] for g in group], now=now))
         except Exception:
-            self._drop_conn()  # it may be broken; the next group takes a fresh one
             if len(group) > 1:
                 log.warning("ingest group of %d failed; retrying batch by batch", len(group),
                             exc_info=True)
@@ -122,7 +112,7 @@ class IngestWriter:
             for batch, _fut, _loop in group:
                 try:
                     with self.db.write() as conn:
-                        results.append(repo.ingest_batches(conn, batches=[batch], now=now)[0])
+                        results.append(ingest_batches(conn, batches=[batch], now=now)[0])
                 except Exception as e:
                     log.exception("ingest of agent %s seq %s failed", batch.agent_id, batch.seq)
                     results.append(e)

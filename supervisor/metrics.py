@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Response
@@ -33,19 +33,19 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
-from sqlalchemy import Connection
 
 from supervisor import observe, policy
 from supervisor.api.deps import ReadAuth
 from supervisor.detect.straggler import StragglerConfig
+from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
 from supervisor.evaluator import Clock
-from supervisor.store import repo
-from supervisor.store.db import Database
+from supervisor.store import reads, registry, windows
+from supervisor.store import recovery as rec
+from supervisor.store.db import Connection, Database
+from supervisor.store.rows import AgentRow, RunRow, Throughput
 
-ACTIVE_STATUSES = ("running", "restarting")
 RECENT_S = 24 * 3600.0
-INCIDENT_KINDS = ("crash", "hang", "collective_timeout", "node_lost", "straggler",
-                  "loss_spike", "nonfinite")
+INCIDENT_KINDS = tuple(IncidentKind)
 RESTART_CAUSES = (*policy.BUDGET_CAUSES, policy.OPERATOR_CAUSE)
 STRAGGLER_TOP = 16  # rank series exported per run: the lowest scores
 GPUS_PER_NODE = 16  # GPU series exported per node
@@ -57,7 +57,8 @@ INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # derived values (computed by the pure functions named above)
 
 
-def restart_counts(restarts: Sequence[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
+def restart_counts(restarts: Sequence[Mapping[str, Any]]
+                   ) -> tuple[dict[str, int], dict[str, int]]:
     """(every restart by cause, the automatic ones by cause: what the budgets count)."""
     every: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
     automatic: dict[str, int] = {}
@@ -69,13 +70,13 @@ def restart_counts(restarts: Sequence[dict[str, Any]]) -> tuple[dict[str, int], 
     return every, automatic
 
 
-def mfu(declared: dict[str, Any] | None, throughput: dict[str, Any]) -> float | None:
+def mfu(declared: dict[str, Any] | None, throughput: Throughput) -> float | None:
     """Model FLOPs utilisation from a ``flops_declared`` event's details and
-    ``repo.throughput``'s figures; None when not declared or not measurable yet."""
-    factor = mfu_factor(declared, throughput.get("ranks"))
+    ``reads.throughput``'s figures; None when not declared or not measurable yet."""
+    factor = mfu_factor(declared, throughput["ranks"])
     if factor is None:
         return None
-    rate = throughput.get("samples_per_s" if factor[0] == "samples" else "tokens_per_s")
+    rate = throughput["samples_per_s"] if factor[0] == "samples" else throughput["tokens_per_s"]
     return None if rate is None else rate * factor[1]
 
 
@@ -93,7 +94,7 @@ def mfu_factor(declared: dict[str, Any] | None, ranks: Any) -> tuple[str, float]
     return None
 
 
-def mean_loss(agg: dict[str, Any]) -> float | None:
+def mean_loss(agg: Mapping[str, Any]) -> float | None:
     if agg.get("loss_nonfinite"):
         return math.nan
     n = agg.get("loss_count") or 0
@@ -193,58 +194,58 @@ class StoreCollector(Collector):
         f = _Families()
         now = self.clock()
         with self.db.read() as conn:
-            for run in repo.runs_for_metrics(conn, active=ACTIVE_STATUSES, since=now - RECENT_S):
+            for run in registry.runs_for_metrics(conn, since=now - RECENT_S):
                 self._run(conn, f, run, now)
         yield from f.all()
 
-    def _run(self, conn: Connection, f: _Families, run: dict[str, Any], now: float) -> None:
+    def _run(self, conn: Connection, f: _Families, run: RunRow, now: float) -> None:
         name, run_id = str(run["name"]), int(run["id"])
         f.info.add_metric([name, str(run["status"])], 1)
         f.active.add_metric([name], 1 if run["status"] in ACTIVE_STATUSES else 0)
         f.attempt.add_metric([name], run["attempt"])
-        newest = repo.newest_step(conn, run_id=run_id)
+        newest = reads.newest_step(conn, run_id=run_id)
         if newest is not None:
             f.step.add_metric([name], newest["step"])
             loss = mean_loss(newest)
             if loss is not None:
                 f.loss.add_metric([name], loss)
-            tp = repo.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
+            tp = reads.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
             if tp["samples_per_s"] is not None:
                 f.throughput.add_metric([name], tp["samples_per_s"])
-            util = mfu(repo.flops_declaration(conn, run_id=run_id), tp)
+            util = mfu(reads.flops_declaration(conn, run_id=run_id), tp)
             if util is not None:
                 f.mfu.add_metric([name], util)
         f.since_step.add_metric(
             [name], max(0.0, now - (newest["t_last"] if newest else run["created_at"])))
-        ckpt = repo.newest_complete_checkpoint(conn, run_id=run_id)
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run_id)
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))
-        history = repo.restart_history(conn, run_id=run_id)
+        history = rec.restart_history(conn, run_id=run_id)
         every, automatic = restart_counts(history)
         for cause, n in every.items():
             f.restarts.add_metric([name, cause], n)
         for cause, left in policy.budgets_left(automatic, self.policy_cfg).items():
             f.budget.add_metric([name, cause], left)
-        counts = repo.open_incident_counts(conn, run_id=run_id)
+        counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
         f.no_progress.add_metric([name], policy.restarts_without_progress(
-            [h["high_step"] for h in history if h["actor"] == "policy"],
-            repo.high_step(conn, run_id=run_id)))
+            [h["high_step"] for h in history if h["actor"] == Actor.POLICY],
+            max(rec.max_steps(conn, run_id=run_id).values(), default=None)))
         f.no_progress_limit.add_metric([name], self.policy_cfg.no_progress_restarts)
         f.straggler_threshold.add_metric([name], self.straggler_cfg.threshold)
         scores = observe.run_scores(conn, run_id, newest, self.straggler_cfg)
         if scores:
-            nodes = repo.rank_node_names(conn, run_id=run_id)
+            nodes = windows.rank_nodes(conn, run_id=run_id)
             for sc in sorted(scores.values(), key=lambda v: (v.score, v.rank))[:STRAGGLER_TOP]:
                 labels = [name, str(sc.rank), nodes.get(sc.rank, "")]
                 f.straggler.add_metric(labels, sc.score)
                 f.straggler_slow.add_metric(labels, 1 if sc.slow else 0)
-        for ag in repo.run_agents(conn, run_id=run_id):
+        for ag in registry.run_agents(conn, run_id=run_id):
             self._agent(f, name, ag, now)
 
     @staticmethod
-    def _agent(f: _Families, name: str, ag: dict[str, Any], now: float) -> None:
+    def _agent(f: _Families, name: str, ag: AgentRow, now: float) -> None:
         node = str(ag["node"])
         f.hb_age.add_metric([name, node], max(0.0, now - ag["last_seen_at"]))
         free, total = ag["disk_free_bytes"], ag.get("disk_total_bytes")

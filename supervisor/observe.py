@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection
-
+from agent.core.findings import FindingKind
+from agent.core.states import LIVE_AGENT_STATES
 from supervisor.detect import (
     Finding,
     HangConfig,
@@ -36,14 +36,16 @@ from supervisor.detect import (
     straggler_scores,
 )
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
-from supervisor.store import repo
+from supervisor.enums import ActionStatus
+from supervisor.store import reads, windows
+from supervisor.store import recovery as rec
+from supervisor.store.db import Connection
+from supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateRow
 
 # An agent sends a batch at least every second; its newest batch tells us up to when we
 # know what its workers did.
 _DELIVERY_SLACK_S = 1.0
 
-# Agent states that mean "this node is supposed to be alive and training".
-_LIVE_AGENT_STATES = {"registered", "starting", "running", "stopping"}
 
 
 @dataclass(frozen=True)
@@ -65,48 +67,48 @@ class DetectionConfig:
     interval_history: int = 300  # step intervals the hang deadline learns from
 
 
-def attempt_started_at(conn: Connection, run: dict[str, Any]) -> float | None:
+def attempt_started_at(conn: Connection, run: RunRow) -> float | None:
     """When the run's current attempt was launched (None while a restart is still pending:
     not every agent has relaunched yet)."""
     if int(run["attempt"]) == 0:
         return float(run["created_at"])
-    action = repo.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+    action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
     if action is None:
         return float(run["updated_at"])
     progress = action.get("progress") or {}
-    t = progress.get("restarted") or progress.get("resumed")
+    t = progress.get(ActionStatus.RESTARTED) or progress.get(ActionStatus.RESUMED)
     return None if t is None else float(t)
 
 
-def progress_window(conn: Connection, run: dict[str, Any], *, started_at: float,
+def progress_window(conn: Connection, run: RunRow, *, started_at: float,
                     observing_since: float, cfg: DetectionConfig) -> ProgressWindow:
     run_id, attempt = int(run["id"]), int(run["attempt"])
-    ranks = repo.rank_progress(conn, run_id=run_id, attempt=attempt)
-    times = repo.step_times(conn, run_id=run_id, attempt=attempt, limit=cfg.interval_history)
+    ranks = windows.rank_progress(conn, run_id=run_id, attempt=attempt)
+    times = windows.step_times(conn, run_id=run_id, attempt=attempt, limit=cfg.interval_history)
     if len(times) < cfg.hang.min_intervals + 1 and attempt > 0:  # learn from the last attempt
-        times = repo.step_times(conn, run_id=run_id, attempt=attempt - 1,
+        times = windows.step_times(conn, run_id=run_id, attempt=attempt - 1,
                                 limit=cfg.interval_history) + times
-    ckpt_started = repo.latest_event(conn, run_id=run_id, attempt=attempt,
+    ckpt_started = windows.latest_event(conn, run_id=run_id, attempt=attempt,
                                      name="checkpoint_started")
-    newest_ckpt = repo.newest_checkpoint_time(conn, run_id=run_id)
+    newest_ckpt = windows.newest_checkpoint_time(conn, run_id=run_id)
     checkpoint_since = None
     if ckpt_started is not None and (newest_ckpt is None or newest_ckpt < ckpt_started["t"]):
         checkpoint_since = float(ckpt_started["t"])
     return ProgressWindow(
         attempt_started_at=started_at,
         ranks={int(r["rank"]): RankProgress(int(r["step"]), float(r["t"])) for r in ranks},
-        steps_in_attempt=repo.count_steps(conn, run_id=run_id, attempt=attempt),
+        steps_in_attempt=windows.count_steps(conn, run_id=run_id, attempt=attempt),
         step_intervals=intervals_from_times([t for _, t in times]),
         checkpoint_since=checkpoint_since,
-        recent_save_s=repo.recent_save_seconds(conn, run_id=run_id),
+        recent_save_s=windows.recent_save_seconds(conn, run_id=run_id),
         observing_since=observing_since,
         nodes={int(r["rank"]): str(r["node"]) for r in ranks},
     )
 
 
-def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
+def hang_findings(conn: Connection, run: RunRow, *, now: float,
                   observing_since: float, cfg: DetectionConfig,
-                  agents: list[dict[str, Any]] | None = None,
+                  agents: list[AgentLiveness] | None = None,
                   started: float | None = None) -> list[Finding]:
     """``started``: the attempt's launch time when the caller has it (else it is read)."""
     if started is None:
@@ -118,25 +120,25 @@ def hang_findings(conn: Connection, run: dict[str, Any], *, now: float,
     # the agents, and a batch that is late (a slow network, a busy supervisor) is a delivery
     # gap, not a hang.  An agent that stays silent is the node-lost detector's business.
     if agents is None:
-        agents = repo.agent_liveness(conn, run_id=run["id"])
-    seen = [float(a["last_seen_at"]) for a in agents if a["state"] in _LIVE_AGENT_STATES]
+        agents = windows.agent_liveness(conn, run_id=run["id"])
+    seen = [float(a["last_seen_at"]) for a in agents if a["state"] in LIVE_AGENT_STATES]
     if seen:
         now = min(now, min(seen) + _DELIVERY_SLACK_S)
     out = detect_hang(w, now, cfg.hang)
     if w.ranks:  # a hang is "after the newest step any rank reported"
         newest = max(p.step for p in w.ranks.values())
-        out = [dataclasses.replace(f, step=newest) if f.kind == "hang" and f.step is None
+        out = [dataclasses.replace(f, step=newest) if f.kind == FindingKind.HANG and f.step is None
                else f for f in out]
     return out
 
 
-def lost_node_findings(conn: Connection, run: dict[str, Any], *, now: float,
+def lost_node_findings(conn: Connection, run: RunRow, *, now: float,
                        observing_since: float, cfg: DetectionConfig,
-                       agents: list[dict[str, Any]] | None = None) -> list[Finding]:
+                       agents: list[AgentLiveness] | None = None) -> list[Finding]:
     if agents is None:
-        agents = repo.agent_liveness(conn, run_id=run["id"])
+        agents = windows.agent_liveness(conn, run_id=run["id"])
     beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents
-             if a["state"] in _LIVE_AGENT_STATES}
+             if a["state"] in LIVE_AGENT_STATES}
     return detect_lost_nodes(beats, now, cfg.node_lost, observing_since=observing_since)
 
 
@@ -156,14 +158,14 @@ class PhaseWindow:
         if attempt != self.attempt:
             self.attempt, self.table = attempt, {}
             # The id first: a row stored after it is read by the next refresh, not lost.
-            self.after_id = repo.max_rank_step_id(conn)
-            span = repo.step_range(conn, run_id=run_id, attempt=attempt)
+            self.after_id = windows.max_rank_step_id(conn)
+            span = windows.step_range(conn, run_id=run_id, attempt=attempt)
             if span is not None:
                 lo = max(span[0], span[1] - self.steps + 1)
-                self.table = pre_collective_table(repo.rank_phase_rows(
+                self.table = pre_collective_table(windows.rank_phase_rows(
                     conn, run_id=run_id, attempt=attempt, step_from=lo))
         else:
-            rows = repo.rank_phase_rows_after(conn, run_id=run_id, attempt=attempt,
+            rows = windows.rank_phase_rows_after(conn, run_id=run_id, attempt=attempt,
                                               after_id=self.after_id)
             if rows:
                 self.after_id = rows[-1][0]
@@ -176,7 +178,7 @@ class PhaseWindow:
         return self.table
 
 
-def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
+def straggler_findings(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
                        open_ranks: set[int], window: PhaseWindow | None = None
                        ) -> list[Finding]:
     run_id, attempt = int(run["id"]), int(run["attempt"])
@@ -196,34 +198,34 @@ def straggler_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionC
     if upto < max(newest.values()):
         table = {s: row for s, row in table.items() if s <= upto}
     return detect_stragglers(table, cfg=cfg.straggler,
-                             nodes=repo.rank_nodes(conn, run_id=run_id),
+                             nodes=windows.rank_nodes(conn, run_id=run_id),
                              flagged_ranks=open_ranks)
 
 
-def run_scores(conn: Connection, run_id: int, newest: dict[str, Any] | None,
+def run_scores(conn: Connection, run_id: int, newest: StepAggregateRow | None,
                cfg: StragglerConfig) -> dict[int, RankScore]:
     """Straggler scores (``straggler_scores``, the detector's own statistic) of the newest
-    attempt over the detector's window ending at ``repo.delivered_step``, as the detector
+    attempt over the detector's window ending at ``reads.delivered_step``, as the detector
     judges them: scored on newer steps, a rank would be compared with fewer peers, and the
-    ranks behind would get no score at all.  ``newest``: ``repo.newest_step``."""
+    ranks behind would get no score at all.  ``newest``: ``reads.newest_step``."""
     if newest is None:
         return {}
     attempt = int(newest["attempt"])
-    upto = repo.delivered_step(conn, run_id=run_id, attempt=attempt)
+    upto = reads.delivered_step(conn, run_id=run_id, attempt=attempt)
     if upto is None:
         return {}
-    rows = repo.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
+    rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
                                 step_from=upto - cfg.window_steps + 1, step_to=upto)
     return straggler_scores(pre_collective_table(rows), cfg)
 
 
-def rank_rows(conn: Connection, run_id: int, newest: dict[str, Any] | None,
+def rank_rows(conn: Connection, run_id: int, newest: StepAggregateRow | None,
               straggler: StragglerConfig) -> list[dict[str, Any]]:
     """Each rank's latest report with its straggler ``score`` and ``slow`` (the detector's
     rule on its window; both None for a rank without a score), lowest score first: what the
     dashboard's ranks table and the API's ``/runs/{run}/ranks`` show."""
     scores = run_scores(conn, run_id, newest, straggler)
-    ranks = repo.rank_latest(conn, run_id=run_id)
+    ranks = reads.rank_latest(conn, run_id=run_id)
     for r in ranks:
         sc = scores.get(int(r["rank"]))
         r["score"] = None if sc is None else sc.score
@@ -236,8 +238,8 @@ def rank_rows(conn: Connection, run_id: int, newest: dict[str, Any] | None,
 _LOSS_CATCH_UP_MAX = 20_000
 
 
-def loss_rows(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
-              seen_step: int | None = None) -> list[dict[str, Any]]:
+def loss_rows(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
+              seen_step: int | None = None) -> list[LossRow]:
     """The loss window: the detector's lookback, plus every step stored since ``seen_step``
     (the newest step the previous look saw).  A fast run delivers a second of steps in one
     batch; with a fixed window the steps before a spike that came in one such burst would
@@ -245,13 +247,13 @@ def loss_rows(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
     (placing its start a few steps late)."""
     limit = cfg.loss.lookback_steps + cfg.loss.window_steps
     if seen_step is not None:
-        span = repo.step_range(conn, run_id=run["id"], attempt=run["attempt"])
+        span = windows.step_range(conn, run_id=run["id"], attempt=run["attempt"])
         if span is not None:
             limit += min(_LOSS_CATCH_UP_MAX, max(0, span[1] - seen_step))
-    return repo.loss_series(conn, run_id=run["id"], attempt=run["attempt"], limit=limit)
+    return windows.loss_series(conn, run_id=run["id"], attempt=run["attempt"], limit=limit)
 
 
-def loss_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> list[Finding]:
+def loss_findings(rows: list[LossRow], *, cfg: DetectionConfig) -> list[Finding]:
     samples = []
     for r in rows:
         loss = math.nan if r["loss_nonfinite"] else r["loss"]
@@ -261,7 +263,7 @@ def loss_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> list[F
     return detect_loss(samples, cfg.loss)
 
 
-def throughput_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> list[Finding]:
+def throughput_findings(rows: list[LossRow], *, cfg: DetectionConfig) -> list[Finding]:
     points = []
     prev_t: float | None = None
     for r in rows:
@@ -275,17 +277,17 @@ def throughput_findings(rows: list[dict[str, Any]], *, cfg: DetectionConfig) -> 
     return detect_throughput_decay(points, cfg=cfg.throughput)
 
 
-def disk_findings(conn: Connection, run: dict[str, Any], *, cfg: DetectionConfig,
-                  agents: list[dict[str, Any]] | None = None) -> list[Finding]:
+def disk_findings(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
+                  agents: list[AgentLiveness] | None = None) -> list[Finding]:
     """Free share of each node's checkpoint file system; a node is in a low episode while
     its newest disk event is ``disk_low``."""
     if agents is None:
-        agents = repo.agent_liveness(conn, run_id=run["id"])
+        agents = windows.agent_liveness(conn, run_id=run["id"])
     usage = {str(a["node"]): (int(a["disk_free_bytes"]), int(a["disk_total_bytes"]))
              for a in agents if a["disk_free_bytes"] is not None and a["disk_total_bytes"]}
     if not usage:
         return []
-    latest = repo.latest_event_by_node(conn, run_id=run["id"],
+    latest = windows.latest_event_by_node(conn, run_id=run["id"],
                                        names=[DISK_LOW, DISK_RECOVERED])
     low = {node for node, name in latest.items() if name == DISK_LOW}
     return detect_disk(usage, low, cfg.disk)

@@ -23,9 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.core.findings import Severity
+from agent.core.states import ExitOutcome
 from agent.protocol import LRSchedule, ResumePlan
-
-FINAL_STATUSES = frozenset({"completed", "failed", "stopped"})
+from supervisor.enums import FINAL_STATUSES, Actor, IncidentKind, RestartCause, RunStatus
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,22 @@ class PolicyConfig:
 # The cause a restart is counted against (each has its own budget).  A collective timeout
 # is a hang the collective itself noticed: it counts as one.  This is the cause every restart
 # action records, and the ``cause`` label of ``/metrics`` restarts and budgets.
-CAUSE_OF_KIND = {"crash": "crash", "hang": "hang", "collective_timeout": "hang",
-                 "node_lost": "node_lost", "loss_spike": "spike", "nonfinite": "spike"}
-BUDGET_CAUSES = ("crash", "hang", "node_lost", "spike")
-OPERATOR_CAUSE = "operator"  # an operator's restart or rollback: outside every budget
+CAUSE_OF_KIND: dict[str, RestartCause] = {
+    IncidentKind.CRASH: RestartCause.CRASH, IncidentKind.HANG: RestartCause.HANG,
+    IncidentKind.COLLECTIVE_TIMEOUT: RestartCause.HANG,
+    IncidentKind.NODE_LOST: RestartCause.NODE_LOST,
+    IncidentKind.LOSS_SPIKE: RestartCause.SPIKE, IncidentKind.NONFINITE: RestartCause.SPIKE}
+BUDGET_CAUSES = (RestartCause.CRASH, RestartCause.HANG, RestartCause.NODE_LOST,
+                 RestartCause.SPIKE)
+OPERATOR_CAUSE = RestartCause.OPERATOR  # an operator's restart or rollback: outside budgets
 
 
 def restart_cause(actor: str | None, cause: str | None) -> str:
     """The cause a restart action counts under: the one the policy recorded on it, or
     "operator" for an operator's action."""
-    if actor != "policy":
+    if actor != Actor.POLICY:
         return OPERATOR_CAUSE
-    return cause or "crash"
+    return cause or RestartCause.CRASH
 
 
 @dataclass(frozen=True)
@@ -130,13 +135,13 @@ class Restart:
     checkpoint: str | None
     not_before: float
     reason: str
-    actor: str = "policy"
+    actor: str = Actor.POLICY
     incident: IncidentSpec | None = None
     counts_against_budget: bool = True
     collect_stacks: bool = False  # a hang: dump every worker's stacks before the kill
     skip: tuple[tuple[int, int], ...] = ()  # global batch-index ranges never to train
     lr: LRSchedule | None = None  # LR x scale for a while after the resume
-    cause: str = "crash"  # the budget it counts against
+    cause: str = RestartCause.CRASH  # the budget it counts against
     rollback_to_step: int | None = None  # a rollback: checkpoints after it are abandoned
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
@@ -154,7 +159,7 @@ class Stop:
 
     status: str
     reason: str
-    actor: str = "policy"
+    actor: str = Actor.POLICY
     incident: IncidentSpec | None = None
 
 
@@ -181,7 +186,7 @@ class RecoveryFacts:
 
 
 def budget_of(cause: str, cfg: PolicyConfig) -> int:
-    return cfg.rollback_budget if cause == "spike" else cfg.restart_budget
+    return cfg.rollback_budget if cause == RestartCause.SPIKE else cfg.restart_budget
 
 
 def budgets_left(restarts_by_cause: Mapping[str, int], cfg: PolicyConfig) -> dict[str, int]:
@@ -217,7 +222,7 @@ def budget_left(cause: str, run: RunFacts, rec: RecoveryFacts | None, cfg: Polic
     else:
         left = budgets_left(rec.restarts_by_cause, cfg).get(cause, budget_of(cause, cfg))
     if left <= 0:
-        what = "rollback" if cause == "spike" else f"restart ({cause})"
+        what = "rollback" if cause == RestartCause.SPIKE else f"restart ({cause})"
         return False, f"{what} budget of {budget_of(cause, cfg)} spent"
     if rec is not None:
         n = cfg.no_progress_restarts
@@ -253,7 +258,7 @@ def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | Non
         what = f"ended ({ex.outcome})"
     msg = first.get("message")
     cause = f"worker on {where} {what}" + (f": {msg}" if msg else "")
-    if ex.outcome == "stopped":
+    if ex.outcome == ExitOutcome.STOPPED:
         cause = f"worker group on node {ex.node} was stopped outside the supervisor ({what})"
     return cause, rank, code, sig
 
@@ -279,7 +284,7 @@ def on_exit(
     ``restart_pending``: the restart to the run's current attempt has not relaunched any
     worker yet.  Then the previous attempt is still the one training, and its completion
     completes the run (the restart, decided on a late or false signal, is moot)."""
-    if (ex.attempt == run.attempt - 1 and restart_pending and ex.outcome == "completed"
+    if (ex.attempt == run.attempt - 1 and restart_pending and ex.outcome == ExitOutcome.COMPLETED
             and not ex.exit_code and run.status not in FINAL_STATUSES):
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
             return Complete(reason=f"every agent completed attempt {ex.attempt} before the "
@@ -291,14 +296,14 @@ def on_exit(
         return Note("ignored", f"exit of attempt {ex.attempt} ahead of the run ({run.attempt})")
     if run.status in FINAL_STATUSES:
         return Note("ignored", f"run is {run.status}")
-    if ex.outcome == "completed" and not ex.exit_code:
+    if ex.outcome == ExitOutcome.COMPLETED and not ex.exit_code:
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
             return Complete()
         return Note("completed", "waiting for the other agents to complete")
     cause, rank, code, sig = describe_exit(ex)
-    kind = "crash"
-    if ex.outcome == "hung":  # the agent's own watchdog acted while we were unreachable
-        kind = "hang"
+    kind = IncidentKind.CRASH
+    if ex.outcome == ExitOutcome.HUNG:  # the agent's own watchdog acted while we were away
+        kind = IncidentKind.HANG
         cause = f"no step progress on node {ex.node}; the agent's watchdog killed the workers"
     # The step it failed in: the one after the failed rank's newest report (after the
     # newest of any rank when the exit names none).
@@ -313,7 +318,8 @@ def on_exit(
     )
     may, why = budget_left(CAUSE_OF_KIND[kind], run, recovery, cfg)
     if not may:
-        return Stop(status="failed", reason=f"{why}; last failure: {cause}", incident=incident)
+        return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {cause}",
+                    incident=incident)
     wait = backoff_s(run.restarts, cfg)
     return Restart(
         attempt=run.attempt + 1,
@@ -339,7 +345,7 @@ def operator_restart(
 def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
     if run.status in FINAL_STATUSES:
         return Note("ignored", f"run is {run.status}")
-    return Stop(status="stopped", reason=reason or "operator stop", actor=actor)
+    return Stop(status=RunStatus.STOPPED, reason=reason or "operator stop", actor=actor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,11 +353,12 @@ def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
 
 # Failures that end the attempt: the gang restarts.  One attempt fails once: whichever of
 # these is seen first for an attempt decides, the others of the same attempt are echoes.
-RESTART_KINDS = frozenset({"crash", "hang", "collective_timeout", "node_lost"})
+RESTART_KINDS = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
+                           IncidentKind.NODE_LOST})
 # Incidents that stay open while the condition lasts, without a restart.
-WATCH_KINDS = frozenset({"straggler", "loss_spike", "nonfinite"})
+WATCH_KINDS = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 # Incidents answered by a rollback (when rollbacks are enabled).
-ROLLBACK_KINDS = frozenset({"loss_spike", "nonfinite"})
+ROLLBACK_KINDS = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 
 
 @dataclass(frozen=True)
@@ -380,7 +387,7 @@ class FindingFacts:
     """A detector's finding (or a worker's distributed-failure event), as the policy sees it."""
 
     kind: str
-    severity: str  # "incident" | "event"
+    severity: str  # a Severity: "incident" | "event"
     message: str
     attempt: int
     step: int | None = None
@@ -402,7 +409,7 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
         return Note("late", f"finding of attempt {f.attempt}; the run is at {run.attempt}")
     if run.status in FINAL_STATUSES:
         return Note("ignored", f"run is {run.status}")
-    if f.severity != "incident":
+    if f.severity != Severity.INCIDENT:
         return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
                            details=f.details)
     details = {**f.details, "message": f.message}
@@ -413,21 +420,21 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
             return Note("echo", f"attempt {f.attempt} already failed")
         may, why = budget_left(CAUSE_OF_KIND[f.kind], run, recovery, cfg)
         if not may:
-            return Stop(status="failed", reason=f"{why}; last failure: {f.message}",
+            return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {f.message}",
                         incident=incident)
         return Restart(attempt=run.attempt + 1, checkpoint=checkpoint,
                        not_before=now + backoff_s(run.restarts, cfg),
                        reason=f"gang restart after {f.kind.replace('_', ' ')}: {f.message}",
-                       incident=incident, collect_stacks=f.kind == "hang",
+                       incident=incident, collect_stacks=f.kind == IncidentKind.HANG,
                        cause=CAUSE_OF_KIND[f.kind])
     if f.kind in ROLLBACK_KINDS and cfg.rollback_budget > 0 and recovery is not None:
         if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
             return Note("echo", f"attempt {f.attempt} already failed")
         return rollback_for_spike(run, f, incident, recovery, cfg, now)
-    key = (f.kind, f.rank if f.kind == "straggler" else None)
+    key = (f.kind, f.rank if f.kind == IncidentKind.STRAGGLER else None)
     if key in open_watch:
         return Note("ongoing", f"{f.kind} incident already open")
-    if f.kind == "nonfinite" and ("nonfinite", None) in open_watch:
+    if f.kind == IncidentKind.NONFINITE and (IncidentKind.NONFINITE, None) in open_watch:
         return Note("ongoing", "nonfinite incident already open")
     return OpenIncident(incident=incident)
 
@@ -437,17 +444,17 @@ def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
     """Roll back to the last good checkpoint, skip the batches around the spike, lower the LR
     for a while.  Each recurrence widens the skip and lowers the LR further; past the budget
     the run is stopped (never a loop)."""
-    what = "NaN/Inf" if f.kind == "nonfinite" else "loss spike"
+    what = "NaN/Inf" if f.kind == IncidentKind.NONFINITE else "loss spike"
     start = f.step if f.step is not None else (rec.high_step or 0)
-    done = rec.restarts_by_cause.get("spike", 0)
-    may, why = budget_left("spike", run, rec, cfg)
+    done = rec.restarts_by_cause.get(RestartCause.SPIKE, 0)
+    may, why = budget_left(RestartCause.SPIKE, run, rec, cfg)
     if not may:
-        return Stop(status="failed", incident=incident,
+        return Stop(status=RunStatus.FAILED, incident=incident,
                     reason=f"{what} at step {start} after {done} rollback(s): {why}; the run is "
                            "stopped for a human to look at")
     good = [(s, p) for s, p in rec.checkpoints if s <= start - cfg.rollback_margin_steps]
     if not good:
-        return Stop(status="failed", incident=incident,
+        return Stop(status=RunStatus.FAILED, incident=incident,
                     reason=f"{what} at step {start}: no complete checkpoint at or before step "
                            f"{start - cfg.rollback_margin_steps} to roll back to")
     ck_step, ck_path = good[-1]
@@ -463,7 +470,7 @@ def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
               f"{skip[0][0]}-{skip[0][1]}, LR x{lr.scale:g} for {lr.steps} steps then back "
               f"over {lr.ramp_steps}{again}")
     return Restart(attempt=run.attempt + 1, checkpoint=ck_path, not_before=now, reason=reason,
-                   incident=incident, skip=skip, lr=lr, cause="spike",
+                   incident=incident, skip=skip, lr=lr, cause=RestartCause.SPIKE,
                    rollback_to_step=ck_step)
 
 
@@ -475,7 +482,7 @@ def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,
         return Note("ignored", f"run is {run.status}")
     return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
                    reason=reason or f"operator rollback to step {step}", actor=actor,
-                   counts_against_budget=False, skip=skip, lr=lr, cause="operator",
+                   counts_against_budget=False, skip=skip, lr=lr, cause=RestartCause.OPERATOR,
                    rollback_to_step=step)
 
 

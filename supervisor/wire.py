@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent import protocol
+from agent.core.states import CommandKind, ExitOutcome
 
 NonNeg = Annotated[int, Field(ge=0)]
 
@@ -107,9 +107,7 @@ class ExitItem(_Wire):
     attempt: NonNeg | None = None
     exit_code: int | None = None
     signal: int | None = None
-    # "hung": the agent's own watchdog killed a run that made no progress while the
-    # supervisor was unreachable.
-    outcome: Literal["completed", "crashed", "stopped", "hung"]
+    outcome: ExitOutcome
     failed_ranks: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -117,7 +115,7 @@ class CommandResultItem(_Wire):
     type: Literal["command_result"]
     t: float | None = None
     command_id: int
-    status: Literal["delivered", "done", "failed"]
+    status: Literal["delivered", "done", "failed"]  # agent.core.states.COMMAND_RESULTS
     detail: str = ""
 
 
@@ -138,7 +136,7 @@ class IngestBatch(_Wire):
 
 class CommandOut(BaseModel):
     id: int
-    kind: Literal["restart", "stop"]
+    kind: CommandKind
     attempt: int
     plan: dict[str, Any] | None = None
     not_before: float | None = None
@@ -154,6 +152,3 @@ class IngestReply(BaseModel):
     # Checkpoint paths the workers' retention must keep (the agent pins them).
     protect: list[str] = Field(default_factory=list)
 
-
-# The Literal above must name the protocol's command kinds.
-assert {protocol.COMMAND_RESTART, protocol.COMMAND_STOP} == {"restart", "stop"}

@@ -10,8 +10,9 @@ from pydantic import ValidationError
 from supervisor import wire
 from supervisor.api.deps import DB, AgentAuth, ClockDep, Settings, Writer
 from supervisor.api.errors import validation_error_response
-from supervisor.store import repo
+from supervisor.store import registry
 from supervisor.store.db import Database
+from supervisor.store.ingest import IngestResult, UnknownAgent, ingest_batch
 
 router = APIRouter(tags=["agents"])
 
@@ -23,7 +24,7 @@ def register(
     """Register a node agent for a run (the run is created on first use).  Registering again
     with the same run and node returns the same ``agent_id`` and the next sequence number."""
     with db.write() as conn:
-        r = repo.register_agent(conn, req=req, now=clock())
+        r = registry.register_agent(conn, req=req, now=clock())
     return wire.RegisterReply(heartbeat_interval_s=settings.heartbeat_interval_s, **r)
 
 
@@ -35,9 +36,9 @@ INGEST_BODY = {
 }
 
 
-def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float) -> repo.IngestResult:
+def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float) -> IngestResult:
     with db.write() as conn:
-        return repo.ingest_batch(conn, batch=batch, now=now)
+        return ingest_batch(conn, batch=batch, now=now)
 
 
 @router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY)
@@ -66,7 +67,7 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
         else:
             # Postgres: group commit through the ingest writer thread.
             res = await writer.submit(batch)
-    except repo.UnknownAgent:
+    except UnknownAgent:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,
             f"unknown agent_id {batch.agent_id}: register first (POST /api/v1/agents/register)",

@@ -3,8 +3,6 @@ lowered for a while; and the progress of any action."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, HTTPException, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -12,7 +10,10 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from agent.protocol import LRSchedule, normalize_ranges
 from supervisor import actions, policy
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
-from supervisor.store import repo
+from supervisor.enums import Actor
+from supervisor.store import reads, registry
+from supervisor.store import recovery as rec
+from supervisor.store.rows import ActionRow
 
 router = APIRouter(tags=["recovery"])
 
@@ -57,13 +58,13 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
     to its current lineage); nothing is stored when it is refused."""
     now = clock()
     with db.write() as conn:
-        r = repo.get_run_by_name(conn, name=run)
+        r = registry.get_run_by_name(conn, name=run)
         if r is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {run!r}")
         if r["status"] in policy.FINAL_STATUSES:
             raise HTTPException(status.HTTP_409_CONFLICT,
                                 f"run {run!r} is {r['status']}: nothing to roll back")
-        ck = repo.checkpoint_by(conn, run_id=r["id"], checkpoint_id=req.checkpoint,
+        ck = rec.checkpoint_by(conn, run_id=r["id"], checkpoint_id=req.checkpoint,
                                 step=req.step)
         what = (f"checkpoint {req.checkpoint}" if req.checkpoint is not None
                 else f"checkpoint at step {req.step}")
@@ -85,7 +86,7 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
             actions.facts(r), checkpoint=ck["path"], step=int(ck["step"]),
             skip=tuple((int(a), int(b)) for a, b in req.skip), lr=lr,
             reason=req.reason or f"operator rollback to step {ck['step']}",
-            actor="operator", now=now)
+            actor=Actor.OPERATOR, now=now)
         if isinstance(decision, policy.Note):
             raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
         action_id = actions.apply(conn, run=r, decision=decision, now=now)
@@ -94,10 +95,10 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
 
 
 @router.get("/actions/{action_id}", response_model=None)
-def get_action(action_id: int, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+def get_action(action_id: int, db: DB, _auth: ReadAuth) -> ActionRow:
     """One action with its progress: queued, delivered, restarted, resumed (first step)."""
     with db.read() as conn:
-        a = repo.get_action(conn, action_id=action_id)
+        a = reads.get_action(conn, action_id=action_id)
         if a is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown action {action_id}")
         return a

@@ -6,27 +6,30 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, status
 from pydantic import BaseModel, Field
-from sqlalchemy import Connection
 
 from supervisor import actions, observe, policy
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
-from supervisor.store import repo
+from supervisor.enums import Actor
+from supervisor.store import reads, registry
+from supervisor.store import recovery as rec
+from supervisor.store.db import Connection
+from supervisor.store.rows import RunRow
 
 # response_model=None: the routes return plain dicts, rendered by SafeJSONResponse so that
 # a NaN loss reads "NaN" (a pydantic response model would turn it into null).
 router = APIRouter(tags=["runs"])
 
 
-def _run_or_404(conn: Connection, name: str) -> dict[str, Any]:
-    run = repo.get_run_by_name(conn, name=name)
+def _run_or_404(conn: Connection, name: str) -> RunRow:
+    run = registry.get_run_by_name(conn, name=name)
     if run is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {name!r}")
     return run
 
 
-def _summary(conn: Connection, run: dict[str, Any]) -> dict[str, Any]:
-    last = repo.latest_step(conn, run_id=run["id"], attempt=run["attempt"])
-    ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
+def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
+    last = reads.newest_step(conn, run_id=run["id"], attempt=run["attempt"])
+    ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
     return {
         "id": run["id"],
         "name": run["name"],
@@ -36,18 +39,18 @@ def _summary(conn: Connection, run: dict[str, Any]) -> dict[str, Any]:
         "restarts": run["restarts"],
         "step": last["step"] if last else None,
         "step_at": last["t_last"] if last else None,
-        "throughput": repo.throughput(conn, run_id=run["id"], attempt=run["attempt"]),
+        "throughput": reads.throughput(conn, run_id=run["id"], attempt=run["attempt"]),
         "checkpoint": (
             {k: ckpt[k] for k in ("step", "path", "bytes", "attempt", "lineage", "t")}
             if ckpt else None
         ),
         # Kept by the workers' retention besides the newest few (pinned by the agents).
-        "protected": list(run.get("protected") or []),
+        "protected": list(run["protected"] or []),
         "agents": [
             {k: a[k] for k in ("id", "node", "hostname", "state", "attempt", "last_seen_at",
                                "disk_free_bytes", "disk_total_bytes", "workers", "gpus",
                                "dropped")}
-            for a in repo.run_agents(conn, run_id=run["id"])
+            for a in registry.run_agents(conn, run_id=run["id"])
         ],
         "created_at": run["created_at"],
         "updated_at": run["updated_at"],
@@ -57,7 +60,7 @@ def _summary(conn: Connection, run: dict[str, Any]) -> dict[str, Any]:
 @router.get("/runs", response_model=None)
 def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
     with db.read() as conn:
-        return {"runs": [_summary(conn, r) for r in repo.list_runs(conn)]}
+        return {"runs": [_summary(conn, r) for r in registry.list_runs(conn)]}
 
 
 @router.get("/runs/{run}", response_model=None)
@@ -84,7 +87,7 @@ def get_steps(
                             f"'to' ({step_to}) is below 'from' ({step_from})")
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        points = repo.steps(conn, run_id=r["id"], step_from=step_from, step_to=step_to,
+        points = reads.steps(conn, run_id=r["id"], step_from=step_from, step_to=step_to,
                             max_points=max_points, attempt=attempt)
     return {"run": run, "points": points}
 
@@ -96,7 +99,7 @@ def get_ranks(run: str, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[s
     as ``/metrics`` exports them), lowest score first; ``straggler``: the rule's settings."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        newest = repo.newest_step(conn, run_id=r["id"])
+        newest = reads.newest_step(conn, run_id=r["id"])
         return {"run": run, "ranks": observe.rank_rows(conn, r["id"], newest, straggler),
                 "straggler": {"threshold": straggler.threshold,
                               "window_steps": straggler.window_steps,
@@ -115,22 +118,22 @@ Limit = Annotated[int, Query(ge=1, le=10_000)]
 
 @router.get("/runs/{run}/checkpoints", response_model=None)
 def get_checkpoints(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
-    return _listing(db, run, "checkpoints", repo.list_checkpoints, limit)
+    return _listing(db, run, "checkpoints", reads.list_checkpoints, limit)
 
 
 @router.get("/runs/{run}/incidents", response_model=None)
 def get_incidents(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
-    return _listing(db, run, "incidents", repo.list_incidents, limit)
+    return _listing(db, run, "incidents", reads.list_incidents, limit)
 
 
 @router.get("/runs/{run}/actions", response_model=None)
 def get_actions(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
-    return _listing(db, run, "actions", repo.list_actions, limit)
+    return _listing(db, run, "actions", reads.list_actions, limit)
 
 
 @router.get("/runs/{run}/events", response_model=None)
 def get_events(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
-    return _listing(db, run, "events", repo.list_events, limit)
+    return _listing(db, run, "events", reads.list_events, limit)
 
 
 class RestartRequest(BaseModel):
@@ -160,13 +163,13 @@ def restart_run(
 ) -> dict[str, Any]:
     """Gang-restart the run as its next attempt (operator; no backoff, outside the budget)."""
 
-    def decide(conn: Connection, r: dict[str, Any]) -> policy.Decision:
+    def decide(conn: Connection, r: RunRow) -> policy.Decision:
         ckpt = req.checkpoint
         if ckpt is None:
-            newest = repo.newest_complete_checkpoint(conn, run_id=r["id"])
+            newest = rec.newest_complete_checkpoint(conn, run_id=r["id"])
             ckpt = newest["path"] if newest else None
         return policy.operator_restart(actions.facts(r), checkpoint=ckpt, reason=req.reason,
-                                       actor="operator", now=clock())
+                                       actor=Actor.OPERATOR, now=clock())
 
     return _operator(db, run, clock(), decide)
 
@@ -179,5 +182,5 @@ def stop_run(
     return _operator(
         db, run, clock(),
         lambda conn, r: policy.operator_stop(actions.facts(r), reason=req.reason,
-                                             actor="operator"),
+                                             actor=Actor.OPERATOR),
     )

@@ -15,13 +15,14 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
-from sqlalchemy import Connection
 from starlette.concurrency import run_in_threadpool
 
 from supervisor.api.deps import DB, ClockDep, ReadAuth, Straggler
 from supervisor.dashboard import auth, etag, views
 from supervisor.detect.straggler import StragglerConfig
-from supervisor.store import repo
+from supervisor.store import reads, registry
+from supervisor.store.db import Connection
+from supervisor.store.rows import RunRow
 
 HERE = Path(__file__).resolve().parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
@@ -154,8 +155,8 @@ def api_docs(request: Request) -> Response:
 # pages
 
 
-def _run_or_404(conn: Connection, name: str) -> dict[str, Any]:
-    run = repo.get_run_by_name(conn, name=name)
+def _run_or_404(conn: Connection, name: str) -> RunRow:
+    run = registry.get_run_by_name(conn, name=name)
     if run is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {name!r}")
     return run
@@ -218,7 +219,7 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
     query)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        fp = repo.run_fingerprint(conn, run_id=r["id"])
+        fp = reads.run_fingerprint(conn, run_id=r["id"])
     tag = '"' + hashlib.sha256(repr(fp).encode()).hexdigest()[:32] + '"'
     headers = {"ETag": tag, "Cache-Control": "private, no-cache", "Vary": "Authorization, Cookie"}
     if etag.matches(request.headers.get("if-none-match"), tag):

@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from typing import Any
-
-from sqlalchemy import Connection
 
 from supervisor import metrics, observe
 from supervisor.detect.straggler import StragglerConfig
-from supervisor.store import repo
+from supervisor.enums import ActionKind, IncidentKind, RestartCause
+from supervisor.store import reads, registry, windows
+from supervisor.store import recovery as rec
+from supervisor.store.db import Connection
+from supervisor.store.rows import AgentRow, RunRow, Throughput
 
 LIST_LIMIT = 200  # rows of each table on the run page
 RANKS_SHOWN = 32  # the lowest straggler scores
-SPIKE_KINDS = frozenset({"loss_spike", "nonfinite", "spike"})
+SPIKE_KINDS = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE, RestartCause.SPIKE})
 RANK_SERIES_SHOWN = 8
 RANK_POINTS_BUDGET = 20_000  # per-rank timing rows read for the phase-time chart
 
 
-def run_row(conn: Connection, run: dict[str, Any], now: float) -> dict[str, Any]:
+def run_row(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
     """One line of the runs list (also the head of the run page)."""
-    newest = repo.newest_step(conn, run_id=run["id"])
-    tp = (repo.throughput(conn, run_id=run["id"], attempt=int(newest["attempt"]))
-          if newest else {"samples_per_s": None, "tokens_per_s": None, "steps_per_s": None,
-                          "ranks": None})
-    ckpt = repo.newest_complete_checkpoint(conn, run_id=run["id"])
-    declared = repo.flops_declaration(conn, run_id=run["id"])
+    newest = reads.newest_step(conn, run_id=run["id"])
+    tp: Throughput = (
+        reads.throughput(conn, run_id=run["id"], attempt=int(newest["attempt"])) if newest
+        else {"samples_per_s": None, "tokens_per_s": None, "steps_per_s": None, "ranks": None})
+    ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+    declared = reads.flops_declaration(conn, run_id=run["id"])
     return {
         **run,
         "step": newest["step"] if newest else None,
@@ -36,15 +39,15 @@ def run_row(conn: Connection, run: dict[str, Any], now: float) -> dict[str, Any]
         "mfu": metrics.mfu(declared, tp),
         "checkpoint": ckpt,
         "checkpoint_age": (now - ckpt["t"]) if ckpt else None,
-        "open_incidents": repo.open_incident_counts(conn, run_id=run["id"]),
+        "open_incidents": reads.open_incident_counts(conn, run_id=run["id"]),
     }
 
 
 def runs_overview(conn: Connection, now: float) -> list[dict[str, Any]]:
-    return [run_row(conn, r, now) for r in reversed(repo.list_runs(conn))]
+    return [run_row(conn, r, now) for r in reversed(registry.list_runs(conn))]
 
 
-def stacks_of(incident: dict[str, Any]) -> list[tuple[str, str]]:
+def stacks_of(incident: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``details.stacks`` ({rank: text}) as sorted (rank, text) pairs."""
     stacks = (incident.get("details") or {}).get("stacks")
     if not isinstance(stacks, dict):
@@ -56,37 +59,35 @@ def stacks_of(incident: dict[str, Any]) -> list[tuple[str, str]]:
     return [(str(k), str(stacks[k])) for k in sorted(stacks, key=key)]
 
 
-def run_tables(conn: Connection, run: dict[str, Any], now: float,
+def run_tables(conn: Connection, run: RunRow, now: float,
                straggler: StragglerConfig) -> dict[str, Any]:
     """Incidents, actions, checkpoints, nodes and ranks of a run (``straggler``: the
     detector's configuration, which the ranks' scores are computed with)."""
     run_id = run["id"]
-    incidents = repo.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT)
-    for inc in incidents:
-        inc["stacks"] = stacks_of(inc)
-        inc["details_other"] = {k: v for k, v in (inc.get("details") or {}).items()
-                                if k != "stacks"}
-    newest = repo.newest_step(conn, run_id=run_id)
+    incidents = [{**inc, "stacks": stacks_of(inc),
+                  "details_other": {k: v for k, v in (inc["details"] or {}).items()
+                                    if k != "stacks"}}
+                 for inc in reads.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT)]
+    newest = reads.newest_step(conn, run_id=run_id)
     ranks = observe.rank_rows(conn, run_id, newest, straggler)
     protected = set(run.get("protected") or [])
-    checkpoints = repo.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)
-    for c in checkpoints:
-        c["protected"] = c["path"] in protected
+    checkpoints = [{**c, "protected": c["path"] in protected}
+                   for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
     return {
         "incidents": incidents,
-        "actions": repo.list_actions(conn, run_id=run_id, limit=LIST_LIMIT),
+        "actions": reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT),
         "checkpoints": checkpoints,
-        "agents": [node_health(a) for a in repo.run_agents(conn, run_id=run_id)],
+        "agents": [node_health(a) for a in registry.run_agents(conn, run_id=run_id)],
         "ranks": ranks[:RANKS_SHOWN],
         "ranks_total": len(ranks),
         "straggler": straggler,
     }
 
 
-def node_health(agent: dict[str, Any]) -> dict[str, Any]:
+def node_health(agent: AgentRow) -> dict[str, Any]:
     """An agent row plus what the nodes table shows of its health."""
-    free, total = agent.get("disk_free_bytes"), agent.get("disk_total_bytes")
-    raw_workers, raw_gpus = agent.get("workers"), agent.get("gpus")
+    free, total = agent["disk_free_bytes"], agent["disk_total_bytes"]
+    raw_workers, raw_gpus = agent["workers"], agent["gpus"]
     workers: list[dict[str, Any]] = [w for w in raw_workers if isinstance(w, dict)] \
         if isinstance(raw_workers, list) else []
     gpus: dict[str, Any] | None = raw_gpus if isinstance(raw_gpus, dict) else None
@@ -105,11 +106,11 @@ def node_health(agent: dict[str, Any]) -> dict[str, Any]:
 
 def mfu_feed(conn: Connection, run_id: int) -> dict[str, Any] | None:
     """What the page's script needs to draw MFU from the throughput it already has."""
-    newest = repo.newest_step(conn, run_id=run_id)
+    newest = reads.newest_step(conn, run_id=run_id)
     if newest is None:
         return None
-    tp = repo.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
-    factor = metrics.mfu_factor(repo.flops_declaration(conn, run_id=run_id), tp["ranks"])
+    tp = reads.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
+    factor = metrics.mfu_factor(reads.flops_declaration(conn, run_id=run_id), tp["ranks"])
     return None if factor is None else {"unit": factor[0], "factor": factor[1]}
 
 
@@ -120,7 +121,7 @@ def _int(x: Any) -> int | None:
 def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
     """Vertical markers of the loss chart: spike episodes and where restarts resumed."""
     out: list[dict[str, Any]] = []
-    for inc in repo.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT):
+    for inc in reads.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT):
         if inc["kind"] not in SPIKE_KINDS:
             continue
         d = inc.get("details") or {}
@@ -135,8 +136,8 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
                     if v is not None), start)
         out.append({"type": "spike", "kind": inc["kind"], "from": start,
                     "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}"})
-    for a in repo.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):
-        if a["kind"] == "stop":
+    for a in reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):
+        if a["kind"] == ActionKind.STOP:
             continue
         plan = a.get("plan") or {}
         step = _int(a.get("resumed_step"))
@@ -152,13 +153,13 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
 def rank_series(conn: Connection, run_id: int, straggler: StragglerConfig) -> dict[str, Any]:
     """Per-rank data+compute seconds over the newest attempt's last steps: the slowest ranks
     and the median over all ranks (so a slow rank stands out)."""
-    newest = repo.newest_step(conn, run_id=run_id)
+    newest = reads.newest_step(conn, run_id=run_id)
     if newest is None:
         return {"attempt": None, "steps": [], "series": [], "median": []}
-    nodes = repo.rank_node_names(conn, run_id=run_id)
+    nodes = windows.rank_nodes(conn, run_id=run_id)
     n_ranks = max(1, len(nodes))
     window = max(straggler.window_steps, min(300, RANK_POINTS_BUDGET // n_ranks))
-    rows = repo.rank_phase_rows(conn, run_id=run_id, attempt=int(newest["attempt"]),
+    rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=int(newest["attempt"]),
                                 step_from=int(newest["step"]) - window + 1)
     by_step: dict[int, dict[int, float]] = {}
     for r in rows:

@@ -4,15 +4,15 @@ One statistic a module; no I/O, no database, the clock passed in as ``now``.  Th
 reads windows from the store, calls these on every tick and hands the ``Finding`` objects to
 the policy, which decides.
 
-* ``hang``: no step progress past a deadline learned from the run's own step intervals.
+* ``hang``: no step progress past a deadline learned from the run's own step intervals (the
+  statistic lives in the shared core, ``agent.core.hang``: the agent's watchdog runs it too).
 * ``straggler``: the rank whose pre-collective time is slow against its peers, sustained.
 * ``loss_spike``: loss above a robust rolling baseline, sustained; NaN/Inf at once.
 * ``throughput``: tokens/s (or samples/s) below the run's own reference.
 * ``node_lost``: an agent's heartbeat older than a deadline.
 """
 
-from supervisor.detect.findings import EVENT, INCIDENT, Finding, Severity
-from supervisor.detect.hang import (
+from agent.core.hang import (
     Deadline,
     HangConfig,
     ProgressWindow,
@@ -21,6 +21,7 @@ from supervisor.detect.hang import (
     hang_deadline,
     intervals_from_times,
 )
+from supervisor.detect.findings import EVENT, INCIDENT, Finding, Severity
 from supervisor.detect.loss_spike import (
     LossSample,
     LossSpikeConfig,

@@ -14,10 +14,9 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 from supervisor.detect._stats import require
-from supervisor.detect.findings import EVENT, Finding
+from supervisor.detect.findings import DISK_LOW, DISK_RECOVERED, EVENT, Finding
 
-DISK_LOW = "disk_low"
-DISK_RECOVERED = "disk_recovered"
+__all__ = ["DISK_LOW", "DISK_RECOVERED", "DiskConfig", "detect_disk"]
 
 
 @dataclass(frozen=True)

@@ -1,61 +1,22 @@
-"""What every detector returns: a ``Finding``.
-
-A finding is an observation, not a decision: the policy (the one place that decides) turns
-findings into incidents and actions.  ``severity`` says how the detector rates it:
-``"incident"`` (training is broken or wasting the cluster: act) or ``"event"`` (worth
-recording and alerting on, not worth a restart by itself).
-
-An evaluator that calls a detector on every tick gets the same finding again while the
-condition lasts; ``Finding.key`` is what to deduplicate on: ``(kind, step, rank, node)`` for
-kinds whose start step is exact and stable (hang, loss spikes, non-finite values), and
-``(kind, None, rank, node)`` for kinds whose ``step`` is an estimate that can move as the
-window slides (straggler onset, throughput decay onset, rank_stalled, node_lost).
-"""
+"""The detectors' vocabulary: ``Finding`` (defined in the shared core, ``agent.core.findings``,
+because the agent's hang watchdog returns one too), its severities, and the kind names the
+detectors of this package use."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from agent.core.findings import EVENT, INCIDENT, STEP_KEYED, Finding, FindingKind, Severity
 
-Severity = Literal["incident", "event"]
-INCIDENT: Severity = "incident"
-EVENT: Severity = "event"
+__all__ = ["DISK_LOW", "DISK_RECOVERED", "EVENT", "HANG", "INCIDENT", "LOSS_SPIKE",
+           "LOSS_SPIKE_TRANSIENT", "NODE_LOST", "NONFINITE", "RANK_STALLED", "STEP_KEYED",
+           "STRAGGLER", "THROUGHPUT_DECAY", "Finding", "FindingKind", "Severity"]
 
-# Kinds produced by the detectors of this package.
-HANG = "hang"
-RANK_STALLED = "rank_stalled"
-STRAGGLER = "straggler"
-LOSS_SPIKE = "loss_spike"
-LOSS_SPIKE_TRANSIENT = "loss_spike_transient"
-NONFINITE = "nonfinite"
-THROUGHPUT_DECAY = "throughput_decay"
-NODE_LOST = "node_lost"
-
-# Kinds whose ``step`` is exact and stable across ticks (part of the deduplication key).
-STEP_KEYED = frozenset({HANG, LOSS_SPIKE, LOSS_SPIKE_TRANSIENT, NONFINITE})
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One thing a detector saw.
-
-    ``step``: the step where the condition started (the first high loss step, the first slow
-    step of a straggler, the last step made before a hang), or ``None`` where steps do not
-    apply.  ``started_at``: unix time it started, where known.  ``message`` is for people and
-    names what and where, with the numbers; ``details`` holds the same numbers for machines
-    (plain JSON-able values)."""
-
-    kind: str
-    severity: Severity
-    message: str
-    step: int | None = None
-    rank: int | None = None
-    node: str | None = None
-    started_at: float | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def key(self) -> tuple[str, int | None, int | None, str | None]:
-        """What identifies the same condition across ticks (for deduplication)."""
-        step = self.step if self.kind in STEP_KEYED else None
-        return (self.kind, step, self.rank, self.node)
+HANG = FindingKind.HANG
+RANK_STALLED = FindingKind.RANK_STALLED
+STRAGGLER = FindingKind.STRAGGLER
+LOSS_SPIKE = FindingKind.LOSS_SPIKE
+LOSS_SPIKE_TRANSIENT = FindingKind.LOSS_SPIKE_TRANSIENT
+NONFINITE = FindingKind.NONFINITE
+THROUGHPUT_DECAY = FindingKind.THROUGHPUT_DECAY
+NODE_LOST = FindingKind.NODE_LOST
+DISK_LOW = FindingKind.DISK_LOW
+DISK_RECOVERED = FindingKind.DISK_RECOVERED

@@ -1,1 +1,15 @@
-"""Persistence: models (schema), db (engines), repo (every SQL statement)."""
+"""Persistence: every SQL statement of the supervisor lives in this package.
+
+``models`` (the schema, owned by the Alembic migrations) and ``tables`` (its Core handles);
+``db`` (engines, the write lock, the ``Connection`` type the rest of the supervisor passes
+around); ``rows`` (the typed rows the readers return).  The statements, by concern, as
+keyword-only functions taking a ``Connection``:
+
+* ``ingest``: the hot path (agent batches in, pending commands out with each reply);
+* ``registry``: runs and agents (registration, run status);
+* ``recovery``: exits, incidents, audited actions and commands, the checkpoint lineage;
+* ``windows``: the measurements the detectors judge every tick (``supervisor.observe``);
+* ``reads``: what the API, the dashboard and the metrics collector show.
+
+``_sql`` holds helpers the modules share.
+"""

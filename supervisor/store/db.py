@@ -20,6 +20,11 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+__all__ = ["Connection", "Database", "KeptConnection", "make_database", "make_engine"]
+
+# ``Connection`` is what every store function takes; the rest of the supervisor names the type
+# through this module and never imports SQLAlchemy itself.
+
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
 
@@ -51,8 +56,44 @@ class Database:
         with self.engine.connect() as conn:
             yield conn
 
+    def kept(self) -> KeptConnection:
+        """A write connection for one thread to keep across its transactions."""
+        return KeptConnection(self)
+
+    @property
+    def url(self) -> str:
+        """The engine's URL, password included (for the schema migrations)."""
+        return self.engine.url.render_as_string(hide_password=False)
+
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+class KeptConnection:
+    """A write connection one thread keeps across transactions: no pool checkout and pre-ping
+    per transaction.  After a failed transaction it is dropped (it may be broken), and the
+    next ``write`` opens a fresh one."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._conn: Connection | None = None
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        if self._conn is None:
+            self._conn = self.db.engine.connect()
+        try:
+            with self.db.write_on(self._conn) as conn:
+                yield conn
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
 
 
 def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:

@@ -8,7 +8,7 @@ Conventions, and why:
   (``"nan"``, ``"inf"``, ``"-inf"``): SQLite stores NaN as NULL, and a NaN loss is a signal that
   must survive storage; the value column is NULL then;
 * the hot tables (``rank_steps``, ``step_aggregates``) are written only through Core bulk
-  statements in ``repo.py``; the ORM classes exist for the schema and for readable queries.
+  statements in ``ingest.py``; the ORM classes exist for the schema and for readable queries.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from sqlalchemy import (
     false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from agent.core.states import AgentState, CommandStatus
+from supervisor.enums import ActionStatus, IncidentStatus, RunStatus
 
 # Stable constraint names so Alembic migrations can address them on every backend.
 NAMING_CONVENTION = {
@@ -53,8 +56,7 @@ class Run(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
-    # running | restarting | completed | failed | stopped
-    status: Mapped[str] = mapped_column(String(20), default="running")
+    status: Mapped[str] = mapped_column(String(20), default=RunStatus.RUNNING)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     reason: Mapped[str] = mapped_column(Text, default="")  # why the status last changed
@@ -83,7 +85,7 @@ class Agent(Base):
     registered_at: Mapped[float] = mapped_column(Float)
     last_seen_at: Mapped[float] = mapped_column(Float)
     attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)  # as last reported
-    state: Mapped[str] = mapped_column(String(20), default="registered")
+    state: Mapped[str] = mapped_column(String(20), default=AgentState.REGISTERED)
     disk_free_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     disk_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # From the newest heartbeat that carried them: the workers' CPU and memory
@@ -232,8 +234,8 @@ class Incident(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    kind: Mapped[str] = mapped_column(String(30))  # crash | hang | spike | ...
-    status: Mapped[str] = mapped_column(String(20), default="open")  # open | resolved
+    kind: Mapped[str] = mapped_column(String(30))  # an IncidentKind (a detector may add kinds)
+    status: Mapped[str] = mapped_column(String(20), default=IncidentStatus.OPEN)
     # Where it started (a loss spike's first high step, a hang's last step, ...).
     step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     attempt: Mapped[int] = mapped_column(Integer)
@@ -262,7 +264,7 @@ class Action(Base):
     incident_id: Mapped[int | None] = mapped_column(
         ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True
     )
-    kind: Mapped[str] = mapped_column(String(20))  # restart | stop
+    kind: Mapped[str] = mapped_column(String(20))  # an ActionKind: restart | stop
     reason: Mapped[str] = mapped_column(Text, default="")
     # The budget a restart counts against (crash, hang, node_lost, spike, operator) and the
     # run's highest step when it was decided (for the no-progress stop).
@@ -271,10 +273,10 @@ class Action(Base):
     # A rollback: the step it goes back to.  Checkpoints of earlier attempts beyond it are
     # on the abandoned branch, also those that arrive late (the old workers ran on a little).
     rollback_to_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    actor: Mapped[str] = mapped_column(String(100))  # "policy" | "operator"
+    actor: Mapped[str] = mapped_column(String(100))  # an Actor: policy | operator
     # queued -> delivered -> restarted -> resumed (restart); queued -> delivered -> done (stop);
     # failed when an agent reports the command failed
-    status: Mapped[str] = mapped_column(String(20), default="queued")
+    status: Mapped[str] = mapped_column(String(20), default=ActionStatus.QUEUED)
     attempt: Mapped[int] = mapped_column(Integer)  # the attempt the action starts (or stops)
     plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -304,8 +306,9 @@ class Command(Base):
                                                  server_default=false())
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
     reason: Mapped[str] = mapped_column(Text, default="")
-    # pending (not yet acknowledged) | delivered | done | failed  (the agent's last result)
-    status: Mapped[str] = mapped_column(String(20), default="pending")
+    # a CommandStatus: pending (not yet acknowledged), the agent's last result (delivered,
+    # done, failed), or superseded by a newer decision
+    status: Mapped[str] = mapped_column(String(20), default=CommandStatus.PENDING)
     sent_count: Mapped[int] = mapped_column(Integer, default=0)
     detail: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[float] = mapped_column(Float)

@@ -1,4 +1,4 @@
-"""Core ``Table`` handles for the models, typed for use in ``repo.py``."""
+"""Core ``Table`` handles for the models, typed for the statements of this package."""
 
 from __future__ import annotations
 

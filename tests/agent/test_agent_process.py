@@ -18,6 +18,7 @@ from agent_fakes import REPO, FakeRun, FakeSupervisor, wait_for
 
 from agent import protocol
 from agent.config import AgentConfig
+from agent.core.hang import HangConfig
 from agent.launcher import Launcher, pids_alive
 from agent.loop import Agent, AgentAlreadyRunning
 
@@ -378,8 +379,8 @@ def test_hang_restart_collects_stacks_then_kills_at_once(fake_run: FakeRun,
 def test_local_watchdog_acts_only_while_the_supervisor_is_away(
         fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
     offset = [0.0]
-    agent = make_agent(agents, fake_run.config("hang", "--steps", "10", hang_floor_s=5.0,
-                                               hang_startup_s=60.0, hang_warmup_s=5.0),
+    watch = HangConfig(floor_s=5.0, startup_s=60.0, warmup_s=5.0)
+    agent = make_agent(agents, fake_run.config("hang", "--steps", "10", hang=watch),
                        fake_supervisor, clock=lambda: time.time() + offset[0])
     agent.start()
     tick_until(agent, lambda: len(fake_supervisor.items("step")) == 20, what="steps")

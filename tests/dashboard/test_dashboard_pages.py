@@ -8,7 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from supervisor.evaluator import Evaluator
-from supervisor.store import repo
+from supervisor.store import recovery as rec
+from supervisor.store import registry
 from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import AGENT, OPERATOR, OPERATOR_TOKEN, SynthRun
@@ -23,14 +24,14 @@ def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluato
     clock.now = T0 + 62
     evaluator.tick()
     with db.write() as conn:
-        r = repo.get_run_by_name(conn, name="alpha")
+        r = registry.get_run_by_name(conn, name="alpha")
         assert r is not None
-        repo.open_incident(conn, run_id=r["id"], kind="hang", cause="no step progress for 45 s",
+        rec.open_incident(conn, run_id=r["id"], kind="hang", cause="no step progress for 45 s",
                            attempt=0, node="n0", rank=1, opened_at=T0 + 50,
                            details={"stacks": {"1": "File \"train.py\", line 9, in <module>\n"
                                                     "  dist.all_reduce(t)  # <stuck>",
                                                "0": "File \"train.py\", line 7"}})
-        repo.open_incident(conn, run_id=r["id"], kind="loss_spike",
+        rec.open_incident(conn, run_id=r["id"], kind="loss_spike",
                            cause="loss 3.1x the baseline for 7 steps", attempt=0,
                            opened_at=T0 + 37, details={"start_step": 30, "step": 36})
 

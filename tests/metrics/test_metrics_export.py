@@ -192,10 +192,10 @@ def test_only_active_or_recent_runs_are_exported(db: Database, clock: FakeClock)
     with TestClient(app) as client:
         SynthRun(client, "old").register().train(range(3), t0=T0)
         with db.write() as conn:
-            from supervisor.store import repo
-            r = repo.get_run_by_name(conn, name="old")
+            from supervisor.store import registry
+            r = registry.get_run_by_name(conn, name="old")
             assert r is not None
-            repo.set_run_status(conn, run_id=r["id"], status="completed", now=clock())
+            registry.set_run_status(conn, run_id=r["id"], status="completed", now=clock())
         clock.advance(3600)
         samples = scrape(client)
         assert value(samples, "trainwarden_run_active", run="old") == 0

@@ -6,8 +6,11 @@ import json
 from typing import Any
 
 from fastapi.testclient import TestClient
+from sqlalchemy import Connection, func, select
 
 from supervisor.config import SupervisorSettings
+from supervisor.store import tables
+from supervisor.store._sql import with_specials
 
 AGENT_TOKEN = "agent-secret"
 OPERATOR_TOKEN = "operator-secret"
@@ -87,3 +90,25 @@ def run_with_checkpoints(client: TestClient) -> int:
                       "t": 100.0 + s, "lineage": "a0", "save_s": 0.1})
     ingest(client, a, 0, items)
     return int(a)
+
+
+# ---- reading the store's tables directly (what no supervisor code needs to read) ----
+
+
+def count_rows(conn: Connection, table: str) -> int:
+    """Row count of one table."""
+    t = tables.__dict__[table]
+    return int(conn.execute(select(func.count()).select_from(t)).scalar_one())
+
+
+def stored_rank_steps(conn: Connection, run_id: int) -> list[dict[str, Any]]:
+    """The stored per-rank step rows of a run, with their NaN/Inf put back."""
+    q = select(tables.rank_steps).where(tables.rank_steps.c.run_id == run_id).order_by(
+        tables.rank_steps.c.id)
+    return [with_specials(dict(r._mapping)) for r in conn.execute(q)]
+
+
+def command_rows(conn: Connection, run_id: int) -> list[dict[str, Any]]:
+    q = select(tables.commands).where(tables.commands.c.run_id == run_id).order_by(
+        tables.commands.c.id)
+    return [dict(r._mapping) for r in conn.execute(q)]

@@ -7,15 +7,14 @@ import math
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import AGENT, OPERATOR, ingest, register, step
+from sup_helpers import AGENT, OPERATOR, count_rows, ingest, register, step, stored_rank_steps
 
-from supervisor.store import repo
 from supervisor.store.db import Database
 
 
 def counts(db: Database) -> dict[str, int]:
     with db.read() as c:
-        return {t: repo.count_rows(c, table=t)
+        return {t: count_rows(c, t)
                 for t in ("rank_steps", "step_aggregates", "events", "checkpoints", "exits",
                           "ingested_batches")}
 
@@ -68,7 +67,7 @@ def test_nan_kept_in_rank_rows(client: TestClient, db: Database) -> None:
     aid = register(client)["agent_id"]
     ingest(client, aid, 0, [step(0, 1, loss=float("nan"), grad_norm=float("inf"))])
     with db.read() as c:
-        rows = repo.rank_steps_for(c, run_id=1, attempt=0, step_from=0, step_to=10)
+        rows = stored_rank_steps(c, run_id=1)
     assert math.isnan(rows[0]["loss"]) and rows[0]["grad_norm"] == math.inf
 
 

@@ -285,3 +285,19 @@ def test_a_spike_delivered_in_one_burst_is_placed_at_its_first_step(
     evaluator.tick()
     (inc,) = get(client, "/incidents")["incidents"]
     assert inc["kind"] == "loss_spike" and inc["step"] == 100, inc
+
+
+def test_a_run_that_ends_leaves_no_state_in_the_evaluator(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """A supervisor runs for months: what it keeps of a run between ticks (the incremental
+    straggler window, the loss window's position) goes once the run is no longer active."""
+    run = Run(client, clock, evaluator)
+    run.train(30)
+    assert set(evaluator._runs) == {1}
+    assert evaluator._runs[1].loss_seen == (0, 29)
+    run.send([{"type": "exit", "attempt": 0, "exit_code": 0, "outcome": "completed",
+               "failed_ranks": []}])
+    evaluator.tick()  # the exit completes the run
+    evaluator.tick()  # the next observation no longer sees it
+    assert get(client, "")["status"] == "completed"
+    assert evaluator._runs == {}

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.testclient import TestClient
-from sup_helpers import OPERATOR, FakeClock, crash, ingest, register, step
+from sup_helpers import OPERATOR, FakeClock, command_rows, crash, ingest, register, step
 
 from supervisor import policy
 from supervisor.evaluator import Evaluator
-from supervisor.store import repo
 from supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(restart_budget=2, backoff_s=1.0, backoff_max_s=3.0)
@@ -128,7 +127,7 @@ def test_crash_opens_one_incident_and_restarts_every_agent(
     r0 = ingest(client, a0, 3, [])
     assert [c["kind"] for c in r0["commands"]] == ["restart"] and r0["attempt"] == 1
     with db.read() as c:
-        cmds = repo.list_commands(c, run_id=1)
+        cmds = command_rows(c, run_id=1)
     assert sorted(x["agent_id"] for x in cmds) == [a0, a1]
     acts = get(client, "/actions")["actions"]
     assert len(acts) == 1 and acts[0]["actor"] == "policy" and acts[0]["status"] == "queued"

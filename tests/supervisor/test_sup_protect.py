@@ -10,7 +10,8 @@ from sup_helpers import OPERATOR, FakeClock, ingest, run_with_checkpoints, step
 
 from supervisor import policy
 from supervisor.evaluator import Evaluator
-from supervisor.store import repo
+from supervisor.store import recovery as rec
+from supervisor.store import registry
 from supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(rollback_margin_steps=10)
@@ -52,9 +53,9 @@ def test_the_evaluator_publishes_protection_and_ingest_replies_carry_it(
     a = run_with_checkpoints(client)
     assert ingest(client, a, 1, [])["protect"] == []
     with db.write() as conn:
-        run = repo.get_run_by_name(conn, name="r1")
+        run = registry.get_run_by_name(conn, name="r1")
         assert run is not None
-        inc = repo.open_incident(conn, run_id=run["id"], kind="straggler", cause="slow rank 1",
+        inc = rec.open_incident(conn, run_id=run["id"], kind="straggler", cause="slow rank 1",
                                  attempt=0, rank=1, step=110,
                                  details={"flagged_at_step": 129}, opened_at=clock(),
                                  updated_at=clock())
@@ -69,7 +70,7 @@ def test_the_evaluator_publishes_protection_and_ingest_replies_carry_it(
     assert ingest(client, a, 3, [])["protect"] == ["/ck/step_50"]
     # The incident resolved: the pending restart still needs its target.
     with db.write() as conn:
-        repo.resolve_incident(conn, incident_id=inc, now=clock())
+        rec.resolve_incident(conn, incident_id=inc, now=clock())
     evaluator.tick()
     (cmd,) = ingest(client, a, 4, [])["commands"]
     assert ingest(client, a, 5, [])["protect"] == ["/ck/step_50"]

@@ -6,11 +6,18 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import AGENT, OPERATOR, FakeClock, ingest, run_with_checkpoints, step
+from sup_helpers import (
+    AGENT,
+    OPERATOR,
+    FakeClock,
+    count_rows,
+    ingest,
+    run_with_checkpoints,
+    step,
+)
 
 from supervisor import policy
 from supervisor.evaluator import Evaluator
-from supervisor.store import repo
 from supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(rollback_budget=2, rollback_margin_steps=10, rollback_skip_before=5,
@@ -100,7 +107,7 @@ def post(client: TestClient, body: dict[str, Any], headers: dict[str, str] | Non
 
 def count_actions(db: Database) -> int:
     with db.read() as c:
-        return repo.count_rows(c, table="actions")
+        return count_rows(c, "actions")
 
 
 def test_operator_rollback_queues_a_gang_restart_with_the_plan(

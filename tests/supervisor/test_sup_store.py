@@ -6,10 +6,11 @@ import math
 from typing import Any
 
 import pytest
-from sup_helpers import step
+from sup_helpers import count_rows, step
 
 from supervisor import wire
-from supervisor.store import repo
+from supervisor.store import ingest, reads, registry, windows
+from supervisor.store._sql import join_float, split_float
 from supervisor.store.db import Database
 
 
@@ -20,7 +21,7 @@ def batch(agent_id: int, seq: int, items: list[dict[str, Any]]) -> wire.IngestBa
 
 def agents(db: Database, n: int) -> list[int]:
     with db.write() as c:
-        return [repo.register_agent(c, req=wire.RegisterRequest(run="r", node=f"n{i}"),
+        return [registry.register_agent(c, req=wire.RegisterRequest(run="r", node=f"n{i}"),
                                     now=1.0)["agent_id"] for i in range(n)]
 
 
@@ -36,19 +37,19 @@ def test_heartbeat_health_is_stored_and_the_last_gpu_reading_stands(db: Database
                          "rss_bytes": 300 << 20, "cmdline": "not kept"},
                         {"rank": 1, "cpu_percent": float("nan")}]}
     with db.write() as c:
-        repo.ingest_batches(c, batches=[batch(a, 0, [beat])], now=10.0)
-        repo.ingest_batches(c, batches=[batch(a, 1, [{
+        ingest.ingest_batches(c, batches=[batch(a, 0, [beat])], now=10.0)
+        ingest.ingest_batches(c, batches=[batch(a, 1, [{
             "type": "heartbeat", "state": "running", "disk_free_bytes": 9,
             "workers": [{"rank": 0, "pid": 11, "cpu_percent": 50.0}]}])], now=11.0)
     with db.read() as c:
-        (ag,) = repo.run_agents(c, run_id=1)
+        (ag,) = registry.run_agents(c, run_id=1)
     assert (ag["disk_free_bytes"], ag["disk_total_bytes"]) == (9, 100)
     assert ag["workers"] == [{"rank": 0, "pid": 11, "cpu_percent": 50.0}]
     assert ag["gpus"] == gpus
     with db.write() as c:
-        repo.ingest_batches(c, batches=[batch(a, 2, [beat])], now=12.0)
+        ingest.ingest_batches(c, batches=[batch(a, 2, [beat])], now=12.0)
     with db.read() as c:
-        (ag,) = repo.run_agents(c, run_id=1)
+        (ag,) = registry.run_agents(c, run_id=1)
     assert ag["workers"] == [{"rank": 0, "local_rank": 0, "pid": 11, "cpu_percent": 99.5,
                               "rss_bytes": 300 << 20}, {"rank": 1}]
 
@@ -64,16 +65,16 @@ def test_group_ingest_merges_and_isolates(db: Database) -> None:
         batch(a0, 1, [step(0, 2, loss=2.0), {"type": "event", "name": "worker_started"}]),
     ]
     with db.write() as c:
-        out = repo.ingest_batches(c, batches=group, now=10.0)
+        out = ingest.ingest_batches(c, batches=group, now=10.0)
     assert [getattr(r, "duplicate", None) for r in out] == [False, False, True, None, False]
-    assert isinstance(out[3], repo.UnknownAgent)
+    assert isinstance(out[3], ingest.UnknownAgent)
     with db.read() as c:
-        assert repo.count_rows(c, table="rank_steps") == 4
-        assert repo.count_rows(c, table="ingested_batches") == 3
-        assert repo.count_rows(c, table="events") == 1
-        pts = repo.steps(c, run_id=1, step_from=None, step_to=None, max_points=100)
-        ranks = repo.rank_latest(c, run_id=1)
-        ags = {a["id"]: a for a in repo.run_agents(c, run_id=1)}
+        assert count_rows(c, "rank_steps") == 4
+        assert count_rows(c, "ingested_batches") == 3
+        assert count_rows(c, "events") == 1
+        pts = reads.steps(c, run_id=1, step_from=None, step_to=None, max_points=100)
+        ranks = reads.rank_latest(c, run_id=1)
+        ags = {a["id"]: a for a in registry.run_agents(c, run_id=1)}
     assert [(p["step_from"], p["ranks"], p["loss_nonfinite"]) for p in pts] == [(1, 3, 1),
                                                                                (2, 1, 0)]
     assert pts[0]["loss_mean"] == 2.0 and pts[0]["loss_max"] == 3.0
@@ -82,26 +83,26 @@ def test_group_ingest_merges_and_isolates(db: Database) -> None:
     assert ags[a1]["disk_free_bytes"] == 123 and ags[a1]["state"] == "running"
     # Replaying the whole group stores nothing more.
     with db.write() as c:
-        again = repo.ingest_batches(c, batches=group, now=11.0)
+        again = ingest.ingest_batches(c, batches=group, now=11.0)
     assert all(getattr(r, "duplicate", True) for r in again)
     with db.read() as c:
-        assert repo.count_rows(c, table="rank_steps") == 4
+        assert count_rows(c, "rank_steps") == 4
 
 
 def test_large_group_is_split_into_statements(db: Database) -> None:
     (a0,) = agents(db, 1)
     items = [step(r, s) for s in range(300) for r in range(8)]  # 2400 rows, several chunks
     with db.write() as c:
-        repo.ingest_batches(c, batches=[batch(a0, 0, items)], now=1.0)
+        ingest.ingest_batches(c, batches=[batch(a0, 0, items)], now=1.0)
     with db.read() as c:
-        assert repo.count_rows(c, table="rank_steps") == 2400
-        assert repo.count_rows(c, table="step_aggregates") == 300
+        assert count_rows(c, "rank_steps") == 2400
+        assert count_rows(c, "step_aggregates") == 300
 
 
 def test_split_and_join_float() -> None:
     for x in (1.5, None, math.inf, -math.inf):
-        assert repo.join_float(*repo.split_float(x)) == x
-    assert math.isnan(repo.join_float(*repo.split_float(math.nan)) or 0.0)
+        assert join_float(*split_float(x)) == x
+    assert math.isnan(join_float(*split_float(math.nan)) or 0.0)
 
 
 def test_ingest_writer_groups_and_answers_each_batch(db: Database) -> None:
@@ -122,12 +123,12 @@ def test_ingest_writer_groups_and_answers_each_batch(db: Database) -> None:
         out = asyncio.run(main())
     finally:
         writer.stop()
-    assert isinstance(out[-1], repo.UnknownAgent)
-    assert all(isinstance(r, repo.IngestResult) and not r.duplicate for r in out[:-1])
+    assert isinstance(out[-1], ingest.UnknownAgent)
+    assert all(isinstance(r, ingest.IngestResult) and not r.duplicate for r in out[:-1])
     assert writer.batches == 16 and 1 <= writer.groups <= 16
     with db.read() as c:
-        assert repo.count_rows(c, table="rank_steps") == 15
-        assert repo.count_rows(c, table="step_aggregates") == 5
+        assert count_rows(c, "rank_steps") == 15
+        assert count_rows(c, "step_aggregates") == 5
 
 
 def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> None:
@@ -142,24 +143,24 @@ def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> Non
 
     def send(agent: int, items: list[dict[str, Any]]) -> None:
         with db.write() as c:
-            repo.ingest_batches(c, batches=[batch(agent, seq[agent], items)], now=10.0)
+            ingest.ingest_batches(c, batches=[batch(agent, seq[agent], items)], now=10.0)
         seq[agent] += 1
 
     send(a0, [step(0, s, data_s=0.01, compute_s=0.1 * (s + 1)) for s in range(4)])
     with db.read() as c:
         assert window.refresh(c, 1, 0) == pre_collective_table(
-            repo.rank_phase_rows(c, run_id=1, attempt=0, step_from=0))
+            windows.rank_phase_rows(c, run_id=1, attempt=0, step_from=0))
     send(a0, [step(0, s, data_s=0.01, compute_s=0.2) for s in range(4, 9)])
     send(a1, [step(1, s, data_s=0.02, compute_s=0.3) for s in range(2, 9)])  # late for 2, 3
     send(a1, [step(1, 3, attempt=1, data_s=5.0)])  # another attempt: not this window's
     with db.read() as c:
         table = window.refresh(c, 1, 0)
-        full = pre_collective_table(repo.rank_phase_rows(c, run_id=1, attempt=0, step_from=4))
+        full = pre_collective_table(windows.rank_phase_rows(c, run_id=1, attempt=0, step_from=4))
     assert table == full and sorted(table) == [4, 5, 6, 7, 8]
     assert table[8] == {0: pytest.approx(0.21), 1: pytest.approx(0.32)}
     with db.read() as c:  # nothing new: the same table, no rows read
         assert window.refresh(c, 1, 0) == full
-        assert repo.rank_phase_rows_after(c, run_id=1, attempt=0,
+        assert windows.rank_phase_rows_after(c, run_id=1, attempt=0,
                                           after_id=window.after_id) == []
         assert sorted(window.refresh(c, 1, 1)) == [3]  # a new attempt starts a new window
 
@@ -168,19 +169,19 @@ def test_delivered_step_is_the_newest_step_every_rank_of_the_attempt_sent(db: Da
                                                                            ) -> None:
     (a0,) = agents(db, 1)
     with db.read() as c:
-        assert repo.delivered_step(c, run_id=1, attempt=0) is None  # nothing reported yet
+        assert reads.delivered_step(c, run_id=1, attempt=0) is None  # nothing reported yet
     with db.write() as c:
-        repo.ingest_batches(c, batches=[batch(a0, 0, [step(0, s) for s in range(10)]
+        ingest.ingest_batches(c, batches=[batch(a0, 0, [step(0, s) for s in range(10)]
                                               + [step(1, s) for s in range(5)])], now=10.0)
     with db.read() as c:
-        assert repo.delivered_step(c, run_id=1, attempt=0) == 4  # rank 1 is behind
+        assert reads.delivered_step(c, run_id=1, attempt=0) == 4  # rank 1 is behind
     with db.write() as c:  # rank 0 goes on in attempt 1; rank 1 has not reported there yet
-        repo.ingest_batches(c, batches=[wire.IngestBatch.model_validate(
+        ingest.ingest_batches(c, batches=[wire.IngestBatch.model_validate(
             {"agent_id": a0, "seq": 1, "sent_at": 5.0, "attempt": 1,
              "items": [step(0, s, attempt=1) for s in range(3)]})], now=11.0)
     with db.read() as c:
-        assert repo.delivered_step(c, run_id=1, attempt=1) == 2
-        assert repo.delivered_step(c, run_id=1, attempt=2) is None
+        assert reads.delivered_step(c, run_id=1, attempt=1) == 2
+        assert reads.delivered_step(c, run_id=1, attempt=2) is None
 
 
 def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -> None:
@@ -196,7 +197,7 @@ def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -
 
     def send(agent: int, rank: int, steps: range, compute_s: float) -> None:
         with db.write() as c:
-            repo.ingest_batches(c, batches=[batch(agent, seq[agent], [
+            ingest.ingest_batches(c, batches=[batch(agent, seq[agent], [
                 step(rank, s, data_s=0.001, compute_s=compute_s) for s in steps])], now=10.0)
         seq[agent] += 1
 

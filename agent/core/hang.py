@@ -48,8 +48,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from supervisor.detect._stats import median, quantile, require
-from supervisor.detect.findings import EVENT, HANG, INCIDENT, RANK_STALLED, Finding
+from agent.core.findings import EVENT, INCIDENT, Finding, FindingKind
+from agent.core.stats import median, quantile, require
+
+HANG = FindingKind.HANG
+RANK_STALLED = FindingKind.RANK_STALLED
 
 
 @dataclass(frozen=True)

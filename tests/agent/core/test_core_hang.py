@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.detect.hang import (
+from agent.core.hang import (
     HangConfig,
     ProgressWindow,
     RankProgress,

@@ -1,0 +1,79 @@
+"""The statuses and kinds of the supervisor's own records, shared by the policy, the store,
+the metrics and the dashboard (those that travel to and from the agents are in
+``agent.core.states``).
+
+``StrEnum``: each member is its value, so the store and the API hold the same plain strings
+as before (no migration), and a value read back from the store compares equal to its member.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from agent.core.findings import FindingKind
+
+
+class RunStatus(StrEnum):
+    RUNNING = "running"
+    RESTARTING = "restarting"  # a gang restart is under way
+    COMPLETED = "completed"
+    FAILED = "failed"  # stopped by the policy (a budget spent, no progress, no checkpoint)
+    STOPPED = "stopped"  # stopped by an operator
+
+
+ACTIVE_STATUSES = frozenset({RunStatus.RUNNING, RunStatus.RESTARTING})
+FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED})
+
+
+class ActionKind(StrEnum):
+    RESTART = "restart"  # a restart or a rollback (a restart with a resume plan)
+    STOP = "stop"
+
+
+class ActionStatus(StrEnum):
+    """restart: queued -> delivered -> restarted -> resumed; stop: queued -> delivered -> done;
+    failed when an agent reports its command failed; superseded by a newer decision."""
+
+    QUEUED = "queued"
+    DELIVERED = "delivered"
+    RESTARTED = "restarted"
+    RESUMED = "resumed"
+    DONE = "done"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+
+
+IN_PROGRESS = frozenset({ActionStatus.QUEUED, ActionStatus.DELIVERED, ActionStatus.RESTARTED})
+
+
+class Actor(StrEnum):
+    POLICY = "policy"
+    OPERATOR = "operator"
+
+
+class IncidentKind(StrEnum):
+    """The incidents the supervisor opens: an agent's crash report, a worker's collective
+    timeout, and the detectors' findings of incident severity."""
+
+    CRASH = "crash"
+    HANG = FindingKind.HANG.value
+    COLLECTIVE_TIMEOUT = "collective_timeout"
+    NODE_LOST = FindingKind.NODE_LOST.value
+    STRAGGLER = FindingKind.STRAGGLER.value
+    LOSS_SPIKE = FindingKind.LOSS_SPIKE.value
+    NONFINITE = FindingKind.NONFINITE.value
+
+
+class IncidentStatus(StrEnum):
+    OPEN = "open"
+    RESOLVED = "resolved"
+
+
+class RestartCause(StrEnum):
+    """The budget a restart counts against (an operator's counts against none)."""
+
+    CRASH = "crash"
+    HANG = "hang"  # collective timeouts too
+    NODE_LOST = "node_lost"
+    SPIKE = "spike"  # loss spikes and NaN/Inf: the rollback budget
+    OPERATOR = "operator"

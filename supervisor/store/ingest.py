@@ -1,0 +1,564 @@
+"""The ingest hot path: agent batches into the store, and the commands each reply carries.
+
+Written for throughput: one transaction per group of batches (the caller's), multi-row VALUES
+statements run on the DBAPI cursor, rows pre-reduced in Python so each upsert touches a key
+once, and the contended per-step aggregate upsert placed last so its row lock (Postgres) is
+held only until the commit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Connection,
+    String,
+    and_,
+    bindparam,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+
+from agent.core.states import CommandStatus
+from supervisor import wire
+from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
+from supervisor.store.tables import (
+    agents,
+    checkpoints,
+    commands,
+    events,
+    exits,
+    ingested_batches,
+    rank_steps,
+    ranks,
+    runs,
+    step_aggregates,
+)
+
+
+@dataclass
+class IngestResult:
+    run_id: int
+    attempt: int
+    duplicate: bool
+    commands: list[dict[str, Any]]
+    protect: list[str] = field(default_factory=list)  # checkpoint paths to keep
+
+
+class UnknownAgent(LookupError):
+    pass
+
+
+def ingest_batch(conn: Connection, *, batch: wire.IngestBatch, now: float) -> IngestResult:
+    """Store one batch in the caller's transaction (see ``ingest_batches``).
+
+    Raises ``UnknownAgent`` when the agent id was never registered."""
+    res = ingest_batches(conn, batches=[batch], now=now)[0]
+    if isinstance(res, UnknownAgent):
+        raise res
+    return res
+
+
+def ingest_batches(
+    conn: Connection, *, batches: Sequence[wire.IngestBatch], now: float
+) -> list[IngestResult | UnknownAgent]:
+    """Store a group of batches in the caller's ONE transaction; results in input order.
+
+    A replayed (agent_id, seq), stored before or earlier in the same group, stores nothing and
+    is answered as a duplicate.  A batch of an unregistered agent gets ``UnknownAgent`` and
+    stores nothing.  Rows of all batches go in one multi-row statement per table, and the
+    per-step aggregates are merged across the group first: the cost per batch falls as the
+    load rises (the ingest writer groups whatever arrived while the last group was written).
+    """
+    hot = _hot(conn)
+    ids = sorted({b.agent_id for b in batches})
+    cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        return _ingest_group(conn, hot, cur, batches, ids, now)
+    finally:
+        cur.close()
+
+
+def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
+                  batches: Sequence[wire.IngestBatch], ids: list[int], now: float
+                  ) -> list[IngestResult | UnknownAgent]:
+    # agent id -> (run id, the run's attempt, its protected checkpoints)
+    heads: dict[int, tuple[int, int, list[str]]]
+    if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
+        r = hot.fetchone(cur, "head", {"agent_id": ids[0]})
+        heads = {ids[0]: (int(r[0]), int(r[1]), _json_list(r[2]))} if r else {}
+    else:
+        heads = {int(r[0]): (int(r[1]), int(r[2]), _json_list(r[3]))
+                 for r in conn.execute(_HEADS, {"ids": ids})}
+    # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
+    wanted: dict[tuple[int, int], dict[str, Any]] = {}
+    for b in batches:
+        if b.agent_id in heads and (b.agent_id, b.seq) not in wanted:
+            wanted[(b.agent_id, b.seq)] = {"agent_id": b.agent_id, "seq": b.seq,
+                                           "received_at": now, "items": len(b.items)}
+    claimed = {(int(r[0]), int(r[1]))
+               for r in hot.insert_rows(cur, "claim", list(wanted.values()), fetch=True)}
+    acc = _Acc()
+    duplicate: list[bool] = []
+    for b in batches:
+        key = (b.agent_id, b.seq)
+        new = key in claimed
+        claimed.discard(key)  # a second copy in this group is a duplicate
+        duplicate.append(not new)
+        if new:
+            _collect(acc, b, run_id=heads[b.agent_id][0], now=now)
+    aggs = _flush(conn, hot, cur, acc, now=now)
+    # After this group's acknowledgements, so an acknowledged command is not re-sent.
+    pending = _pending(conn, hot, cur, list(heads), now)
+    if aggs:
+        # Last, right before the commit: every agent of a run updates the same step row,
+        # and Postgres holds that row lock until the commit.  Sorted keys: concurrent
+        # writers lock rows in the same order (no deadlock).
+        hot.insert_rows(cur, "aggregates", aggs)
+    out: list[IngestResult | UnknownAgent] = []
+    for b, dup in zip(batches, duplicate, strict=True):
+        if b.agent_id not in heads:
+            out.append(UnknownAgent(b.agent_id))
+            continue
+        run_id, attempt, protect = heads[b.agent_id]
+        out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
+                                commands=pending.get(b.agent_id, []), protect=protect))
+    return out
+
+
+def _json_list(raw: Any) -> list[str]:
+    """A JSON list column read on the raw cursor (text on SQLite, decoded on Postgres)."""
+    if isinstance(raw, str | bytes):
+        raw = json.loads(raw)
+    return [str(x) for x in raw] if isinstance(raw, list) else []
+
+
+def _pending(conn: Connection, hot: _HotSQL, cur: Any, agent_ids: list[int], now: float
+             ) -> dict[int, list[dict[str, Any]]]:
+    if len(agent_ids) != 1:
+        return _pending_many(conn, agent_ids=agent_ids, now=now)
+    rows = [
+        {"id": r[0], "kind": r[1], "attempt": r[2],
+         "plan": json.loads(r[3]) if isinstance(r[3], str | bytes) else r[3],
+         "not_before": r[4], "reason": r[5], "collect_stacks": bool(r[6])}
+        for r in hot.fetchall(cur, "pending", {"agent_id": agent_ids[0]})
+    ]
+    if rows:
+        _mark_sent(conn, ids=[c["id"] for c in rows], now=now)
+    return {agent_ids[0]: rows} if rows else {}
+
+
+# Statement size limits: SQLite allows 32766 parameters (since 3.32), Postgres 65535.
+MAX_PARAMS = 30_000
+MAX_ROWS_PER_STATEMENT = 1000
+
+# Column order of the hot-path rows (the raw statements bind by these names).
+STEP_KEYS = ("run_id", "attempt", "step", "rank", "t", "batch_index", "data_s", "compute_s",
+             "step_s", "loss", "loss_special", "grad_norm", "grad_norm_special", "lr")
+RANK_KEYS = ("run_id", "rank", "agent_id", "local_rank", "pid", "attempt", "step", "t",
+             "data_s", "compute_s", "step_s", "loss", "loss_special", "grad_norm",
+             "grad_norm_special")
+AGG_KEYS = ("run_id", "attempt", "step", "ranks", "loss_sum", "loss_count", "loss_min",
+            "loss_max", "loss_nonfinite", "grad_norm_nonfinite", "samples", "tokens",
+            "step_s_max", "t_first", "t_last")
+
+
+class _HotSQL:
+    """The ingest statements, compiled once per dialect and run on the DBAPI cursor.
+
+    Why: at hundreds of batches per second, SQLAlchemy's per-execute bookkeeping costs more
+    than SQLite's own work, and on Postgres each statement is a round trip.  The statements
+    are still built with SQLAlchemy (one dialect-correct source); they are compiled with
+    positional parameters, and a batch's rows go in ONE multi-row ``VALUES`` statement
+    (the single-row group repeated), not an executemany."""
+
+    def __init__(self, dialect: Any) -> None:
+        # Positional parameters on every backend (psycopg: "format" style, %s), so that a
+        # VALUES group can be repeated for several rows.
+        cdialect = dialect if dialect.positional else type(dialect)(paramstyle="format")
+        ins = postgresql.insert if dialect.name == "postgresql" else sqlite.insert
+        stmts: dict[str, tuple[Any, Sequence[str] | None]] = {
+            "head": (
+                select(agents.c.run_id, runs.c.attempt, runs.c.protected)
+                .join(runs, runs.c.id == agents.c.run_id)
+                .where(agents.c.id == bindparam("agent_id")),
+                None,
+            ),
+            "claim": (
+                ins(ingested_batches)
+                .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
+                .returning(ingested_batches.c.agent_id, ingested_batches.c.seq),
+                ("agent_id", "seq", "received_at", "items"),
+            ),
+            "agent_seen": (_AGENT_SEEN, None),
+            "pending": (_PENDING_ONE, None),
+            "rank_steps": (rank_steps.insert(), STEP_KEYS),
+            "ranks": (_ranks_upsert(dialect.name), RANK_KEYS),
+            "aggregates": (_aggregates_upsert(dialect.name), AGG_KEYS),
+        }
+        self.sql: dict[str, tuple[str, tuple[str, ...]]] = {}
+        for name, (stmt, keys) in stmts.items():
+            c = stmt.compile(dialect=cdialect, column_keys=list(keys) if keys else None)
+            self.sql[name] = (c.string, tuple(c.positiontup or ()))
+        self._multi: dict[tuple[str, int], str] = {}
+
+    def execute(self, cur: Any, name: str, row: dict[str, Any]) -> None:
+        sql, order = self.sql[name]
+        cur.execute(sql, tuple(row[k] for k in order))
+
+    def executemany(self, cur: Any, name: str, rows: list[dict[str, Any]]) -> None:
+        sql, order = self.sql[name]
+        cur.executemany(sql, [tuple(row[k] for k in order) for row in rows])
+
+    def insert_rows(self, cur: Any, name: str, rows: list[dict[str, Any]], *,
+                    fetch: bool = False) -> list[Any]:
+        """Rows in multi-row statements (keys must be unique for an upsert); with ``fetch``,
+        the RETURNING rows."""
+        sql, order = self.sql[name]
+        per = max(1, min(MAX_ROWS_PER_STATEMENT, MAX_PARAMS // max(1, len(order))))
+        out: list[Any] = []
+        for i in range(0, len(rows), per):
+            chunk = rows[i:i + per]
+            key = (name, len(chunk))
+            multi = self._multi.get(key)
+            if multi is None:
+                multi = self._multi[key] = _repeat_values(sql, len(chunk))
+            cur.execute(multi, tuple(row[k] for row in chunk for k in order))
+            if fetch:
+                out.extend(cur.fetchall())
+        return out
+
+    def fetchone(self, cur: Any, name: str, row: dict[str, Any]) -> Any:
+        self.execute(cur, name, row)
+        return cur.fetchone()
+
+    def fetchall(self, cur: Any, name: str, row: dict[str, Any]) -> list[Any]:
+        self.execute(cur, name, row)
+        return list(cur.fetchall())
+
+
+def _repeat_values(sql: str, n: int) -> str:
+    """``INSERT ... VALUES (a, b) ON CONFLICT ...`` with the VALUES group repeated n times."""
+    i = sql.index(" VALUES (") + len(" VALUES ")
+    depth = 0
+    for j in range(i, len(sql)):
+        depth += {"(": 1, ")": -1}.get(sql[j], 0)
+        if depth == 0:
+            group = sql[i:j + 1]
+            return sql[:i] + ", ".join([group] * n) + sql[j + 1:]
+    raise ValueError(f"no VALUES group in {sql[:80]!r}")
+
+
+_hot_cache: dict[tuple[str, str], _HotSQL] = {}
+
+
+def _hot(conn: Connection) -> _HotSQL:
+    key = (conn.dialect.name, conn.dialect.driver)
+    h = _hot_cache.get(key)
+    if h is None:
+        h = _hot_cache[key] = _HotSQL(conn.dialect)
+    return h
+
+
+@dataclass
+class _Acc:
+    """Rows of a group of batches, merged where a key repeats."""
+
+    step_rows: list[dict[str, Any]] = field(default_factory=list)
+    latest_rank: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    aggs: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    exits: list[dict[str, Any]] = field(default_factory=list)
+    results: list[tuple[int, int, wire.CommandResultItem, float]] = field(default_factory=list)
+
+
+def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> None:
+    agent_id = batch.agent_id
+    t0 = batch.sent_at if batch.sent_at is not None else now
+    heartbeat: wire.HeartbeatItem | None = None
+    for it in batch.items:
+        if isinstance(it, wire.StepItem):
+            attempt = it.attempt if it.attempt is not None else batch.attempt
+            t = it.t if it.t is not None else t0
+            loss, loss_sp = split_float(it.loss)
+            gn, gn_sp = split_float(it.grad_norm)
+            row = {
+                "run_id": run_id, "attempt": attempt, "step": it.step, "rank": it.rank, "t": t,
+                "batch_index": it.batch_index, "data_s": finite(it.data_s),
+                "compute_s": finite(it.compute_s), "step_s": finite(it.step_s),
+                "loss": loss, "loss_special": loss_sp, "grad_norm": gn,
+                "grad_norm_special": gn_sp, "lr": finite(it.lr),
+            }
+            acc.step_rows.append(row)
+            prev = acc.latest_rank.get((run_id, it.rank))
+            if prev is None or (attempt, it.step) >= (prev["attempt"], prev["step"]):
+                acc.latest_rank[(run_id, it.rank)] = {
+                    "run_id": run_id, "rank": it.rank, "agent_id": agent_id,
+                    "local_rank": it.local_rank, "pid": it.pid, "attempt": attempt,
+                    "step": it.step, "t": t, "data_s": row["data_s"],
+                    "compute_s": row["compute_s"], "step_s": row["step_s"], "loss": loss,
+                    "loss_special": loss_sp, "grad_norm": gn, "grad_norm_special": gn_sp,
+                }
+            _merge_agg(acc.aggs, run_id, attempt, it, row)
+        elif isinstance(it, wire.EventItem):
+            acc.events.append({
+                "run_id": run_id, "agent_id": agent_id,
+                "attempt": it.attempt if it.attempt is not None else batch.attempt,
+                "rank": it.rank, "t": it.t if it.t is not None else t0, "name": it.name,
+                "step": it.step, "message": it.message, "details": json_safe(it.details),
+            })
+        elif isinstance(it, wire.CheckpointItem):
+            acc.checkpoints.append({
+                "run_id": run_id, "agent_id": agent_id,
+                "attempt": it.attempt if it.attempt is not None else batch.attempt,
+                "step": it.step, "path": it.path, "bytes": it.bytes, "lineage": it.lineage,
+                "complete": it.complete, "save_s": finite(it.save_s),
+                "async_save": it.async_save, "t": it.t if it.t is not None else t0,
+            })
+        elif isinstance(it, wire.HeartbeatItem):
+            heartbeat = it
+        elif isinstance(it, wire.ExitItem):
+            acc.exits.append({
+                "run_id": run_id, "agent_id": agent_id,
+                "attempt": it.attempt if it.attempt is not None else batch.attempt,
+                "t": it.t if it.t is not None else t0, "exit_code": it.exit_code,
+                "signal": it.signal, "outcome": it.outcome,
+                "failed_ranks": json_safe(it.failed_ranks), "handled": False, "verdict": None,
+            })
+        else:
+            acc.results.append((agent_id, run_id, it, it.t if it.t is not None else t0))
+    acc.seen.append({
+        "agent_id": agent_id, "now": now, "dropped": batch.dropped, "attempt": batch.attempt,
+        "state": heartbeat.state if heartbeat else None,
+        "disk": heartbeat.disk_free_bytes if heartbeat else None,
+        "disk_total": heartbeat.disk_total_bytes if heartbeat else None,
+        # JSON text for the raw statement (a cast to JSON on Postgres); None keeps the last.
+        "workers": _worker_stats(heartbeat.workers) if heartbeat else None,
+        "gpus": (json.dumps(json_safe(heartbeat.gpus), separators=(",", ":"))
+                 if heartbeat and heartbeat.gpus is not None else None),
+    })
+
+
+_WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
+
+
+def _worker_stats(workers: list[dict[str, Any]]) -> str:
+    """The heartbeat's worker list as stored: the known keys with finite numbers only."""
+    rows = [{k: w[k] for k in _WORKER_KEYS
+             if isinstance(w.get(k), int | float) and not isinstance(w.get(k), bool)
+             and math.isfinite(w[k])}
+            for w in workers]
+    return json.dumps(rows, separators=(",", ":"))
+
+
+def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
+           ) -> list[dict[str, Any]]:
+    """Write the collected rows; returns the step-aggregate rows for the caller to upsert."""
+    if acc.seen:
+        hot.executemany(cur, "agent_seen", acc.seen)
+    if acc.step_rows:
+        hot.insert_rows(cur, "rank_steps", acc.step_rows)
+    # Rare items: plain Core statements.
+    if acc.events:
+        conn.execute(events.insert(), acc.events)
+    if acc.checkpoints:
+        conn.execute(checkpoints.insert(), acc.checkpoints)
+    if acc.exits:
+        conn.execute(exits.insert(), acc.exits)
+    for agent_id, run_id, res, t in acc.results:
+        _apply_command_result(conn, agent_id=agent_id, run_id=run_id, item=res, now=now, t=t)
+    if acc.latest_rank:
+        hot.insert_rows(cur, "ranks", [acc.latest_rank[k] for k in sorted(acc.latest_rank)])
+    return [acc.aggs[k] for k in sorted(acc.aggs)]
+
+
+# Built once: statement construction costs more than execution on the hot path.
+_AGENT_SEEN = (
+    update(agents)
+    .where(agents.c.id == bindparam("agent_id"))
+    .values(
+        last_seen_at=bindparam("now"),
+        dropped=bindparam("dropped"),
+        attempt=bindparam("attempt"),
+        state=func.coalesce(bindparam("state", type_=String), agents.c.state),
+        disk_free_bytes=func.coalesce(bindparam("disk", type_=BigInteger),
+                                      agents.c.disk_free_bytes),
+        disk_total_bytes=func.coalesce(bindparam("disk_total", type_=BigInteger),
+                                       agents.c.disk_total_bytes),
+        workers=func.coalesce(bindparam("workers", type_=JSON), agents.c.workers),
+        gpus=func.coalesce(bindparam("gpus", type_=JSON), agents.c.gpus),
+    )
+)
+
+
+_PENDING_ONE = (
+    select(commands.c.id, commands.c.kind, commands.c.attempt, commands.c.plan,
+           commands.c.not_before, commands.c.reason, commands.c.collect_stacks)
+    # A literal, not a bound value: the raw statement binds only the names it is given.
+    .where(commands.c.agent_id == bindparam("agent_id"),
+           commands.c.status == literal_column(f"'{CommandStatus.PENDING}'"))
+    .order_by(commands.c.id)
+)
+_HEADS = (
+    select(agents.c.id, agents.c.run_id, runs.c.attempt, runs.c.protected)
+    .join(runs, runs.c.id == agents.c.run_id)
+    .where(agents.c.id.in_(bindparam("ids", expanding=True)))
+)
+_PENDING_MANY = (
+    select(commands.c.agent_id, commands.c.id, commands.c.kind, commands.c.attempt,
+           commands.c.plan, commands.c.not_before, commands.c.reason,
+           commands.c.collect_stacks)
+    .where(commands.c.agent_id.in_(bindparam("ids", expanding=True)),
+           commands.c.status == literal_column(f"'{CommandStatus.PENDING}'"))
+    .order_by(commands.c.id)
+)
+
+
+def _merge_agg(
+    aggs: dict[tuple[int, int, int], dict[str, Any]],
+    run_id: int,
+    attempt: int,
+    it: wire.StepItem,
+    row: dict[str, Any],
+) -> None:
+    key = (run_id, attempt, it.step)
+    a = aggs.get(key)
+    if a is None:
+        a = aggs[key] = {
+            "run_id": run_id, "attempt": attempt, "step": it.step, "ranks": 0,
+            "loss_sum": None, "loss_count": 0, "loss_min": None, "loss_max": None,
+            "loss_nonfinite": 0, "grad_norm_nonfinite": 0, "samples": 0, "tokens": 0,
+            "step_s_max": None, "t_first": row["t"], "t_last": row["t"],
+        }
+    a["ranks"] += 1
+    loss = row["loss"]
+    if loss is not None:
+        a["loss_sum"] = loss if a["loss_sum"] is None else a["loss_sum"] + loss
+        a["loss_count"] += 1
+        a["loss_min"] = loss if a["loss_min"] is None else min(a["loss_min"], loss)
+        a["loss_max"] = loss if a["loss_max"] is None else max(a["loss_max"], loss)
+    if row["loss_special"] is not None:
+        a["loss_nonfinite"] += 1
+    if row["grad_norm_special"] is not None:
+        a["grad_norm_nonfinite"] += 1
+    a["samples"] += it.samples or 0
+    a["tokens"] += it.tokens or 0
+    s = row["step_s"]
+    if s is not None and (a["step_s_max"] is None or s > a["step_s_max"]):
+        a["step_s_max"] = s
+    a["t_first"] = min(a["t_first"], row["t"])
+    a["t_last"] = max(a["t_last"], row["t"])
+
+
+@functools.cache
+def _ranks_upsert(dialect: str) -> Any:
+    # Built once per dialect: constructing an upsert costs more than executing it.
+    ins = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(ranks)
+    ex = ins.excluded
+    newer = or_(
+        ex.attempt > ranks.c.attempt,
+        and_(ex.attempt == ranks.c.attempt, ex.step >= ranks.c.step),
+    )
+    cols = [c.name for c in ranks.columns if c.name not in ("run_id", "rank")]
+    return ins.on_conflict_do_update(
+        index_elements=["run_id", "rank"], set_={c: ex[c] for c in cols}, where=newer
+    )
+
+
+@functools.cache
+def _aggregates_upsert(dialect: str) -> Any:
+    ins = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(step_aggregates)
+    ex, c = ins.excluded, step_aggregates.c
+    return ins.on_conflict_do_update(
+        index_elements=["run_id", "attempt", "step"],
+        set_={
+            "ranks": c.ranks + ex.ranks,
+            "loss_sum": nsum(c.loss_sum, ex.loss_sum),
+            "loss_count": c.loss_count + ex.loss_count,
+            "loss_min": least(c.loss_min, ex.loss_min),
+            "loss_max": greatest(c.loss_max, ex.loss_max),
+            "loss_nonfinite": c.loss_nonfinite + ex.loss_nonfinite,
+            "grad_norm_nonfinite": c.grad_norm_nonfinite + ex.grad_norm_nonfinite,
+            "samples": c.samples + ex.samples,
+            "tokens": c.tokens + ex.tokens,
+            "step_s_max": greatest(c.step_s_max, ex.step_s_max),
+            "t_first": least(c.t_first, ex.t_first),
+            "t_last": greatest(c.t_last, ex.t_last),
+        },
+    )
+
+
+def _apply_command_result(
+    conn: Connection,
+    *,
+    agent_id: int,
+    run_id: int,
+    item: wire.CommandResultItem,
+    now: float,
+    t: float,
+) -> None:
+    # Only the agent's own commands; "done"/"failed" are final, a late "delivered" after them
+    # must not move the status back.
+    cond = [commands.c.id == item.command_id, commands.c.agent_id == agent_id]
+    if item.status == CommandStatus.DELIVERED:
+        cond.append(commands.c.status == CommandStatus.PENDING)
+    res = conn.execute(
+        update(commands).where(*cond).values(status=item.status, detail=item.detail,
+                                             updated_at=now)
+    )
+    if res.rowcount == 0:
+        known = conn.execute(
+            select(commands.c.id).where(
+                commands.c.id == item.command_id, commands.c.agent_id == agent_id
+            )
+        ).first()
+        if known is None:
+            # Not this agent's command: keep a trace, store nothing else.
+            conn.execute(events.insert().values(
+                run_id=run_id, agent_id=agent_id, attempt=0, rank=None, t=t,
+                name="unknown_command_result", step=None,
+                message=f"command_result for command {item.command_id} not sent to this agent",
+                details={"status": item.status, "detail": item.detail},
+            ))
+
+
+def _mark_sent(conn: Connection, *, ids: list[int], now: float) -> None:
+    conn.execute(
+        update(commands)
+        .where(commands.c.id.in_(ids))
+        .values(sent_count=commands.c.sent_count + 1, updated_at=now)
+    )
+
+
+def _pending_many(
+    conn: Connection, *, agent_ids: Sequence[int], now: float
+) -> dict[int, list[dict[str, Any]]]:
+    """Unacknowledged commands of several agents (re-sent with every reply), by agent."""
+    if not agent_ids:
+        return {}
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in conn.execute(_PENDING_MANY, {"ids": list(agent_ids)}):
+        d = dict(r._mapping)
+        out.setdefault(int(d.pop("agent_id")), []).append(d)
+    if out:
+        _mark_sent(conn, ids=[c["id"] for cs in out.values() for c in cs], now=now)
+    return out
+
+
+def bulk_insert_rank_steps(conn: Connection, *, rows: list[dict[str, Any]]) -> None:
+    """Raw bulk insert of per-rank step rows: the baseline ``benchmarks/ingest.py`` compares
+    the hot path with."""
+    conn.execute(rank_steps.insert(), rows)

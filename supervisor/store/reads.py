@@ -1,0 +1,265 @@
+"""What the API, the dashboard and the metrics collector read.  Keyword-only functions taking
+a ``Connection``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, cast
+
+from sqlalchemy import Connection, Select, Table, func, literal, or_, select
+
+from agent.protocol import EVENT_FLOPS_DECLARED
+from supervisor.enums import ActionKind, IncidentStatus
+from supervisor.store._sql import row, with_specials
+from supervisor.store.rows import (
+    ActionRow,
+    CheckpointRow,
+    EventRow,
+    IncidentRow,
+    RestartRow,
+    StepAggregateRow,
+    Throughput,
+)
+from supervisor.store.tables import (
+    actions,
+    agents,
+    checkpoints,
+    events,
+    incidents,
+    ranks,
+    runs,
+    step_aggregates,
+)
+
+
+def ping(conn: Connection) -> None:
+    """A database round trip (the health check)."""
+    conn.execute(select(literal(1)))
+
+
+def newest_step(conn: Connection, *, run_id: int, attempt: int | None = None
+                ) -> StepAggregateRow | None:
+    """The newest step aggregate of ``attempt``, or without one of the newest attempt that
+    has any (None before the first step report)."""
+    a = step_aggregates.c
+    q = select(step_aggregates).where(a.run_id == run_id)
+    if attempt is not None:
+        q = q.where(a.attempt == attempt)
+    r = conn.execute(q.order_by(a.attempt.desc(), a.step.desc()).limit(1)).first()
+    return cast(StepAggregateRow, row(r)) if r else None
+
+
+def _delivered_step(run_id: int, attempt: int) -> Select[Any]:
+    # Each rank's newest step of the attempt is in ``ranks`` (one row per rank).
+    return select(func.min(ranks.c.step)).where(ranks.c.run_id == run_id,
+                                                ranks.c.attempt == attempt)
+
+
+def delivered_step(conn: Connection, *, run_id: int, attempt: int) -> int | None:
+    """The newest step of ``attempt`` that every rank reporting in it has delivered (None
+    before any).  Ranks report through their own agents and batches, so the steps after it
+    hold some ranks only: a figure over ranks (throughput, straggler scores) ends here."""
+    v = conn.execute(_delivered_step(run_id, attempt)).scalar_one()
+    return None if v is None else int(v)
+
+
+def throughput(conn: Connection, *, run_id: int, attempt: int, window: int = 20) -> Throughput:
+    """Steps, samples and tokens per second over the newest ``window`` steps of an attempt up
+    to ``delivered_step`` (the steps after it hold some ranks' samples only, which would read
+    as a drop in throughput), and ``ranks``: the most ranks that reported one of those
+    steps."""
+    a = step_aggregates.c
+    delivered = _delivered_step(run_id, attempt).scalar_subquery()
+    q = (
+        select(a.samples, a.tokens, a.t_last, a.ranks)
+        .where(a.run_id == run_id, a.attempt == attempt,
+               or_(delivered.is_(None), a.step <= delivered))
+        .order_by(a.step.desc())
+        .limit(window)
+    )
+    rows = conn.execute(q).all()
+    out: Throughput = {"steps_per_s": None, "samples_per_s": None, "tokens_per_s": None,
+                       "ranks": max((int(r.ranks) for r in rows), default=None)}
+    if len(rows) < 2:
+        return out
+    span = rows[0].t_last - rows[-1].t_last
+    if span <= 0:
+        return out
+    newer = rows[:-1]  # the oldest row only marks the start of the span
+    out["steps_per_s"] = len(newer) / span
+    out["samples_per_s"] = sum(r.samples for r in newer) / span
+    out["tokens_per_s"] = sum(r.tokens for r in newer) / span
+    return out
+
+
+def steps(
+    conn: Connection,
+    *,
+    run_id: int,
+    step_from: int | None,
+    step_to: int | None,
+    max_points: int,
+    attempt: int | None = None,
+) -> list[dict[str, Any]]:
+    """Per-step aggregates, bucketed by step range on the server when there are more than
+    ``max_points`` of them (each bucket: loss min/max/mean, sums, worst step time)."""
+    a = step_aggregates.c
+    cond = [a.run_id == run_id]
+    if step_from is not None:
+        cond.append(a.step >= step_from)
+    if step_to is not None:
+        cond.append(a.step <= step_to)
+    if attempt is not None:
+        cond.append(a.attempt == attempt)
+    bounds = conn.execute(
+        select(func.count(), func.min(a.step), func.max(a.step)).where(*cond)
+    ).one()
+    n, lo, hi = int(bounds[0]), bounds[1], bounds[2]
+    if n == 0:
+        return []
+    if n <= max_points:
+        q = select(step_aggregates).where(*cond).order_by(a.step, a.attempt)
+        out = []
+        for r in conn.execute(q):
+            d = row(r)
+            out.append(_point(
+                step_from=d["step"], step_to=d["step"], attempt=d["attempt"], rows=1,
+                ranks=d["ranks"], loss_sum=d["loss_sum"], loss_count=d["loss_count"],
+                loss_min=d["loss_min"], loss_max=d["loss_max"],
+                loss_nonfinite=d["loss_nonfinite"], grad_norm_nonfinite=d["grad_norm_nonfinite"],
+                samples=d["samples"], tokens=d["tokens"], step_s_max=d["step_s_max"],
+                t=d["t_last"],
+            ))
+        return out
+    width = max(1, math.ceil((hi - lo + 1) / max_points))
+    bucket = ((a.step - lo) // width).label("bucket")  # floor division on both backends
+    q = (
+        select(
+            bucket,
+            func.min(a.step), func.max(a.step), func.max(a.attempt), func.count(),
+            func.sum(a.ranks), func.sum(a.loss_sum), func.sum(a.loss_count),
+            func.min(a.loss_min), func.max(a.loss_max), func.sum(a.loss_nonfinite),
+            func.sum(a.grad_norm_nonfinite), func.sum(a.samples), func.sum(a.tokens),
+            func.max(a.step_s_max), func.max(a.t_last),
+        )
+        .where(*cond)
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    return [
+        _point(
+            step_from=r[1], step_to=r[2], attempt=r[3], rows=r[4], ranks=r[5], loss_sum=r[6],
+            loss_count=r[7], loss_min=r[8], loss_max=r[9], loss_nonfinite=r[10],
+            grad_norm_nonfinite=r[11], samples=r[12], tokens=r[13], step_s_max=r[14], t=r[15],
+        )
+        for r in conn.execute(q)
+    ]
+
+
+def _point(*, loss_sum: float | None, loss_count: int | None, **kw: Any) -> dict[str, Any]:
+    count = int(loss_count or 0)
+    kw["loss_mean"] = (loss_sum / count) if count and loss_sum is not None else None
+    for k in ("rows", "ranks", "loss_nonfinite", "grad_norm_nonfinite", "samples", "tokens"):
+        kw[k] = int(kw[k] or 0)
+    return kw
+
+
+def rank_latest(conn: Connection, *, run_id: int) -> list[dict[str, Any]]:
+    """Each rank's latest report (NaN/Inf restored) with its node."""
+    q = (
+        select(ranks, agents.c.node)
+        .join(agents, agents.c.id == ranks.c.agent_id)
+        .where(ranks.c.run_id == run_id)
+        .order_by(ranks.c.rank)
+    )
+    return [with_specials(row(r)) for r in conn.execute(q)]
+
+
+def _list(conn: Connection, table: Table, run_id: int, order: Iterable[Any], limit: int
+          ) -> list[Any]:
+    q = select(table).where(table.c.run_id == run_id).order_by(*order).limit(limit)
+    return [row(r) for r in conn.execute(q)]
+
+
+def list_checkpoints(conn: Connection, *, run_id: int, limit: int = 1000) -> list[CheckpointRow]:
+    """Newest first."""
+    return _list(conn, checkpoints, run_id, [checkpoints.c.t.desc(), checkpoints.c.id.desc()],
+                 limit)
+
+
+def list_incidents(conn: Connection, *, run_id: int, limit: int = 1000) -> list[IncidentRow]:
+    """Newest first."""
+    return _list(conn, incidents, run_id, [incidents.c.id.desc()], limit)
+
+
+def list_actions(conn: Connection, *, run_id: int, limit: int = 1000) -> list[ActionRow]:
+    """Newest first."""
+    return _list(conn, actions, run_id, [actions.c.id.desc()], limit)
+
+
+def list_events(conn: Connection, *, run_id: int, limit: int = 1000) -> list[EventRow]:
+    """Newest first."""
+    return _list(conn, events, run_id, [events.c.t.desc(), events.c.id.desc()], limit)
+
+
+def open_incident_counts(conn: Connection, *, run_id: int) -> dict[str, int]:
+    i = incidents.c
+    q = (select(i.kind, func.count()).where(i.run_id == run_id, i.status == IncidentStatus.OPEN)
+         .group_by(i.kind))
+    return {str(r[0]): int(r[1]) for r in conn.execute(q)}
+
+
+def restart_actions(conn: Connection, *, run_id: int) -> list[RestartRow]:
+    """Every restart-like action of a run with the kind of the incident behind it (if any)."""
+    ac = actions.c
+    q = (
+        select(ac.id, ac.kind, ac.actor, ac.status, ac.attempt, ac.resumed_step,
+               ac.created_at, ac.cause, incidents.c.kind.label("incident_kind"))
+        .select_from(actions.outerjoin(incidents, incidents.c.id == ac.incident_id))
+        .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART)
+        .order_by(ac.id)
+    )
+    return [cast(RestartRow, row(r)) for r in conn.execute(q)]
+
+
+def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
+    """The details of the run's newest ``flops_declared`` event (for MFU), or None."""
+    q = (select(events.c.details).where(events.c.run_id == run_id,
+                                         events.c.name == EVENT_FLOPS_DECLARED)
+         .order_by(events.c.id.desc()).limit(1))
+    d = conn.execute(q).scalar()
+    return d if isinstance(d, dict) else None
+
+
+def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:
+    """Cheap summary that changes whenever what the dashboard shows of a run changes (except
+    the agents' last-seen times, which move with every batch)."""
+    a, i, ac, ck, ag = (step_aggregates.c, incidents.c, actions.c, checkpoints.c, agents.c)
+    run = conn.execute(
+        select(runs.c.status, runs.c.attempt, runs.c.restarts, runs.c.updated_at)
+        .where(runs.c.id == run_id)
+    ).one()
+    last = conn.execute(
+        select(a.attempt, a.step, a.ranks, a.t_last).where(a.run_id == run_id)
+        .order_by(a.attempt.desc(), a.step.desc()).limit(1)
+    ).first()
+    inc_cols = [func.count(), func.max(i.id), func.max(i.resolved_at)]
+    if "updated_at" in i:  # details of an ongoing incident change while it lasts
+        inc_cols.append(func.max(i.updated_at))
+    inc = conn.execute(select(*inc_cols).where(i.run_id == run_id)).one()
+    act = conn.execute(
+        select(func.count(), func.max(ac.updated_at)).where(ac.run_id == run_id)
+    ).one()
+    ckpt = conn.execute(select(func.count(), func.max(ck.id)).where(ck.run_id == run_id)).one()
+    agt = conn.execute(
+        select(ag.id, ag.state, ag.attempt, ag.disk_free_bytes, ag.dropped)
+        .where(ag.run_id == run_id).order_by(ag.id)
+    ).all()
+    return (tuple(run), tuple(last) if last else None, tuple(inc), tuple(act), tuple(ckpt),
+            tuple(tuple(r) for r in agt))
+
+
+def get_action(conn: Connection, *, action_id: int) -> ActionRow | None:
+    r = conn.execute(select(actions).where(actions.c.id == action_id)).first()
+    return cast(ActionRow, row(r)) if r else None

@@ -1,0 +1,254 @@
+"""Recovery bookkeeping: exits, incidents, audited actions and their commands, and the
+checkpoint lineage a restart or rollback resumes from.  Keyword-only functions taking a
+``Connection``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from sqlalchemy import Connection, func, literal, select, update
+
+from agent.core.states import CommandStatus, ExitOutcome
+from supervisor.enums import IN_PROGRESS, ActionKind, ActionStatus, IncidentStatus
+from supervisor.store._sql import row
+from supervisor.store.rows import (
+    ActionRow,
+    CheckpointRow,
+    ExitRow,
+    IncidentRow,
+    RestartSpent,
+)
+from supervisor.store.tables import (
+    actions,
+    agents,
+    checkpoints,
+    commands,
+    events,
+    exits,
+    incidents,
+    rank_steps,
+    step_aggregates,
+)
+
+# ---------------------------------------------------------------------------------------------
+# exits
+
+
+def unhandled_exits(conn: Connection) -> list[ExitRow]:
+    q = (
+        select(exits, agents.c.node)
+        .join(agents, agents.c.id == exits.c.agent_id)
+        .where(exits.c.handled.is_(False))
+        .order_by(exits.c.id)
+    )
+    return [cast(ExitRow, row(r)) for r in conn.execute(q)]
+
+
+def mark_exit(conn: Connection, *, exit_id: int, verdict: str) -> None:
+    conn.execute(update(exits).where(exits.c.id == exit_id).values(handled=True, verdict=verdict))
+
+
+def completed_agents(conn: Connection, *, run_id: int, attempt: int) -> set[int]:
+    q = select(exits.c.agent_id).where(exits.c.run_id == run_id, exits.c.attempt == attempt,
+                                       exits.c.outcome == ExitOutcome.COMPLETED)
+    return {int(r[0]) for r in conn.execute(q)}
+
+
+# ---------------------------------------------------------------------------------------------
+# incidents
+
+
+def open_incident(conn: Connection, **values: Any) -> int:
+    values.setdefault("status", IncidentStatus.OPEN)
+    values.setdefault("details", {})
+    return int(conn.execute(
+        incidents.insert().values(**values).returning(incidents.c.id)
+    ).scalar_one())
+
+
+def resolve_incidents(conn: Connection, *, run_id: int, now: float) -> None:
+    """Every open incident of the run is resolved (it resumed, or it completed)."""
+    conn.execute(
+        update(incidents)
+        .where(incidents.c.run_id == run_id, incidents.c.status == IncidentStatus.OPEN)
+        .values(status=IncidentStatus.RESOLVED, resolved_at=now)
+    )
+
+
+def resolve_incident(conn: Connection, *, incident_id: int, now: float) -> None:
+    conn.execute(update(incidents).where(incidents.c.id == incident_id)
+                 .values(status=IncidentStatus.RESOLVED, resolved_at=now, updated_at=now))
+
+
+def update_incident(conn: Connection, *, incident_id: int, **values: Any) -> None:
+    conn.execute(update(incidents).where(incidents.c.id == incident_id).values(**values))
+
+
+def get_incident(conn: Connection, *, incident_id: int) -> IncidentRow | None:
+    r = conn.execute(select(incidents).where(incidents.c.id == incident_id)).first()
+    return cast(IncidentRow, row(r)) if r else None
+
+
+def incidents_of(conn: Connection, *, run_id: int, attempt: int | None = None,
+                 kinds: Sequence[str] | None = None, status: str | None = None
+                 ) -> list[IncidentRow]:
+    cond = [incidents.c.run_id == run_id]
+    if attempt is not None:
+        cond.append(incidents.c.attempt == attempt)
+    if kinds is not None:
+        cond.append(incidents.c.kind.in_(list(kinds)))
+    if status is not None:
+        cond.append(incidents.c.status == status)
+    q = select(incidents).where(*cond).order_by(incidents.c.id)
+    return [cast(IncidentRow, row(r)) for r in conn.execute(q)]
+
+
+def incident_for_command(conn: Connection, *, command_id: int) -> int | None:
+    """The incident behind the action a command belongs to (None: no incident)."""
+    q = (select(actions.c.incident_id).join(commands, commands.c.action_id == actions.c.id)
+         .where(commands.c.id == command_id))
+    v = conn.execute(q).scalar()
+    return None if v is None else int(v)
+
+
+def insert_event(conn: Connection, **values: Any) -> None:
+    """An event of the supervisor's own (a finding worth a row but not an incident)."""
+    values.setdefault("details", {})
+    values.setdefault("message", "")
+    conn.execute(events.insert().values(**values))
+
+
+# ---------------------------------------------------------------------------------------------
+# actions and commands
+
+
+def create_action(conn: Connection, **values: Any) -> int:
+    values.setdefault("progress", {ActionStatus.QUEUED: values["created_at"]})
+    values.setdefault("updated_at", values["created_at"])
+    return int(conn.execute(
+        actions.insert().values(**values).returning(actions.c.id)
+    ).scalar_one())
+
+
+def update_action(conn: Connection, *, action_id: int, **values: Any) -> None:
+    conn.execute(update(actions).where(actions.c.id == action_id).values(**values))
+
+
+def actions_in_progress(conn: Connection) -> list[ActionRow]:
+    q = select(actions).where(actions.c.status.in_(list(IN_PROGRESS)))
+    return [cast(ActionRow, row(r)) for r in conn.execute(q.order_by(actions.c.id))]
+
+
+def action_command_statuses(conn: Connection, *, action_id: int) -> list[str]:
+    q = select(commands.c.status).where(commands.c.action_id == action_id)
+    return [r[0] for r in conn.execute(q)]
+
+
+def restart_action_for(conn: Connection, *, run_id: int, attempt: int) -> ActionRow | None:
+    """The restart action that started ``attempt`` (the newest one, if several)."""
+    q = (select(actions).where(actions.c.run_id == run_id,
+                               actions.c.kind == ActionKind.RESTART,
+                               actions.c.attempt == attempt)
+         .order_by(actions.c.id.desc()).limit(1))
+    r = conn.execute(q).first()
+    return cast(ActionRow, row(r)) if r else None
+
+
+def restart_history(conn: Connection, *, run_id: int) -> list[RestartSpent]:
+    """The run's restart actions, oldest first (each decided one spent budget, even if a
+    newer decision superseded it before the agents picked it up)."""
+    q = (select(actions.c.cause, actions.c.high_step, actions.c.actor)
+         .where(actions.c.run_id == run_id, actions.c.kind == ActionKind.RESTART)
+         .order_by(actions.c.id))
+    return [cast(RestartSpent, row(r)) for r in conn.execute(q)]
+
+
+def create_commands(conn: Connection, *, rows: Sequence[dict[str, Any]]) -> None:
+    if rows:
+        conn.execute(commands.insert(), list(rows))
+
+
+def supersede_commands(conn: Connection, *, run_id: int, now: float) -> None:
+    """Unacknowledged commands of a run are dropped when a newer decision replaces them."""
+    conn.execute(
+        update(commands)
+        .where(commands.c.run_id == run_id, commands.c.status == CommandStatus.PENDING)
+        .values(status=CommandStatus.SUPERSEDED, updated_at=now)
+    )
+
+
+def max_steps(conn: Connection, *, run_id: int) -> dict[int, int]:
+    """attempt -> the highest step it reported (the run's highest step is the largest: what
+    the no-progress rule compares restarts by)."""
+    a = step_aggregates.c
+    q = select(a.attempt, func.max(a.step)).where(a.run_id == run_id).group_by(a.attempt)
+    return {int(r[0]): int(r[1]) for r in conn.execute(q)}
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint lineage
+
+
+def newest_complete_checkpoint(conn: Connection, *, run_id: int) -> CheckpointRow | None:
+    """The newest complete checkpoint of the current lineage (never an abandoned one)."""
+    q = (
+        select(checkpoints)
+        .where(checkpoints.c.run_id == run_id, checkpoints.c.complete.is_(True),
+               checkpoints.c.abandoned.is_(False))
+        .order_by(checkpoints.c.t.desc(), checkpoints.c.id.desc())
+        .limit(1)
+    )
+    r = conn.execute(q).first()
+    return cast(CheckpointRow, row(r)) if r else None
+
+
+def lineage_checkpoints(conn: Connection, *, run_id: int) -> list[tuple[int, float, str]]:
+    """(step, saved at, path) of the complete checkpoints of the current lineage, oldest
+    first (a step saved twice counts once, with its newest save)."""
+    c = checkpoints.c
+    q = (select(c.step, c.t, c.path).where(c.run_id == run_id, c.complete.is_(True),
+                                           c.abandoned.is_(False)).order_by(c.t, c.id))
+    by_step = {int(r[0]): (float(r[1]), str(r[2])) for r in conn.execute(q)}
+    return [(s, t, p) for s, (t, p) in sorted(by_step.items())]
+
+
+def abandon_branches(conn: Connection, *, run_id: int) -> int:
+    """Mark the checkpoints a rollback abandoned: those written by an attempt before the
+    rollback's attempt, beyond the step it went back to.  They are never offered as the
+    newest again.  Run when a rollback is decided and again on every evaluator tick: the old
+    workers keep saving until the restart reaches them, and those late reports arrive after
+    the decision.  Returns how many were marked now."""
+    ck, ac = checkpoints.c, actions.c
+    beyond = (select(literal(1)).where(
+        ac.run_id == ck.run_id, ac.rollback_to_step.is_not(None), ck.attempt < ac.attempt,
+        ck.step > ac.rollback_to_step).exists())
+    r = conn.execute(update(checkpoints)
+                     .where(ck.run_id == run_id, ck.abandoned.is_(False), beyond)
+                     .values(abandoned=True))
+    return int(r.rowcount or 0)
+
+
+def checkpoint_by(conn: Connection, *, run_id: int, checkpoint_id: int | None = None,
+                  step: int | None = None) -> CheckpointRow | None:
+    """One checkpoint of a run by id, or the newest save of a step."""
+    c = checkpoints.c
+    q = select(checkpoints).where(c.run_id == run_id)
+    if checkpoint_id is not None:
+        q = q.where(c.id == checkpoint_id)
+    if step is not None:
+        q = q.where(c.step == step)
+    r = conn.execute(q.order_by(c.t.desc(), c.id.desc()).limit(1)).first()
+    return cast(CheckpointRow, row(r)) if r else None
+
+
+def batch_indexes(conn: Connection, *, run_id: int, steps: Sequence[int]) -> dict[int, int]:
+    """step -> global batch index trained at that step (rank 0, the newest attempt)."""
+    if not steps:
+        return {}
+    c = rank_steps.c
+    q = (select(c.step, c.batch_index).where(c.run_id == run_id, c.rank == 0,
+                                             c.step.in_(list(steps)),
+                                             c.batch_index.is_not(None))
+         .order_by(c.attempt))
+    return {int(r[0]): int(r[1]) for r in conn.execute(q)}

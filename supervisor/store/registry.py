@@ -1,0 +1,111 @@
+"""Runs and agents: registration, the run's status, its agents.  Keyword-only functions taking
+a ``Connection``."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import Connection, func, or_, select, update
+
+from agent.core.states import AgentState
+from supervisor import wire
+from supervisor.enums import ACTIVE_STATUSES, RunStatus
+from supervisor.store._sql import insert, row
+from supervisor.store.rows import AgentRow, RegisteredAgent, RunRow
+from supervisor.store.tables import agents, ingested_batches, runs
+
+
+def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
+                   ) -> RegisteredAgent:
+    """Create the run and the agent if new (an agent re-registering keeps its id)."""
+    ins = insert(conn, runs).values(
+        name=req.run, status=RunStatus.RUNNING, attempt=0, restarts=0, reason="",
+        created_at=now, updated_at=now,
+    )
+    conn.execute(ins.on_conflict_do_nothing(index_elements=["name"]))
+    run = conn.execute(
+        select(runs.c.id, runs.c.attempt).where(runs.c.name == req.run)
+    ).one()
+    values = {
+        "hostname": req.hostname, "pid": req.pid, "command": list(req.command),
+        "nproc_per_node": req.nproc_per_node, "checkpoint_root": req.checkpoint_root,
+        "agent_version": req.agent_version, "last_seen_at": now,
+        "state": AgentState.REGISTERED,
+    }
+    ins = insert(conn, agents).values(
+        run_id=run.id, node=req.node, registered_at=now, dropped=0, **values
+    )
+    conn.execute(ins.on_conflict_do_update(index_elements=["run_id", "node"], set_=values))
+    agent_id = conn.execute(
+        select(agents.c.id).where(agents.c.run_id == run.id, agents.c.node == req.node)
+    ).scalar_one()
+    max_seq = conn.execute(
+        select(func.max(ingested_batches.c.seq)).where(ingested_batches.c.agent_id == agent_id)
+    ).scalar_one()
+    return {
+        "agent_id": agent_id,
+        "run_id": run.id,
+        "attempt": run.attempt,
+        "next_seq": 0 if max_seq is None else int(max_seq) + 1,
+    }
+
+
+def _run(r: Any) -> RunRow:
+    return cast(RunRow, row(r))
+
+
+def get_run_by_name(conn: Connection, *, name: str) -> RunRow | None:
+    r = conn.execute(select(runs).where(runs.c.name == name)).first()
+    return _run(r) if r else None
+
+
+def get_run(conn: Connection, *, run_id: int) -> RunRow:
+    return _run(conn.execute(select(runs).where(runs.c.id == run_id)).one())
+
+
+def list_runs(conn: Connection) -> list[RunRow]:
+    return [_run(r) for r in conn.execute(select(runs).order_by(runs.c.id))]
+
+
+def active_runs(conn: Connection) -> list[RunRow]:
+    """The runs the evaluator watches: running or restarting."""
+    q = select(runs).where(runs.c.status.in_(list(ACTIVE_STATUSES))).order_by(runs.c.id)
+    return [_run(r) for r in conn.execute(q)]
+
+
+def runs_for_metrics(conn: Connection, *, since: float) -> list[RunRow]:
+    """Active runs, and the runs whose status changed at or after ``since``."""
+    q = select(runs).where(or_(runs.c.status.in_(list(ACTIVE_STATUSES)),
+                               runs.c.updated_at >= since))
+    return [_run(r) for r in conn.execute(q.order_by(runs.c.id))]
+
+
+def set_run_status(
+    conn: Connection,
+    *,
+    run_id: int,
+    status: str,
+    now: float,
+    reason: str | None = None,
+    attempt: int | None = None,
+    restarts: int | None = None,
+) -> None:
+    values: dict[str, Any] = {"status": status, "updated_at": now}
+    if reason is not None:
+        values["reason"] = reason
+    if attempt is not None:
+        values["attempt"] = attempt
+    if restarts is not None:
+        values["restarts"] = restarts
+    conn.execute(update(runs).where(runs.c.id == run_id).values(**values))
+
+
+def set_protected(conn: Connection, *, run_id: int, paths: list[str]) -> None:
+    """The checkpoint paths the workers' retention must keep (every ingest reply carries
+    them)."""
+    conn.execute(update(runs).where(runs.c.id == run_id).values(protected=paths))
+
+
+def run_agents(conn: Connection, *, run_id: int) -> list[AgentRow]:
+    q = select(agents).where(agents.c.run_id == run_id).order_by(agents.c.id)
+    return [cast(AgentRow, row(r)) for r in conn.execute(q)]

@@ -1,0 +1,229 @@
+"""The rows the store returns, typed (``TypedDict``: they are plain dicts, so the API renders
+them as they are and callers index them as before, and mypy checks the keys and types).
+
+A row of a whole table has every column of ``models``; the narrower rows are what one reader
+selects.  Times are unix seconds; JSON columns come back decoded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class RunRow(TypedDict):
+    id: int
+    name: str
+    status: str  # a RunStatus
+    attempt: int
+    restarts: int
+    reason: str
+    protected: list[Any] | None
+    created_at: float
+    updated_at: float
+
+
+class RegisteredAgent(TypedDict):
+    """What registration answers (the rest of the reply is the server's settings)."""
+
+    agent_id: int
+    run_id: int
+    attempt: int
+    next_seq: int
+
+
+class AgentRow(TypedDict):
+    id: int
+    run_id: int
+    node: str
+    hostname: str
+    pid: int | None
+    command: list[Any]
+    nproc_per_node: int | None
+    checkpoint_root: str | None
+    agent_version: str
+    registered_at: float
+    last_seen_at: float
+    attempt: int | None
+    state: str  # an AgentState as last reported (a newer agent may report others)
+    disk_free_bytes: int | None
+    disk_total_bytes: int | None
+    workers: list[Any] | None
+    gpus: dict[str, Any] | None
+    dropped: int
+
+
+class AgentLiveness(TypedDict):
+    """What the detectors need of each agent (no JSON health columns: read every tick)."""
+
+    id: int
+    node: str
+    state: str
+    last_seen_at: float
+    disk_free_bytes: int | None
+    disk_total_bytes: int | None
+
+
+class CheckpointRow(TypedDict):
+    id: int
+    run_id: int
+    agent_id: int | None
+    attempt: int
+    step: int
+    path: str
+    bytes: int | None
+    lineage: str | None
+    complete: bool
+    save_s: float | None
+    async_save: bool
+    t: float
+    abandoned: bool
+
+
+class IncidentRow(TypedDict):
+    id: int
+    run_id: int
+    kind: str  # an IncidentKind (an open set: a detector may add kinds)
+    status: str  # an IncidentStatus
+    step: int | None
+    attempt: int
+    cause: str
+    agent_id: int | None
+    node: str | None
+    rank: int | None
+    exit_code: int | None
+    signal: int | None
+    details: dict[str, Any]
+    opened_at: float
+    updated_at: float | None
+    resolved_at: float | None
+
+
+class ActionRow(TypedDict):
+    id: int
+    run_id: int
+    incident_id: int | None
+    kind: str  # an ActionKind
+    reason: str
+    cause: str | None
+    high_step: int | None
+    rollback_to_step: int | None
+    actor: str  # an Actor
+    status: str  # an ActionStatus
+    attempt: int
+    plan: dict[str, Any] | None
+    not_before: float | None
+    resumed_step: int | None
+    created_at: float
+    updated_at: float
+    progress: dict[str, Any]
+
+
+class RestartRow(TypedDict):
+    """A restart-like action with the kind of the incident behind it (None: no incident)."""
+
+    id: int
+    kind: str
+    actor: str
+    status: str
+    attempt: int
+    resumed_step: int | None
+    created_at: float
+    cause: str | None
+    incident_kind: str | None
+
+
+class RestartSpent(TypedDict):
+    """One decided restart, as the budgets count it."""
+
+    cause: str | None
+    high_step: int | None
+    actor: str
+
+
+class ExitRow(TypedDict):
+    """An agent's exit report, with the agent's node."""
+
+    id: int
+    run_id: int
+    agent_id: int
+    attempt: int
+    t: float
+    exit_code: int | None
+    signal: int | None
+    outcome: str
+    failed_ranks: list[Any]
+    handled: bool
+    verdict: str | None
+    node: str
+
+
+class EventRow(TypedDict):
+    id: int
+    run_id: int
+    agent_id: int | None
+    attempt: int
+    rank: int | None
+    t: float
+    name: str
+    step: int | None
+    message: str
+    details: dict[str, Any]
+
+
+class NodeEventRow(EventRow):
+    """An event with the node of the agent that sent it (None: the supervisor's own)."""
+
+    node: str | None
+
+
+class StepAggregateRow(TypedDict):
+    run_id: int
+    attempt: int
+    step: int
+    ranks: int
+    loss_sum: float | None
+    loss_count: int
+    loss_min: float | None
+    loss_max: float | None
+    loss_nonfinite: int
+    grad_norm_nonfinite: int
+    samples: int
+    tokens: int
+    step_s_max: float | None
+    t_first: float
+    t_last: float
+
+
+class RankProgressRow(TypedDict):
+    """A rank's newest step report of an attempt, with its node."""
+
+    rank: int
+    step: int
+    t: float
+    node: str
+
+
+class LossRow(TypedDict):
+    """One step of the loss window (merged over ranks; ``loss``: the mean of the finite
+    values, None when there were none)."""
+
+    attempt: int
+    step: int
+    loss: float | None
+    loss_sum: float | None
+    loss_count: int
+    loss_nonfinite: int
+    grad_norm_nonfinite: int
+    samples: int
+    tokens: int
+    t_first: float
+    t_last: float
+
+
+class Throughput(TypedDict):
+    """Rates over the newest steps every rank delivered (None: not measurable yet)."""
+
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    ranks: int | None

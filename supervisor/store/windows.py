@@ -1,0 +1,173 @@
+"""Windows of measurements the detectors judge (what ``supervisor.observe`` reads every
+tick): progress, step times, per-rank timings, losses, worker events.  Keyword-only functions
+taking a ``Connection``; the hot ones are built from plain tuples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from sqlalchemy import Connection, func, select
+
+from supervisor.store._sql import row
+from supervisor.store.rows import AgentLiveness, EventRow, LossRow, NodeEventRow, RankProgressRow
+from supervisor.store.tables import agents, checkpoints, events, rank_steps, ranks, step_aggregates
+
+
+def agent_liveness(conn: Connection, *, run_id: int) -> list[AgentLiveness]:
+    """What the detectors need of each agent (no JSON health columns: read every tick)."""
+    a = agents.c
+    q = (select(a.id, a.node, a.state, a.last_seen_at, a.disk_free_bytes, a.disk_total_bytes)
+         .where(a.run_id == run_id).order_by(a.id))
+    return [{"id": i, "node": n, "state": st, "last_seen_at": t, "disk_free_bytes": f,
+             "disk_total_bytes": tot} for i, n, st, t, f, tot in conn.execute(q)]
+
+
+def rank_progress(conn: Connection, *, run_id: int, attempt: int) -> list[RankProgressRow]:
+    """Each rank's newest step of ``attempt`` with its node."""
+    q = (select(ranks.c.rank, ranks.c.step, ranks.c.t, agents.c.node)
+         .join(agents, agents.c.id == ranks.c.agent_id)
+         .where(ranks.c.run_id == run_id, ranks.c.attempt == attempt))
+    return [cast(RankProgressRow, row(r)) for r in conn.execute(q)]
+
+
+def rank_nodes(conn: Connection, *, run_id: int) -> dict[int, str]:
+    """Each rank's node (from its latest report)."""
+    q = (select(ranks.c.rank, agents.c.node).join(agents, agents.c.id == ranks.c.agent_id)
+         .where(ranks.c.run_id == run_id))
+    return {int(r[0]): str(r[1]) for r in conn.execute(q)}
+
+
+def step_times(conn: Connection, *, run_id: int, attempt: int, limit: int
+               ) -> list[tuple[int, float]]:
+    """(step, end time) of the newest ``limit`` step aggregates of an attempt, oldest first."""
+    a = step_aggregates.c
+    q = (select(a.step, a.t_last).where(a.run_id == run_id, a.attempt == attempt)
+         .order_by(a.step.desc()).limit(limit))
+    return [(int(r[0]), float(r[1])) for r in reversed(conn.execute(q).all())]
+
+
+def count_steps(conn: Connection, *, run_id: int, attempt: int) -> int:
+    a = step_aggregates.c
+    q = select(func.count()).where(a.run_id == run_id, a.attempt == attempt)
+    return int(conn.execute(q).scalar_one())
+
+
+def step_range(conn: Connection, *, run_id: int, attempt: int) -> tuple[int, int] | None:
+    """(first, newest) step of an attempt, None before its first step report."""
+    a = step_aggregates.c
+    q = select(func.min(a.step), func.max(a.step)).where(a.run_id == run_id,
+                                                          a.attempt == attempt)
+    lo, hi = conn.execute(q).one()
+    return None if lo is None else (int(lo), int(hi))
+
+
+def rank_phase_rows(conn: Connection, *, run_id: int, attempt: int, step_from: int,
+                    step_to: int | None = None) -> list[dict[str, Any]]:
+    """{step, rank, data_s, compute_s} of one attempt from ``step_from`` (to ``step_to``): the
+    straggler detector's input, read every tick for every rank of the newest steps (tens of
+    thousands of rows for a big run), so built from plain tuples."""
+    c = rank_steps.c
+    cond = [c.run_id == run_id, c.attempt == attempt, c.step >= step_from]
+    if step_to is not None:
+        cond.append(c.step <= step_to)
+    q = select(c.step, c.rank, c.data_s, c.compute_s).where(*cond).order_by(c.step, c.rank)
+    return [{"step": s, "rank": r, "data_s": d, "compute_s": cs}
+            for s, r, d, cs in conn.execute(q)]
+
+
+def rank_phase_rows_after(conn: Connection, *, run_id: int, attempt: int, after_id: int
+                          ) -> list[tuple[int, int, int, float | None, float | None]]:
+    """(id, step, rank, data_s, compute_s) of one attempt stored after row ``after_id``: what
+    an incremental straggler window reads each time.  The run and attempt are compared as
+    expressions on purpose, so that both SQLite and Postgres walk the primary key from
+    ``after_id`` (the new rows only) instead of the (run, attempt, step) index (every row of a
+    long attempt).  Rows of one run are committed in id order (one ingest writer)."""
+    c = rank_steps.c
+    q = (select(c.id, c.step, c.rank, c.data_s, c.compute_s)
+         .where(c.id > after_id, c.run_id + 0 == run_id, c.attempt + 0 == attempt)
+         .order_by(c.id))
+    return [(int(i), int(st), int(r), d, cs) for i, st, r, d, cs in conn.execute(q)]
+
+
+def max_rank_step_id(conn: Connection) -> int:
+    return int(conn.execute(select(func.max(rank_steps.c.id))).scalar_one() or 0)
+
+
+def loss_series(conn: Connection, *, run_id: int, attempt: int, limit: int) -> list[LossRow]:
+    """The newest ``limit`` steps of the run's current lineage, oldest first: the steps of
+    ``attempt``, and before its first step those of earlier attempts (the latest attempt wins
+    a step trained twice).  Loss mean, NaN/Inf counts, samples and times per step."""
+    a = step_aggregates.c
+    span = step_range(conn, run_id=run_id, attempt=attempt)
+    cond = a.attempt == attempt
+    if span is not None:  # before the attempt's first step: the history it resumed from
+        cond = cond | ((a.attempt < attempt) & (a.step < span[0]))
+    elif attempt > 0:
+        cond = a.attempt < 0  # nothing yet: judge the new attempt on its own steps
+    q = (select(a.attempt, a.step, a.loss_sum, a.loss_count, a.loss_nonfinite,
+                a.grad_norm_nonfinite, a.samples, a.tokens, a.t_first, a.t_last)
+         .where(a.run_id == run_id, cond)
+         .order_by(a.step.desc(), a.attempt.desc()).limit(limit * 2))
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in conn.execute(q):
+        d = row(r)
+        by_step.setdefault(int(d["step"]), d)  # the latest attempt first for each step
+    rows = [by_step[k] for k in sorted(by_step)][-limit:]
+    for d in rows:
+        n = int(d["loss_count"] or 0)
+        d["loss"] = (d["loss_sum"] / n) if n and d["loss_sum"] is not None else None
+    return cast(list[LossRow], rows)
+
+
+def events_after(conn: Connection, *, after_id: int, names: Sequence[str], limit: int = 1000
+                 ) -> list[NodeEventRow]:
+    """Events named ``names`` stored after ``after_id`` (any run), in id order."""
+    q = (select(events, agents.c.node).outerjoin(agents, agents.c.id == events.c.agent_id)
+         .where(events.c.id > after_id, events.c.name.in_(list(names)))
+         .order_by(events.c.id).limit(limit))
+    return [cast(NodeEventRow, row(r)) for r in conn.execute(q)]
+
+
+def ranks_with_event(conn: Connection, *, run_id: int, attempt: int, name: str
+                     ) -> frozenset[int]:
+    q = (select(events.c.rank).distinct()
+         .where(events.c.run_id == run_id, events.c.attempt == attempt, events.c.name == name,
+                events.c.rank.is_not(None)))
+    return frozenset(int(r[0]) for r in conn.execute(q))
+
+
+def latest_event(conn: Connection, *, run_id: int, attempt: int, name: str
+                 ) -> EventRow | None:
+    q = (select(events).where(events.c.run_id == run_id, events.c.attempt == attempt,
+                              events.c.name == name)
+         .order_by(events.c.id.desc()).limit(1))
+    r = conn.execute(q).first()
+    return cast(EventRow, row(r)) if r else None
+
+
+def latest_event_by_node(conn: Connection, *, run_id: int, names: Sequence[str]
+                         ) -> dict[str, str]:
+    """node (``details.node``) -> the name of its newest event among ``names``."""
+    q = (select(events.c.name, events.c.details)
+         .where(events.c.run_id == run_id, events.c.name.in_(list(names)))
+         .order_by(events.c.id.desc()).limit(1000))
+    out: dict[str, str] = {}
+    for name, details in conn.execute(q):
+        node = (details or {}).get("node") if isinstance(details, dict) else None
+        if isinstance(node, str):
+            out.setdefault(node, str(name))
+    return out
+
+
+def recent_save_seconds(conn: Connection, *, run_id: int, limit: int = 10) -> list[float]:
+    q = (select(checkpoints.c.save_s).where(checkpoints.c.run_id == run_id,
+                                            checkpoints.c.save_s.is_not(None))
+         .order_by(checkpoints.c.id.desc()).limit(limit))
+    return [float(r[0]) for r in conn.execute(q)]
+
+
+def newest_checkpoint_time(conn: Connection, *, run_id: int) -> float | None:
+    q = select(func.max(checkpoints.c.t)).where(checkpoints.c.run_id == run_id)
+    v = conn.execute(q).scalar_one()
+    return None if v is None else float(v)

@@ -1,0 +1,58 @@
+"""The statuses and kinds are StrEnums stored as plain strings: every value fits the column
+that holds it (Postgres refuses a longer one), and a value read back compares equal."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sup_helpers import crash, ingest, register, step
+
+from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+from supervisor.enums import (
+    ActionKind,
+    ActionStatus,
+    Actor,
+    IncidentKind,
+    IncidentStatus,
+    RunStatus,
+)
+from supervisor.evaluator import Evaluator
+from supervisor.store import tables
+from supervisor.store.db import Database
+
+COLUMNS: list[tuple[type[enum.Enum], object]] = [
+    (RunStatus, tables.runs.c.status),
+    (AgentState, tables.agents.c.state),
+    (ExitOutcome, tables.exits.c.outcome),
+    (IncidentKind, tables.incidents.c.kind),
+    (IncidentStatus, tables.incidents.c.status),
+    (ActionKind, tables.actions.c.kind),
+    (ActionStatus, tables.actions.c.status),
+    (Actor, tables.actions.c.actor),
+    (CommandKind, tables.commands.c.kind),
+    (CommandStatus, tables.commands.c.status),
+]
+
+
+@pytest.mark.parametrize("kind, column", COLUMNS, ids=[k.__name__ for k, _ in COLUMNS])
+def test_every_value_fits_its_column(kind: type[enum.Enum], column: object) -> None:
+    width = column.type.length  # type: ignore[attr-defined]
+    assert [m.value for m in kind if len(m.value) > width] == []
+
+
+def test_what_the_policy_writes_reads_back_as_the_plain_strings(
+        client: TestClient, evaluator: Evaluator, db: Database) -> None:
+    aid = register(client)["agent_id"]
+    ingest(client, aid, 0, [step(0, 1)])
+    ingest(client, aid, 1, [crash()])
+    evaluator.tick()
+    with db.read() as c:
+        run = c.execute(select(tables.runs.c.status)).scalar_one()
+        action = c.execute(select(tables.actions.c.kind, tables.actions.c.status)).one()
+        cmd = c.execute(select(tables.commands.c.kind, tables.commands.c.status)).one()
+    assert (type(run), run) == (str, "restarting") and run == RunStatus.RESTARTING
+    assert tuple(action) == ("restart", "queued")
+    assert tuple(cmd) == ("restart", "pending")
