@@ -81,6 +81,8 @@ EVENT_RESUMED = "resumed"
 EVENT_BATCHES_SKIPPED = "batches_skipped"
 EVENT_CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint passed over on resume
 EVENT_CHECKPOINT_FAILED = "checkpoint_failed"
+# The training loop is over (``agent.worker.training_done``, called by Checkpointer.close()):
+# what follows is teardown, judged against the hang detectors' finishing allowance.
 EVENT_FINISHED = "worker_finished"
 EVENT_CHECKPOINT_STARTED = "checkpoint_started"  # a save began (hang deadlines allow for it)
 # details: {peak_flops_per_rank, flops_per_sample | flops_per_token} (for MFU)

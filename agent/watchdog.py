@@ -19,6 +19,7 @@ from agent.core.hang import (
     detect_hang,
     learned_deadline,
 )
+from agent.protocol import EVENT_CHECKPOINT_STARTED, EVENT_FINISHED
 
 
 class HangWatch:
@@ -34,6 +35,7 @@ class HangWatch:
         self.intervals: deque[float] = deque(maxlen=history)
         self.checkpoint_since: float | None = None
         self.recent_save_s: deque[float] = deque(maxlen=10)
+        self.finished_at: float | None = None  # a local rank's training loop reported done
 
     def new_attempt(self, attempt: int, now: float) -> None:
         self.attempt, self.attempt_started_at = attempt, now
@@ -41,6 +43,7 @@ class HangWatch:
         self.steps_in_attempt = 0
         self._step_times.clear()
         self.checkpoint_since = None
+        self.finished_at = None
 
     def observe(self, msg: dict[str, Any]) -> None:
         if msg.get("attempt", self.attempt) != self.attempt:
@@ -62,8 +65,10 @@ class HangWatch:
                 self._step_times[step] = float(t)
                 if len(self._step_times) > 8:
                     del self._step_times[min(self._step_times)]
-        elif kind == "event" and msg.get("name") == "checkpoint_started":
+        elif kind == "event" and msg.get("name") == EVENT_CHECKPOINT_STARTED:
             self.checkpoint_since = float(msg.get("t") or 0.0)
+        elif kind == "event" and msg.get("name") == EVENT_FINISHED and self.finished_at is None:
+            self.finished_at = float(msg.get("t") or 0.0)
         elif kind == "checkpoint":
             self.checkpoint_since = None
             if isinstance(msg.get("save_s"), int | float):
@@ -73,7 +78,8 @@ class HangWatch:
         window = ProgressWindow(
             attempt_started_at=self.attempt_started_at, ranks=dict(self.ranks),
             steps_in_attempt=self.steps_in_attempt, step_intervals=list(self.intervals),
-            checkpoint_since=self.checkpoint_since, recent_save_s=list(self.recent_save_s))
+            checkpoint_since=self.checkpoint_since, recent_save_s=list(self.recent_save_s),
+            finished_at=self.finished_at)
         for f in detect_hang(window, now, self.cfg):
             if f.kind == FindingKind.HANG:
                 return f

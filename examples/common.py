@@ -51,6 +51,8 @@ def parse_args(description: str,
                    help="append 'attempt step batch_index lr' per trained step, per rank")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="extra compute time per step (to mimic a bigger model)")
+    p.add_argument("--eval-sleep", type=float, default=0.0, metavar="SECONDS",
+                   help="extra time in the final evaluation (to mimic a large held-out set)")
     p.add_argument("--inject", action="append", default=[], type=_fault,
                    metavar="KIND@STEP[:rank=R][:len=L]", help="crash, hang, slow, spike or nan")
     p.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
@@ -113,10 +115,12 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Ten
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, data: TensorDataset, device: torch.device) -> float:
+def eval_loss(model: torch.nn.Module, data: TensorDataset, device: torch.device,
+              extra_s: float = 0.0) -> float:
     x, y = data.tensors
     model.eval()
     loss = torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).item()
+    time.sleep(extra_s)
     model.train()
     return loss
 

@@ -120,7 +120,7 @@ def main() -> None:
     ckpt.close()
 
     final_train = common.mean_over_ranks(loss_value)
-    final_eval = common.eval_loss(model, held_out, info.device)
+    final_eval = common.eval_loss(model, held_out, info.device, extra_s=args.eval_sleep)
     digest = common.weights_sha256(model)
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
                          final_eval_loss=final_eval, weights_sha256=digest,

@@ -13,6 +13,7 @@ from typing import Any
 
 from agent.core.findings import FindingKind
 from agent.core.states import LIVE_AGENT_STATES
+from agent.protocol import EVENT_FINISHED
 from supervisor.detect import (
     Finding,
     HangConfig,
@@ -91,6 +92,7 @@ def progress_window(conn: Connection, run: RunRow, *, started_at: float,
     ckpt_started = windows.latest_event(conn, run_id=run_id, attempt=attempt,
                                      name="checkpoint_started")
     newest_ckpt = windows.newest_checkpoint_time(conn, run_id=run_id)
+    finished = windows.latest_event(conn, run_id=run_id, attempt=attempt, name=EVENT_FINISHED)
     checkpoint_since = None
     if ckpt_started is not None and (newest_ckpt is None or newest_ckpt < ckpt_started["t"]):
         checkpoint_since = float(ckpt_started["t"])
@@ -103,6 +105,7 @@ def progress_window(conn: Connection, run: RunRow, *, started_at: float,
         recent_save_s=windows.recent_save_seconds(conn, run_id=run_id),
         observing_since=observing_since,
         nodes={int(r["rank"]): str(r["node"]) for r in ranks},
+        finished_at=None if finished is None else float(finished["t"]),
     )
 
 

@@ -18,6 +18,13 @@ attempt (any rank), compared with a deadline that depends on the phase of the at
 A checkpoint save in progress adds an allowance of ``max(checkpoint_s, save_k x the longest
 recent save)`` counted from the moment the save began.
 
+``finishing``
+    A rank reported its training loop done (``worker_finished``, sent by
+    ``Checkpointer.close()``): what follows is teardown (a final evaluation, the last save,
+    the process group shutting down), which takes as long as it takes and has no step
+    rhythm.  Deadline ``finish_s`` from that report; a run that never exits after it is still
+    called hung, later.
+
 Why the defaults: the project's target is detection within ``max(30 s, 10 x median step time)``.
 ``floor_s = 25`` (with delivery and the evaluator's tick, detection lands within 30 s) covers
 every run with steps up to a few seconds.  ``k = 8`` on the p99 keeps the learned deadline at
@@ -71,13 +78,14 @@ class HangConfig:
     checkpoint_s: float = 600.0  # a save in progress gets this much from its start ...
     save_k: float = 3.0  # ... or save_k x the longest recent save, whichever is longer
     longest_k: float = 1.5  # x the longest interval the run survived (if passed)
+    finish_s: float = 600.0  # the training loop reported done -> the workers exit
     rank_lag_steps: int = 1  # "behind" for rank_stalled: more than this many steps
 
     def __post_init__(self) -> None:
         require(self.k > 0, f"HangConfig.k must be > 0 (got {self.k}); try 8")
         require(0.5 <= self.quantile <= 1.0,
                 f"HangConfig.quantile must be in [0.5, 1] (got {self.quantile}); try 0.99")
-        for name in ("floor_s", "startup_s", "warmup_s", "checkpoint_s"):
+        for name in ("floor_s", "startup_s", "warmup_s", "checkpoint_s", "finish_s"):
             v = getattr(self, name)
             require(v > 0, f"HangConfig.{name} must be > 0 seconds (got {v})")
         require(self.min_intervals >= 1,
@@ -112,6 +120,7 @@ class ProgressWindow:
     ``recent_save_s``: durations of recent saves (``CheckpointReport.save_s``).
     ``longest_interval_s``: the longest step interval the run has had without a hang (optional).
     ``nodes``: rank -> node name, to name the node of a suspect rank.
+    ``finished_at``: unix time a rank of this attempt reported its training loop done.
     """
 
     attempt_started_at: float
@@ -123,13 +132,15 @@ class ProgressWindow:
     longest_interval_s: float | None = None
     observing_since: float | None = None
     nodes: Mapping[int, str] = field(default_factory=dict)
+    finished_at: float | None = None
 
 
 @dataclass(frozen=True)
 class Deadline:
     """The deadline in force: the stall is measured from ``since``."""
 
-    phase: str  # "startup" | "warmup" | "steady" (+ "+checkpoint" while a save runs)
+    # "startup" | "warmup" | "steady" | "finishing" (+ "+checkpoint" while a save runs)
+    phase: str
     since: float
     seconds: float
     learned_s: float | None  # the learned part, when there was enough history
@@ -159,7 +170,11 @@ def hang_deadline(w: ProgressWindow, cfg: HangConfig | None = None) -> Deadline:
     cfg = cfg or HangConfig()
     last_t = max((p.t for p in w.ranks.values()), default=None)
     learned = learned_deadline(w, cfg)
-    if last_t is None or w.steps_in_attempt <= 0:
+    if w.finished_at is not None:
+        phase = "finishing"
+        since = max(w.finished_at, w.attempt_started_at, *([last_t] if last_t else []))
+        seconds = max(cfg.finish_s, learned or cfg.floor_s)
+    elif last_t is None or w.steps_in_attempt <= 0:
         phase, since, seconds = "startup", w.attempt_started_at, cfg.startup_s
     else:
         since = max(last_t, w.attempt_started_at)

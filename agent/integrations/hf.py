@@ -65,7 +65,7 @@ from agent.integrations._core import (
     report,
 )
 from agent.worker.data import GlobalBatchOrder
-from agent.worker.report import PhaseTimer, Reporter
+from agent.worker.report import PhaseTimer, Reporter, training_done
 
 log = logging.getLogger("trainwarden")
 
@@ -259,6 +259,7 @@ class TrainwardenCallback(TrainerCallback):
             h.remove()
         self._hooks = []
         self.optimizer_plan.detach()
+        training_done(reporter=self.session.reporter)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _checkpoint_path(self, step: int) -> Path:

@@ -55,7 +55,7 @@ from agent.integrations._core import (
     report,
 )
 from agent.worker.data import GlobalBatchOrder
-from agent.worker.report import PhaseTimer, Reporter
+from agent.worker.report import PhaseTimer, Reporter, training_done
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CKPT_FILE = "checkpoint.ckpt"
@@ -337,4 +337,5 @@ class TrainwardenCallback(Callback):
             h.remove()
         self._hooks = []
         self.optimizer_plan.detach()
+        training_done(reporter=self.session.reporter)
 

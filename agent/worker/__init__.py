@@ -38,6 +38,7 @@ from agent.worker.report import (
     get_reporter,
     report_event,
     report_step,
+    training_done,
 )
 
 
@@ -68,5 +69,6 @@ __all__ = [
     "report_event",
     "report_step",
     "resume",
+    "training_done",
     "validate_checkpoint",
 ]

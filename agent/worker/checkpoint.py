@@ -53,7 +53,7 @@ from agent.protocol import (
 )
 from agent.worker.data import ResumableLoader
 from agent.worker.distributed import collect_garbage_at_exit
-from agent.worker.report import Reporter, current_attempt, get_reporter
+from agent.worker.report import Reporter, current_attempt, get_reporter, training_done
 
 log = logging.getLogger("trainwarden")
 
@@ -554,8 +554,10 @@ class Checkpointer:
         return info
 
     def close(self) -> None:
-        """Finish the save in flight; call before the process exits."""
+        """Finish the save in flight and report the training loop done (``training_done``):
+        call it after the loop, before the final evaluation and the process's exit."""
         self.wait()
+        training_done(reporter=self.reporter)
 
 
 def meta_lr(s: LRSchedule | None) -> dict[str, Any] | None:

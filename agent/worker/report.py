@@ -21,6 +21,7 @@ from typing import Any
 from agent.protocol import (
     ENV_AGENT_SOCKET,
     ENV_ATTEMPT,
+    EVENT_FINISHED,
     EVENT_FLOPS_DECLARED,
     MAX_DATAGRAM_BYTES,
     PROTOCOL_VERSION,
@@ -378,6 +379,16 @@ def report_event(name: str, message: str = "", *, step: int | None = None,
     """Report a worker event (free-form name); never blocks, never raises."""
     with contextlib.suppress(Exception):
         get_reporter().event(name, message, step=step, details=details)
+
+
+def training_done(step: int | None = None, *, reporter: Reporter | None = None) -> None:
+    """Say that this rank's training loop is over: what follows (a final evaluation, the last
+    save, shutting the process group down) is teardown, which the hang detectors then judge
+    against the finishing allowance instead of the step deadline.  ``Checkpointer.close()``
+    calls it; a script without a Checkpointer calls it after its loop.  Never blocks, never
+    raises."""
+    with contextlib.suppress(Exception):
+        (reporter or get_reporter()).event(EVENT_FINISHED, "training loop done", step=step)
 
 
 def declare_flops(*, peak_flops_per_rank: float, flops_per_sample: float | None = None,

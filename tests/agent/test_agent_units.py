@@ -590,3 +590,23 @@ def test_nan_loss_crosses_the_wire(fake_run, fake_supervisor) -> None:  # type: 
     (s,) = fake_supervisor.items("step")
     assert s["loss"] != s["loss"] and s["grad_norm"] == float("inf")
     assert up.pending == 0
+
+
+def test_local_watchdog_gives_teardown_its_allowance() -> None:
+    from agent.core.hang import HangConfig
+    from agent.watchdog import HangWatch
+
+    watch = HangWatch(HangConfig(floor_s=5.0, warmup_s=5.0, finish_s=60.0))
+    watch.new_attempt(0, 1000.0)
+    for step in range(20):
+        for rank in (0, 1):
+            watch.observe({"type": "step", "attempt": 0, "rank": rank, "step": step,
+                           "t": 1001.0 + 0.1 * step})
+    last = 1001.0 + 0.1 * 19
+    assert watch.check(last + 30.0) is not None  # no report: a 30 s stall is a hang
+    watch.observe({"type": "event", "attempt": 0, "rank": 0, "name": "worker_finished",
+                   "t": last + 0.05})
+    assert watch.check(last + 30.0) is None  # the loop is done: teardown
+    late = watch.check(last + 61.0)
+    assert late is not None
+    assert late.details["phase"] == "finishing"

@@ -128,6 +128,17 @@ def test_straggler_is_named_without_a_restart(supervisor: Supervisor, tmp_path: 
     assert re.search(r"rank 1", inc["cause"])
 
 
+def test_a_final_evaluation_longer_than_the_hang_deadline_is_not_a_hang(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """After its last step the script evaluates for twice the 6 s hang floor: the loop's end
+    was reported (Checkpointer.close), so that is teardown, not a hang to restart."""
+    run, incidents = run_to_end(supervisor, tmp_path, "long-eval", "--steps", "60",
+                                "--eval-sleep", "12")
+    assert incidents == []
+    assert run["status"] == "completed"
+    assert run["restarts"] == 0
+
+
 def test_loss_spike_and_nan_open_incidents_and_their_last_good_checkpoints_are_kept(
         supervisor: Supervisor, tmp_path: Path) -> None:
     """No automatic rollback here: the incidents stay open, and the last good checkpoint

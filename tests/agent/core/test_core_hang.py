@@ -113,6 +113,24 @@ def test_checkpoint_pause_is_not_a_hang_until_its_own_allowance() -> None:
     assert first_detection(times, last, last + 250.0, cfg, **slow) is None
 
 
+def test_teardown_after_the_training_loop_is_not_a_hang_until_its_own_allowance() -> None:
+    """After the last step a script evaluates, saves and shuts down: minutes with no step.
+    Once a rank reported its loop done that is the finishing phase, not a hang."""
+    cfg = HangConfig(finish_s=300.0)
+    times = step_times(200, 1.0, jitter=0.1, seed=4)
+    last = times[-1]
+    done = {"finished_at": last + 0.1}
+    # A 4-minute final evaluation: quiet throughout, far past the 25 s steady deadline.
+    assert first_detection(times, last, last + 240.0, cfg, **done) is None
+    assert first_detection(times, last, last + 240.0, cfg) is not None  # without the report
+    # A teardown that never ends (a shutdown stuck in a collective) is still called, later.
+    found = first_detection(times, last, last + 400.0, cfg, **done)
+    assert found is not None
+    assert 300.0 < found - last <= 301.0
+    assert detect_hang(window(times, found, **done), found, cfg)[0].details["phase"] == \
+        "finishing"
+
+
 def test_brief_stall_that_recovers_is_quiet() -> None:
     rng = random.Random(7)
     times = step_times(150, 1.0, jitter=0.1, seed=7)
