@@ -306,8 +306,7 @@ class Evaluator:
             incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
             open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
             cfg=self.cfg, now=now,
-            recovery=actions.recovery(conn, run, [finding.step] if finding.step is not None
-                                      else []))
+            recovery=actions.recovery(conn, run, _named_steps(finding)))
         if isinstance(decision, policy.Note):
             return
         if not isinstance(decision, policy.RecordEvent):
@@ -331,6 +330,14 @@ class Evaluator:
                               name="trainwarden-evaluator", daemon=True)
         th.start()
         return th, stop
+
+
+def _named_steps(f: policy.FindingFacts) -> list[int]:
+    """The steps whose batch index a decision on ``f`` may name: where it started, and for
+    a spike where it was first seen and where it was detected (a rollback skips from the one
+    to the other)."""
+    steps = [f.step, f.details.get("start_step"), f.details.get("detected_at_step")]
+    return sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
 
 
 def _seen_event(conn: Connection, run: dict, d: policy.RecordEvent) -> bool:
