@@ -333,9 +333,9 @@ class Evaluator:
 
 
 def _named_steps(f: policy.FindingFacts) -> list[int]:
-    """The steps whose batch index a decision on ``f`` may name: where it started, and for
-    a spike where it was first seen and where it was detected (a rollback skips from the one
-    to the other)."""
+    """The steps whose batch index a decision on ``f`` may name: its step, the start of a
+    spike before it (a loss that climbed to NaN) and where it was detected (a rollback skips
+    from the start through the detection)."""
     steps = [f.step, f.details.get("start_step"), f.details.get("detected_at_step")]
     return sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
 

@@ -420,7 +420,9 @@ def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
     what = "NaN/Inf" if f.kind == "nonfinite" else "loss spike"
     start = f.step if f.step is not None else (rec.high_step or 0)
     # A loss that climbed to NaN went wrong where the climb started.
-    start = min(start, _int_or_none(f.details.get("start_step")) or start)
+    climb = _int_or_none(f.details.get("start_step"))
+    if climb is not None:
+        start = min(start, climb)
     detected = _int_or_none(f.details.get("detected_at_step"))
     if detected is None or detected < start:
         detected = f.step if f.step is not None and f.step >= start else start

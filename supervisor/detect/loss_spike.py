@@ -26,10 +26,11 @@ steps (the first after the last high one among them).  Then:
 * back within ``recovery_window_steps`` of its start: a transient spike, an event
   (``loss_spike_transient``), never a rollback, unless it had fewer than
   ``transient_min_steps`` high steps (a single outlier batch: nothing);
-* not back within ``recovery_window_steps`` (known at the first step past the window that is
-  not back, or the first one whose back run started too late) and at least ``sustain_steps``
-  high steps: an incident (``loss_spike``, step = the first high step).  Only high steps
-  count toward ``sustain_steps``: steps back near the baseline inside an open spike do not;
+* not back within ``recovery_window_steps`` and at least ``sustain_steps`` high steps: an
+  incident (``loss_spike``, step = the first high step), called at the first step that shows
+  it cannot be back in time (``recovery_window_steps`` after the start for a loss that stays
+  up).  Only high steps count toward ``sustain_steps``: steps back near the baseline inside
+  an open spike do not;
 * divergence is called early: once the newest ``rise_steps`` steps are all high and the
   median of their newer half is ``rise_factor`` x that of their older half (a loss that keeps
   rising is not coming back), the spike is an incident at once.
@@ -104,9 +105,12 @@ class LossSpikeConfig:
     z: float = 6.0  # robust z-score a high step must exceed ...
     min_rel: float = 0.5  # ... and the median by this fraction
     min_abs: float = 1e-6  # ... and by this much in absolute terms (a loss stuck at 0)
-    recover_z: float = 2.0  # back: the median of the newest recover_steps losses within
-    recover_rel: float = 0.25  # max(recover_z x 1.4826 x MAD, recover_rel x |median|)
-    recover_steps: int = 5  # ... of the baseline's median
+    # Back: the median of the newest recover_steps losses within recover_z standard errors
+    # of a median of that many (1.2533 x 1.4826 x MAD / sqrt(n)) or recover_rel x |median|
+    # of the baseline's median.
+    recover_z: float = 2.0
+    recover_rel: float = 0.25
+    recover_steps: int = 5
     recovery_window_steps: int = 50  # a spike back within this many steps is transient
     sustain_steps: int = 10  # high steps a spike not back in the window needs to be one
     rise_steps: int = 10  # a spike whose newest N steps are all high and rising ...
@@ -420,6 +424,8 @@ class LossSpikeTracker:
             if f is not None:
                 self._closed.append(f)
             for q in sp.tail:  # the steps it was back at are normal again
+                if q.step < recovered_at.step:
+                    continue
                 self._base.add(q.loss)
                 if q.grad_norm is not None:
                     self._grads.append(q.grad_norm)
