@@ -47,6 +47,9 @@ def parse_args(description: str,
     p.add_argument("--async-checkpoint", action="store_true")
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--summary-json", default=None, metavar="PATH")
+    p.add_argument("--eval-at", type=_steps, default=(), metavar="N[,N...]",
+                   help="also evaluate on the held-out set after N steps (the summary's "
+                        "eval_at: those this start of the script passed)")
     p.add_argument("--batch-log", default=None, metavar="DIR",
                    help="append 'attempt step batch_index lr' per trained step, per rank")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
@@ -76,6 +79,16 @@ def declare_flops(model: torch.nn.Module, args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     worker_declare_flops(flops_per_sample=6.0 * params,
                          peak_flops_per_rank=args.peak_tflops * 1e12)
+
+
+def _steps(spec: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(x) for x in spec.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--eval-at {spec!r}: expected N[,N...]") from None
+    if any(n < 1 for n in steps):
+        raise argparse.ArgumentTypeError(f"--eval-at {spec!r}: steps must be >= 1")
+    return steps
 
 
 def _fault(spec: str) -> Fault:

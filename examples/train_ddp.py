@@ -63,6 +63,7 @@ def main() -> None:
 
     batches = iter(loader)
     loss_value = float("nan")
+    evals: dict[str, float] = {}
     t_start = time.time()
     for step in range(start, args.steps):
         timer.start()
@@ -90,6 +91,8 @@ def main() -> None:
         log.write(step, batch.index, lr)
         report_step(step, loss=loss_value, samples=len(x), lr=lr,
                     grad_norm=grad_norm, timer=timer, batch_index=batch.index)
+        if step + 1 in args.eval_at:
+            evals[str(step + 1)] = common.eval_loss(model, held_out, info.device)
         if ckpt.due(step + 1):
             ckpt.save(step + 1, loss=loss_value)
     ckpt.close()
@@ -98,7 +101,7 @@ def main() -> None:
     final_eval = common.eval_loss(model, held_out, info.device, extra_s=args.eval_sleep)
     digest = common.weights_sha256(model)
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
-                         final_eval_loss=final_eval, weights_sha256=digest,
+                         final_eval_loss=final_eval, eval_at=evals, weights_sha256=digest,
                          attempt=info.attempt, started_at_step=start,
                          resumed_from=ckpt.resumed_from,
                          skipped=[list(r) for r in loader.skipped], wall_s=time.time() - t_start)

@@ -18,7 +18,7 @@ from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
-from supervisor.detect import HangConfig, NodeLostConfig
+from supervisor.detect import HangConfig, LossSpikeConfig, NodeLostConfig
 from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
@@ -79,8 +79,10 @@ def create_app(
             rollback_budget=settings.rollback_budget,
             rollback_margin_steps=settings.rollback_margin_steps,
             rollback_skip_before=settings.rollback_skip_before,
+            rollback_skip_after=settings.rollback_skip_after,
             rollback_skip_batches=settings.rollback_skip_batches,
             rollback_lr_scale=settings.rollback_lr_scale,
+            rollback_lr_ratio=settings.rollback_lr_ratio,
             rollback_lr_steps=settings.rollback_lr_steps,
             rollback_lr_ramp_steps=settings.rollback_lr_ramp_steps,
             no_progress_restarts=settings.no_progress_restarts,
@@ -90,6 +92,8 @@ def create_app(
             hang=HangConfig(floor_s=settings.hang_floor_s, startup_s=settings.hang_startup_s,
                             warmup_s=settings.hang_warmup_s),
             node_lost=NodeLostConfig(deadline_s=settings.node_lost_s),
+            loss=LossSpikeConfig(recovery_window_steps=settings.spike_recovery_window_steps,
+                                 sustain_steps=settings.spike_sustain_steps),
             disk=DiskConfig(low_ratio=settings.disk_low_ratio,
                             hysteresis=min(0.02, (1 - settings.disk_low_ratio) / 2)),
         ),

@@ -110,13 +110,24 @@ class SupervisorSettings(BaseSettings):
     # A node's checkpoint disk below this free share: a disk_low event (and the alert).
     disk_low_ratio: float = Field(default=0.10, gt=0.0, lt=1.0)
     # Recovery from loss spikes / NaN (0 rollbacks: incidents only, no automatic rollback).
+    # A loss spike back to baseline within spike_recovery_window_steps is an event, not a
+    # rollback; one that is not, with at least spike_sustain_steps steps above the threshold,
+    # is an incident (see supervisor/detect/loss_spike.py).
+    spike_recovery_window_steps: int = Field(default=50, ge=1)
+    spike_sustain_steps: int = Field(default=10, ge=1)
     rollback_budget: int = Field(default=3, ge=0)
     rollback_margin_steps: int = Field(default=10, ge=0)
+    # Skip from rollback_skip_before batches before the spike's first batch through the batch
+    # where it was detected (+ rollback_skip_after), or rollback_skip_batches when set.
     rollback_skip_before: int = Field(default=10, ge=0)
-    rollback_skip_batches: int = Field(default=100, ge=1)
+    rollback_skip_after: int = Field(default=0, ge=0)
+    rollback_skip_batches: int | None = Field(default=None, ge=1)
+    # LR x rollback_lr_scale for rollback_lr_ratio x the batches skipped, back over half as
+    # many; rollback_lr_steps / rollback_lr_ramp_steps fix either.
     rollback_lr_scale: float = Field(default=0.5, gt=0.0, le=1.0)
-    rollback_lr_steps: int = Field(default=100, ge=0)
-    rollback_lr_ramp_steps: int = Field(default=50, ge=0)
+    rollback_lr_ratio: float = Field(default=0.25, ge=0.0)
+    rollback_lr_steps: int | None = Field(default=None, ge=0)
+    rollback_lr_ramp_steps: int | None = Field(default=None, ge=0)
     no_progress_restarts: int = Field(default=3, ge=1)
     log_level: str = "info"
 
@@ -133,6 +144,12 @@ class SupervisorSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_field(self) -> SupervisorSettings:
+        if self.spike_recovery_window_steps < self.spike_sustain_steps:
+            raise ValueError(
+                f"spike_recovery_window_steps ({self.spike_recovery_window_steps}) is below "
+                f"spike_sustain_steps ({self.spike_sustain_steps}): a spike cannot have more "
+                "high steps than the window holds; raise the window or lower sustain_steps"
+            )
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ValueError(
                 f"restart_backoff_max_s ({self.restart_backoff_max_s}) is below "

@@ -335,8 +335,7 @@ class Evaluator:
             incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
             open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
             cfg=self.cfg, now=now,
-            recovery=actions.recovery(conn, run, [finding.step] if finding.step is not None
-                                      else []))
+            recovery=actions.recovery(conn, run, _named_steps(finding)))
         if isinstance(decision, policy.Note):
             return
         if not isinstance(decision, policy.RecordEvent):
@@ -377,6 +376,14 @@ def _name_culprit(inc: IncidentRow, details: dict, rank_nodes: dict[int, str]) -
         values["rank"] = culprit.ranks[0]
         values["node"] = rank_nodes.get(culprit.ranks[0])
     return values
+
+
+def _named_steps(f: policy.FindingFacts) -> list[int]:
+    """The steps whose batch index a decision on ``f`` may name: its step, the start of a
+    spike before it (a loss that climbed to NaN) and where it was detected (a rollback skips
+    from the start through the detection)."""
+    steps = [f.step, f.details.get("start_step"), f.details.get("detected_at_step")]
+    return sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
 
 
 def _seen_event(conn: Connection, run: RunRow, d: policy.RecordEvent) -> bool:

@@ -19,6 +19,7 @@ First version: worker crashes.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,15 +35,22 @@ class PolicyConfig:
     restart_budget: int = 10  # per cause: crash, hang (collective timeouts too), node_lost
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
-    # Loss-spike / NaN rollback (PaLM restarted ~100 steps before a spike and skipped
-    # ~200-500 batches; these defaults are scaled for short runs, configure for long ones).
+    # Loss-spike / NaN rollback: to the newest checkpoint at least rollback_margin_steps
+    # before the spike, skipping what was observed to be bad and lowering the LR for a while
+    # in proportion.  A rollback that costs more than the spike did is a loss of its own.
     rollback_budget: int = 3  # rollbacks per run before it is stopped
     rollback_margin_steps: int = 10  # the checkpoint must be this far before the spike start
-    rollback_skip_before: int = 10  # skip from this many batches before the spike's batch...
-    rollback_skip_batches: int = 100  # ...this many batches (doubled on each recurrence)
+    # Skip from this many batches before the spike's first batch through the batch of the
+    # step where it was detected (plus rollback_skip_after); doubled on each recurrence.
+    rollback_skip_before: int = 10
+    rollback_skip_after: int = 0
+    rollback_skip_batches: int | None = None  # a fixed length instead (doubled likewise)
     rollback_lr_scale: float = 0.5  # LR x this (squared, cubed... on each recurrence)
-    rollback_lr_steps: int = 100  # for this many steps
-    rollback_lr_ramp_steps: int = 50  # then back to 1.0 linearly over this many steps
+    # LR x scale for rollback_lr_ratio x the batches skipped, then back to 1.0 linearly over
+    # half as many; rollback_lr_steps / rollback_lr_ramp_steps fix either instead.
+    rollback_lr_ratio: float = 0.25
+    rollback_lr_steps: int | None = None
+    rollback_lr_ramp_steps: int | None = None
     # A run that restarts this many times in a row without passing its highest step is
     # stopped and flagged, not restarted forever.
     no_progress_restarts: int = 3
@@ -52,8 +60,16 @@ class PolicyConfig:
             raise ValueError("restart and rollback budgets must be >= 0")
         if not 0 < self.rollback_lr_scale <= 1:
             raise ValueError("rollback_lr_scale must be in (0, 1]: e.g. 0.5 halves the LR")
-        if self.rollback_skip_batches < 1 or self.rollback_skip_before < 0:
-            raise ValueError("rollback_skip_batches must be >= 1 and rollback_skip_before >= 0")
+        if self.rollback_skip_before < 0 or self.rollback_skip_after < 0:
+            raise ValueError("rollback_skip_before and rollback_skip_after must be >= 0")
+        if self.rollback_skip_batches is not None and self.rollback_skip_batches < 1:
+            raise ValueError("rollback_skip_batches must be >= 1, or unset to skip what was "
+                             "observed")
+        if self.rollback_lr_ratio < 0:
+            raise ValueError("rollback_lr_ratio must be >= 0 (0: no LR reduction)")
+        for name in ("rollback_lr_steps", "rollback_lr_ramp_steps"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, or unset to size it from the skip")
         if self.no_progress_restarts < 1:
             raise ValueError("no_progress_restarts must be >= 1")
 
@@ -441,11 +457,18 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
 
 def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
                        rec: RecoveryFacts, cfg: PolicyConfig, now: float) -> Restart | Stop:
-    """Roll back to the last good checkpoint, skip the batches around the spike, lower the LR
-    for a while.  Each recurrence widens the skip and lowers the LR further; past the budget
-    the run is stopped (never a loop)."""
+    """Roll back to the last good checkpoint, skip the batches the spike was seen on, lower the
+    LR for a while in proportion.  Each recurrence widens the skip and lowers the LR further;
+    past the budget the run is stopped (never a loop)."""
     what = "NaN/Inf" if f.kind == IncidentKind.NONFINITE else "loss spike"
     start = f.step if f.step is not None else (rec.high_step or 0)
+    # A loss that climbed to NaN went wrong where the climb started.
+    climb = _int_or_none(f.details.get("start_step"))
+    if climb is not None:
+        start = min(start, climb)
+    detected = _int_or_none(f.details.get("detected_at_step"))
+    if detected is None or detected < start:
+        detected = f.step if f.step is not None and f.step >= start else start
     done = rec.restarts_by_cause.get(RestartCause.SPIKE, 0)
     may, why = budget_left(RestartCause.SPIKE, run, rec, cfg)
     if not may:
@@ -458,20 +481,44 @@ def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
                     reason=f"{what} at step {start}: no complete checkpoint at or before step "
                            f"{start - cfg.rollback_margin_steps} to roll back to")
     ck_step, ck_path = good[-1]
-    widen = 2 ** done
-    spike_batch = rec.batch_index.get(start, start)
-    first = max(rec.batch_index.get(ck_step, ck_step), spike_batch - cfg.rollback_skip_before)
-    last = spike_batch - cfg.rollback_skip_before + cfg.rollback_skip_batches * widen - 1
-    skip = ((first, max(first, last)),)
-    lr = LRSchedule(scale=cfg.rollback_lr_scale ** (done + 1), steps=cfg.rollback_lr_steps,
-                    ramp_steps=cfg.rollback_lr_ramp_steps)
+    skip, lr = rollback_plan(start, detected, ck_step, rec, cfg, done)
     again = f" (rollback {done + 1}: the spike came back)" if done else ""
-    reason = (f"{what} at step {start}: roll back to step {ck_step}, skip batches "
+    seen = f", detected at step {detected}" if detected != start else ""
+    reason = (f"{what} at step {start}{seen}: roll back to step {ck_step}, skip batches "
               f"{skip[0][0]}-{skip[0][1]}, LR x{lr.scale:g} for {lr.steps} steps then back "
               f"over {lr.ramp_steps}{again}")
     return Restart(attempt=run.attempt + 1, checkpoint=ck_path, not_before=now, reason=reason,
                    incident=incident, skip=skip, lr=lr, cause=RestartCause.SPIKE,
                    rollback_to_step=ck_step)
+
+
+def rollback_plan(start: int, detected: int, ck_step: int, rec: RecoveryFacts,
+                  cfg: PolicyConfig, done: int
+                  ) -> tuple[tuple[tuple[int, int], ...], LRSchedule]:
+    """The skip range and LR schedule of a rollback past a spike that started at step
+    ``start`` and was detected at step ``detected``, after ``done`` earlier rollbacks.
+
+    Skip: from ``rollback_skip_before`` batches before the spike's first batch through the
+    detection step's batch (+ ``rollback_skip_after``), or ``rollback_skip_batches`` when
+    set; the length doubles on each recurrence; never before the checkpoint's own batch.
+    LR: x ``rollback_lr_scale ** (done + 1)`` for ``rollback_lr_ratio`` x the batches
+    skipped (or ``rollback_lr_steps``), back over half that (or ``rollback_lr_ramp_steps``)."""
+    widen = 2 ** done
+    spike_batch = rec.batch_index.get(start, start)
+    seen_batch = rec.batch_index.get(detected, spike_batch + (detected - start))
+    base = spike_batch - cfg.rollback_skip_before
+    if cfg.rollback_skip_batches is not None:
+        length = cfg.rollback_skip_batches
+    else:
+        length = max(1, seen_batch + cfg.rollback_skip_after - base + 1)
+    first = max(rec.batch_index.get(ck_step, ck_step), base)
+    last = max(first, base + length * widen - 1)
+    skipped = last - first + 1
+    steps = (cfg.rollback_lr_steps if cfg.rollback_lr_steps is not None
+             else math.ceil(cfg.rollback_lr_ratio * skipped))
+    ramp = cfg.rollback_lr_ramp_steps if cfg.rollback_lr_ramp_steps is not None else steps // 2
+    lr = LRSchedule(scale=cfg.rollback_lr_scale ** (done + 1), steps=steps, ramp_steps=ramp)
+    return ((first, last),), lr
 
 
 def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,

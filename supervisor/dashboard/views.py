@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from supervisor import metrics, observe
+from supervisor.detect.findings import LOSS_SPIKE_TRANSIENT
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ActionKind, IncidentKind, RestartCause
 from supervisor.store import reads, registry, windows
@@ -136,6 +137,19 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
                     if v is not None), start)
         out.append({"type": "spike", "kind": inc["kind"], "from": start,
                     "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}"})
+    # Spikes that came back by themselves: events, not incidents (no rollback), shaded too.
+    for ev in reads.list_events(conn, run_id=run_id, limit=LIST_LIMIT):
+        if ev["name"] != LOSS_SPIKE_TRANSIENT:
+            continue
+        d = ev.get("details") or {}
+        start = _int(d.get("start_step"))
+        if start is None:
+            start = _int(ev.get("step"))
+        if start is None:
+            continue
+        end = _int(d.get("recovered_at_step")) or _int(d.get("last_high_step")) or start
+        out.append({"type": "spike", "kind": LOSS_SPIKE_TRANSIENT, "from": start,
+                    "to": max(start, end), "label": "transient spike (no rollback)"})
     for a in reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):
         if a["kind"] == ActionKind.STOP:
             continue

@@ -1,46 +1,71 @@
-"""Loss spikes that do not recover, and non-finite loss or gradient norms.
+"""Loss spikes that do not come back by themselves, and non-finite loss or gradient norms.
 
 Baseline: the median and MAD of the loss over the last ``window_steps`` steps that were not
 part of a spike (a spike never teaches the baseline that it is normal).  A step is *high* when
 
-    loss > median + max(z x 1.4826 x MAD, min_rel x |median|, min_abs)
+    loss > threshold = median + max(z x 1.4826 x MAD, min_rel x |median|, min_abs)
 
 (1.4826 x MAD estimates the standard deviation of normal noise; the relative floor keeps
 phases with a tiny MAD, late in training, from calling a small wiggle a spike; ``min_abs``
-only matters for a loss stuck at zero).  Per-rank samples are merged into one loss a step
-(the mean of the finite values).  Nothing is
-judged until the baseline holds ``min_history`` steps.
+only matters for a loss stuck at zero).  A spike starts with a clear jump and ends once the
+loss is near the baseline again, not merely under the jump's threshold: it is *back* once the
+median of the newest ``recover_steps`` losses is at most
 
-A spike starts at the first high step; its baseline is frozen there.  It ends (recovers) once
-``recover_steps`` consecutive steps are no longer high against that frozen baseline.  A spike
-that spans ``sustain_steps`` steps without recovering is an incident (``loss_spike``, step =
-the first high step); one that recovers sooner is an event (``loss_spike_transient``) unless it
-spans fewer than ``transient_min_steps`` steps (a single outlier batch: nothing).
+    back level = median + max(recover_z x 1.2533 x 1.4826 x MAD / sqrt(recover_steps),
+                              recover_rel x |median|, min_abs)
+
+(1.2533 x sigma / sqrt(n) is the standard error of the median of n values: within
+``recover_z`` standard errors of the baseline, or within 25% of it).  Per-rank samples are
+merged into one loss a step (the mean of the finite values).  Nothing is judged until the
+baseline holds ``min_history`` steps.
+
+A spike starts at the first high step; its baseline is frozen there.  It is over once the
+median of the newest ``recover_steps`` steps is back; it was back from the first of those
+steps (the first after the last high one among them).  Then:
+
+* back within ``recovery_window_steps`` of its start: a transient spike, an event
+  (``loss_spike_transient``), never a rollback, unless it had fewer than
+  ``transient_min_steps`` high steps (a single outlier batch: nothing);
+* not back within ``recovery_window_steps`` and at least ``sustain_steps`` high steps: an
+  incident (``loss_spike``, step = the first high step), called at the first step that shows
+  it cannot be back in time (``recovery_window_steps`` after the start for a loss that stays
+  up).  Only high steps count toward ``sustain_steps``: steps back near the baseline inside
+  an open spike do not;
+* divergence is called early: once the newest ``rise_steps`` steps are all high and the
+  median of their newer half is ``rise_factor`` x that of their older half (a loss that keeps
+  rising is not coming back), the spike is an incident at once.
+
+``details["detected_at_step"]`` is the step where the incident's rule first held (the window
+ran out, or the rise was seen): the policy sizes a rollback's skip range from the spike's start
+to it.  Why wait: a rollback costs a restart, discards the steps since the checkpoint, skips
+data and lowers the LR; waiting for a spike that stays costs only the window's steps.  On real
+traces (``tests/data/loss_traces``) spikes that came back by themselves did so within a few
+tens of steps; ``recovery_window_steps = 50`` lets them.
 
 NaN or Inf in the loss or the gradient norm is an incident (``nonfinite``) at once, naming
-the first such step and, when samples are per rank, the ranks.
+the first such step and, when samples are per rank, the ranks; when a spike was open before
+it (a loss climbing to NaN), ``details["start_step"]`` is that spike's start.
 
-Why the defaults: ``z = 6`` is far outside normal noise (and outside most heavy-tailed noise);
-``min_rel = 0.5`` (50% above the median) matches what large-run reports call a spike, which is
-a jump of the loss by a large factor; ``sustain_steps = 10`` lets a transient bump (a few bad
-batches) recover on its own, since rolling back costs far more than ten steps; the median of
-a lagging window stays *above* a loss that falls quickly (LR warm-up), so a falling curve is
-never high.
+Why the other defaults: ``z = 6`` is far outside normal noise (and outside most heavy-tailed
+noise); ``min_rel = 0.5`` (50% above the median) matches what large-run reports call a spike,
+which is a jump of the loss by a large factor; the median of a lagging window stays *above* a
+loss that falls quickly (LR warm-up), so a falling curve is never high.
 
 Two ways to call it.  ``detect_loss(samples)`` is a pure function of the window: pass the
 newest ``LossSpikeConfig.lookback_steps`` steps of the current lineage.  Its answer for a spike
 is stable while the window still holds ``window_steps`` steps from before the spike's start;
 later, once the pre-spike history has slid out, a sustained spike is the only history left and
 may look like a new one a few steps on.  ``LossSpikeTracker`` is the same scan kept between
-calls: the evaluator keeps one per lineage, feeds each tick only the steps it has not fed yet
-(cheap), and rebuilds it after a restart by feeding the window once (a fresh tracker fed the
-window *is* ``detect_loss``).  A tracker remembers an open spike and the first non-finite step
-for as long as it lives, so their findings keep their key.  Deduplicate on ``Finding.key``.
+calls: it can be fed only the steps not fed yet (cheap), and rebuilt after a restart by
+feeding the window once (a fresh tracker fed the window *is* ``detect_loss``).  A tracker
+remembers an open spike and the first non-finite step for as long as it lives, so their
+findings keep their key.  Deduplicate on ``Finding.key``.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -56,6 +81,9 @@ from supervisor.detect.findings import (
     NONFINITE,
     Finding,
 )
+
+# The standard error of the median of n normal values is about 1.2533 x sigma / sqrt(n).
+_MEDIAN_SE = 1.2533
 
 
 @dataclass(frozen=True)
@@ -77,9 +105,17 @@ class LossSpikeConfig:
     z: float = 6.0  # robust z-score a high step must exceed ...
     min_rel: float = 0.5  # ... and the median by this fraction
     min_abs: float = 1e-6  # ... and by this much in absolute terms (a loss stuck at 0)
-    sustain_steps: int = 10  # a spike this long without recovering is an incident
-    recover_steps: int = 3  # consecutive normal steps that end a spike
-    transient_min_steps: int = 2  # shorter spikes are single outliers: ignored
+    # Back: the median of the newest recover_steps losses within recover_z standard errors
+    # of a median of that many (1.2533 x 1.4826 x MAD / sqrt(n)) or recover_rel x |median|
+    # of the baseline's median.
+    recover_z: float = 2.0
+    recover_rel: float = 0.25
+    recover_steps: int = 5
+    recovery_window_steps: int = 50  # a spike back within this many steps is transient
+    sustain_steps: int = 10  # high steps a spike not back in the window needs to be one
+    rise_steps: int = 10  # a spike whose newest N steps are all high and rising ...
+    rise_factor: float = 2.0  # ... by this factor (newer half's median / older half's)
+    transient_min_steps: int = 2  # fewer high steps: a single outlier, ignored
 
     def __post_init__(self) -> None:
         require(self.window_steps >= 3,
@@ -90,18 +126,32 @@ class LossSpikeConfig:
         require(self.z > 0, f"LossSpikeConfig.z must be > 0 (got {self.z}); try 6")
         require(self.min_rel >= 0, f"LossSpikeConfig.min_rel must be >= 0 (got {self.min_rel})")
         require(self.min_abs >= 0, f"LossSpikeConfig.min_abs must be >= 0 (got {self.min_abs})")
-        require(self.sustain_steps >= 1,
-                f"LossSpikeConfig.sustain_steps must be >= 1 (got {self.sustain_steps})")
+        require(0 < self.recover_z <= self.z,
+                f"LossSpikeConfig.recover_z must be in (0, z={self.z}] (got {self.recover_z})")
+        require(0 <= self.recover_rel <= self.min_rel,
+                f"LossSpikeConfig.recover_rel must be in [0, min_rel={self.min_rel}] "
+                f"(got {self.recover_rel})")
         require(self.recover_steps >= 1,
                 f"LossSpikeConfig.recover_steps must be >= 1 (got {self.recover_steps})")
+        require(self.sustain_steps >= 1,
+                f"LossSpikeConfig.sustain_steps must be >= 1 (got {self.sustain_steps})")
+        require(self.recovery_window_steps >= self.sustain_steps,
+                "LossSpikeConfig.recovery_window_steps must be >= sustain_steps="
+                f"{self.sustain_steps} (got {self.recovery_window_steps}): a spike cannot "
+                "have more high steps than the window holds")
+        require(self.rise_steps >= 4,
+                f"LossSpikeConfig.rise_steps must be >= 4 (got {self.rise_steps}); try 10")
+        require(self.rise_factor > 1,
+                f"LossSpikeConfig.rise_factor must be > 1 (got {self.rise_factor}); try 2")
         require(1 <= self.transient_min_steps <= self.sustain_steps,
                 "LossSpikeConfig.transient_min_steps must be in [1, sustain_steps="
                 f"{self.sustain_steps}] (got {self.transient_min_steps})")
 
     @property
     def lookback_steps(self) -> int:
-        """How many of the newest steps the evaluator should pass on each call."""
-        return 2 * self.window_steps + self.sustain_steps + self.recover_steps
+        """How many of the newest steps the evaluator should pass on each call: the window
+        a spike is judged over, with twice the baseline before it."""
+        return 2 * self.window_steps + self.recovery_window_steps + self.recover_steps
 
 
 def samples_from_pairs(losses: Iterable[tuple[int, float | None]],
@@ -207,22 +257,29 @@ class _Spike:
     med: float
     mad: float
     thr: float
+    back: float  # at or below: back near the baseline
     grad_norm_median: float | None
     last_high: _Point
     peak: _Point
-    high_span: int = 1  # points from the start to the last high one
+    high_steps: int = 1  # points above the threshold
     points: int = 1  # points since the start
-    pending: list[_Point] = field(default_factory=list)  # normal points since the last high
+    tail: deque[_Point] = field(default_factory=deque)  # the newest recover_steps points
+    recent: deque[tuple[float, bool]] = field(default_factory=deque)  # newest (loss, high)
+    detected: _Point | None = None  # where it became an incident
+    rule: str | None = None  # which rule made it one: "window" or "rising"
 
     def finding(self, cfg: LossSpikeConfig, recovered_at: _Point | None) -> Finding | None:
-        span = self.high_span if recovered_at is not None else self.points
         p0, peak = self.start, self.peak
         details: dict[str, Any] = {
-            "start_step": p0.step, "last_high_step": self.last_high.step, "steps": span,
+            "start_step": p0.step, "last_high_step": self.last_high.step,
+            "steps": self.high_steps, "high_steps": self.high_steps,
             "peak_loss": peak.loss, "peak_step": peak.step, "start_loss": p0.loss,
             "baseline_median": self.med, "baseline_mad": self.mad, "threshold": self.thr,
+            "back_level": self.back, "recovery_window_steps": cfg.recovery_window_steps,
             "ratio": (peak.loss / self.med) if self.med else None,
             "recovered_at_step": None if recovered_at is None else recovered_at.step,
+            "detected_at_step": None if self.detected is None else self.detected.step,
+            "rule": self.rule,
         }
         if p0.grad_norm is not None:
             details["grad_norm_at_start"] = p0.grad_norm
@@ -231,18 +288,64 @@ class _Spike:
         what = (f"loss {p0.loss:.4g} at step {p0.step} (peak {peak.loss:.4g} at step "
                 f"{peak.step}) vs baseline median {self.med:.4g}, MAD {self.mad:.3g}, "
                 f"threshold {self.thr:.4g}")
-        if span >= cfg.sustain_steps:
+        if self.detected is not None:
             tail = "" if recovered_at is None else f"; came back at step {recovered_at.step}"
-            msg = (f"loss spike: {what}; high for {span} steps without recovering within "
-                   f"{cfg.sustain_steps}{tail}")
+            if self.rule == "rising":
+                why = (f"still rising at step {self.detected.step} (the last {cfg.rise_steps} "
+                       f"steps all high, up x{cfg.rise_factor:g} or more)")
+            else:
+                why = (f"not back to baseline (<= {self.back:.4g}) within "
+                       f"{cfg.recovery_window_steps} steps")
+            msg = f"loss spike: {what}; high for {self.high_steps} steps, {why}{tail}"
             return Finding(kind=LOSS_SPIKE, severity=INCIDENT, message=msg, step=p0.step,
                            started_at=p0.t, details=details)
-        if recovered_at is None or span < cfg.transient_min_steps:
-            return None  # still open and short, or a single outlier
-        msg = (f"transient loss spike: {what}; recovered after {span} steps at step "
-               f"{recovered_at.step}")
+        if recovered_at is None or self.high_steps < cfg.transient_min_steps:
+            return None  # still open and not yet judged, or a single outlier
+        msg = (f"transient loss spike: {what}; high for {self.high_steps} steps, back at step "
+               f"{recovered_at.step} by itself")
         return Finding(kind=LOSS_SPIKE_TRANSIENT, severity=EVENT, message=msg, step=p0.step,
                        started_at=p0.t, details=details)
+
+    def add(self, p: _Point, cfg: LossSpikeConfig) -> _Point | None:
+        """One more point; returns where the spike was back once it is over, else None."""
+        self.points += 1
+        high = p.loss > self.thr
+        if high:
+            self.high_steps += 1
+            self.last_high = p
+            if p.loss > self.peak.loss:
+                self.peak = p
+        self.recent.append((p.loss, high))
+        if len(self.recent) > cfg.rise_steps:
+            self.recent.popleft()
+        self.tail.append(p)
+        if len(self.tail) > cfg.recover_steps:
+            self.tail.popleft()
+        # Back from the tail's first step, or the first one after a high step in it.
+        since = next((i + 1 for i in range(len(self.tail) - 1, -1, -1)
+                      if self.tail[i].loss > self.thr), 0)
+        if (since < len(self.tail) and len(self.tail) == cfg.recover_steps
+                and median(q.loss for q in self.tail) <= self.back):
+            return self.tail[since]
+        if self.detected is None:
+            if self._rising(cfg):
+                self.detected, self.rule = p, "rising"
+            elif self.high_steps >= cfg.sustain_steps:
+                # The earliest step it could still turn out to be back at: where the next
+                # tail starts, and after the newest high step.
+                nxt = self.tail[1].step if len(self.tail) > 1 else p.step + 1
+                earliest = max(nxt, self.last_high.step + 1)
+                if earliest - self.start.step > cfg.recovery_window_steps:
+                    self.detected, self.rule = p, "window"
+        return None
+
+    def _rising(self, cfg: LossSpikeConfig) -> bool:
+        if len(self.recent) < cfg.rise_steps or not all(h for _, h in self.recent):
+            return False
+        xs = [x for x, _ in self.recent]
+        half = len(xs) // 2
+        older, newer = median(xs[:half]), median(xs[-half:])
+        return newer >= cfg.rise_factor * older
 
 
 class LossSpikeTracker:
@@ -265,13 +368,24 @@ class LossSpikeTracker:
     def feed(self, samples: Iterable[LossSample]) -> list[Finding]:
         new = [x for x in samples if self.last_step is None or x.step > self.last_step]
         if new:
-            nf = detect_nonfinite(new)
-            if nf is not None and self._nonfinite is None:
-                self._nonfinite = nf
+            nf = detect_nonfinite(new) if self._nonfinite is None else None
             for p in _merge(new):
+                if nf is not None and nf.step is not None and p.step >= nf.step:
+                    self._set_nonfinite(nf)
+                    nf = None
                 self._add(p)
+            if nf is not None:
+                self._set_nonfinite(nf)
             self.last_step = max(x.step for x in new)
         return self.findings()
+
+    def _set_nonfinite(self, nf: Finding) -> None:
+        """Record the first non-finite step, with the start of the spike open before it (a
+        loss that climbed to NaN started going wrong there)."""
+        if self._spike is not None:
+            nf = dataclasses.replace(nf, details={**nf.details,
+                                                  "start_step": self._spike.start.step})
+        self._nonfinite = nf
 
     def findings(self) -> list[Finding]:
         out = [self._nonfinite] if self._nonfinite is not None else []
@@ -293,25 +407,25 @@ class LossSpikeTracker:
                 med, m, thr = self._base.stats(cfg)
                 if p.loss > thr:
                     gm = median(self._grads) if self._grads else None
-                    self._spike = _Spike(start=p, med=med, mad=m, thr=thr, grad_norm_median=gm,
-                                         last_high=p, peak=p)
+                    back = med + max(cfg.recover_z * MAD_TO_SIGMA * m * _MEDIAN_SE
+                                     / math.sqrt(cfg.recover_steps),
+                                     cfg.recover_rel * abs(med), cfg.min_abs)
+                    self._spike = _Spike(start=p, med=med, mad=m, thr=thr, back=back,
+                                         grad_norm_median=gm, last_high=p, peak=p,
+                                         recent=deque([(p.loss, True)]), tail=deque([p]))
                     return
             self._base.add(p.loss)
             if p.grad_norm is not None:
                 self._grads.append(p.grad_norm)
             return
-        sp.points += 1
-        if p.loss > sp.thr:
-            sp.last_high, sp.high_span, sp.pending = p, sp.points, []
-            if p.loss > sp.peak.loss:
-                sp.peak = p
-            return
-        sp.pending.append(p)
-        if len(sp.pending) >= cfg.recover_steps:  # recovered at the first of these
-            f = sp.finding(cfg, recovered_at=sp.pending[0])
+        recovered_at = sp.add(p, cfg)
+        if recovered_at is not None:
+            f = sp.finding(cfg, recovered_at=recovered_at)
             if f is not None:
                 self._closed.append(f)
-            for q in sp.pending:
+            for q in sp.tail:  # the steps it was back at are normal again
+                if q.step < recovered_at.step:
+                    continue
                 self._base.add(q.loss)
                 if q.grad_norm is not None:
                     self._grads.append(q.grad_norm)

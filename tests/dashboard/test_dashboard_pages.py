@@ -34,6 +34,9 @@ def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluato
         rec.open_incident(conn, run_id=r["id"], kind="loss_spike",
                            cause="loss 3.1x the baseline for 7 steps", attempt=0,
                            opened_at=T0 + 37, details={"start_step": 30, "step": 36})
+        rec.insert_event(conn, run_id=r["id"], attempt=0, t=T0 + 20, step=12,
+                          name="loss_spike_transient", message="transient loss spike",
+                          details={"start_step": 12, "recovered_at_step": 15})
 
 
 def test_runs_list_and_run_page(client: TestClient, db: Database, clock: FakeClock,
@@ -86,6 +89,10 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
     feed = client.get("/dashboard/api/runs/alpha/series", headers=OPERATOR).json()
     kinds = {(m["type"], m["from"], m["to"]) for m in feed["markers"]}
     assert ("spike", 30, 36) in kinds and ("restart", 40, 40) in kinds
+    # A spike that came back by itself is shaded too, told apart from the incidents.
+    (transient,) = [m for m in feed["markers"] if m["kind"] == "loss_spike_transient"]
+    assert (transient["from"], transient["to"]) == (12, 15)
+    assert "no rollback" in transient["label"]
     ranks = feed["ranks"]
     assert ranks["attempt"] == 1 and ranks["steps"] == list(range(40, 52))
     assert ranks["series"][0]["rank"] == 2 and ranks["series"][0]["score"] < 0.75

@@ -5,6 +5,7 @@ stops the run."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.detect import LossSpikeConfig
+from supervisor.policy import PolicyConfig
 from tests.e2e.system import OPERATOR_TOKEN, REPO, Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
 
@@ -25,10 +28,10 @@ LR = 2e-3
 # and the default retention (keep 3): the checkpoint before a spike falls out of the newest
 # three before detection has run; the retention grace keeps it until the supervisor pins it.
 TRAIN = ["--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50", "--lr", str(LR)]
-# Rollback defaults scaled for a 600-step run: LR x0.5 for 30 steps, back over 20.
-SUPERVISOR_ENV = {"TRAINWARDEN_ROLLBACK_LR_STEPS": "30",
-                  "TRAINWARDEN_ROLLBACK_LR_RAMP_STEPS": "20",
-                  "TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}
+# The rollback settings a user gets; only the restart backoff is shortened.
+SUPERVISOR_ENV = {"TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}
+WINDOW = LossSpikeConfig().recovery_window_steps
+LR_RATIO = PolicyConfig().rollback_lr_ratio
 
 
 @pytest.fixture(scope="module")
@@ -60,50 +63,75 @@ def finish(agent: Agent, timeout: float = 300) -> None:
         agent.stop()
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+    """The clean run's held-out loss after 400 and after 600 steps (one 600-step run: the
+    LR is constant, so its weights at step 400 are a 400-step run's final weights)."""
+    work = tmp_path_factory.mktemp("clean")
+    run = run_example("train_ddp.py", work, "--steps", "600", "--eval-at", "400", *TRAIN,
+                      "--checkpoint-dir", str(work / "ck"))
+    assert run.summary, run.output[-2000:]
+    return {400: run.summary["eval_at"]["400"], 600: run.summary["final_eval_loss"]}
+
+
+@pytest.mark.parametrize(("steps", "at", "target"), [(400, 200, 0.05), (600, 300, 0.02)])
 def test_spike_is_rolled_back_skipped_and_the_run_ends_as_well_as_a_clean_one(
-        supervisor: Supervisor, tmp_path: Path) -> None:
-    steps = ["--steps", "600"]
-    clean_dir, plain_dir, tw_dir = (tmp_path / d for d in ("clean", "plain", "tw"))
-    for d in (clean_dir, plain_dir):
-        d.mkdir()
-    clean = run_example("train_ddp.py", clean_dir, *steps, *TRAIN,
-                        "--checkpoint-dir", str(clean_dir / "ck"))
-    plain = run_example("train_ddp.py", plain_dir, *steps, *TRAIN, "--inject", "spike@300",
+        supervisor: Supervisor, clean: dict[str, float], tmp_path: Path, steps: int, at: int,
+        target: float) -> None:
+    """20 corrupted batches in the middle of the run, the default settings: the spike is
+    called once it has not come back within the recovery window, the run rolls back to the
+    checkpoint before it, skips what was seen (from a few batches before the spike through
+    where it was detected) and lowers the LR for a quarter as many steps."""
+    length = ["--steps", str(steps)]
+    plain_dir, tw_dir = tmp_path / "plain", tmp_path / "tw"
+    plain_dir.mkdir()
+    plain = run_example("train_ddp.py", plain_dir, *length, *TRAIN, "--inject", f"spike@{at}",
                         "--checkpoint-dir", str(plain_dir / "ck"), max_restarts=3)
-    agent = under_trainwarden(supervisor, tw_dir, "spike", *steps, "--inject", "spike@300")
+    name = f"spike{steps}"
+    agent = under_trainwarden(supervisor, tw_dir, name, *length, "--inject", f"spike@{at}")
     finish(agent)
-    assert clean.summary and plain.summary, (clean.output[-2000:], plain.output[-2000:])
-    run = ended(supervisor, "spike")
+    assert plain.summary, plain.output[-2000:]
+    run = ended(supervisor, name)
     assert run["status"] == "completed" and run["restarts"] == 1, run
-    (inc,) = supervisor.get("/runs/spike/incidents")["incidents"]
-    assert inc["kind"] == "loss_spike" and inc["step"] == 300, inc
-    (act,) = supervisor.get("/runs/spike/actions")["actions"]
+    (inc,) = supervisor.get(f"/runs/{name}/incidents")["incidents"]
+    assert inc["kind"] == "loss_spike" and inc["step"] == at, inc
+    detected = inc["details"]["detected_at_step"]
+    assert at < detected <= at + WINDOW + 10, inc  # caught within the window + 10 steps
+    (act,) = supervisor.get(f"/runs/{name}/actions")["actions"]
     assert act["cause"] == "spike" and act["status"] == "resumed"
-    assert act["plan"]["checkpoint"].endswith("step_250")  # newest <= 300 - 10
-    assert act["resumed_step"] == 250  # it was still there: kept, then pinned
-    assert act["plan"]["skip"] == [[290, 389]]
-    assert act["plan"]["lr"] == {"scale": 0.5, "steps": 30, "ramp_steps": 20}
+    back_to = at - 50  # the newest checkpoint <= at - 10
+    assert act["plan"]["checkpoint"].endswith(f"step_{back_to}")
+    assert act["resumed_step"] == back_to  # it was still there: kept, then pinned
+    # Skipped: from 10 batches before the spike through the batch of its detection.
+    assert act["plan"]["skip"] == [[at - 10, detected]]
+    skipped = detected - (at - 10) + 1
+    lr_steps = math.ceil(LR_RATIO * skipped)
+    assert act["plan"]["lr"] == {"scale": 0.5, "steps": lr_steps, "ramp_steps": lr_steps // 2}
     summary = json.loads((tw_dir / "summary.json").read_text())
 
     for rank, rows in read_batch_logs(tw_dir / "batches").items():
         hist = effective_history(rows)
         trained = set(hist.values())
-        # The corrupted batches 300-319 are never in the final weights' history...
-        assert not trained & set(range(300, 320)), rank
+        # The corrupted batches are never in the final weights' history...
+        assert not trained & set(range(at, at + 20)), rank
         # ...nor anything else of the skip range; every other batch once, in order.
-        after = [hist[s] for s in range(250, 600)]
-        assert after == list(range(250, 290)) + list(range(390, 700)), rank
-        # The LR after the rollback: x0.5 for 30 steps, then a linear ramp back over 20.
+        after = [hist[s] for s in range(back_to, steps)]
+        assert after == (list(range(back_to, at - 10))
+                         + list(range(detected + 1, detected + 1 + steps - (at - 10)))), rank
+        # The LR after the rollback: x0.5 for lr_steps, then a linear ramp back.
         lrs = {s: lr for a, s, _, lr in rows if a == "1.0"}
-        assert lrs[250] == pytest.approx(LR * 0.5) and lrs[279] == pytest.approx(LR * 0.5)
-        assert lrs[280] == pytest.approx(LR * (0.5 + 0.5 / 20))
-        assert lrs[299] == pytest.approx(LR) and lrs[599] == pytest.approx(LR)
+        ramp = lr_steps // 2
+        assert lrs[back_to] == pytest.approx(LR * 0.5)
+        assert lrs[back_to + lr_steps - 1] == pytest.approx(LR * 0.5)
+        assert lrs[back_to + lr_steps] == pytest.approx(LR * (0.5 + 0.5 / ramp))
+        assert lrs[back_to + lr_steps + ramp - 1] == pytest.approx(LR)
+        assert lrs[steps - 1] == pytest.approx(LR)
 
-    c, p, t = (s["final_eval_loss"] for s in (clean.summary, plain.summary, summary))
-    print(f"\nfinal eval loss: clean {c:.4f}, trainwarden after the spike {t:.4f} "
-          f"({(t / c - 1) * 100:+.1f}%), plain torchrun --max-restarts=3 {p:.4f} "
+    c, p, t = clean[steps], plain.summary["final_eval_loss"], summary["final_eval_loss"]
+    print(f"\n{steps} steps, spike at {at}: final eval loss: clean {c:.4f}, trainwarden "
+          f"{t:.4f} ({(t / c - 1) * 100:+.1f}%), plain torchrun --max-restarts=3 {p:.4f} "
           f"({(p / c - 1) * 100:+.1f}%)")
-    assert abs(t / c - 1) <= 0.05, (c, t)
+    assert t / c - 1 <= target, (c, t)
     assert p > 3 * c, (c, p)  # plain torchrun does not notice: the run stays damaged
 
 
@@ -118,14 +146,13 @@ def test_nan_is_rolled_back_and_the_run_ends_finite(supervisor: Supervisor,
     assert inc["kind"] == "nonfinite" and inc["step"] == 220
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_eval_loss"] < 1.0  # finite and trained
-    assert summary["skipped"] == [[210, 309]]
+    assert summary["skipped"] == [[210, 220]]  # a few batches before the NaN, through it
 
 
 def test_spike_that_keeps_coming_back_spends_the_budget_and_stops_the_run(
         tmp_path: Path) -> None:
     sup = Supervisor(tmp_path / "sup", env={**SUPERVISOR_ENV,
-                                            "TRAINWARDEN_ROLLBACK_BUDGET": "2",
-                                            "TRAINWARDEN_ROLLBACK_SKIP_BATCHES": "40"}).start()
+                                            "TRAINWARDEN_ROLLBACK_BUDGET": "2"}).start()
     try:
         # Every batch from 200 on is corrupt: no skip range can get past it.
         agent = under_trainwarden(sup, tmp_path, "doomed", "--steps", "600",

@@ -74,3 +74,34 @@ def test_bad_config_file(tmp_path: Path) -> None:
 def test_insecure_loopback_ok() -> None:
     s = SupervisorSettings(insecure_no_auth=True)
     assert s.agent_token_hash is None and s.operator_token_hash is None
+
+
+def test_spike_and_rollback_settings_reach_the_detector_and_the_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from supervisor.app import create_app
+
+    env = {"SPIKE_RECOVERY_WINDOW_STEPS": "80", "SPIKE_SUSTAIN_STEPS": "12",
+           "ROLLBACK_BUDGET": "5", "ROLLBACK_MARGIN_STEPS": "20",
+           "ROLLBACK_SKIP_BEFORE": "4", "ROLLBACK_SKIP_AFTER": "6",
+           "ROLLBACK_SKIP_BATCHES": "300", "ROLLBACK_LR_SCALE": "0.3",
+           "ROLLBACK_LR_RATIO": "0.5", "ROLLBACK_LR_STEPS": "70",
+           "ROLLBACK_LR_RAMP_STEPS": "35"}
+    for k, v in env.items():
+        monkeypatch.setenv(f"TRAINWARDEN_{k}", v)
+    s = load_settings(data_dir=str(tmp_path), **TOKENS)
+    ev = create_app(s, upgrade_schema=False, start_evaluator=False).state.evaluator
+    loss, pol = ev.detection.loss, ev.cfg
+    assert (loss.recovery_window_steps, loss.sustain_steps) == (80, 12)
+    assert (pol.rollback_budget, pol.rollback_margin_steps, pol.rollback_skip_before,
+            pol.rollback_skip_after, pol.rollback_skip_batches) == (5, 20, 4, 6, 300)
+    assert (pol.rollback_lr_scale, pol.rollback_lr_ratio, pol.rollback_lr_steps,
+            pol.rollback_lr_ramp_steps) == (0.3, 0.5, 70, 35)
+
+
+def test_rollback_defaults_size_the_skip_and_the_lr_from_what_was_seen(tmp_path: Path) -> None:
+    s = load_settings(data_dir=str(tmp_path), **TOKENS)
+    assert (s.rollback_skip_batches, s.rollback_lr_steps, s.rollback_lr_ramp_steps) == (
+        None, None, None)
+    assert (s.spike_recovery_window_steps, s.rollback_lr_ratio) == (50, 0.25)
+    with pytest.raises(ValueError, match=r"spike_recovery_window_steps \(5\) is below"):
+        load_settings(spike_recovery_window_steps=5, **TOKENS)

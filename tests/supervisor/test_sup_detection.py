@@ -235,9 +235,14 @@ def test_straggler_is_named_and_resolved_when_it_recovers(
 def test_loss_spike_that_stays_is_one_incident_with_its_start_step(
         client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
     run = Run(client, clock, evaluator)
-    run.train(120, loss=lambda s: 1.0 if s < 100 else 40.0)
+    run.train(150, loss=lambda s: 1.0 if s < 100 else 40.0)
+    # It is not called before it has failed to come back within the recovery window...
+    assert get(client, "/incidents")["incidents"] == []
+    run.train(10, loss=lambda s: 40.0)
     (inc,) = get(client, "/incidents")["incidents"]
     assert inc["kind"] == "loss_spike" and inc["step"] == 100 and inc["status"] == "open"
+    # ...and then named where it started and where it was seen not to come back.
+    assert inc["details"]["detected_at_step"] == 150
 
 
 def test_transient_spike_is_an_event_and_nan_an_incident_at_once(

@@ -26,9 +26,14 @@ CFG = policy.PolicyConfig(rollback_budget=2, rollback_margin_steps=10, rollback_
 RUN = policy.RunFacts(id=1, name="r", status="running", attempt=0, restarts=0)
 
 
-def spike(step: int = 120, kind: str = "loss_spike", attempt: int = 0) -> policy.FindingFacts:
+# What a user gets: the skip and the LR reduction sized from what was observed.
+DEFAULT = policy.PolicyConfig(rollback_budget=2)
+
+
+def spike(step: int = 120, kind: str = "loss_spike", attempt: int = 0, **details: Any
+          ) -> policy.FindingFacts:
     return policy.FindingFacts(kind=kind, severity="incident", message="loss spike",
-                               attempt=attempt, step=step)
+                               attempt=attempt, step=step, details=details)
 
 
 def rec(done: int = 0, **kw: Any) -> policy.RecoveryFacts:
@@ -40,15 +45,62 @@ def rec(done: int = 0, **kw: Any) -> policy.RecoveryFacts:
     return policy.RecoveryFacts(**base)
 
 
-def decide(f: policy.FindingFacts, r: policy.RecoveryFacts, run: policy.RunFacts = RUN
-           ) -> Any:
+def decide(f: policy.FindingFacts, r: policy.RecoveryFacts, run: policy.RunFacts = RUN,
+           cfg: policy.PolicyConfig = CFG) -> Any:
     return policy.on_finding(run, f, incident_kinds_this_attempt=frozenset(),
-                             open_watch=frozenset(), checkpoint="/ck/step_125", cfg=CFG,
+                             open_watch=frozenset(), checkpoint="/ck/step_125", cfg=cfg,
                              now=10.0, recovery=r)
 
 
-def test_spike_rolls_back_before_it_skips_around_it_and_lowers_the_lr() -> None:
-    d = decide(spike(120), rec())
+def test_default_skip_runs_from_before_the_spike_through_where_it_was_detected() -> None:
+    # Started at 120, not back within the window: detected at 170.  Batches 110-170 were
+    # seen bad (and a few before); the LR is lowered for a quarter of that, back over half.
+    d = decide(spike(120, detected_at_step=170), rec(batch_index={100: 100, 120: 120, 170: 170}),
+               cfg=DEFAULT)
+    assert isinstance(d, policy.Restart) and d.rollback_to_step == 100
+    assert d.skip == ((110, 170),)
+    assert d.lr is not None and (d.lr.scale, d.lr.steps, d.lr.ramp_steps) == (0.5, 16, 8)
+    assert "detected at step 170" in d.reason and "skip batches 110-170" in d.reason
+
+
+def test_default_skip_and_lr_steps_grow_when_the_spike_comes_back() -> None:
+    d = decide(spike(120, attempt=1, detected_at_step=170),
+               rec(done=1, batch_index={100: 100, 120: 120, 170: 170}),
+               RUN.__class__(1, "r", "running", 1, 1), cfg=DEFAULT)
+    assert isinstance(d, policy.Restart)
+    assert d.skip == ((110, 231),)  # twice the 61 batches
+    assert d.lr is not None and (d.lr.scale, d.lr.steps, d.lr.ramp_steps) == (0.25, 31, 15)
+
+
+def test_default_skip_follows_batch_indices_to_the_detection_point() -> None:
+    # A skip range between the spike and its detection: the batch trained at 170 is 260.
+    d = decide(spike(120, detected_at_step=170),
+               rec(batch_index={100: 140, 120: 160, 170: 260}), cfg=DEFAULT)
+    assert isinstance(d, policy.Restart) and d.skip == ((150, 260),)
+
+
+def test_default_nan_skips_the_nan_batch_and_a_few_before() -> None:
+    d = decide(spike(120, kind="nonfinite"), rec(), cfg=DEFAULT)
+    assert isinstance(d, policy.Restart) and d.skip == ((110, 120),)
+    assert d.lr is not None and (d.lr.steps, d.lr.ramp_steps) == (3, 1)
+
+
+def test_default_nan_after_a_climb_skips_from_where_the_climb_started() -> None:
+    d = decide(spike(120, kind="nonfinite", start_step=112),
+               rec(batch_index={100: 100, 112: 112, 120: 120}), cfg=DEFAULT)
+    assert isinstance(d, policy.Restart) and d.rollback_to_step == 100  # <= 112 - 10
+    assert d.skip == ((102, 120),)
+
+
+def test_rollback_settings_are_validated_with_the_fix_named() -> None:
+    with pytest.raises(ValueError, match="rollback_skip_batches must be >= 1, or unset"):
+        policy.PolicyConfig(rollback_skip_batches=0)
+    with pytest.raises(ValueError, match="rollback_lr_ratio must be >= 0"):
+        policy.PolicyConfig(rollback_lr_ratio=-1)
+
+
+def test_fixed_skip_and_lr_settings_apply_as_set() -> None:
+    d = decide(spike(120, detected_at_step=170), rec())
     assert isinstance(d, policy.Restart) and d.cause == "spike"
     assert d.checkpoint == "/ck/step_100" and d.rollback_to_step == 100  # <= 120 - 10
     assert d.skip == ((115, 154),)  # from 5 before the spike's batch, 40 batches
@@ -59,13 +111,13 @@ def test_spike_rolls_back_before_it_skips_around_it_and_lowers_the_lr() -> None:
     assert "roll back to step 100" in d.reason
 
 
-def test_skip_follows_batch_indices_not_steps() -> None:
+def test_fixed_skip_follows_batch_indices_not_steps() -> None:
     # Steps and batch indices differ once batches were skipped before.
     d = decide(spike(120), rec(batch_index={100: 140, 120: 160}))
     assert isinstance(d, policy.Restart) and d.skip == ((155, 194),)
 
 
-def test_recurring_spike_widens_the_skip_and_lowers_the_lr_further_then_stops() -> None:
+def test_recurring_spike_widens_a_fixed_skip_and_lowers_the_lr_further_then_stops() -> None:
     d = decide(spike(120, attempt=1), rec(done=1), RUN.__class__(1, "r", "running", 1, 1))
     assert isinstance(d, policy.Restart)
     assert d.skip == ((115, 194),) and d.lr is not None and d.lr.scale == 0.25

@@ -109,7 +109,9 @@
             var x0 = u.valToPos(Math.max(m.from, min), "x", true);
             var x1 = u.valToPos(Math.min(m.to, max), "x", true);
             if (m.type === "spike") {
-              ctx.fillStyle = m.kind === "nonfinite" ? "rgba(220,38,38,0.18)" : "rgba(245,158,11,0.25)";
+              ctx.fillStyle = m.kind === "nonfinite" ? "rgba(220,38,38,0.18)"
+                : m.kind === "loss_spike_transient" ? "rgba(148,163,184,0.22)"
+                : "rgba(245,158,11,0.25)";
               ctx.fillRect(x0 - dpr, u.bbox.top, Math.max(x1 - x0, 0) + 2 * dpr, u.bbox.height);
             } else {
               ctx.strokeStyle = "#7c3aed";
