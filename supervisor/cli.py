@@ -1,4 +1,5 @@
-"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``agent ...``.
+"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``settings``,
+``agent ...`` and the API clients (``runs``, ``incidents``, ...).
 
 Imports are lazy: ``trainwarden agent`` runs on GPU nodes and must not pull in FastAPI or
 SQLAlchemy; only the chosen subcommand imports what it needs.
@@ -12,35 +13,40 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _add_db_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", dest="db_url", help="database URL (default: SQLite in --data-dir)")
+def _add_setting_args(p: argparse.ArgumentParser, sections: tuple[str, ...] | None,
+                      with_settings: bool) -> None:
+    """``--config`` and a flag for every setting (of ``sections``).  The flags come from the
+    settings model, which imports the server stack: only built for the subcommand that runs."""
     p.add_argument("--config", help="TOML or JSON config file (or TRAINWARDEN_CONFIG)")
-    p.add_argument("--data-dir", type=str, help="data directory (default ./trainwarden-data)")
+    if with_settings:
+        from supervisor.config import add_flags
+        from supervisor.settings_reference import describe
+
+        add_flags(p, sections, describe)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
+    """The parser; ``with_settings``: with a flag for every setting on ``supervisor`` and
+    ``db`` (see ``_add_setting_args``)."""
     parser = argparse.ArgumentParser(
         prog="trainwarden", description="Fault-tolerant supervisor for distributed training."
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("supervisor", help="run the central supervisor (HTTP API)")
-    _add_db_args(sp)
-    sp.add_argument("--host", help="listen address (default 127.0.0.1)")
-    sp.add_argument("--port", type=int, help="listen port (default 8765; 0: any free port)")
-    sp.add_argument("--public-reads", action="store_true", default=None,
-                    help="allow reads without a token")
-    sp.add_argument("--insecure-no-auth", action="store_true", default=None,
-                    help="no tokens at all (loopback host only)")
-    sp.add_argument("--restart-budget", type=int)
-    sp.add_argument("--log-level", help="uvicorn log level (default info)")
+    _add_setting_args(sp, None, with_settings)
     sp.add_argument("--port-file", help="write the bound port to this file once listening")
 
     dp = sub.add_parser("db", help="database schema")
     dsub = dp.add_subparsers(dest="db_cmd", required=True)
     for name, help_ in (("upgrade", "upgrade the schema to the newest revision"),
                         ("current", "print the database's revision")):
-        _add_db_args(dsub.add_parser(name, help=help_))
+        _add_setting_args(dsub.add_parser(name, help=help_), ("db",), with_settings)
+
+    rp = sub.add_parser("settings", help="print every supervisor setting: flag, environment "
+                                         "variable, default, meaning")
+    rp.add_argument("--markdown", action="store_true", default=True,
+                    help="as a Markdown table (the only format)")
 
     from supervisor import client
 
@@ -51,12 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Any:
+def _settings(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
-    from supervisor.config import load_settings
+    from supervisor.config import flag_values, load_settings
 
-    fields = {"db_url": args.db_url, "data_dir": args.data_dir, **extra}
+    fields: dict[str, Any] = dict(flag_values(args))
     try:
         # The db commands never authenticate anyone: they need no tokens.
         if args.cmd == "db":
@@ -71,11 +77,7 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _cmd_supervisor(args: argparse.Namespace) -> int:
-    settings = _settings(
-        args, host=args.host, port=args.port, public_reads=args.public_reads,
-        insecure_no_auth=args.insecure_no_auth, restart_budget=args.restart_budget,
-        log_level=args.log_level,
-    )
+    settings = _settings(args)
     from supervisor import serve
 
     return serve.serve(settings, port_file=args.port_file)
@@ -85,7 +87,7 @@ def _cmd_db(args: argparse.Namespace) -> int:
     settings = _settings(args)
     from supervisor import migrate
 
-    url = settings.database_url
+    url = settings.db.database_url
     if args.db_cmd == "upgrade":
         migrate.upgrade(url)
         print(f"schema at {migrate.current(url)} (head {migrate.head()})")
@@ -115,11 +117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The agent parses its own arguments (its own parser, its own --help).
     if argv and argv[0] == "agent":
         return _cmd_agent(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser(with_settings=bool(argv) and argv[0] in ("supervisor", "db")
+                        ).parse_args(argv)
     if args.cmd == "supervisor":
         return _cmd_supervisor(args)
     if args.cmd == "db":
         return _cmd_db(args)
+    if args.cmd == "settings":
+        from supervisor.settings_reference import markdown
+
+        print(markdown(), end="")
+        return 0
     from supervisor import client
 
     if args.cmd in client.COMMANDS:

@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 from supervisor.api.deps import ReadAuth
 from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind, RestartCause
 from supervisor.evaluator import Clock
+from supervisor.policy import PolicyConfig
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection, Database
@@ -244,8 +245,8 @@ class _Families:
 class StoreCollector(Collector):
     """Reads the store at scrape time (one read transaction per scrape)."""
 
-    def __init__(self, db: Database, clock: Clock = time.time, *, restart_budget: int = 10,
-                 rollback_budget: int = 3) -> None:
+    def __init__(self, db: Database, clock: Clock = time.time, *, restart_budget: int,
+                 rollback_budget: int) -> None:
         self.db = db
         self.clock = clock
         self.restart_budget = restart_budget
@@ -395,12 +396,13 @@ def route_template(scope: dict[str, Any], root_path: str = "") -> str:
     return fmt
 
 
-def install(app: FastAPI, *, db: Database, clock: Clock, restart_budget: int,
-            rollback_budget: int, prefix: str = "") -> CollectorRegistry:
-    """Add the request middleware and ``GET /metrics`` (read auth) to ``app``."""
+def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: PolicyConfig,
+            prefix: str = "") -> CollectorRegistry:
+    """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the budgets
+    exported are the policy's."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(db, clock, restart_budget=restart_budget,
-                                     rollback_budget=rollback_budget))
+    registry.register(StoreCollector(db, clock, restart_budget=policy_cfg.restart_budget,
+                                     rollback_budget=policy_cfg.rollback_budget))
     app.add_middleware(RequestMetrics, registry=registry)
     router = APIRouter(tags=["metrics"])
 

@@ -32,8 +32,8 @@ from supervisor.enums import FINAL_STATUSES, Actor, IncidentKind, RestartCause, 
 @dataclass(frozen=True)
 class PolicyConfig:
     restart_budget: int = 10  # per cause: crash, hang, node_lost, collective_timeout
-    backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
+    backoff_s: float = 1.0  # the first restart waits this long, each next one twice as long
+    backoff_max_s: float = 60.0  # ... up to this
     # Loss-spike / NaN rollback (PaLM restarted ~100 steps before a spike and skipped
     # ~200-500 batches; these defaults are scaled for short runs, configure for long ones).
     rollback_budget: int = 3  # rollbacks per run before it is stopped
@@ -56,6 +56,13 @@ class PolicyConfig:
             raise ValueError("rollback_skip_batches must be >= 1 and rollback_skip_before >= 0")
         if self.no_progress_restarts < 1:
             raise ValueError("no_progress_restarts must be >= 1")
+        if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_s "
+                             f"({self.backoff_s}) >= 0: raise the maximum or lower the base")
+        if min(self.rollback_margin_steps, self.rollback_lr_steps,
+               self.rollback_lr_ramp_steps) < 0:
+            raise ValueError("rollback_margin_steps, rollback_lr_steps and "
+                             "rollback_lr_ramp_steps must be >= 0")
 
 
 # The cause a restart is counted against (each has its own budget).

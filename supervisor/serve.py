@@ -15,11 +15,12 @@ log = logging.getLogger("trainwarden.supervisor")
 
 
 def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
-    logging.basicConfig(level=settings.log_level.upper(),
+    server_cfg = settings.server
+    logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, access_log=False)
+    config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port,
+                            log_level=server_cfg.log_level, access_log=False)
     server = uvicorn.Server(config)
 
     async def main() -> None:
@@ -28,8 +29,8 @@ def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
             await asyncio.sleep(0.02)
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1]
-            log.info("trainwarden supervisor on http://%s:%s (db %s)", settings.host, port,
-                     settings.database_url.split("@")[-1])
+            log.info("trainwarden supervisor on http://%s:%s (db %s)", server_cfg.host, port,
+                     settings.db.database_url.split("@")[-1])
             if port_file:
                 tmp = Path(port_file + ".tmp")
                 tmp.write_text(str(port))
