@@ -14,7 +14,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent import deadletter
 from agent.core.hang import HangConfig
+from agent.uplink import MAX_5XX_TRIES
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
 
@@ -55,6 +57,11 @@ class AgentConfig:
     # Spool bound (undelivered batches on disk); the oldest go first when it is full.
     spool_max_bytes: int = 256 * 1024 * 1024
     spool_max_batches: int = 20_000
+    # Batches the supervisor refused, kept for a human (``dead-letter/`` in the state dir).
+    dead_letter_max_bytes: int = deadletter.MAX_BYTES
+    dead_letter_max_batches: int = deadletter.MAX_BATCHES
+    # 5xx answers in a row before a batch steps out of line for the newer ones.
+    max_5xx_tries: int = MAX_5XX_TRIES
     # Items per batch: a burst of step reports is split so no request grows unbounded.
     max_items_per_batch: int = 5_000
     # In-memory queue of worker datagrams between two ticks.
@@ -96,6 +103,10 @@ class AgentConfig:
             raise ValueError("the tick interval must not be longer than the batch interval")
         if self.spool_max_bytes <= 0 or self.spool_max_batches <= 0:
             raise ValueError("spool bounds must be > 0")
+        if self.dead_letter_max_bytes <= 0 or self.dead_letter_max_batches <= 0:
+            raise ValueError("dead-letter bounds must be > 0")
+        if self.max_5xx_tries < 1:
+            raise ValueError("max_5xx_tries must be >= 1")
         if self.max_items_per_batch <= 0 or self.queue_max <= 0:
             raise ValueError("batch and queue sizes must be > 0")
         if self.state_dir is None:

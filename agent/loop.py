@@ -32,12 +32,15 @@ from agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, 
 from agent.pins import CheckpointPins
 from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
+from agent.version import version
 from agent.watchdog import HangWatch
 
 log = logging.getLogger(__name__)
 
-AGENT_VERSION = "0.1.0"
+AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
+# Checkpoint directories learned from the workers' reports, kept (newest last) for the pins.
+_MAX_LEARNED_ROOTS = 8
 
 
 class AgentAlreadyRunning(RuntimeError):
@@ -98,6 +101,9 @@ class Agent:
             state_dir=self.state_dir, register_request=self._register_request(),
             spool_max_bytes=config.spool_max_bytes, spool_max_batches=config.spool_max_batches,
             max_items_per_batch=config.max_items_per_batch,
+            max_5xx_tries=config.max_5xx_tries,
+            dead_letter_max_bytes=config.dead_letter_max_bytes,
+            dead_letter_max_batches=config.dead_letter_max_batches,
             http_timeout_s=config.http_timeout_s, transport=transport, clock=clock,
         )
         self.executor = Executor(self.state_dir, self, self._emit, clock)
@@ -107,6 +113,9 @@ class Agent:
         # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
         # directory of the checkpoints the workers report.
         self.checkpoint_root: Path | None = config.checkpoint_root
+        learned = saved.get("checkpoint_roots")
+        self.learned_roots: list[str] = [r for r in learned if isinstance(r, str)] \
+            if isinstance(learned, list) else []
         self.pending: list[dict[str, Any]] = []
         self.urgent = False
         self.state = AgentState.STARTING
@@ -120,7 +129,8 @@ class Agent:
         self._hung_attempt: int | None = None
         pins = saved.get("pins")
         # (an agent of an earlier version saved its restart pins as a plain list)
-        self.pins = CheckpointPins({"restart": pins} if isinstance(pins, list) else pins)
+        self.pins = CheckpointPins({"restart": pins} if isinstance(pins, list) else pins,
+                                   roots=self._pin_roots())
 
     # -- persisted state ---------------------------------------------------------------------
 
@@ -130,7 +140,37 @@ class Agent:
     def _save_state(self) -> None:
         plan = str(self.plan_path) if self.plan_path else None
         pins = self.pins.state() if hasattr(self, "pins") else {}
-        save_json(self.state_path, {"attempt": self._attempt, "plan": plan, "pins": pins})
+        save_json(self.state_path, {"attempt": self._attempt, "plan": plan, "pins": pins,
+                                    "checkpoint_roots": self.learned_roots})
+
+    def _pin_roots(self) -> list[Path]:
+        """Where pins may be written: --checkpoint-root, else the directories of the
+        checkpoints this node's workers reported (never a path the network names)."""
+        if self.cfg.checkpoint_root is not None:
+            return [self.cfg.checkpoint_root]
+        return [Path(r) for r in self.learned_roots]
+
+    def _learn_checkpoint(self, msg: dict[str, Any]) -> None:
+        path = msg.get("path")
+        if not isinstance(path, str) or not path.startswith("/"):
+            return
+        parent = Path(path).parent
+        if self.cfg.checkpoint_root is None:
+            self.checkpoint_root = parent
+        if str(parent) in self.learned_roots[-1:]:
+            return
+        self.learned_roots = [r for r in self.learned_roots if r != str(parent)]
+        self.learned_roots = [*self.learned_roots, str(parent)][-_MAX_LEARNED_ROOTS:]
+        self.pins.roots = self._pin_roots()
+        self._save_state()
+
+    def _report_refused_pins(self) -> None:
+        for path, why in self.pins.take_refused():
+            self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
+                        "name": protocol.EVENT_PIN_REFUSED,
+                        "message": f"refused to pin {path!r}: {why}",
+                        "details": {"path": path, "reason": why,
+                                    "refused": self.pins.refused}})
 
     def _register_request(self) -> protocol.RegisterRequest:
         return {
@@ -161,6 +201,7 @@ class Agent:
         earlier restart is lifted, so pins do not pile up."""
         if self.pins.set("restart", [path], reason):
             self._save_state()
+        self._report_refused_pins()
 
     def _apply_protection(self) -> None:
         """Pin what the supervisor's latest reply says to protect (and only that)."""
@@ -170,6 +211,7 @@ class Agent:
         if self.pins.set("protect", want, "protected by the supervisor (last good checkpoint "
                                           "or the target of a pending restart)"):
             self._save_state()
+        self._report_refused_pins()
 
     def collect_stacks(self, reason: str, command_id: int | None) -> None:
         """Dump every worker's Python stacks and send them as a ``stacks`` event."""
@@ -224,8 +266,8 @@ class Agent:
             self.watch.observe(msg)
             if msg.get("type") == "step" and self.state == AgentState.STARTING:
                 self.state = AgentState.RUNNING
-            elif msg.get("type") == "checkpoint" and self.cfg.checkpoint_root is None:
-                self.checkpoint_root = Path(msg["path"]).parent
+            elif msg.get("type") == "checkpoint":
+                self._learn_checkpoint(msg)
         if self.launcher.stopping:
             self.launcher.stop_step()
         self._check_exit()

@@ -88,6 +88,12 @@ EVENT_FLOPS_DECLARED = "flops_declared"
 # Sent by the agent:
 EVENT_STACKS = "stacks"  # details: {"stacks": {rank: text}, "reason", "command_id"}
 EVENT_LOCAL_HANG = "hang_detected_locally"  # the agent's watchdog acted, supervisor away
+# A batch the supervisor refused (4xx) or kept failing on (5xx) was set aside by the agent;
+# details: {seq, status, reason, items, count (set aside so far), dropped, path}
+EVENT_BATCH_DEAD_LETTERED = "batch_dead_lettered"
+# The agent refused to pin a checkpoint path outside this node's checkpoint root(s);
+# details: {path, reason}
+EVENT_PIN_REFUSED = "checkpoint_pin_refused"
 
 
 class WorkerEvent(TypedDict, total=False):

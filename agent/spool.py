@@ -19,13 +19,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from agent.deadletter import DeadLetters
+
 log = logging.getLogger(__name__)
 
 
 class Spool:
-    def __init__(self, directory: Path, *, max_bytes: int, max_batches: int) -> None:
+    def __init__(self, directory: Path, *, max_bytes: int, max_batches: int,
+                 dead_letters: DeadLetters | None = None) -> None:
         self.dir = directory
-        self.rejected_dir = directory.parent / "rejected"
+        # Where refused or unreadable batches go (``set_aside``).
+        self.dead = dead_letters or DeadLetters(directory.parent / "dead-letter")
         self.max_bytes = max_bytes
         self.max_batches = max_batches
         self.dropped_items = 0  # by the bound, in this incarnation (the caller persists totals)
@@ -61,21 +65,35 @@ class Spool:
         with self._lock:
             return sorted(self._index)
 
-    def oldest(self) -> tuple[int, dict[str, Any]] | None:
-        """The oldest batch, marked in flight until ``remove``/``reject``/``release``."""
+    def oldest(self, *, skip: int | None = None) -> tuple[int, dict[str, Any]] | None:
+        """The oldest batch (other than ``skip``), marked in flight until
+        ``remove``/``set_aside``/``release``."""
         while True:
             with self._lock:
-                if not self._index:
+                seqs = [s for s in self._index if s != skip]
+                if not seqs:
                     return None
-                seq = min(self._index)
-                path = self._index[seq][0]
-                self.in_flight = seq
-            try:
-                return seq, json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                # Unreadable (disk trouble, truncated): it cannot be sent, so set it aside.
-                log.error("spooled batch %s is unreadable (%s): moved to rejected/", path, e)
-                self.reject(seq)
+                seq = min(seqs)
+            entry = self.get(seq)
+            if entry is not None:
+                return entry
+
+    def get(self, seq: int) -> tuple[int, dict[str, Any]] | None:
+        """Batch ``seq`` marked in flight, or None when it is gone (dropped by the bound) or
+        unreadable (then it is set aside)."""
+        with self._lock:
+            if seq not in self._index:
+                return None
+            path = self._index[seq][0]
+            self.in_flight = seq
+        try:
+            return seq, json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            # Unreadable (disk trouble, truncated): it cannot be sent, so set it aside.
+            log.error("spooled batch %s is unreadable (%s): set aside in %s", path, e,
+                      self.dead.dir)
+            self.set_aside(seq, f"unreadable spool file: {e}")
+            return None
 
     # -- changes -----------------------------------------------------------------------------
 
@@ -120,24 +138,16 @@ class Spool:
             if self.in_flight == seq:
                 self.in_flight = None
 
-    def reject(self, seq: int, reason: str = "") -> Path | None:
-        """Set a batch the supervisor refused aside in ``rejected/`` (kept for a human)."""
+    def set_aside(self, seq: int, reply: str) -> Path | None:
+        """Move a batch that can never be delivered into the dead-letter store, with
+        ``reply`` (the supervisor's answer, or why) beside it; returns where it went."""
         with self._lock:
             entry = self._index.pop(seq, None)
             if self.in_flight == seq:
                 self.in_flight = None
         if entry is None:
             return None
-        self.rejected_dir.mkdir(parents=True, exist_ok=True)
-        dest = self.rejected_dir / entry[0].name
-        try:
-            os.replace(entry[0], dest)
-            if reason:
-                dest.with_suffix(".reason.txt").write_text(reason)
-        except OSError as e:
-            log.error("could not move rejected batch %s aside: %s", entry[0], e)
-            entry[0].unlink(missing_ok=True)
-        return dest
+        return self.dead.put(entry[0], reply)
 
     def renumber(self, first_seq: int) -> int:
         """Shift every batch so the oldest gets ``first_seq``, order kept; returns the shift.

@@ -5,15 +5,27 @@ thread (or, in tests, explicit ``pump`` calls) registers, then posts the spooled
 first.  Outcomes per batch:
 
 - 2xx: delivered; the reply's commands are queued for the executor.
-- connection error, timeout, 5xx, 401/403 (token trouble is not the batch's fault), 429: the
-  batch stays first in line and the sender backs off (0.5 s doubling to 10 s).
+- connection error, timeout, 502/503/504 (the supervisor or its proxy is down or full),
+  401/403 (token trouble is not the batch's fault), 408, 429: the batch stays first in line
+  and the sender backs off (0.5 s doubling to 10 s).  Nothing is set aside for these: a wrong
+  token or an outage must not throw away the run's data.
 - 404: the supervisor does not know this agent (its database was reset): register again.
-- any other 4xx: the batch itself is bad; it is logged loudly, moved to ``rejected/`` and the
-  queue moves on, so one bad batch never wedges the spool.
+- any other 4xx: final, the batch itself is bad.  It is set aside in the dead-letter store
+  (``dead-letter/``, with the reply) and the queue moves on.
+- any other 5xx: retried with backoff.  After ``max_5xx_tries`` tries in a row the batch
+  steps out of line and the newer batches go on.  If a newer batch is accepted, the suspect
+  gets one last try and, failing again, is set aside like a 4xx; if the newer batches fail
+  too, the server is at fault, not the batch, and it goes back to the head of the line.  So a
+  batch that breaks the supervisor never blocks the batches (and heartbeats) behind it, and an
+  outage never dead-letters anything.
+
+Every batch set aside is announced to the supervisor by a ``batch_dead_lettered`` event in
+the next batch spooled (seq, status, reason, and the count so far), so it shows there.
 
 Sequence numbers are per agent and persisted in ``uplink.json`` before the batch is written,
 so they only ever grow across agent restarts; registration raises them to the supervisor's
-``next_seq`` when our state was lost.
+``next_seq`` when our state was lost.  The supervisor stores batches in any order, so a batch
+that stepped out of line can still be delivered later.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ from typing import Any
 
 import httpx
 
-from agent import protocol
+from agent import deadletter, protocol
+from agent.deadletter import DeadLetters
 from agent.spool import Spool
 from agent.statefile import load_json, save_json
 
@@ -40,6 +53,12 @@ INGEST_PATH = "/api/v1/ingest"
 _BACKOFF_MIN_S = 0.5
 _BACKOFF_MAX_S = 10.0
 _RETRY_4XX = {401, 403, 408, 429}
+_UNAVAILABLE = {502, 503, 504}
+# Tries of a batch answered 5xx before it steps out of line (AgentConfig's default too).
+MAX_5XX_TRIES = 5
+# Announcements of batches set aside, waiting for the next batch; beyond this many the
+# oldest go (each one carries the running count, so the total is never lost).
+_MAX_NOTICES = 100
 
 
 class Uplink:
@@ -53,6 +72,9 @@ class Uplink:
         spool_max_bytes: int = 256 * 1024 * 1024,
         spool_max_batches: int = 20_000,
         max_items_per_batch: int = 5_000,
+        max_5xx_tries: int = MAX_5XX_TRIES,
+        dead_letter_max_bytes: int = deadletter.MAX_BYTES,
+        dead_letter_max_batches: int = deadletter.MAX_BATCHES,
         http_timeout_s: float = 3.0,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.time,
@@ -71,14 +93,16 @@ class Uplink:
         self.clock = clock
         self.max_items = max_items_per_batch
         self.state_path = state_dir / "uplink.json"
+        self.dead = DeadLetters(state_dir / "dead-letter", max_bytes=dead_letter_max_bytes,
+                                max_batches=dead_letter_max_batches)
         self.spool = Spool(state_dir / "spool", max_bytes=spool_max_bytes,
-                           max_batches=spool_max_batches)
+                           max_batches=spool_max_batches, dead_letters=self.dead)
+        self.max_5xx_tries = max_5xx_tries
         self.commands: queue.Queue[protocol.Command] = queue.Queue()
         # The checkpoints the supervisor's newest reply says to protect (None: no reply yet).
         self.protect: list[str] | None = None
         self.registration: protocol.RegisterReply | None = None
         self.sent = 0
-        self.rejected = 0
         self.last_ok: float | None = None  # when the supervisor last answered
         self.last_error: str | None = None
         self._lock = threading.Lock()
@@ -87,9 +111,19 @@ class Uplink:
         self._thread: threading.Thread | None = None
         self._next_try = 0.0
         self._backoff = _BACKOFF_MIN_S
+        # The head batch's 5xx answers in a row, and the batch that stepped out of line after
+        # too many of them (with its last answer) until a newer batch's fate decides.
+        self._fails: tuple[int, int] | None = None  # (seq, count)
+        self._suspect: tuple[int, int, str] | None = None  # (seq, status, reply)
+        self._suspect_due = False  # a newer batch was accepted: the suspect's last try
         state = self._load_state()
         self.next_seq: int = max(state.get("next_seq", 0), max(self.spool.seqs(), default=-1) + 1)
         self._dropped_before: int = int(state.get("dropped", 0))
+        self.dead_lettered: int = int(state.get("dead_lettered", 0))
+        self._dead_dropped_before: int = int(state.get("dead_letter_dropped", 0))
+        notices = state.get("notices")
+        self._notices: list[dict[str, Any]] = [n for n in notices if isinstance(n, dict)] \
+            if isinstance(notices, list) else []
 
     # -- state -------------------------------------------------------------------------------
 
@@ -97,7 +131,15 @@ class Uplink:
         return load_json(self.state_path)
 
     def _save_state(self) -> None:
-        save_json(self.state_path, {"next_seq": self.next_seq, "dropped": self.dropped})
+        save_json(self.state_path, {"next_seq": self.next_seq, "dropped": self.dropped,
+                                    "dead_lettered": self.dead_lettered,
+                                    "dead_letter_dropped": self.dead_letter_dropped,
+                                    "notices": self._notices})
+
+    @property
+    def dead_letter_dropped(self) -> int:
+        """Entries the dead-letter store's bounds dropped, cumulative over agent restarts."""
+        return self._dead_dropped_before + self.dead.dropped
 
     @property
     def dropped(self) -> int:
@@ -118,6 +160,9 @@ class Uplink:
                 attempt: int) -> list[int]:
         """Spool one batch (several when ``items`` is large), each with the heartbeat; returns
         their sequence numbers.  Never touches the network."""
+        with self._lock:
+            notices = list(self._notices)
+        items = [*notices, *items]
         chunks = [items[i : i + self.max_items] for i in range(0, len(items), self.max_items)]
         seqs = []
         for chunk in chunks or [[]]:
@@ -129,6 +174,12 @@ class Uplink:
                 self._save_state()  # before the batch exists: a seq is never handed out twice
                 self.spool.add({"seq": seq, "attempt": attempt, "items": [*chunk, heartbeat]})
             seqs.append(seq)
+        if notices:
+            # Cleared only once a batch holds them: an agent dying in between sends them
+            # twice rather than never.
+            with self._lock:
+                self._notices = self._notices[len(notices):]
+                self._save_state()
         if self.spool.dropped_items:
             with self._lock:
                 self._save_state()
@@ -188,7 +239,13 @@ class Uplink:
         if self.registration is None and not self._register():
             return
         while not self._stop.is_set():
-            entry = self.spool.oldest()
+            if self._suspect is not None and self._suspect_due:
+                entry = self.spool.get(self._suspect[0])
+                if entry is None:  # dropped by the spool's bound meanwhile
+                    self._suspect, self._suspect_due = None, False
+                    continue
+            else:
+                entry = self.spool.oldest(skip=self._suspect[0] if self._suspect else None)
             if entry is None:
                 return
             seq, batch = entry
@@ -233,6 +290,7 @@ class Uplink:
                 # Our state is behind the supervisor's (state dir lost): what we hold is new.
                 shift = self.spool.renumber(next_seq)
                 self.next_seq = max(next_seq, self.next_seq + shift)
+                self._fails, self._suspect, self._suspect_due = None, None, False
                 self._save_state()
                 log.warning("sequence raised to the supervisor's next_seq %d", next_seq)
         self.registration = reply
@@ -257,23 +315,9 @@ class Uplink:
             return False
         code = r.status_code
         if code < 300:
-            try:
-                reply = r.json()
-                commands = reply.get("commands") or []
-                protect = reply.get("protect")
-                if isinstance(protect, list):
-                    self.protect = [p for p in protect if isinstance(p, str)]
-            except (ValueError, AttributeError):
-                commands = []
-                log.error("ingest reply for seq %d unreadable: %s", seq, r.text[:500])
-            self.spool.remove(seq)
-            self.sent += 1
-            for c in commands:
-                if isinstance(c, dict):
-                    self.commands.put(c)  # type: ignore[arg-type]
-            self._ok()
+            self._delivered(seq, r)
             return True
-        if code >= 500 or code in _RETRY_4XX:
+        if code in _UNAVAILABLE or code in _RETRY_4XX:
             self.spool.release(seq)
             if code in (401, 403):
                 log.error("supervisor refuses our token (HTTP %d): check --token / %s; "
@@ -286,8 +330,77 @@ class Uplink:
                         self.agent_id)
             self.registration = None
             return False
-        self.rejected += 1
-        dest = self.spool.reject(seq, f"HTTP {code}\n{r.text}")
-        log.error("SUPERVISOR REJECTED BATCH seq=%d (HTTP %d): %s; kept in %s, moving on",
-                  seq, code, r.text[:1000], dest)
+        n_items = len(batch.get("items", ()))
+        if code >= 500:
+            return self._server_error(seq, code, r.text, n_items)
+        self._set_aside(seq, code, r.text, n_items)
         return True
+
+    def _delivered(self, seq: int, r: httpx.Response) -> None:
+        try:
+            reply = r.json()
+            commands = reply.get("commands") or []
+            protect = reply.get("protect")
+            if isinstance(protect, list):
+                self.protect = [p for p in protect if isinstance(p, str)]
+        except (ValueError, AttributeError):
+            commands = []
+            log.error("ingest reply for seq %d unreadable: %s", seq, r.text[:500])
+        self.spool.remove(seq)
+        self.sent += 1
+        self._fails = None
+        if self._suspect is not None:
+            if self._suspect[0] == seq:  # its last try went through after all
+                self._suspect, self._suspect_due = None, False
+            else:  # the supervisor takes newer batches: the suspect's last try decides
+                self._suspect_due = True
+        for c in commands:
+            if isinstance(c, dict):
+                self.commands.put(c)  # type: ignore[arg-type]
+        self._ok()
+
+    def _server_error(self, seq: int, code: int, text: str, n_items: int) -> bool:
+        """A 5xx that may be this batch's fault; returns whether to go on sending now."""
+        self.spool.release(seq)
+        if self._suspect is not None and self._suspect[0] == seq and self._suspect_due:
+            # Failed again right after a newer batch was accepted: the batch is at fault.
+            self._suspect, self._suspect_due = None, False
+            self._set_aside(seq, code, text, n_items)
+            return True
+        if self._suspect is not None and self._suspect[0] != seq:
+            # A newer batch fails too: the supervisor is at fault, not the suspect, which
+            # goes back to the head of the line.
+            log.warning("HTTP %d for seq %d too: the supervisor is failing, seq %d is back "
+                        "in line", code, seq, self._suspect[0])
+            self._suspect, self._suspect_due, self._fails = None, False, None
+            self._fail(f"HTTP {code}")
+            return False
+        n = self._fails[1] + 1 if self._fails and self._fails[0] == seq else 1
+        self._fails = (seq, n)
+        if n < self.max_5xx_tries:
+            self._fail(f"HTTP {code}")
+            return False
+        log.error("batch seq=%d failed %d times (HTTP %d: %s): trying newer batches",
+                  seq, n, code, text[:500])
+        self._suspect, self._suspect_due, self._fails = (seq, code, text), False, None
+        return True
+
+    def _set_aside(self, seq: int, code: int, text: str, n_items: int) -> None:
+        """The batch can never be delivered: into the dead-letter store, announced in the
+        next batch."""
+        dest = self.spool.set_aside(seq, f"HTTP {code}\n{text}")
+        with self._lock:
+            self.dead_lettered += 1
+            reason = text[:500]
+            self._notices.append({
+                "type": "event", "t": self.clock(), "name": protocol.EVENT_BATCH_DEAD_LETTERED,
+                "message": f"batch seq {seq} set aside by the agent after HTTP {code}: "
+                           f"{reason[:200]}",
+                "details": {"seq": seq, "status": code, "reason": reason, "items": n_items,
+                            "count": self.dead_lettered, "dropped": self.dead_letter_dropped,
+                            "path": str(dest) if dest else None}})
+            del self._notices[:-_MAX_NOTICES]
+            self._save_state()
+        self._wake.set()
+        log.error("SUPERVISOR REFUSED BATCH seq=%d (HTTP %d): %s; kept in %s, moving on",
+                  seq, code, text[:1000], dest)

@@ -20,6 +20,11 @@ Figures, all read back through the REST API:
 
     .venv/bin/python benchmarks/goodput.py
     .venv/bin/python benchmarks/goodput.py --steps 3000 --json /tmp/goodput.json
+
+``--scaled`` runs the simulated large-run benchmark of ``benchmarks/goodput_scaled.py``
+instead (no processes started):
+
+    .venv/bin/python benchmarks/goodput.py --scaled --json /tmp/goodput-scaled.json
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: the test helpers live in the repository
     sys.path.insert(0, str(REPO))
 
-from detection import Agent, command_line, fmt  # noqa: E402  (benchmarks/ is the script's directory)
+import goodput_scaled  # noqa: E402  (benchmarks/ is the script's directory)
+from detection import Agent, command_line, fmt  # noqa: E402
 
 from tests.e2e.system import Supervisor, wait_until  # noqa: E402
 
@@ -189,7 +195,14 @@ def main() -> None:
     ap.add_argument("--run-timeout", type=float, default=600.0, metavar="S")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write both runs' figures here")
+    ap.add_argument("--scaled", action="store_true",
+                    help="instead: weeks of a large run under published failure rates, "
+                         "simulated with the ETTR accumulator (benchmarks/goodput_scaled.py)")
+    goodput_scaled.add_arguments(ap)
     args = ap.parse_args()
+    if args.scaled:
+        goodput_scaled.main(args, command_line())
+        return
     if args.steps < 800:
         ap.error("--steps must be >= 800 (room for four faults and their recoveries)")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="trainwarden-goodput-"))

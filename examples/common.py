@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,10 @@ from agent.worker.faults import Fault, parse_fault
 IN_DIM, OUT_DIM = 32, 8
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None
+               ) -> argparse.Namespace:
+    """The flags every example takes (``extra`` adds a script's own)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=600, help="optimiser steps in total")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -52,6 +56,8 @@ def parse_args(description: str) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
                    help="peak TFLOP/s of one rank's device: declared with the model's FLOPs "
                         "per sample so the supervisor shows MFU")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     if args.checkpoint_every is None and args.checkpoint_every_steps is None:
         args.checkpoint_every_steps = 50

@@ -16,8 +16,10 @@ from supervisor import dashboard, metrics, wire
 from supervisor.api import agents, rollback, runs
 from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
+from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
 from supervisor.evaluator import Clock, Evaluator
+from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
 from supervisor.store import reads
@@ -92,7 +94,10 @@ def create_app(
     app = FastAPI(
         title="trainwarden supervisor",
         version="1",
-        docs_url="/docs",
+        # /docs is the dashboard's own page (vendored Swagger UI, see dashboard.routes);
+        # FastAPI's pages would load Swagger UI and ReDoc from a CDN through inline scripts.
+        docs_url=None,
+        redoc_url=None,
         openapi_url="/openapi.json",
         default_response_class=SafeJSONResponse,
         lifespan=lifespan,
@@ -116,9 +121,12 @@ def create_app(
             reads.ping(conn)
         return {"status": "ok"}
 
-    # Outermost: oversized bodies are refused before anything parses them.
+    app.add_middleware(JsonApiBodies)  # curl -d's default form type carries JSON too
+    # Outside it: oversized bodies are refused before anything parses them.
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
-    metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg)
+    metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
+                    straggler=evaluator.detection.straggler)
+    app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

@@ -1,16 +1,39 @@
 """``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``settings``,
-``agent ...`` and the API clients (``runs``, ``incidents``, ...).
+``agent ...``, ``plan ...`` and the API clients (``runs``, ``incidents``, ...).
 
 Imports are lazy: ``trainwarden agent`` runs on GPU nodes and must not pull in FastAPI or
-SQLAlchemy; only the chosen subcommand imports what it needs.
+SQLAlchemy; only the chosen subcommand imports what it needs.  Each role is an extra of the
+package; a subcommand whose extra is not installed says which one to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+from agent.version import version
+
+# What each role's subcommands import, by the extra that provides it.
+EXTRA_MODULES = {
+    "supervisor": ("fastapi", "uvicorn", "sqlalchemy", "alembic", "pydantic_settings",
+                   "jinja2", "prometheus_client", "httpx"),
+    "agent": ("psutil", "httpx"),
+    "cli": ("httpx",),
+}
+
+
+def require_extra(extra: str, command: str) -> None:
+    """Exit with the install line to run when ``extra``'s packages are missing."""
+    missing = [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"trainwarden {command}: needs the '{extra}' extra, which is not installed "
+            f"(missing: {', '.join(missing)}); install it with: "
+            f"pip install 'trainwarden[{extra}]'"
+        )
 
 
 def _add_setting_args(p: argparse.ArgumentParser, sections: tuple[str, ...] | None,
@@ -31,6 +54,7 @@ def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainwarden", description="Fault-tolerant supervisor for distributed training."
     )
+    parser.add_argument("--version", action="version", version=f"trainwarden {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("supervisor", help="run the central supervisor (HTTP API)")
@@ -54,6 +78,9 @@ def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
 
     ap = sub.add_parser("agent", help="run the node agent (wraps torchrun)", add_help=False)
     ap.add_argument("agent_args", nargs=argparse.REMAINDER)
+    pp = sub.add_parser("plan", help="capacity planner: memory, sync time, MFU, ETTR",
+                        add_help=False)
+    pp.add_argument("plan_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -99,12 +126,9 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
 
 def _cmd_agent(argv: Sequence[str]) -> int:
-    try:
-        from agent import cli as agent_cli
-    except ImportError as e:
-        print(f"trainwarden agent: the node agent is not available ({e}); "
-              "it is provided by agent.cli", file=sys.stderr)
-        return 2
+    require_extra("agent", "agent")
+    from agent import cli as agent_cli
+
     parser = argparse.ArgumentParser(prog="trainwarden agent",
                                      description="Node agent: wraps torchrun on one node.")
     agent_cli.add_arguments(parser)
@@ -117,8 +141,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The agent parses its own arguments (its own parser, its own --help).
     if argv and argv[0] == "agent":
         return _cmd_agent(argv[1:])
-    args = build_parser(with_settings=bool(argv) and argv[0] in ("supervisor", "db")
-                        ).parse_args(argv)
+    if argv and argv[0] == "plan":  # standard library only: runs where only the agent is
+        from supervisor.goodput import plan_cli
+
+        return plan_cli.main(argv[1:])
+    # The server's commands: their extra first (the flags come from its settings model).
+    serving = argv[0] if argv and argv[0] in ("supervisor", "db", "settings") else None
+    if serving is not None:
+        require_extra("supervisor", serving)
+    args = build_parser(with_settings=serving in ("supervisor", "db")).parse_args(argv)
     if args.cmd == "supervisor":
         return _cmd_supervisor(args)
     if args.cmd == "db":
@@ -131,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from supervisor import client
 
     if args.cmd in client.COMMANDS:
+        require_extra("cli", args.cmd)
         return client.run(args)
     raise AssertionError(args.cmd)
 

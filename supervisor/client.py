@@ -1,5 +1,9 @@
 """``trainwarden runs | incidents RUN | checkpoints RUN | rollback RUN ...``: thin clients of
-the REST API that print readable tables."""
+the REST API that print readable tables.
+
+Everything printed that came from the supervisor (node names, paths, reasons: text agents and
+operators chose) goes through ``printable`` first, so a stored escape sequence cannot retitle,
+clear or rewrite the operator's terminal."""
 
 from __future__ import annotations
 
@@ -8,19 +12,20 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
+    import httpx
 
 from supervisor.enums import ActionStatus
+from supervisor.text import printable, table
 
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
-
+DEFAULT_URL = "http://127.0.0.1:8765"
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--supervisor", default=os.environ.get(ENV_URL, "http://127.0.0.1:8765"),
+    p.add_argument("--supervisor", default=os.environ.get(ENV_URL, DEFAULT_URL),
                    metavar="URL", help=f"supervisor URL (default ${ENV_URL} or local)")
     p.add_argument("--token", default=None, metavar="T",
                    help=f"operator token (default ${ENV_TOKEN})")
@@ -58,16 +63,25 @@ def _range(text: str) -> list[int]:
     return [int(m.group(1)), int(m.group(2))]
 
 
-def run(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get(ENV_TOKEN)
+def connect(supervisor: str, token: str | None) -> httpx.Client:
+    """A client of the supervisor's API with the operator token (or ``$ENV_TOKEN``'s)."""
+    import httpx
+
+    token = token or os.environ.get(ENV_TOKEN)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with httpx.Client(base_url=args.supervisor.rstrip("/") + "/api/v1", headers=headers,
-                      timeout=10) as client:
+    return httpx.Client(base_url=supervisor.rstrip("/") + "/api/v1", headers=headers,
+                        timeout=10)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    with connect(args.supervisor, args.token) as client:
         try:
             return _COMMANDS[args.cmd](client, args)
         except httpx.HTTPStatusError as e:
             print(f"trainwarden {args.cmd}: {e.response.status_code} "
-                  f"{_detail(e.response)}", file=sys.stderr)
+                  f"{printable(_detail(e.response))}", file=sys.stderr)
             return 1
         except httpx.HTTPError as e:
             print(f"trainwarden {args.cmd}: cannot reach {args.supervisor}: {e}",
@@ -94,16 +108,6 @@ def _age(t: float | None) -> str:
         return "-"
     s = max(0.0, time.time() - t)
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
-
-
-def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(h) for h in header]] + [["-" if c is None else str(c) for c in r]
-                                          for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
@@ -169,7 +173,7 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
         if a["status"] != last:
             last = a["status"]
             extra = f" at step {a['resumed_step']}" if a.get("resumed_step") is not None else ""
-            print(f"  action {action_id}: {last}{extra}")
+            print(f"  action {action_id}: {printable(last)}{extra}")
         if last in (ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatus.SUPERSEDED):
             return 0 if last == ActionStatus.RESUMED else 1
         time.sleep(0.5)

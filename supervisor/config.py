@@ -3,7 +3,8 @@ configs.
 
 Each section is the config class of the component it configures, and holds its defaults:
 
-* ``server``, ``auth``: the HTTP service (this module);
+* ``server``, ``auth``: the HTTP service (this module); ``http``: its deadlines for slow and
+  idle clients (``httpguard.HttpConfig``);
 * ``db``: the store (``store.db.StoreConfig``); ``evaluator``: the loop
   (``evaluator.EvaluatorConfig``);
 * ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
@@ -55,6 +56,7 @@ from supervisor.detect import (
 )
 from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import EvaluatorConfig
+from supervisor.httpguard import HttpConfig
 from supervisor.observe import DetectionConfig
 from supervisor.policy import PolicyConfig
 from supervisor.store.db import StoreConfig
@@ -185,6 +187,8 @@ LEGACY_NAMES: dict[str, tuple[str, str]] = {
     "max_body_bytes": ("server", "max_body_bytes"),
     "heartbeat_interval_s": ("server", "heartbeat_interval_s"),
     "log_level": ("server", "log_level"),
+    **{f"http_{k}": ("http", k) for k in (
+        "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections")},
     "agent_token": ("auth", "agent_token"), "operator_token": ("auth", "operator_token"),
     "insecure_no_auth": ("auth", "insecure_no_auth"), "public_reads": ("auth", "public_reads"),
     "evaluator_interval_s": ("evaluator", "interval_s"),
@@ -286,6 +290,7 @@ class SupervisorSettings(BaseSettings):
     )
 
     server: ServerConfig = Field(default_factory=ServerConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
     db: StoreConfig = Field(default_factory=StoreConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)

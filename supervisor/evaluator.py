@@ -25,11 +25,12 @@ from agent.core.findings import FindingKind, Severity
 from supervisor import actions, observe, policy
 from supervisor.detect import Finding
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
+from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
 from supervisor.store.db import Connection, Database
-from supervisor.store.rows import ExitRow, NodeEventRow, RunRow
+from supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
 
 log = logging.getLogger("trainwarden.evaluator")
 
@@ -242,11 +243,14 @@ class Evaluator:
             return
         inc = rec.get_incident(conn, incident_id=incident_id)
         assert inc is not None
-        merged = {**(inc["details"] or {}),
-                  "stacks": {**((inc["details"] or {}).get("stacks") or {}),
-                             **(details.get("stacks") or {})},
-                  "stacks_node": ev.get("node")}
-        rec.update_incident(conn, incident_id=incident_id, details=merged, updated_at=now)
+        before = inc["details"] or {}
+        merged = {**before,
+                  "stacks": {**(before.get("stacks") or {}), **(details.get("stacks") or {})},
+                  "stacks_node": ev.get("node"),
+                  "stacks_nodes": sorted({*(before.get("stacks_nodes") or []),
+                                          *([ev["node"]] if ev.get("node") else [])})}
+        values = _name_culprit(inc, merged, windows.rank_nodes(conn, run_id=run["id"]))
+        rec.update_incident(conn, incident_id=incident_id, updated_at=now, **values)
 
     def _observe(self, conn: Connection, run: RunRow, state: RunState, now: float
                  ) -> Observation | None:
@@ -365,6 +369,23 @@ class Evaluator:
                               name="trainwarden-evaluator", daemon=True)
         th.start()
         return th, stop
+
+
+def _name_culprit(inc: IncidentRow, details: dict, rank_nodes: dict[int, str]) -> dict:
+    """The incident's new values once (more) stacks are in: the culprit analysis in its
+    details, the culprit's rank and node where the hang detector named none (no rank was
+    behind), and its cause followed by the verdict, which says why when nobody is named."""
+    stacks = {int(k): str(v) for k, v in (details.get("stacks") or {}).items()
+              if str(k).isdigit()}
+    culprit = hang_culprit(stacks, rank_nodes, details.get("stacks_nodes") or [])
+    base = details.setdefault("cause_before_stacks", inc["cause"])
+    details["culprit"] = culprit.as_details()
+    values: dict = {"details": details, "cause": f"{base}; {culprit.reason}"}
+    if culprit.ranks and (inc["rank"] is None or details.get("rank_from") == "stacks"):
+        details["rank_from"] = "stacks"
+        values["rank"] = culprit.ranks[0]
+        values["node"] = rank_nodes.get(culprit.ranks[0])
+    return values
 
 
 def _seen_event(conn: Connection, run: RunRow, d: policy.RecordEvent) -> bool:

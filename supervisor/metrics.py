@@ -9,23 +9,23 @@ per agent (node) six, per GPU four (at most ``GPUS_PER_NODE`` per node), and at 
 ``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs that are active, or
 whose status changed in the last ``RECENT_S`` seconds, are exported.
 
-Derived values: a restart's ``cause`` is the kind of the incident its action answers
-(loss_spike/nonfinite -> "spike"), "operator" for an operator's action, "other" for anything
-else; ``restarts_without_progress`` counts, from the newest ended attempt backwards, the
-attempts started by a restart whose highest step did not pass the highest step of every
-earlier attempt (the running attempt ends the streak once it passes, and is not counted
-while it has not); ``restart_budget_remaining{cause}`` is each budget (crash, hang,
-node_lost: the restart budget; spike: the rollback budget) less the automatic restarts
-counted against it; ``mfu_ratio`` is throughput x declared FLOPs per sample (or token) /
-(ranks x declared peak FLOP/s per rank), exported once the run declared them.
+Derived values, each computed once, in the pure place the supervisor's decisions use it:
+a restart's ``cause`` is the one the policy recorded on its action (``policy.restart_cause``:
+its budget; "operator" for an operator's action); ``restart_budget_remaining{cause}`` is
+``policy.budgets_left`` and ``restarts_without_progress`` is
+``policy.restarts_without_progress``, the numbers the policy stops a run on, and
+``restarts_without_progress_limit`` the setting it compares them with; the straggler
+``score`` and ``slow`` of a rank are ``detect.straggler.straggler_scores`` over the steps every
+rank has delivered, and ``straggler_threshold`` the detector's threshold (see
+``deploy/prometheus/alerts.yml``); ``mfu_ratio`` is throughput x declared FLOPs per sample (or
+token) / (ranks x declared peak FLOP/s per rank), exported once the run declared them.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Response
@@ -34,102 +34,40 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from supervisor import observe, policy
 from supervisor.api.deps import ReadAuth
-from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind, RestartCause
+from supervisor.detect.straggler import StragglerConfig
+from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
 from supervisor.evaluator import Clock
-from supervisor.policy import PolicyConfig
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection, Database
-from supervisor.store.rows import AgentRow, RunRow, StepAggregateRow, Throughput
+from supervisor.store.rows import AgentRow, RunRow, Throughput
 
 RECENT_S = 24 * 3600.0
 INCIDENT_KINDS = tuple(IncidentKind)
-RESTART_CAUSES: tuple[str, ...] = (
-    RestartCause.CRASH, RestartCause.HANG, RestartCause.SPIKE, RestartCause.OPERATOR,
-    RestartCause.NODE_LOST, IncidentKind.COLLECTIVE_TIMEOUT)
-# Incident kind -> restart cause label; anything else is "other".
-_CAUSE_OF_KIND: dict[str, str] = {
-    IncidentKind.CRASH: RestartCause.CRASH, IncidentKind.HANG: RestartCause.HANG,
-    IncidentKind.LOSS_SPIKE: RestartCause.SPIKE, IncidentKind.NONFINITE: RestartCause.SPIKE,
-    RestartCause.SPIKE: RestartCause.SPIKE, IncidentKind.NODE_LOST: RestartCause.NODE_LOST,
-    IncidentKind.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
-STRAGGLER_WINDOW = 20  # steps of per-rank timings behind a straggler score
+RESTART_CAUSES = (*policy.BUDGET_CAUSES, policy.OPERATOR_CAUSE)
 STRAGGLER_TOP = 16  # rank series exported per run: the lowest scores
-BUDGET_CAUSES = (RestartCause.CRASH, RestartCause.HANG, RestartCause.NODE_LOST,
-                 RestartCause.SPIKE)
 GPUS_PER_NODE = 16  # GPU series exported per node
 INGEST_PATH = "/api/v1/ingest"
 INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 # ---------------------------------------------------------------------------------------------
-# derived values (pure)
+# derived values (computed by the pure functions named above)
 
 
-def restart_cause(action: Mapping[str, Any]) -> str:
-    """The ``cause`` label of one restart action."""
-    if action.get("actor") == Actor.OPERATOR:
-        return RestartCause.OPERATOR
-    return _CAUSE_OF_KIND.get(str(action.get("incident_kind") or ""), "other")
-
-
-def restarts_without_progress(max_steps: dict[int, int], current_attempt: int,
-                              restarted: Iterable[int]) -> int:
-    """Restarts in a row whose attempt did not pass the highest step reached before it.
-
-    ``restarted``: the attempts a restart started.  An ended attempt (below the current one)
-    that did not pass the previous high counts; the current attempt resets the streak once it
-    passes the previous high and does not count while it has not (it may still)."""
-    started = sorted(a for a in set(restarted) if 0 < a <= current_attempt)
-
-    def high_before(attempt: int) -> int:
-        return max((s for a, s in max_steps.items() if a < attempt), default=-1)
-
-    if current_attempt in started:
-        cur = max_steps.get(current_attempt)
-        if cur is not None and cur > high_before(current_attempt):
-            return 0
-    streak = 0
-    for a in reversed([a for a in started if a < current_attempt]):
-        reached = max_steps.get(a)
-        if reached is not None and reached > high_before(a):
-            break
-        streak += 1
-    return streak
-
-
-def straggler_scores(rows: Sequence[Mapping[str, Any]]) -> dict[int, float]:
-    """Median-based score per rank over per-rank timing rows (``rank``, ``data_s``,
-    ``compute_s``): median over ranks of the mean pre-collective time / this rank's mean.
-    1.0 is typical, below ~0.75 a straggler.  Ranks without timings get no score."""
-    sums: dict[int, list[float]] = {}
-    for r in rows:
-        d, c = r.get("data_s"), r.get("compute_s")
-        if d is None and c is None:
-            continue
-        sums.setdefault(int(r["rank"]), []).append(float(d or 0.0) + float(c or 0.0))
-    means = {rank: sum(v) / len(v) for rank, v in sums.items()}
-    if len(means) < 2:
-        return {}
-    med = statistics.median(means.values())
-    return {rank: (med / m if m > 0 else 1.0) for rank, m in means.items()}
-
-
-def run_scores(conn: Connection, run_id: int, newest: StepAggregateRow | None
-               ) -> dict[int, float]:
-    """Straggler scores of the newest attempt's last ``STRAGGLER_WINDOW`` steps up to
-    ``reads.delivered_step``: scored on newer steps, a rank would be compared with fewer peers,
-    and the ranks behind would get no score at all."""
-    if newest is None:
-        return {}
-    attempt = int(newest["attempt"])
-    upto = reads.delivered_step(conn, run_id=run_id, attempt=attempt)
-    if upto is None:
-        return {}
-    rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
-                                step_from=upto - STRAGGLER_WINDOW + 1, step_to=upto)
-    return straggler_scores(rows)
+def restart_counts(restarts: Sequence[Mapping[str, Any]]
+                   ) -> tuple[dict[str, int], dict[str, int]]:
+    """(every restart by cause, the automatic ones by cause: what the budgets count)."""
+    every: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
+    automatic: dict[str, int] = {}
+    for a in restarts:
+        cause = policy.restart_cause(a.get("actor"), a.get("cause"))
+        every[cause] = every.get(cause, 0) + 1
+        if cause != policy.OPERATOR_CAUSE:
+            automatic[cause] = automatic.get(cause, 0) + 1
+    return every, automatic
 
 
 def mfu(declared: dict[str, Any] | None, throughput: Throughput) -> float | None:
@@ -154,19 +92,6 @@ def mfu_factor(declared: dict[str, Any] | None, ranks: Any) -> tuple[str, float]
         if isinstance(flops, int | float) and flops > 0:
             return unit, float(flops) / (ranks * float(peak))
     return None
-
-
-def budgets_left(restarts: Sequence[Mapping[str, Any]], *, restart_budget: int,
-                 rollback_budget: int) -> dict[str, int]:
-    """Per budget cause: what is left after the automatic restarts counted against it (as
-    ``policy.budget_left`` counts them)."""
-    used = dict.fromkeys(BUDGET_CAUSES, 0)
-    for a in restarts:
-        if a.get("actor") == Actor.POLICY:
-            cause = a.get("cause") or RestartCause.CRASH
-            used[cause] = used.get(cause, 0) + 1
-    return {c: max(0, (rollback_budget if c == RestartCause.SPIKE else restart_budget) - used[c])
-            for c in BUDGET_CAUSES}
 
 
 def mean_loss(agg: Mapping[str, Any]) -> float | None:
@@ -208,11 +133,22 @@ class _Families:
         self.incidents = g("trainwarden_run_open_incidents", "Open incidents by kind",
                            labels=["run", "kind"])
         self.no_progress = g("trainwarden_run_restarts_without_progress",
-                             "Restarts in a row that did not pass the previous highest step",
-                             labels=["run"])
+                             "Automatic restarts in a row since which the run has not passed "
+                             "its highest step", labels=["run"])
+        self.no_progress_limit = g("trainwarden_run_restarts_without_progress_limit",
+                                   "Restarts without progress after which the supervisor "
+                                   "stops the run at the next failure", labels=["run"])
         self.straggler = g("trainwarden_rank_straggler_score",
-                           f"Median-based straggler score (the {STRAGGLER_TOP} lowest per run)",
+                           "Median of the other ranks' pre-collective time / this rank's over "
+                           f"the detector's window (the {STRAGGLER_TOP} lowest per run)",
                            labels=["run", "rank", "node"])
+        self.straggler_slow = g("trainwarden_rank_straggler_slow",
+                                "1 when the straggler detector's rule holds for the rank on "
+                                "the window (score below the threshold, slower by at least "
+                                "the minimum)", labels=["run", "rank", "node"])
+        self.straggler_threshold = g("trainwarden_run_straggler_threshold",
+                                     "The straggler detector's score threshold",
+                                     labels=["run"])
         self.hb_age = g("trainwarden_agent_heartbeat_age_seconds",
                         "Seconds since the agent was last heard from", labels=["run", "node"])
         self.disk = g("trainwarden_agent_disk_free_bytes",
@@ -237,7 +173,8 @@ class _Families:
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
-                self.incidents, self.no_progress, self.straggler, self.hb_age, self.disk,
+                self.incidents, self.no_progress, self.no_progress_limit, self.straggler,
+                self.straggler_slow, self.straggler_threshold, self.hb_age, self.disk,
                 self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util, self.gpu_mem,
                 self.gpu_temp, self.gpu_ecc]
 
@@ -245,12 +182,13 @@ class _Families:
 class StoreCollector(Collector):
     """Reads the store at scrape time (one read transaction per scrape)."""
 
-    def __init__(self, db: Database, clock: Clock = time.time, *, restart_budget: int,
-                 rollback_budget: int) -> None:
+    def __init__(self, db: Database, clock: Clock = time.time, *,
+                 policy_cfg: policy.PolicyConfig | None = None,
+                 straggler: StragglerConfig | None = None) -> None:
         self.db = db
         self.clock = clock
-        self.restart_budget = restart_budget
-        self.rollback_budget = rollback_budget
+        self.policy_cfg = policy_cfg or policy.PolicyConfig()
+        self.straggler_cfg = straggler or StragglerConfig()
 
     def collect(self) -> Iterator[Metric]:
         f = _Families()
@@ -282,28 +220,27 @@ class StoreCollector(Collector):
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run_id)
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))
-        restarts = reads.restart_actions(conn, run_id=run_id)
-        by_cause: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
-        for a in restarts:
-            cause = restart_cause(a)
-            by_cause[cause] = by_cause.get(cause, 0) + 1
-        for cause, n in by_cause.items():
+        history = rec.restart_history(conn, run_id=run_id)
+        every, automatic = restart_counts(history)
+        for cause, n in every.items():
             f.restarts.add_metric([name, cause], n)
-        for cause, left in budgets_left(restarts, restart_budget=self.restart_budget,
-                                        rollback_budget=self.rollback_budget).items():
+        for cause, left in policy.budgets_left(automatic, self.policy_cfg).items():
             f.budget.add_metric([name, cause], left)
         counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
-        f.no_progress.add_metric([name], restarts_without_progress(
-            rec.max_steps(conn, run_id=run_id), int(run["attempt"]),
-            (int(a["attempt"]) for a in restarts)))
-        scores = run_scores(conn, run_id, newest)
+        f.no_progress.add_metric([name], policy.restarts_without_progress(
+            [h["high_step"] for h in history if h["actor"] == Actor.POLICY],
+            max(rec.max_steps(conn, run_id=run_id).values(), default=None)))
+        f.no_progress_limit.add_metric([name], self.policy_cfg.no_progress_restarts)
+        f.straggler_threshold.add_metric([name], self.straggler_cfg.threshold)
+        scores = observe.run_scores(conn, run_id, newest, self.straggler_cfg)
         if scores:
             nodes = windows.rank_nodes(conn, run_id=run_id)
-            for rank, score in sorted(scores.items(), key=lambda kv: (kv[1], kv[0]))[
-                    :STRAGGLER_TOP]:
-                f.straggler.add_metric([name, str(rank), nodes.get(rank, "")], score)
+            for sc in sorted(scores.values(), key=lambda v: (v.score, v.rank))[:STRAGGLER_TOP]:
+                labels = [name, str(sc.rank), nodes.get(sc.rank, "")]
+                f.straggler.add_metric(labels, sc.score)
+                f.straggler_slow.add_metric(labels, 1 if sc.slow else 0)
         for ag in registry.run_agents(conn, run_id=run_id):
             self._agent(f, name, ag, now)
 
@@ -396,13 +333,12 @@ def route_template(scope: dict[str, Any], root_path: str = "") -> str:
     return fmt
 
 
-def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: PolicyConfig,
-            prefix: str = "") -> CollectorRegistry:
-    """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the budgets
-    exported are the policy's."""
+def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.PolicyConfig,
+            straggler: StragglerConfig, prefix: str = "") -> CollectorRegistry:
+    """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the policy's
+    and the straggler detector's configuration are the ones the evaluator decides with."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(db, clock, restart_budget=policy_cfg.restart_budget,
-                                     rollback_budget=policy_cfg.rollback_budget))
+    registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler))
     app.add_middleware(RequestMetrics, registry=registry)
     router = APIRouter(tags=["metrics"])
 

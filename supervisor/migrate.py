@@ -1,12 +1,14 @@
 """Alembic, driven from code: locate the migrations, upgrade, report the current revision.
 
-The migrations live in the repository's top-level ``migrations/`` directory (next to the
-``supervisor`` package: true for the editable install and for a source checkout).
-``TRAINWARDEN_MIGRATIONS_DIR`` points elsewhere when the code is installed without it.
+The migrations are the repository's top-level ``migrations/`` folder.  The wheel ships it as
+the ``supervisor.migrations`` package (see ``setup.py``), found through package resources; an
+editable install or a source checkout finds it next to the ``supervisor`` package instead.
+``TRAINWARDEN_MIGRATIONS_DIR`` overrides both.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -16,19 +18,31 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 ENV_MIGRATIONS_DIR = "TRAINWARDEN_MIGRATIONS_DIR"
+PACKAGE = "supervisor.migrations"
+
+
+def _packaged() -> Path | None:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def migrations_dir() -> Path:
     """The one place that knows where the migrations are."""
     env = os.environ.get(ENV_MIGRATIONS_DIR)
     candidates = [Path(env)] if env else []
+    packaged = _packaged()
+    if packaged is not None:
+        candidates.append(packaged)
     candidates.append(Path(__file__).resolve().parents[1] / "migrations")
     for c in candidates:
         if (c / "env.py").is_file():
             return c
     raise RuntimeError(
         f"Alembic migrations not found (looked in {', '.join(map(str, candidates))}); "
-        f"set {ENV_MIGRATIONS_DIR} to the directory holding migrations/env.py"
+        f"reinstall trainwarden[supervisor], or set {ENV_MIGRATIONS_DIR} to the directory "
+        "holding migrations/env.py"
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent.core.findings import FindingKind
 from agent.core.states import LIVE_AGENT_STATES
@@ -20,6 +21,7 @@ from supervisor.detect import (
     NodeLostConfig,
     ProgressWindow,
     RankProgress,
+    RankScore,
     StragglerConfig,
     ThroughputConfig,
     ThroughputPoint,
@@ -31,13 +33,14 @@ from supervisor.detect import (
     detect_throughput_decay,
     intervals_from_times,
     pre_collective_table,
+    straggler_scores,
 )
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
 from supervisor.enums import ActionStatus
+from supervisor.store import reads, windows
 from supervisor.store import recovery as rec
-from supervisor.store import windows
 from supervisor.store.db import Connection
-from supervisor.store.rows import AgentLiveness, LossRow, RunRow
+from supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateRow
 
 # An agent sends a batch at least every second; its newest batch tells us up to when we
 # know what its workers did.
@@ -196,6 +199,38 @@ def straggler_findings(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
     return detect_stragglers(table, cfg=cfg.straggler,
                              nodes=windows.rank_nodes(conn, run_id=run_id),
                              flagged_ranks=open_ranks)
+
+
+def run_scores(conn: Connection, run_id: int, newest: StepAggregateRow | None,
+               cfg: StragglerConfig) -> dict[int, RankScore]:
+    """Straggler scores (``straggler_scores``, the detector's own statistic) of the newest
+    attempt over the detector's window ending at ``reads.delivered_step``, as the detector
+    judges them: scored on newer steps, a rank would be compared with fewer peers, and the
+    ranks behind would get no score at all.  ``newest``: ``reads.newest_step``."""
+    if newest is None:
+        return {}
+    attempt = int(newest["attempt"])
+    upto = reads.delivered_step(conn, run_id=run_id, attempt=attempt)
+    if upto is None:
+        return {}
+    rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
+                                step_from=upto - cfg.window_steps + 1, step_to=upto)
+    return straggler_scores(pre_collective_table(rows), cfg)
+
+
+def rank_rows(conn: Connection, run_id: int, newest: StepAggregateRow | None,
+              straggler: StragglerConfig) -> list[dict[str, Any]]:
+    """Each rank's latest report with its straggler ``score`` and ``slow`` (the detector's
+    rule on its window; both None for a rank without a score), lowest score first: what the
+    dashboard's ranks table and the API's ``/runs/{run}/ranks`` show."""
+    scores = run_scores(conn, run_id, newest, straggler)
+    ranks = reads.rank_latest(conn, run_id=run_id)
+    for r in ranks:
+        sc = scores.get(int(r["rank"]))
+        r["score"] = None if sc is None else sc.score
+        r["slow"] = None if sc is None else sc.slow
+    ranks.sort(key=lambda r: (r["score"] if r["score"] is not None else 9e9, r["rank"]))
+    return ranks
 
 
 # Most steps read beyond the detector's window when many arrived since the last look.

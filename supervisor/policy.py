@@ -19,7 +19,7 @@ First version: worker crashes.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from supervisor.enums import FINAL_STATUSES, Actor, IncidentKind, RestartCause, 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    restart_budget: int = 10  # per cause: crash, hang, node_lost, collective_timeout
+    restart_budget: int = 10  # per cause: crash, hang (collective timeouts too), node_lost
     backoff_s: float = 1.0  # the first restart waits this long, each next one twice as long
     backoff_max_s: float = 60.0  # ... up to this
     # Loss-spike / NaN rollback (PaLM restarted ~100 steps before a spike and skipped
@@ -65,12 +65,25 @@ class PolicyConfig:
                              "rollback_lr_ramp_steps must be >= 0")
 
 
-# The cause a restart is counted against (each has its own budget).
+# The cause a restart is counted against (each has its own budget).  A collective timeout
+# is a hang the collective itself noticed: it counts as one.  This is the cause every restart
+# action records, and the ``cause`` label of ``/metrics`` restarts and budgets.
 CAUSE_OF_KIND: dict[str, RestartCause] = {
     IncidentKind.CRASH: RestartCause.CRASH, IncidentKind.HANG: RestartCause.HANG,
     IncidentKind.COLLECTIVE_TIMEOUT: RestartCause.HANG,
     IncidentKind.NODE_LOST: RestartCause.NODE_LOST,
     IncidentKind.LOSS_SPIKE: RestartCause.SPIKE, IncidentKind.NONFINITE: RestartCause.SPIKE}
+BUDGET_CAUSES = (RestartCause.CRASH, RestartCause.HANG, RestartCause.NODE_LOST,
+                 RestartCause.SPIKE)
+OPERATOR_CAUSE = RestartCause.OPERATOR  # an operator's restart or rollback: outside budgets
+
+
+def restart_cause(actor: str | None, cause: str | None) -> str:
+    """The cause a restart action counts under: the one the policy recorded on it, or
+    "operator" for an operator's action."""
+    if actor != Actor.POLICY:
+        return OPERATOR_CAUSE
+    return cause or RestartCause.CRASH
 
 
 @dataclass(frozen=True)
@@ -179,26 +192,50 @@ class RecoveryFacts:
     high_at_restarts: tuple[int | None, ...] = ()
 
 
+def budget_of(cause: str, cfg: PolicyConfig) -> int:
+    return cfg.rollback_budget if cause == RestartCause.SPIKE else cfg.restart_budget
+
+
+def budgets_left(restarts_by_cause: Mapping[str, int], cfg: PolicyConfig) -> dict[str, int]:
+    """Automatic restarts left in each budget (``BUDGET_CAUSES``) after the ones counted
+    against it: what the policy checks and ``/metrics`` exports."""
+    return {c: max(0, budget_of(c, cfg) - restarts_by_cause.get(c, 0)) for c in BUDGET_CAUSES}
+
+
+def restarts_without_progress(high_at_restarts: Sequence[int | None], high_step: int | None
+                              ) -> int:
+    """The newest automatic restarts in a row since which the run has not passed its highest
+    step: those decided when the run's high was already ``high_step`` (the high only grows,
+    so a restart after which the run went further ends the streak).  At
+    ``no_progress_restarts`` the next failure stops the run; ``/metrics`` exports this number
+    and the ``TrainwardenRunNoProgress`` alert compares it with that same setting."""
+    if high_step is None:
+        return 0
+    streak = 0
+    for high in reversed(high_at_restarts):
+        if high is None or high < high_step:
+            break
+        streak += 1
+    return streak
+
+
 def budget_left(cause: str, run: RunFacts, rec: RecoveryFacts | None, cfg: PolicyConfig
                 ) -> tuple[bool, str]:
     """(may restart, why not) for a restart counted against ``cause``."""
-    if cause == RestartCause.OPERATOR:
+    if cause == OPERATOR_CAUSE:
         return True, ""
     if rec is None:  # no history given: the run's total restarts against the crash budget
-        used, budget = run.restarts, cfg.restart_budget
+        left = max(0, cfg.restart_budget - run.restarts)
     else:
-        used = rec.restarts_by_cause.get(cause, 0)
-        budget = cfg.rollback_budget if cause == RestartCause.SPIKE else cfg.restart_budget
-    if used >= budget:
+        left = budgets_left(rec.restarts_by_cause, cfg).get(cause, budget_of(cause, cfg))
+    if left <= 0:
         what = "rollback" if cause == RestartCause.SPIKE else f"restart ({cause})"
-        return False, f"{what} budget of {budget} spent"
-    if rec is not None and rec.high_step is not None:
+        return False, f"{what} budget of {budget_of(cause, cfg)} spent"
+    if rec is not None:
         n = cfg.no_progress_restarts
-        if len(rec.high_at_restarts) >= n:
-            base = rec.high_at_restarts[-n]
-            if base is not None and rec.high_step <= base:
-                return False, (f"no progress: {n} restarts in a row without passing step "
-                               f"{base}")
+        if restarts_without_progress(rec.high_at_restarts, rec.high_step) >= n:
+            return False, (f"no progress: {n} restarts in a row without passing step "
+                           f"{rec.high_step}")
     return True, ""
 
 

@@ -7,6 +7,11 @@ so a directory named ``step_<N>`` is only ever a finished save.  Completeness is
 load: ``.metadata`` exists, and every shard file it names is present with exactly the size its
 items need.  A checkpoint that fails the check is passed over, with a log line saying why.
 
+Only checkpoints inside the Checkpointer's own directory are ever loaded (resolved, symlinks
+followed, strictly below it): DCP unpickles ``.metadata``, so a resume plan naming any other
+path, or a ``step_<N>`` symlink leading out of the directory, would run someone else's
+pickle.  A plan naming one stops the worker with an error saying so.
+
 What is saved: model and optimiser through ``get_state_dict`` (DDP and FSDP2 alike); for every
 rank, under a key of its own (TORCH-CPU-NOTES trap 2), its data-loader position and RNG states;
 and, replicated, the seed, the run's configuration, the step, the last loss, the active skip
@@ -75,6 +80,16 @@ class CheckpointInfo:
     pinned: bool = False
 
 
+def inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
+    """Does ``path`` resolve (symlinks followed, ``..`` applied) to a path strictly below
+    ``root`` (resolved the same way)?"""
+    try:
+        p, r = Path(path).resolve(), Path(root).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        return False
+    return p != r and p.is_relative_to(r)
+
+
 def validate_checkpoint(path: str | os.PathLike[str], *, require_meta: bool = True
                         ) -> Validation:
     """Is this DCP directory complete?  ``.metadata`` present and every shard at full size."""
@@ -118,7 +133,10 @@ def list_checkpoints(root: str | os.PathLike[str], *, validate: bool = True
         m = STEP_DIR.match(child.name)
         if not m or not child.is_dir():
             continue
-        v = validate_checkpoint(child) if validate else Validation(True)
+        if not inside(child, r):
+            v = Validation(False, f"resolves to {child.resolve()}, outside {r.resolve()}")
+        else:
+            v = validate_checkpoint(child) if validate else Validation(True)
         out.append(CheckpointInfo(int(m.group(1)), child, v.ok, v.reason, v.nbytes,
                                   (child / PIN_FILE).exists()))
     out.sort(key=lambda c: c.step)
@@ -394,18 +412,31 @@ class Checkpointer:
             passed.append((c.path, c.reason))
         return None, passed
 
+    def _outside(self, path: str | os.PathLike[str]) -> str | None:
+        """Why ``path`` may not be loaded (it is not inside this Checkpointer's directory), or
+        None when it may."""
+        if inside(path, self.root):
+            return None
+        return (f"checkpoint {path} is not inside this run's checkpoint directory "
+                f"{self.root.resolve()}: the worker loads only its own checkpoints")
+
     def _complete_at_or_before(self, named: str) -> Path | None:
         m = STEP_DIR.match(Path(named).name)
         if m is None:
             return None
         limit = int(m.group(1))
-        for c in reversed(list_checkpoints(Path(named).parent)):
+        for c in reversed(list_checkpoints(Path(named).resolve().parent)):
             if c.step <= limit and c.complete:
                 return c.path
         return None
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
-        """Restore model, optimiser, this rank's data position and RNG; returns the metadata."""
+        """Restore model, optimiser, this rank's data position and RNG; returns the metadata.
+
+        Raises ``ValueError`` for a path outside this Checkpointer's directory."""
+        refused = self._outside(path)
+        if refused is not None:
+            raise ValueError(refused)
         msd, osd = get_state_dict(self.model, self.optimizer)
         rank_key = f"trainwarden/rank{self.rank}"
         state: dict[str, Any] = {"model": msd, "optim": osd, "trainwarden/meta": "",
@@ -441,7 +472,11 @@ class Checkpointer:
         info = ResumeInfo(start_step=0, plan=plan)
         chosen: list[Any] = [None, []]
         if self.rank == 0:
-            if plan is not None and plan.checkpoint:
+            refused = self._outside(plan.checkpoint) if plan is not None and plan.checkpoint \
+                else None
+            if refused is not None:
+                chosen[:] = [("error", f"resume plan refused: {refused}"), []]
+            elif plan is not None and plan.checkpoint:
                 v = validate_checkpoint(plan.checkpoint)
                 if v.ok:
                     chosen[:] = [str(plan.checkpoint), []]

@@ -62,6 +62,17 @@ class GlobalBatchOrder:
             self._epoch = epoch
         return self._perm
 
+    def generator_for(self, position: int) -> torch.Generator:
+        """The generator a DataLoader started at ``position`` draws its base seed from.
+
+        Without one, starting a DataLoader iterator draws that seed from the *global* torch
+        RNG: the first ``next()`` after ``resume()`` restored the RNGs would shift every
+        dropout mask and random augmentation of the resumed run.  Seeded from (seed, rank,
+        position), the loader's workers (``num_workers > 0``) get seeds that are a function
+        of where the iteration starts, never of the global RNG state."""
+        return torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + self.rank * 7_919 + position) % (1 << 63))
+
     def indices(self, g: int) -> list[int]:
         epoch, k = divmod(g, self.batches_per_epoch)
         start = (k * self.world_size + self.rank) * self.batch_size
@@ -102,7 +113,10 @@ class ResumableLoader:
     ``state_dict()`` holds the next global index this rank will consume (not the one the
     loader's workers have prefetched), the skip ranges, and what was skipped.  Batches are
     built by a regular ``torch.utils.data.DataLoader`` (``num_workers`` as you like); the
-    DataLoader preserves order, so the consumed position is exact.
+    DataLoader preserves order, so the consumed position is exact.  Iterating draws nothing
+    from the global RNGs (torch, CUDA, NumPy, Python): the DataLoader gets a generator of its
+    own (``GlobalBatchOrder.generator_for``), so the RNG states ``resume()`` restored are the
+    ones the first training step after it sees, whether ``iter()`` came before or after.
     """
 
     def __init__(self, dataset: Dataset[Any], *, batch_size: int, rank: int, world_size: int,
@@ -158,7 +172,8 @@ class ResumableLoader:
         issued: deque[int] = deque()
         sampler = _BatchSampler(self.order, self.position, self.skip, self.num_batches, issued)
         loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.num_workers,
-                            collate_fn=self.collate_fn)
+                            collate_fn=self.collate_fn,
+                            generator=self.order.generator_for(self.position))
         for data in loader:
             g = issued.popleft()
             if g > self.position:  # indices in [position, g) were skipped

@@ -185,19 +185,36 @@ def report_exception(exc: BaseException) -> None:
         pass
 
 
-def attach_compute_timer(ddp_model: torch.nn.Module, timer: PhaseTimer,
+def attach_compute_timer(model: torch.nn.Module, timer: PhaseTimer,
                          process_group: dist.ProcessGroup | None = None) -> None:
-    """Mark ``timer.compute_done()`` each time DDP hands a gradient bucket to the all-reduce.
+    """Mark ``timer.compute_done()`` where this rank's own compute ends and its wait on the
+    others begins.
 
-    The last bucket of a step is ready when this rank's own backward compute is finished, so
-    ``compute_s`` measures the work before the wait on the slowest peer (rule 7: in synchronous
-    training every rank's wall step time is the same; this part is not).  The hook then runs
-    DDP's default all-reduce.
+    - DDP: each time a gradient bucket is handed to the all-reduce (a comm hook that then runs
+      DDP's default all-reduce).  The last bucket of a step is ready when this rank's backward
+      compute is finished, so ``compute_s`` is the work before the wait on the slowest peer
+      (in synchronous training every rank's wall step time is the same; this part is not).
+    - FSDP2 (``fully_shard``): at the end of the root module's forward pass.  FSDP gathers the
+      parameters inside forward, so there ``compute_s`` is the forward pass, all-gathers
+      included: a coarser split than DDP's.
+
+    Any other module raises ``TypeError``: call ``timer.compute_done()`` yourself after the
+    part of the step that is this rank's own work.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.register_forward_hook(lambda _m, _args, _out: timer.compute_done())
+        return
+    if not hasattr(model, "register_comm_hook"):
+        raise TypeError(
+            f"attach_compute_timer needs a DistributedDataParallel or fully_shard (FSDP2) "
+            f"model, not {type(model).__name__}: call timer.compute_done() yourself where "
+            "this rank's own compute ends (before the first blocking collective)")
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
 
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
         timer.compute_done()
         return default_hooks.allreduce_hook(state, bucket)
 
-    ddp_model.register_comm_hook(process_group or dist.group.WORLD, hook)  # type: ignore[operator]
+    model.register_comm_hook(process_group or dist.group.WORLD, hook)  # type: ignore[operator]

@@ -139,19 +139,26 @@ class FaultInjector:
                 self._announce(f, step)
                 time.sleep(compute_s * (f.factor - 1.0))
 
+    def data_faults(self, batch_index: int) -> list[Fault]:
+        """The spike and nan faults that corrupt global batch ``batch_index`` (announced by
+        rank 0); for data that ``corrupt`` cannot handle (token ids, say)."""
+        hit = [f for f in self.faults
+               if (f.kind == "spike" and f.step <= batch_index < f.step + f.span)
+               or (f.kind == "nan" and batch_index == f.step)]
+        if self.rank == 0:
+            for f in hit:
+                self._announce(f, batch_index)
+        return hit
+
     def corrupt(self, batch_index: int, x: torch.Tensor, y: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Corrupt the data of the batches a spike or nan fault names."""
-        for f in self.faults:
-            if f.kind == "spike" and f.step <= batch_index < f.step + f.span:
-                if self.rank == 0:
-                    self._announce(f, batch_index)
+        for f in self.data_faults(batch_index):
+            if f.kind == "spike":
                 # Large, wrong targets: a loss jump whose gradients wreck the weights and
                 # inflate Adam's second moments, so the loss stays high for a long while.
                 x = x * f.scale
                 y = -y * f.scale + f.scale
-            if f.kind == "nan" and batch_index == f.step:
-                if self.rank == 0:
-                    self._announce(f, batch_index)
+            if f.kind == "nan":
                 x = torch.full_like(x, float("nan"))
         return x, y

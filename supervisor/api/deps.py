@@ -1,4 +1,5 @@
-"""FastAPI dependencies: the store, the clock, the settings, and the one token check.
+"""FastAPI dependencies: the store, the clock, the settings, the straggler detector's
+configuration, and the one token check.
 
 Tests override ``get_db``/``get_clock`` through ``app.dependency_overrides``.  The
 dependencies are ``async`` (they do no I/O) so FastAPI does not hop to a thread for each.
@@ -15,6 +16,7 @@ from typing import Annotated, Literal
 from fastapi import Depends, HTTPException, Request, status
 
 from supervisor.config import AuthConfig, SupervisorSettings
+from supervisor.detect.straggler import StragglerConfig
 from supervisor.evaluator import Clock
 from supervisor.ingest import IngestWriter
 from supervisor.store.db import Database
@@ -34,6 +36,13 @@ async def get_writer(request: Request) -> IngestWriter:
 async def get_clock(request: Request) -> Clock:
     clock: Clock = getattr(request.app.state, "clock", time.time)
     return clock
+
+
+async def get_straggler_config(request: Request) -> StragglerConfig:
+    """The straggler detector's configuration the evaluator judges with (the scores the API
+    and the dashboard show are computed with it)."""
+    cfg: StragglerConfig = request.app.state.evaluator.detection.straggler
+    return cfg
 
 
 async def get_settings(request: Request) -> SupervisorSettings:
@@ -94,6 +103,7 @@ DB = Annotated[Database, Depends(get_db)]
 ClockDep = Annotated[Clock, Depends(get_clock)]
 Writer = Annotated[IngestWriter, Depends(get_writer)]
 Settings = Annotated[SupervisorSettings, Depends(get_settings)]
+Straggler = Annotated[StragglerConfig, Depends(get_straggler_config)]
 ReadAuth = Annotated[Principal, Depends(TokenCheck("read"))]
 AgentAuth = Annotated[Principal, Depends(TokenCheck("agent"))]
 OperatorAuth = Annotated[Principal, Depends(TokenCheck("operator"))]

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, status
 from pydantic import BaseModel, Field
 
-from supervisor import actions, policy
-from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor import actions, observe, policy
+from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
 from supervisor.enums import Actor
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
@@ -93,11 +93,18 @@ def get_steps(
 
 
 @router.get("/runs/{run}/ranks", response_model=None)
-def get_ranks(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
-    """Latest report of each rank (timings, loss, grad norm; non-finite values as strings)."""
+def get_ranks(run: str, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
+    """Latest report of each rank (timings, loss, grad norm; non-finite values as strings)
+    with its straggler ``score`` and ``slow`` (the straggler detector's statistic and rule,
+    as ``/metrics`` exports them), lowest score first; ``straggler``: the rule's settings."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        return {"run": run, "ranks": reads.rank_latest(conn, run_id=r["id"])}
+        newest = reads.newest_step(conn, run_id=r["id"])
+        return {"run": run, "ranks": observe.rank_rows(conn, r["id"], newest, straggler),
+                "straggler": {"threshold": straggler.threshold,
+                              "window_steps": straggler.window_steps,
+                              "min_steps": straggler.min_steps,
+                              "min_excess_s": straggler.min_excess_s}}
 
 
 def _listing(db: Any, run: str, key: str, fn: Any, limit: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
@@ -20,6 +20,8 @@ from supervisor.api.deps import Principal, TokenCheck
 COOKIE = "trainwarden_token"
 COOKIE_MAX_AGE_S = 7 * 24 * 3600
 _SAFE = frozenset({"GET", "HEAD"})
+CROSS_SITE = ("refused: this form was not sent from the supervisor's own page (Origin/Referer "
+              "missing or another site)")
 
 
 class CookieAuth:
@@ -82,6 +84,22 @@ async def form_token(request: Request) -> str:
     body = (await request.body()).decode("utf-8", "replace")
     values = parse_qs(body).get("token") or [""]
     return values[0].strip()
+
+
+def same_origin(request: Request) -> bool:
+    """Does the request's ``Origin`` (or, without one, ``Referer``) name the host it was sent
+    to?  Browsers send ``Origin`` with every form POST; a request with neither is refused."""
+    host = request.headers.get("host")
+    source = request.headers.get("origin")
+    if source is None:
+        source = request.headers.get("referer")
+    if not host or not source or source == "null":
+        return False
+    try:
+        parts = urlsplit(source)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
 
 
 def valid_token_text(token: str) -> bool:

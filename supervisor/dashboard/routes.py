@@ -17,8 +17,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from supervisor.api.deps import DB, ClockDep, ReadAuth
+from supervisor.api.deps import DB, ClockDep, ReadAuth, Straggler
 from supervisor.dashboard import auth, etag, views
+from supervisor.detect.straggler import StragglerConfig
 from supervisor.store import reads, registry
 from supervisor.store.db import Connection
 from supervisor.store.rows import RunRow
@@ -121,6 +122,9 @@ async def login_form(request: Request) -> HTMLResponse:
 
 @router.post("/login")
 async def login(request: Request) -> Response:
+    if not auth.same_origin(request):
+        # A cross-site form would sign this browser in with the forger's token (login CSRF).
+        return _login_page(request, auth.CROSS_SITE, status.HTTP_403_FORBIDDEN)
     token = await auth.form_token(request)
     nxt = _safe_next(request.query_params.get("next", "/"))
     if not auth.valid_token_text(token) or await auth.check(request, token) is None:
@@ -131,10 +135,20 @@ async def login(request: Request) -> Response:
 
 
 @router.post("/logout")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    if not auth.same_origin(request):
+        return _login_page(request, auth.CROSS_SITE, status.HTTP_403_FORBIDDEN)
     resp = RedirectResponse("/login", status.HTTP_303_SEE_OTHER)
     auth.clear_cookie(resp)
     return resp
+
+
+@router.get("/docs", response_class=HTMLResponse)
+def api_docs(request: Request) -> Response:
+    """Swagger UI over ``/openapi.json``, from the vendored assets (no CDN, no inline
+    script)."""
+    return templates.TemplateResponse(request, "docs.html",
+                                      {"openapi_url": request.app.openapi_url})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,10 +162,12 @@ def _run_or_404(conn: Connection, name: str) -> RunRow:
     return run
 
 
-def _run_context(db: Any, name: str, now: float) -> dict[str, Any]:
+def _run_context(db: Any, name: str, now: float, straggler: StragglerConfig
+                 ) -> dict[str, Any]:
     with db.read() as conn:
         r = _run_or_404(conn, name)
-        return {"run": views.run_row(conn, r, now), **views.run_tables(conn, r, now)}
+        return {"run": views.run_row(conn, r, now),
+                **views.run_tables(conn, r, now, straggler)}
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -171,22 +187,23 @@ async def runs_page(request: Request, db: DB, clock: ClockDep) -> Response:
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)
-async def run_page(run: str, request: Request, db: DB, clock: ClockDep) -> Response:
+async def run_page(run: str, request: Request, db: DB, clock: ClockDep,
+                   straggler: Straggler) -> Response:
     role = await _page_auth(request)
     if isinstance(role, Response):
         return role
     now = clock()
-    ctx = await run_in_threadpool(_run_context, db, run, now)
+    ctx = await run_in_threadpool(_run_context, db, run, now, straggler)
     return templates.TemplateResponse(
         request, "run.html", {**ctx, "now": now, "principal": role, "poll_ms": POLL_MS})
 
 
 @router.get("/runs/{run}/tables", response_class=HTMLResponse)
-def run_tables(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth
-               ) -> Response:
+def run_tables(run: str, request: Request, db: DB, clock: ClockDep, straggler: Straggler,
+               _auth: ReadAuth) -> Response:
     """The run page's tables alone (the page's script swaps them in when the run changed)."""
     now = clock()
-    ctx = _run_context(db, run, now)
+    ctx = _run_context(db, run, now, straggler)
     return templates.TemplateResponse(request, "_run_tables.html", {**ctx, "now": now})
 
 
@@ -213,10 +230,11 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
 
 
 @router.get("/dashboard/api/runs/{run}/series")
-def run_series(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+def run_series(run: str, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
     """Chart extras: spike/rollback markers, per-rank phase times, and the factor that turns
     throughput into MFU (null until the run declares FLOPs and the hardware peak)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
         return {"run": run, "markers": views.markers(conn, r["id"]),
-                "ranks": views.rank_series(conn, r["id"]), "mfu": views.mfu_feed(conn, r["id"])}
+                "ranks": views.rank_series(conn, r["id"], straggler),
+                "mfu": views.mfu_feed(conn, r["id"])}

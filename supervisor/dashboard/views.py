@@ -6,7 +6,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor import metrics
+from supervisor import metrics, observe
+from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ActionKind, IncidentKind, RestartCause
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
@@ -58,19 +59,17 @@ def stacks_of(incident: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(str(k), str(stacks[k])) for k in sorted(stacks, key=key)]
 
 
-def run_tables(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
-    """Incidents, actions, checkpoints, nodes and ranks of a run."""
+def run_tables(conn: Connection, run: RunRow, now: float,
+               straggler: StragglerConfig) -> dict[str, Any]:
+    """Incidents, actions, checkpoints, nodes and ranks of a run (``straggler``: the
+    detector's configuration, which the ranks' scores are computed with)."""
     run_id = run["id"]
     incidents = [{**inc, "stacks": stacks_of(inc),
                   "details_other": {k: v for k, v in (inc["details"] or {}).items()
                                     if k != "stacks"}}
                  for inc in reads.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT)]
     newest = reads.newest_step(conn, run_id=run_id)
-    scores = metrics.run_scores(conn, run_id, newest)
-    ranks = reads.rank_latest(conn, run_id=run_id)
-    for r in ranks:
-        r["score"] = scores.get(int(r["rank"]))
-    ranks.sort(key=lambda r: (r["score"] if r["score"] is not None else 9e9, r["rank"]))
+    ranks = observe.rank_rows(conn, run_id, newest, straggler)
     protected = set(run.get("protected") or [])
     checkpoints = [{**c, "protected": c["path"] in protected}
                    for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
@@ -81,6 +80,7 @@ def run_tables(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
         "agents": [node_health(a) for a in registry.run_agents(conn, run_id=run_id)],
         "ranks": ranks[:RANKS_SHOWN],
         "ranks_total": len(ranks),
+        "straggler": straggler,
     }
 
 
@@ -150,7 +150,7 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
     return out
 
 
-def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
+def rank_series(conn: Connection, run_id: int, straggler: StragglerConfig) -> dict[str, Any]:
     """Per-rank data+compute seconds over the newest attempt's last steps: the slowest ranks
     and the median over all ranks (so a slow rank stands out)."""
     newest = reads.newest_step(conn, run_id=run_id)
@@ -158,7 +158,7 @@ def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
         return {"attempt": None, "steps": [], "series": [], "median": []}
     nodes = windows.rank_nodes(conn, run_id=run_id)
     n_ranks = max(1, len(nodes))
-    window = max(metrics.STRAGGLER_WINDOW, min(300, RANK_POINTS_BUDGET // n_ranks))
+    window = max(straggler.window_steps, min(300, RANK_POINTS_BUDGET // n_ranks))
     rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=int(newest["attempt"]),
                                 step_from=int(newest["step"]) - window + 1)
     by_step: dict[int, dict[int, float]] = {}
@@ -168,12 +168,15 @@ def rank_series(conn: Connection, run_id: int) -> dict[str, Any]:
         by_step.setdefault(int(r["step"]), {})[int(r["rank"])] = \
             float(r["data_s"] or 0.0) + float(r["compute_s"] or 0.0)
     steps = sorted(by_step)
-    scores = metrics.run_scores(conn, run_id, newest)  # the same as the table's and /metrics'
-    shown = sorted(scores, key=lambda k: (scores[k], k))[:RANK_SERIES_SHOWN]
+    # the same scores as the table's, the API's and /metrics'
+    scores = observe.run_scores(conn, run_id, newest, straggler)
+    shown = sorted(scores, key=lambda k: (scores[k].score, k))[:RANK_SERIES_SHOWN]
     return {
         "attempt": newest["attempt"],
         "steps": steps,
-        "series": [{"rank": k, "node": nodes.get(k, ""), "score": scores[k],
+        "threshold": straggler.threshold,
+        "series": [{"rank": k, "node": nodes.get(k, ""), "score": scores[k].score,
+                    "slow": scores[k].slow,
                     "values": [by_step[s].get(k) for s in steps]} for k in shown],
         "median": [statistics.median(by_step[s].values()) for s in steps],
     }

@@ -33,11 +33,13 @@ from supervisor.detect.loss_spike import (
 )
 from supervisor.detect.node_lost import NodeLostConfig, detect_lost_nodes
 from supervisor.detect.straggler import (
+    RankScore,
     StragglerConfig,
     add_pre_collective,
     detect_stragglers,
     pre_collective_table,
     rank_baselines,
+    straggler_scores,
 )
 from supervisor.detect.throughput import (
     ThroughputConfig,
@@ -59,6 +61,7 @@ __all__ = [
     "NodeLostConfig",
     "ProgressWindow",
     "RankProgress",
+    "RankScore",
     "Severity",
     "StragglerConfig",
     "ThroughputConfig",
@@ -78,4 +81,5 @@ __all__ = [
     "reference_range",
     "reference_rate",
     "samples_from_pairs",
+    "straggler_scores",
 ]

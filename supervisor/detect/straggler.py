@@ -14,7 +14,14 @@ sustained slowdown (more than half the window), so a single slow step (a page fa
 pause, a checkpoint) moves nothing, and they average the per-step noise of *both* sides down
 before the ratio is taken.  The median of the *other* ranks (rather than of all ranks, self
 included) keeps a 2- or 3-rank job honest: with two ranks the slow one would otherwise pull
-its own reference half-way up.
+its own reference half-way up.  A rank must also be at least ``min_excess_s`` slower than its
+peers (medians over the window).  Windows are step ranges: the newest ``window_steps`` steps.
+
+One statistic: ``straggler_scores`` is the score and the rule above on the newest window, and
+it is what everything else uses: the detector (below), ``/metrics``
+(``trainwarden_rank_straggler_score`` and ``trainwarden_rank_straggler_slow``), the
+dashboard's ranks table and chart, the API's ``/runs/{run}/ranks`` and, through the exported
+``slow``, the ``TrainwardenStraggler`` alert: its threshold is this configuration's.
 
 Hold: the same score over the longer ``hold_steps`` window also flags.  The short window
 flags early; the long one, less noisy, keeps the flag up while the straggler stays slow (with
@@ -43,7 +50,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +118,47 @@ def add_pre_collective(table: dict[int, dict[int, float]], step: int, rank: int,
         table.setdefault(step, {})[rank] = v
 
 
+@dataclass(frozen=True)
+class RankScore:
+    """One rank's straggler score over a window: the number the detector judges, ``/metrics``
+    exports, the dashboard and the API show and the ``TrainwardenStraggler`` alert reads."""
+
+    rank: int
+    score: float  # median of the other ranks' medians / this rank's median
+    rank_s: float  # this rank's median pre-collective seconds over the window
+    peers_s: float  # the median of the other ranks' medians
+    steps: int  # this rank's measurements in the window
+    slow: bool  # the detector's rule on this window: score < threshold and excess >= min
+
+    @property
+    def excess_s(self) -> float:
+        """Seconds this rank is slower than its peers (medians over the window)."""
+        return self.rank_s - self.peers_s
+
+
+def window_of(steps: Sequence[int], n: int) -> list[int]:
+    """The steps of the newest ``n``-step range: ``(newest - n, newest]`` (a gap in the
+    reports shortens the window rather than reaching further back)."""
+    return [s for s in steps if s > steps[-1] - n] if steps else []
+
+
+def straggler_scores(table: PreCollectiveTable, cfg: StragglerConfig | None = None
+                     ) -> dict[int, RankScore]:
+    """Every rank's score over the newest ``cfg.window_steps`` steps of ``table`` (give it
+    the steps every rank has delivered), for the ranks with at least ``cfg.min_steps``
+    measurements there; empty with fewer than two such ranks (no peers to compare with)."""
+    cfg = cfg or StragglerConfig()
+    steps = window_of(sorted(table), cfg.window_steps)
+    return {r: _rank_score(r, score, peers, mine, n, cfg)
+            for r, (score, peers, mine, n) in _peer_scores(table, steps, cfg.min_steps).items()}
+
+
+def _rank_score(r: int, score: float, peers_s: float, rank_s: float, n: int,
+                cfg: StragglerConfig) -> RankScore:
+    return RankScore(rank=r, score=score, rank_s=rank_s, peers_s=peers_s, steps=n,
+                     slow=score < cfg.threshold and rank_s - peers_s >= cfg.min_excess_s)
+
+
 def rank_baselines(table: PreCollectiveTable, min_steps: int = 1) -> dict[int, float]:
     """Each rank's median pre-collective time over the table (for an explicit baseline: build
     it once from an early window of the attempt, after warm-up)."""
@@ -142,29 +190,33 @@ def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None 
     steps = sorted(table)
     if not steps:
         return []
-    recent_steps = steps[-cfg.window_steps:]
-    older_steps = steps[: -cfg.window_steps]
-    short = _peer_scores(table, recent_steps, cfg.min_steps)
+    recent_steps = window_of(steps, cfg.window_steps)
+    older_steps = steps[: len(steps) - len(recent_steps)]
+    short = straggler_scores(table, cfg)
     ranks = {r for s in recent_steps for r, v in table[s].items() if _ok(v)}
     out: list[Finding] = []
     if len(ranks) >= 2:
-        if not flagged_ranks and all(v[0] >= cfg.threshold for v in short.values()):
+        if not flagged_ranks and not any(v.slow for v in short.values()):
             return []  # nobody slow, no episode to hold: the longer window cannot change that
-        hold_steps = steps[-cfg.hold_steps:] if cfg.hold_steps > len(recent_steps) else []
-        held = _peer_scores(table, hold_steps, cfg.min_steps) if hold_steps else {}
-        held_open = {r: v for r, v in held.items() if r in set(flagged_ranks)}
-        flagged = [r for r in sorted(short)
-                   if min(short[r][0], held_open.get(r, (math.inf, 0.0))[0]) < cfg.threshold
-                   and _excess(short[r]) >= cfg.min_excess_s]
+        hold_steps = (window_of(steps, cfg.hold_steps)
+                      if cfg.hold_steps > cfg.window_steps else [])
+        held = {r: v[0] for r, v in _peer_scores(table, hold_steps, cfg.min_steps).items()
+                } if hold_steps else {}
+        open_ranks = set(flagged_ranks)
+        # Slow on the window; or, for an episode already open, still below the threshold on
+        # the longer hold window (and slower by the minimum on this one).
+        flagged = [r for r, v in sorted(short.items())
+                   if v.slow or (r in open_ranks and held.get(r, math.inf) < cfg.threshold
+                                 and v.excess_s >= cfg.min_excess_s)]
         per_step = _step_scores(table, steps, flagged) if flagged else {}
         for r in flagged:
-            score, peers_s = short[r]
-            hold = held.get(r, (math.inf, 0.0))[0]
+            v = short[r]
+            hold = held.get(r, math.inf)
             own = _own_history(table, r, recent_steps, older_steps, baseline, cfg)
-            extra = {"window_score": round(score, 4),
+            extra = {"window_score": round(v.score, 4),
                      "hold_score": None if math.isinf(hold) else round(hold, 4)}
-            out.append(_finding(r, nodes.get(r), "peers", min(score, hold), cfg.threshold,
-                                per_step[r], peers_s, own, table, recent_steps, cfg, extra))
+            out.append(_finding(r, nodes.get(r), "peers", min(v.score, hold), cfg.threshold,
+                                per_step[r], v.peers_s, own, table, recent_steps, cfg, extra))
         return out
     for r in sorted(ranks):  # a single rank: only its own history can tell
         own = _own_history(table, r, recent_steps, older_steps, baseline, cfg)
@@ -177,16 +229,11 @@ def detect_stragglers(table: PreCollectiveTable, *, cfg: StragglerConfig | None 
     return out
 
 
-def _excess(score_and_peers: tuple[float, float]) -> float:
-    """Seconds this rank is slower than its peers (median over the window)."""
-    score, peers_s = score_and_peers
-    return peers_s / score - peers_s if score > 0 else math.inf
-
-
 def _peer_scores(table: PreCollectiveTable, steps: list[int], min_steps: int
-                 ) -> dict[int, tuple[float, float]]:
+                 ) -> dict[int, tuple[float, float, float, int]]:
     """rank -> (median of the other ranks' medians / its median over ``steps``, that peer
-    median), for ranks with at least ``min_steps`` values; empty with fewer than two."""
+    median, its median, its number of values), for ranks with at least ``min_steps`` values;
+    empty with fewer than two."""
     per: dict[int, list[float]] = {}
     for s in steps:
         for r, v in table[s].items():
@@ -199,7 +246,7 @@ def _peer_scores(table: PreCollectiveTable, steps: list[int], min_steps: int
     out = {}
     for i, (m, r) in enumerate(items):
         peers = median_excluding(vals, i)
-        out[r] = (peers / m, peers)
+        out[r] = (peers / m, peers, m, len(per[r]))
     return out
 
 

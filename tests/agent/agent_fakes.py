@@ -48,7 +48,7 @@ class FakeSupervisor:
         self.batches: dict[int, dict[str, Any]] = {}
         self.arrivals: list[int] = []  # seqs in arrival order, duplicates included
         self.duplicates = 0
-        self.down: str | None = None  # None | "connect" | "503"
+        self.down: str | None = None  # None | "connect" | an HTTP status such as "503"
         self.status_for_seq: dict[int, int] = {}
         self.commands: dict[int, dict[str, Any]] = {}
         self.registers: list[dict[str, Any]] = []
@@ -61,8 +61,8 @@ class FakeSupervisor:
     def handle(self, method: str, path: str, headers: dict[str, str],
                body: bytes) -> tuple[int, dict[str, Any]]:
         with self.lock:
-            if self.down == "503":
-                return 503, {"detail": "down"}
+            if self.down is not None and self.down.isdigit():
+                return int(self.down), {"detail": "down"}
             if self.token and headers.get("authorization") != f"Bearer {self.token}":
                 return 401, {"detail": "bad token"}
             data = json.loads(body) if body else {}

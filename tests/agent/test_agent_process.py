@@ -447,6 +447,62 @@ def test_pins_follow_what_the_supervisor_protects_without_lifting_the_restart_pi
     assert saved["pins"] == {"restart": [str(ck / "step_100")]}
 
 
+def test_pins_are_written_only_inside_the_checkpoint_root(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    """Paths outside --checkpoint-root (elsewhere, by ``..``, by a symlink inside the root
+    that leads out) are refused, reported, and nothing is written there, by the supervisor's
+    protect list or by a restart's plan."""
+    ck, out = fake_run.tmp_path / "ckpt", fake_run.tmp_path / "elsewhere"
+    for d in (ck / "step_50", out / "step_5", out / "step_6", out / "step_7", out / "step_9"):
+        d.mkdir(parents=True)
+    (ck / "step_9").symlink_to(out / "step_9")
+    agent = make_agent(agents, fake_run.config("serve"), fake_supervisor)
+    agent.start()
+    hostile = [str(out / "step_5"), str(ck / ".." / "elsewhere" / "step_6"), str(ck / "step_9")]
+    fake_supervisor.protect = [*hostile, str(ck / "step_50")]
+    tick_until(agent, lambda: (ck / "step_50" / "PINNED").exists(), what="the good pin")
+    fake_supervisor.commands[1] = {"id": 1, "kind": "restart", "attempt": 1,
+                                   "plan": {"checkpoint": str(out / "step_7")}}
+    tick_until(agent, lambda: 1 not in fake_supervisor.commands, what="restart done")
+
+    def refused() -> set[str]:
+        return {e["details"]["path"] for e in fake_supervisor.items("event")
+                if e["name"] == "checkpoint_pin_refused"}
+
+    tick_until(agent, lambda: refused() == {*hostile, str(out / "step_7")},
+               what="the refusals reported")
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
+        ["step_5", "step_6", "step_7", "step_9"], "nothing written outside the root"
+    assert agent.pins.refused == 4
+    assert "not inside the checkpoint root" in next(
+        e["message"] for e in fake_supervisor.items("event")
+        if e["name"] == "checkpoint_pin_refused")
+
+
+def test_without_a_checkpoint_root_pins_follow_the_workers_reported_directory(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    """The default (no --checkpoint-root): nothing is pinned until the workers report a
+    checkpoint, then only inside that checkpoint's directory; the directory is remembered
+    across agent restarts."""
+    ck, out = fake_run.tmp_path / "ckpt", fake_run.tmp_path / "elsewhere"
+    for d in (ck / "step_5", ck / "step_10", out / "step_5"):
+        d.mkdir(parents=True)
+    cfg = fake_run.config("serve", checkpoint_root=None)
+    agent = make_agent(agents, cfg, fake_supervisor)
+    agent.start()
+    fake_supervisor.protect = [str(ck / "step_10"), str(out / "step_5")]
+    tick_until(agent, lambda: agent.pins.refused == 2, what="refused: no root known yet")
+    assert not (ck / "step_10" / "PINNED").exists()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(protocol.encode_datagram({"type": "checkpoint", "rank": 0, "step": 5,
+                                           "path": str(ck / "step_5"), "t": time.time()}),
+                 str(cfg.socket_path))
+    tick_until(agent, lambda: (ck / "step_10" / "PINNED").exists(), what="the pin")
+    assert not (out / "step_5" / "PINNED").exists()
+    saved = json.loads((agent.state_dir / "agent.json").read_text())
+    assert saved["checkpoint_roots"] == [str(ck)]
+
+
 def test_heartbeats_carry_disk_of_the_reported_checkpoints_and_gpu_health(
         fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
     """Without --checkpoint-root the agent measures the disk of the checkpoints the workers

@@ -12,6 +12,7 @@ from agent_fakes import FakeSupervisor
 
 from agent import protocol
 from agent.config import AgentConfig
+from agent.deadletter import DeadLetters
 from agent.executor import Executor
 from agent.launcher import parse_failure_summary
 from agent.monitor import DatagramReceiver, GpuHealth, disk_usage
@@ -330,8 +331,103 @@ def test_uplink_rejected_batch_does_not_wedge(tmp_path: Path) -> None:
     for step in range(3):
         up.enqueue([{"type": "step", "step": step}], HB, 0)
     up.pump()
-    assert fake.seqs() == [0, 2] and up.pending == 0 and up.rejected == 1
-    assert list((tmp_path / "rejected").glob("000000000001-*.json"))
+    assert fake.seqs() == [0, 2] and up.pending == 0 and up.dead_lettered == 1
+    assert list((tmp_path / "dead-letter").glob("000000000001-*.json"))
+
+
+def test_uplink_sets_a_failing_batch_aside_once_newer_ones_are_accepted(
+        tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    fake.status_for_seq[1] = 500
+    up = _uplink(tmp_path, fake, clock, max_5xx_tries=3)
+    for step in range(3):
+        up.enqueue([{"type": "step", "step": step}], HB, 0)
+    for _ in range(5):
+        up.pump()
+        clock.t += 20
+    assert fake.seqs() == [0, 2] and up.pending == 0 and up.dead_lettered == 1
+    assert "HTTP 500" in (tmp_path / "dead-letter" / "000000000001-2.reply.txt").read_text()
+    # The next batch announces it, first in line.
+    up.enqueue([], HB, 0)
+    up.pump()
+    notice = fake.batches[3]["items"][0]
+    assert notice["name"] == "batch_dead_lettered"
+    assert {k: notice["details"][k] for k in ("seq", "status", "count", "items")} == \
+        {"seq": 1, "status": 500, "count": 1, "items": 2}
+    up.enqueue([], HB, 0)
+    up.pump()
+    assert [i["type"] for i in fake.batches[4]["items"]] == ["heartbeat"]  # announced once
+    up.close()
+
+
+def test_uplink_outage_of_5xx_sets_nothing_aside(tmp_path: Path) -> None:
+    """Every batch answered 500 (a database down behind the supervisor): none is the batch's
+    fault, so none is set aside, however long it lasts; all arrive once it is back."""
+    fake, clock = FakeSupervisor(), Clock()
+    up = _uplink(tmp_path, fake, clock, max_5xx_tries=2)
+    up.enqueue([], HB, 0)
+    up.pump()  # registered
+    fake.down = "500"
+    for step in range(20):
+        up.enqueue([{"type": "step", "step": step}], HB, 0)
+        up.pump()
+        clock.t += 20
+    assert up.dead_lettered == 0 and up.pending == 20
+    fake.down = None
+    up.pump()
+    assert up.pending == 0 and up.dead_lettered == 0
+    assert [i["step"] for i in fake.items("step")] == list(range(20))
+    up.close()
+
+
+def test_uplink_4xx_for_token_trouble_or_overload_is_never_final(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    up = _uplink(tmp_path, fake, clock, max_5xx_tries=1)
+    up.enqueue([], HB, 0)
+    up.pump()
+    for code in ("401", "403", "408", "429", "502", "503", "504"):
+        fake.down = code
+        up.enqueue([], HB, 0)
+        for _ in range(3):
+            up.pump()
+            clock.t += 20
+    assert up.dead_lettered == 0 and up.pending == 7
+    fake.down = None
+    up.pump()
+    assert fake.seqs() == list(range(8))
+    up.close()
+
+
+def test_dead_letter_store_is_bounded_oldest_first_and_counted(tmp_path: Path) -> None:
+    fake, clock = FakeSupervisor(), Clock()
+    for seq in range(6):
+        fake.status_for_seq[seq] = 422
+    up = _uplink(tmp_path, fake, clock, dead_letter_max_batches=4,
+                 dead_letter_max_bytes=10**9)
+    for step in range(6):
+        up.enqueue([{"type": "step", "step": step}], HB, 0)
+    up.pump()
+    kept = sorted(p.name.split("-")[0] for p in (tmp_path / "dead-letter").glob("*.json"))
+    assert kept == [f"{s:012d}" for s in (2, 3, 4, 5)]
+    assert len(list((tmp_path / "dead-letter").glob("*.reply.txt"))) == 4
+    assert up.dead_lettered == 6 and up.dead_letter_dropped == 2
+    up.close()
+    # The counts survive the agent; the announcements not yet sent too.
+    up2 = _uplink(tmp_path, fake, clock)
+    assert up2.dead_lettered == 6 and up2.dead_letter_dropped == 2
+    up2.enqueue([], HB, 0)
+    up2.pump()
+    notices = [i for i in fake.batches[6]["items"] if i.get("name") == "batch_dead_lettered"]
+    assert [n["details"]["seq"] for n in notices] == list(range(6))
+    assert notices[-1]["details"]["dropped"] == 2
+    up2.close()
+    # A byte bound: one big entry pushes the older ones out, the newest always stays.
+    small = DeadLetters(tmp_path / "dl2", max_bytes=1000, max_batches=100)
+    for seq, size in ((0, 300), (1, 300), (2, 900)):
+        f = tmp_path / f"{seq:012d}-1.json"
+        f.write_bytes(b"x" * size)
+        small.put(f, "HTTP 422")
+    assert [p.name for p in small.entries()] == ["000000000002-1.json"] and small.dropped == 2
 
 
 def test_uplink_bad_token_keeps_batches(tmp_path: Path) -> None:

@@ -39,9 +39,17 @@ def require_browser() -> None:
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
 
 
+# Every Content-Security-Policy violation, as a console error the tests see (Chromium logs
+# most of them itself; this also catches the ones it reports only to the page).
+CSP_LISTENER = """document.addEventListener("securitypolicyviolation", function (e) {
+  console.error("CSP violation: " + e.violatedDirective + " blocked " + e.blockedURI);
+});"""
+
+
 @contextlib.contextmanager
 def browser_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
-    """A fresh Chromium page (console errors collected in ``page.errors``)."""
+    """A fresh Chromium page (console errors and CSP violations collected in
+    ``page.errors``)."""
     require_browser()
     from playwright.sync_api import sync_playwright
 
@@ -49,6 +57,7 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             context = browser.new_context(viewport={"width": width, "height": height})
+            context.add_init_script(CSP_LISTENER)
             page = context.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))

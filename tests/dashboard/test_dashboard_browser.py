@@ -131,3 +131,58 @@ def test_rollback_form_posts_and_follows_the_action(db: Database) -> None:
                      "body": {"checkpoint": 1, "skip": [[100, 120], [130, 140]],
                               "lr_scale": 0.25, "lr_scale_steps": 200, "lr_ramp_steps": 100,
                               "reason": "loss spike at 30"}}]
+
+
+def test_the_pages_run_under_the_content_security_policy(db: Database) -> None:
+    """The policy is on (no inline script or style allowed): the run page draws its charts
+    and the API docs render Swagger UI from the vendored assets, with no violation; an inline
+    style smuggled into the page is refused (so a violation would show here)."""
+    require_browser()
+    app = build_app(db, FakeClock())
+    with serve_in_thread(app) as base, httpx.Client(base_url=base) as client:
+        SynthRun(client, "alpha").register().train(range(60), t0=T0, checkpoint_every=20)
+        with browser_page() as page:
+            login(page, base, OPERATOR_TOKEN, "/runs/alpha")
+            wait_for_charts(page)
+            page.goto(f"{base}/docs")
+            page.wait_for_selector(".swagger-ui .opblock", timeout=15_000)
+            page.locator(".opblock-summary-path", has_text="/api/v1/ingest").first.click()
+            page.wait_for_selector(".opblock.is-open .model-example", timeout=10_000)
+            screenshot(page, "api-docs")
+            assert page.errors == [], page.errors
+            page.evaluate("""() => { const d = document.createElement("div");
+                                      d.innerHTML = '<p style="color: red">x</p>';
+                                      document.body.appendChild(d); }""")
+            wait_for(lambda: page.errors, 5, "the violation to be reported")
+            assert any("style-src" in e for e in page.errors), page.errors
+
+
+def test_a_login_form_on_another_site_is_refused(db: Database, tmp_path: Path) -> None:
+    """Login CSRF in a real browser: a page on another origin posts the forger's token to
+    /login; the supervisor refuses it and the browser gets no cookie."""
+    require_browser()
+    import http.server
+    import threading
+
+    app = build_app(db, FakeClock())
+    with serve_in_thread(app) as base:
+        (tmp_path / "evil.html").write_text(
+            f'<form method="post" action="{base}/login"><input name="token" '
+            f'value="{OPERATOR_TOKEN}"><button id="go">win a prize</button></form>')
+        handler = lambda *a, **kw: http.server.SimpleHTTPRequestHandler(  # noqa: E731
+            *a, directory=str(tmp_path), **kw)
+        evil = http.server.ThreadingHTTPServer(("localhost", 0), handler)
+        th = threading.Thread(target=evil.serve_forever, daemon=True)
+        th.start()
+        try:
+            with browser_page() as page:
+                page.goto(f"http://localhost:{evil.server_address[1]}/evil.html")
+                with page.expect_response(lambda r: r.url.startswith(f"{base}/login")) as resp:
+                    page.click("#go")
+                assert resp.value.status == 403
+                assert "not sent from the supervisor" in page.content()
+                assert [c for c in page.context.cookies() if c["name"] == "trainwarden_token"] \
+                    == []
+        finally:
+            evil.shutdown()
+            evil.server_close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 from fastapi.testclient import TestClient
 
 from supervisor.evaluator import Evaluator
@@ -75,16 +78,19 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
                                               clock: FakeClock, evaluator: Evaluator) -> None:
     seed(client, db, clock, evaluator)
     run = SynthRun(client, "alpha", agents={0: 1, 1: 2}, seq={0: 100, 1: 100})
-    run.train(range(40, 45), t0=T0 + 30, attempt=1, slow_rank=2)
+    # 12 steps: the detector judges a rank on 10 or more (a fresh attempt is not scored on
+    # a handful), and the chart's scores are the detector's
+    run.train(range(40, 52), t0=T0 + 30, attempt=1, slow_rank=2)
     clock.advance(1)
     evaluator.tick()  # the restart resumes at step 40
     feed = client.get("/dashboard/api/runs/alpha/series", headers=OPERATOR).json()
     kinds = {(m["type"], m["from"], m["to"]) for m in feed["markers"]}
     assert ("spike", 30, 36) in kinds and ("restart", 40, 40) in kinds
     ranks = feed["ranks"]
-    assert ranks["attempt"] == 1 and ranks["steps"] == [40, 41, 42, 43, 44]
+    assert ranks["attempt"] == 1 and ranks["steps"] == list(range(40, 52))
     assert ranks["series"][0]["rank"] == 2 and ranks["series"][0]["score"] < 0.75
-    assert len(ranks["median"]) == 5 and feed["mfu"] is None
+    assert ranks["series"][0]["slow"] is True and ranks["threshold"] == 0.75
+    assert len(ranks["median"]) == 12 and feed["mfu"] is None
     steps = client.get("/api/v1/runs/alpha/steps?max_points=10", headers=OPERATOR).json()
     assert len(steps["points"]) <= 10
 
@@ -152,15 +158,17 @@ def test_pages_and_feeds_follow_the_read_rule(client: TestClient) -> None:
         assert client.get(path).status_code == 401, path
 
 
+# What a browser sends with the login form of the supervisor's own page.
+FORM = {"content-type": "application/x-www-form-urlencoded", "origin": "http://testserver"}
+
+
 def test_login_sets_an_httponly_cookie_that_only_authorises_reads(client: TestClient) -> None:
     SynthRun(client, "alpha").register().train(range(3), t0=T0)
-    bad = client.post("/login", content=b"token=nope",
-                      headers={"content-type": "application/x-www-form-urlencoded"})
+    bad = client.post("/login", content=b"token=nope", headers=FORM)
     assert bad.status_code == 401 and "invalid token" in bad.text
     assert "set-cookie" not in bad.headers
     r = client.post("/login?next=/runs/alpha", content=f"token={OPERATOR_TOKEN}".encode(),
-                    headers={"content-type": "application/x-www-form-urlencoded"},
-                    follow_redirects=False)
+                    headers=FORM, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/runs/alpha"
     cookie = r.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie and "path=/" in cookie
@@ -169,15 +177,37 @@ def test_login_sets_an_httponly_cookie_that_only_authorises_reads(client: TestCl
     assert client.get("/api/v1/runs/alpha").status_code == 200
     # a write with only the cookie is refused: the cookie is never a write credential
     assert client.post("/api/v1/runs/alpha/stop", json={"reason": "x"}).status_code == 401
-    out = client.post("/logout", follow_redirects=False)
+    out = client.post("/logout", headers=FORM, follow_redirects=False)
     assert out.status_code == 303
     client.cookies.clear()
     assert client.get("/runs/alpha").status_code == 401
     # no open redirect after login
     r = client.post("/login?next=//evil.example/", content=f"token={OPERATOR_TOKEN}".encode(),
-                    headers={"content-type": "application/x-www-form-urlencoded"},
-                    follow_redirects=False)
+                    headers=FORM, follow_redirects=False)
     assert r.headers["location"] == "/"
+
+
+@pytest.mark.parametrize("sender", [{"origin": "http://evil.example"},
+                                    {"origin": "null"},
+                                    {"referer": "http://evil.example/page"},
+                                    {"origin": "http://testserver.evil.example"},
+                                    {}])
+def test_login_and_logout_from_another_site_are_refused(
+        client: TestClient, sender: dict[str, str]) -> None:
+    """Login CSRF: a form on another site (or one that hides where it comes from) cannot
+    sign this browser in with the forger's token, nor sign it out."""
+    headers = {"content-type": "application/x-www-form-urlencoded", **sender}
+    r = client.post("/login", content=f"token={OPERATOR_TOKEN}".encode(), headers=headers,
+                    follow_redirects=False)
+    assert r.status_code == 403 and "not sent from the supervisor" in r.text
+    assert "set-cookie" not in r.headers
+    assert client.post("/logout", headers=headers, follow_redirects=False).status_code == 403
+    # The same form from the supervisor's own page (the Referer alone will do too).
+    own = {"content-type": "application/x-www-form-urlencoded",
+           "referer": "http://testserver/login"}
+    r = client.post("/login", content=f"token={OPERATOR_TOKEN}".encode(), headers=own,
+                    follow_redirects=False)
+    assert r.status_code == 303 and "set-cookie" in r.headers
 
 
 def test_token_in_the_query_once_becomes_the_cookie(client: TestClient) -> None:
@@ -202,6 +232,56 @@ def test_public_reads_need_no_token(db: Database, clock: FakeClock) -> None:
 def test_cookie_survives_tokens_that_need_quoting(db: Database, clock: FakeClock) -> None:
     token = 'op "tok", =x\\'
     with TestClient(build_app(db, clock, operator_token=token)) as client:
-        r = client.post("/login", data={"token": token}, follow_redirects=False)
+        r = client.post("/login", data={"token": token}, headers={"origin": "http://testserver"},
+                        follow_redirects=False)
         assert r.status_code == 303, r.text
         assert client.get("/").status_code == 200
+
+
+def test_every_response_carries_the_security_headers(client: TestClient) -> None:
+    SynthRun(client, "alpha").register().train(range(3), t0=T0)
+    responses = {
+        "page": client.get("/runs/alpha", headers=AGENT),
+        "login page": client.get("/runs/alpha"),
+        "API": client.get("/api/v1/runs/alpha", headers=AGENT),
+        "API 401": client.get("/api/v1/runs/alpha"),
+        "API 404": client.get("/api/v1/runs/nope", headers=AGENT),
+        "API 422": client.post("/api/v1/ingest", headers=AGENT, json={"seq": -1}),
+        "API 413": client.post("/api/v1/ingest", headers=AGENT, content=b"x" * 5_000_000),
+        "static": client.get("/static/dashboard.js"),
+        "metrics": client.get("/metrics", headers=AGENT),
+        "docs": client.get("/docs"),
+        "openapi": client.get("/openapi.json"),
+        "healthz": client.get("/healthz"),
+    }
+    for what, r in responses.items():
+        csp = r.headers.get("content-security-policy", "")
+        assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, what
+        assert "unsafe-inline" not in csp and "unsafe-eval" not in csp, what
+        assert r.headers.get("x-frame-options") == "DENY", what
+        assert r.headers.get("x-content-type-options") == "nosniff", what
+        assert r.headers.get("referrer-policy") == "same-origin", what
+    assert responses["API 413"].status_code == 413
+
+
+def test_pages_hold_no_inline_script_or_style(client: TestClient) -> None:
+    """The policy allows no inline script or style: the pages must not need any."""
+    SynthRun(client, "alpha").register().train(range(3), t0=T0, checkpoint_every=1)
+    for path in ("/", "/runs/alpha", "/runs/alpha/tables", "/login", "/docs"):
+        html = client.get(path, headers=AGENT).text
+        assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", html), path
+        assert "<style" not in html and " style=" not in html, path
+        assert not re.search(r"\son[a-z]+=", html), path  # onclick= and the like
+
+
+def test_api_docs_load_swagger_ui_from_the_supervisor_itself(client: TestClient) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200
+    srcs = [s.removeprefix("http://testserver")
+            for s in re.findall(r'(?:src|href)="([^"]+)"', page.text)]
+    assert srcs and all(s.startswith("/") or s.startswith("data:") for s in srcs), srcs
+    for asset in ("/static/vendor/swagger-ui/swagger-ui-bundle.js",
+                  "/static/vendor/swagger-ui/swagger-ui.css", "/static/docs.js"):
+        assert asset in srcs
+        assert client.get(asset).status_code == 200, asset
+    assert client.get("/redoc").status_code == 404  # FastAPI's CDN page is gone

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
+from tests.e2e.torchrun import EXAMPLES
 
 pytestmark = pytest.mark.e2e
 
@@ -64,11 +65,43 @@ def test_hang_is_detected_stacks_captured_and_the_gang_restarted(
     assert sorted(stacks) == ["0", "1"]
     assert "in before_step" in stacks["1"]  # the stuck line of the hung rank...
     assert "backward" in stacks["0"]  # ...and its peer waiting in the gradient all-reduce
+    # Both ranks stopped after step 149 (nobody behind): the stacks name the culprit.
+    assert inc["details"]["behind"] == {}
+    assert (inc["rank"], inc["node"]) == (1, "node0"), inc
+    assert inc["details"]["culprit"]["ranks"] == [1]
+    assert "rank 1 is not in a collective (before_step" in inc["cause"]
     stall = inc["details"]["stall_s"]
     assert 6 <= stall < 12, stall  # caught right after the 6 s deadline
     (act,) = supervisor.get("/runs/hangs/actions")["actions"]
     assert act["status"] == "resumed" and act["resumed_step"] == 150
     assert act["plan"]["checkpoint"].endswith("step_150")
+
+
+def test_an_fsdp2_hang_names_the_rank_outside_the_collective(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """Rank 1 stops before step 60; rank 0 waits in FSDP2's all-gather of the next forward.
+    Both last reported step 59, and the incident names rank 1 and its node from the stacks
+    (the agent is stopped once it does: the restart itself is the DDP test's)."""
+    work = tmp_path / "fsdp-hang"
+    agent = Agent(supervisor.url, "fsdp-hang", "node0", work, [
+        "--nproc_per_node=2", "--standalone", str(EXAMPLES / "train_fsdp.py"), *TRAIN,
+        "--checkpoint-dir", str(work / "ck"), "--steps", "400", "--step-sleep", "0.005",
+        "--inject", "hang@60:rank=1"])
+    try:
+        def named() -> dict[str, Any] | None:
+            got = supervisor.get_or_none("/runs/fsdp-hang/incidents")  # None: not registered
+            return next((i for i in (got or {}).get("incidents", []) if i["kind"] == "hang"
+                         and (i["details"] or {}).get("culprit")), None)
+
+        inc = wait_until(named, 120, "the hang incident with its culprit")
+    finally:
+        agent.stop()
+    assert inc["step"] == 59 and inc["details"]["behind"] == {}, inc
+    assert (inc["rank"], inc["node"]) == (1, "node0"), inc
+    per_rank = inc["details"]["culprit"]["per_rank"]
+    assert per_rank["0"]["state"] == "collective" and "_fsdp" in inc["details"]["stacks"]["0"]
+    assert per_rank["1"]["state"] == "elsewhere"
+    assert per_rank["1"]["where"].startswith("before_step")
 
 
 def test_collective_timeout_is_an_incident_naming_rank_and_collective(

@@ -4,19 +4,12 @@ through the real ingest API."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.evaluator import Evaluator
-from supervisor.metrics import (
-    INCIDENT_KINDS,
-    RESTART_CAUSES,
-    STRAGGLER_TOP,
-    restarts_without_progress,
-    straggler_scores,
-)
+from supervisor.metrics import INCIDENT_KINDS, RESTART_CAUSES, STRAGGLER_TOP
 from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import OPERATOR, SynthRun
@@ -133,15 +126,20 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
     assert value(samples, "trainwarden_run_step", run="alpha") == 24
     assert math.isnan(value(samples, "trainwarden_run_loss", run="alpha"))
 
-    assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 0
+    # The policy's count: one automatic restart since which the run has not passed step 29
+    # (the limit the policy stops the run at is exported beside it).
+    assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 1
+    assert value(samples, "trainwarden_run_restarts_without_progress_limit", run="alpha") == 3
 
-    # An operator's restart: its own cause; attempt 1 ended below the old high (step 29).
+    # An operator's restart: its own cause, outside the budgets and the no-progress count.
     r = client.post("/api/v1/runs/alpha/restart", headers=OPERATOR, json={"reason": "test"})
     assert r.status_code == 200, r.text
     samples = scrape(client)
     assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause="operator") == 1
     assert value(samples, "trainwarden_run_restarts_total", run="alpha", cause="crash") == 1
     assert value(samples, "trainwarden_run_restarts_without_progress", run="alpha") == 1
+    assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha",
+                 cause="crash") == 2
 
     # Supervisor's own metrics: templated routes, ingest latency observed.
     routes = {lab["route"] for lab in series(samples, "trainwarden_http_requests_total")}
@@ -214,28 +212,3 @@ def test_metrics_follow_the_read_rule(db: Database, clock: FakeClock) -> None:
         scrape(client, {"Authorization": "Bearer agent-secret"})
     with TestClient(build_app(db, clock, public_reads=True)) as client:
         scrape(client, {})
-
-
-def test_restarts_without_progress() -> None:
-    def f(steps: dict[int, int], cur: int, restarted: list[Any]) -> int:
-        return restarts_without_progress(steps, cur, restarted)
-
-    assert f({0: 100}, 0, []) == 0
-    # crash loop: attempts 1..3 died below step 100; attempt 4 just started
-    assert f({0: 100, 1: 50, 2: 60}, 4, [1, 2, 3, 4]) == 3
-    # the current attempt passed the old high: the streak is over
-    assert f({0: 100, 1: 50, 2: 60, 3: 101}, 3, [1, 2, 3]) == 0
-    # an ended attempt that passed the high breaks the streak behind it
-    assert f({0: 100, 1: 150, 2: 120}, 3, [1, 2, 3]) == 1
-    # the current attempt has not passed the high yet: it does not count (it may still)
-    assert f({0: 100, 1: 80}, 1, [1]) == 0
-
-
-def test_straggler_score_is_median_over_this_ranks_time() -> None:
-    rows: list[dict[str, Any]] = [{"rank": r, "data_s": 0.0, "compute_s": 1.0}
-                                  for r in range(4)]
-    rows.append({"rank": 4, "data_s": 1.0, "compute_s": 1.0})
-    rows.append({"rank": 5, "data_s": None, "compute_s": None})
-    s = straggler_scores(rows)
-    assert s[0] == 1.0 and s[4] == 0.5 and 5 not in s
-    assert straggler_scores(rows[:1]) == {}

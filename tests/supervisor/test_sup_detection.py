@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,6 +119,57 @@ def test_hang_restarts_with_stack_collection_and_attaches_the_stacks(
     evaluator.tick()
     assert len(get(client, "/incidents")["incidents"]) == 1
     assert get(client, "")["attempt"] == 1
+
+
+STACKS = Path(__file__).parent / "detect" / "stacks"
+
+
+def hang_with_stacks(client: TestClient, clock: FakeClock, evaluator: Evaluator,
+                     stacks: dict[str, str]) -> dict[str, Any]:
+    """Both ranks stop at step 29 (nobody behind); the agent sends ``stacks``."""
+    run = Run(client, clock, evaluator)
+    run.train(30, dt=0.5)
+    clock.advance(6.0)
+    run.send([])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "hang" and inc["rank"] is None and inc["details"]["behind"] == {}
+    (cmd,) = run.send([])["commands"]
+    run.send([{"type": "event", "t": clock.now, "attempt": 0, "name": "stacks",
+               "message": f"python stacks of {len(stacks)} worker(s)",
+               "details": {"stacks": stacks, "command_id": cmd["id"]}}])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    return inc  # type: ignore[no-any-return]
+
+
+def test_a_hang_with_every_rank_at_the_same_step_names_the_rank_outside_the_collective(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    inc = hang_with_stacks(client, clock, evaluator, {
+        "0": (STACKS / "ddp_hang_rank0.txt").read_text(),
+        "1": (STACKS / "ddp_hang_rank1.txt").read_text()})
+    assert (inc["rank"], inc["node"]) == (1, "n0")
+    assert inc["details"]["culprit"]["ranks"] == [1]
+    assert inc["details"]["culprit"]["per_rank"]["0"]["state"] == "collective"
+    assert inc["cause"].startswith("hang: no step progress")
+    assert "; rank 1 is not in a collective (before_step (worker/faults.py:122))" in inc["cause"]
+
+
+def test_a_rank_that_does_not_answer_the_dump_is_named(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    inc = hang_with_stacks(client, clock, evaluator,
+                           {"0": (STACKS / "ddp_hang_rank0.txt").read_text()})
+    assert (inc["rank"], inc["node"]) == (1, "n0")
+    assert "rank 1 did not answer the stack dump" in inc["cause"]
+
+
+def test_a_hang_with_every_rank_in_a_collective_says_it_cannot_tell(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    inc = hang_with_stacks(client, clock, evaluator, {
+        "0": (STACKS / "mismatch_all_reduce_rank0.txt").read_text(),
+        "1": (STACKS / "mismatch_broadcast_rank1.txt").read_text()})
+    assert inc["rank"] is None and inc["node"] is None
+    assert "cannot tell: every rank waits in a collective in different places" in inc["cause"]
 
 
 def test_checkpoint_save_in_progress_extends_the_deadline(

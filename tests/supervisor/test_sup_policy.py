@@ -268,3 +268,21 @@ def test_completion_of_the_previous_attempt_before_the_restart_reached_it() -> N
     d = policy.on_exit(run, done, agent_ids=frozenset({1}), completed_agent_ids=frozenset(),
                        checkpoint=None, cfg=CFG, now=1.0, restart_pending=False)
     assert isinstance(d, policy.Note) and d.verdict == "late"
+
+
+def test_restarts_without_progress_counts_the_restarts_since_the_high_last_grew() -> None:
+    f = policy.restarts_without_progress
+    assert f([], 100) == 0 and f([50], None) == 0
+    assert f([29, 29, 29], 29) == 3  # a crash loop below step 29
+    assert f([10, 29, 29], 29) == 2  # the run passed step 10 after the first
+    assert f([29, 29], 40) == 0  # the running attempt passed the old high
+    assert f([None, 29], 29) == 1
+
+
+def test_budgets_left_and_the_cause_a_restart_counts_under() -> None:
+    cfg = policy.PolicyConfig(restart_budget=3, rollback_budget=2)
+    assert policy.budgets_left({"hang": 1, "spike": 2}, cfg) == {
+        "crash": 3, "hang": 2, "node_lost": 3, "spike": 0}
+    assert policy.CAUSE_OF_KIND["collective_timeout"] == "hang"
+    assert policy.restart_cause("policy", "hang") == "hang"
+    assert policy.restart_cause("operator", "crash") == "operator"

@@ -182,3 +182,15 @@ def test_rollback_to_an_abandoned_checkpoint_or_an_unknown_run_is_refused(
     assert post(client, {"step": 50}, run="nope").status_code == 404
     assert client.get("/api/v1/actions/9999", headers=OPERATOR).status_code == 404
     assert count_actions(db) == before
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_rollback_body_sent_as_curl_sends_it_is_read_as_json(
+        client: TestClient, content_type: str) -> None:
+    """`curl -d '{...}'` labels the body as a form; the API reads it as the JSON it is."""
+    run_with_checkpoints(client)
+    r = client.post("/api/v1/runs/r1/rollback", content=b'{"step": 100, "reason": "by curl"}',
+                    headers={**OPERATOR, "content-type": content_type})
+    assert r.status_code == 202, r.text
+    act = client.get(f"/api/v1/actions/{r.json()['action_id']}", headers=OPERATOR).json()
+    assert act["reason"] == "by curl"

@@ -13,6 +13,7 @@ from agent.protocol import LRSchedule, ResumePlan
 from agent.worker import Checkpointer, ResumableLoader, list_checkpoints, read_meta
 from agent.worker.checkpoint import PARTIAL_SUFFIX, validate_checkpoint
 from agent.worker.report import Reporter
+from tests.agent.worker.rng import global_rng
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -126,6 +127,42 @@ def test_plan_naming_a_missing_checkpoint_rolls_back_further_or_refuses(
         ckpt3.resume(ResumePlan(checkpoint=str(tmp_path / "step_3")))
 
 
+@pytest.mark.parametrize("named", ["/etc", "../../..", "symlink", "elsewhere"])
+def test_plan_naming_a_checkpoint_outside_the_directory_stops_the_worker(
+        tmp_path: Path, named: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP unpickles .metadata: only the Checkpointer's own directory is ever loaded."""
+    root, other = tmp_path / "ck", tmp_path / "other"
+    _, _, _, elsewhere = make(other)
+    elsewhere.save(5)  # a complete checkpoint, just not this run's
+    _, _, _, ckpt = make(root)
+    ckpt.save(2)
+    (root / "step_9").symlink_to(other / "step_5")
+    monkeypatch.chdir(root)
+    path = {"/etc": "/etc", "../../..": "../../..", "symlink": str(root / "step_9"),
+            "elsewhere": str(other / "step_5")}[named]
+    _, _, _, ckpt2 = make(root)
+    with pytest.raises(ValueError, match=r"resume plan refused: checkpoint .* is not inside "
+                                         r"this run.s checkpoint directory"):
+        ckpt2.resume(ResumePlan(checkpoint=path))
+    with pytest.raises(ValueError, match="not inside"):
+        ckpt2.load(path)
+
+
+def test_a_step_symlink_leading_out_of_the_directory_is_passed_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, other = tmp_path / "ck", tmp_path / "other"
+    _, _, _, elsewhere = make(other)
+    elsewhere.save(5)
+    _, _, _, ckpt = make(root)
+    ckpt.save(2)
+    (root / "step_9").symlink_to(other / "step_5")
+    _, _, _, ckpt2 = make(root)
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        info = ckpt2.resume(None)
+    assert info.start_step == 2 and info.checkpoint == root / "step_2"
+    assert f"step_9: resolves to {other / 'step_5'}, outside" in caplog.text
+
+
 def test_retention_keeps_last_k_plus_pinned(tmp_path: Path) -> None:
     model, opt, loader, ckpt = make(tmp_path, keep=2, retention_grace_s=0)
     for step in (1, 2, 3):
@@ -231,3 +268,26 @@ def test_saved_lr_schedule_resumes_mid_ramp(tmp_path: Path) -> None:
     assert [ckpt3.lr_factor(s) for s in (12, 19, 20)] == [ckpt2.lr_factor(s)
                                                            for s in (12, 19, 20)]
     assert ckpt3.lr_factor(12) == pytest.approx(0.2 + 0.8 * 3 / 10)
+
+
+@pytest.mark.parametrize("iter_first", [False, True], ids=["resume-then-iter", "iter-then-resume"])
+def test_iterating_a_restored_loader_leaves_the_global_rngs_as_resume_left_them(
+        tmp_path: Path, iter_first: bool) -> None:
+    """After ``resume()`` restored the RNGs, nothing of trainwarden draws from them: the
+    first ``next()`` starts the loader (a DataLoader draws a base seed from the global
+    torch RNG unless it has a generator of its own), and every dropout mask after a resume
+    would be shifted by that draw."""
+    model, opt, loader, ckpt = make(tmp_path)
+    train(model, opt, iter(loader), 3)
+    ckpt.save(3)
+    _, _, loader2, ckpt2 = make(tmp_path)
+    batches = iter(loader2) if iter_first else None
+    ckpt2.resume(None)
+    restored = global_rng()
+    if batches is None:
+        batches = iter(loader2)
+    assert global_rng() == restored
+    assert next(batches).index == 3
+    assert global_rng() == restored
+    next(batches)
+    assert global_rng() == restored

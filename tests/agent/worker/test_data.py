@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from agent.worker import GlobalBatchOrder, ResumableLoader
+from tests.agent.worker.rng import global_rng
 
 
 def dataset(n: int = 40) -> TensorDataset:
@@ -66,3 +67,16 @@ def test_bad_configuration_is_refused() -> None:
         ResumableLoader(dataset(), batch_size=4, rank=2, world_size=2, seed=0)
     with pytest.raises(ValueError, match="from <= to"):
         loader().add_skips([[5, 3]])
+
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterating_draws_nothing_from_the_global_rngs(workers: int) -> None:
+    before = global_rng()
+    it = iter(loader(workers=workers))
+    [next(it) for _ in range(3)]
+    assert global_rng() == before
+    again = loader(workers=workers)
+    again.load_state_dict({"position": 2})
+    assert [b.index for _, b in zip(range(2), again, strict=False)] == [2, 3]
+    assert global_rng() == before

@@ -10,6 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from agent.worker import PhaseTimer, attach_compute_timer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -86,3 +89,35 @@ def test_backend_threads_are_joined_before_interpreter_shutdown(tmp_path: Path,
     assert set(counts) == {"before", "at shutdown"}, proc.stdout
     assert (ck / "step_20").is_dir(), proc.stderr
     assert counts["at shutdown"] == counts["before"], proc.stdout
+
+
+def _one_step(model: torch.nn.Module, timer: PhaseTimer) -> PhaseTimer:
+    timer.start()
+    timer.data_ready()
+    model(torch.randn(4, 8)).sum().backward()
+    timer.stop()
+    return timer
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_compute_timer_marks_compute_on_ddp_and_fsdp2(wrap: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model = (DistributedDataParallel(net) if wrap == "ddp"
+             else fully_shard(net, mesh=init_device_mesh("cpu", (1,))))
+    timer = PhaseTimer()
+    attach_compute_timer(model, timer)
+    _one_step(model, timer)
+    assert timer.compute_s is not None
+    assert timer.step_s is not None
+    assert 0 <= timer.compute_s <= timer.step_s
+
+
+def test_compute_timer_on_a_plain_module_says_what_to_do() -> None:
+    with pytest.raises(TypeError, match=r"call timer\.compute_done\(\) yourself"):
+        attach_compute_timer(torch.nn.Linear(2, 2), PhaseTimer())

@@ -14,6 +14,7 @@ from supervisor.detect.straggler import (
     detect_stragglers,
     pre_collective_table,
     rank_baselines,
+    straggler_scores,
 )
 
 Table = dict[int, dict[int, float]]
@@ -157,3 +158,21 @@ def test_millisecond_steps_are_not_judged_below_the_absolute_floor() -> None:
     assert slide({s: {0: 0.002, 1: 0.0045} for s in range(200)}) == []
     hits = slide({s: {0: 0.02, 1: 0.045} for s in range(200)})
     assert hits and {f.rank for _, f in hits} == {1}
+
+
+def test_two_ranks_one_1_5x_slower_score_two_thirds_and_the_finding_says_the_same() -> None:
+    """The score is the median of the *other* ranks: with two ranks the slow one does not
+    pull its own reference half-way up (the median of all ranks would say 0.833)."""
+    table = {s: {0: 0.2, 1: 0.3} for s in range(30)}
+    scores = straggler_scores(table)
+    assert scores[1].score == pytest.approx(2 / 3) and scores[1].slow
+    assert scores[0].score == pytest.approx(1.5) and not scores[0].slow
+    assert scores[1].excess_s == pytest.approx(0.1)
+    [f] = detect_stragglers(table)
+    assert f.rank == 1 and f.details["window_score"] == round(scores[1].score, 4)
+
+
+def test_scores_cover_the_newest_window_of_steps_only() -> None:
+    table = {s: {0: 0.2, 1: 0.3 if s < 10 else 0.2} for s in range(30)}
+    assert straggler_scores(table)[1].score == pytest.approx(1.0)  # steps 10-29
+    assert straggler_scores({s: {0: 0.2, 1: 0.2} for s in range(5)}) == {}  # < min_steps

@@ -1,0 +1,13 @@
+"""Where a run's time goes: pure accounting and advice (standard library only, no I/O).
+
+* ``ettr``: effective training time ratio and the badput by cause, accumulated
+  incrementally from a run's events (``EttrAccumulator.feed`` / ``snapshot``);
+* ``anatomy``: seconds per phase of a restart from its milestones;
+* ``interval``: checkpoint-interval advice (Young/Daly, Meta's expected-ETTR model);
+* ``mfu``: MFU bands, per-rank step shares, scaling efficiency and its usual causes;
+* ``plan``: the capacity planner behind ``trainwarden plan`` (``plan_cli``: its command line);
+* ``simulate``: a long run under a failure schedule, as an event stream for the accumulator.
+
+A figure shown, exported and acted on is computed here once; the store, the API, the
+dashboard and ``/metrics`` feed these modules and show what they return.
+"""

@@ -1,0 +1,133 @@
+"""A long run under a failure schedule, simulated as the event stream the supervisor would
+store, and accounted by the same ``EttrAccumulator`` the live runs use.
+
+The run trains back-to-back steps of ``step_s``, saves a checkpoint every ``interval_s``
+(training stalls ``stall_s`` per save), and meets faults as a Poisson process of mean
+``mtbf_s`` while it trains (the clock of the next fault starts when training resumes).  Each
+fault is of one ``FaultKind`` (drawn by ``share``): detected ``detect_s`` after it hits, the
+new attempt's first step beginning ``restart_s`` after the detection.  A crash or a hang
+rolls back to the newest complete checkpoint; a loss spike keeps training until it is
+detected (those steps are thrown away) and rolls back to the newest checkpoint saved before
+it began (the step in flight at the detection still ends, and is lost).  A fault during a
+save loses that save.  Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from supervisor.goodput.ettr import (
+    Breakdown,
+    CheckpointSaved,
+    EttrAccumulator,
+    Event,
+    Incident,
+    RestartDecided,
+    Resumed,
+    StepDone,
+)
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    name: str  # an incident kind: crash | hang | loss_spike ...
+    share: float  # of all faults
+    detect_s: float  # fault -> incident
+    restart_s: float  # incident -> the new attempt's first step begins
+    trains_until_detected: bool = False  # a loss spike: the steps go on (and are lost)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    mtbf_s: float  # of the whole job; math.inf: no faults
+    days: float
+    step_s: float
+    interval_s: float
+    stall_s: float
+    kinds: tuple[FaultKind, ...]
+    startup_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.mtbf_s > 0 or not self.days > 0 or not self.step_s > 0:
+            raise ValueError("SimConfig: mtbf_s, days and step_s must be > 0")
+        if not self.interval_s > 0 or self.stall_s < 0:
+            raise ValueError("SimConfig: interval_s must be > 0 and stall_s >= 0")
+        if not self.kinds or abs(sum(k.share for k in self.kinds) - 1.0) > 1e-6:
+            raise ValueError("SimConfig.kinds: the shares must add up to 1")
+
+    @property
+    def restart_overhead_s(self) -> float:
+        """Mean fault-to-training time over the kinds (Meta's u0)."""
+        return sum(k.share * (k.detect_s + k.restart_s) for k in self.kinds)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    config: SimConfig
+    breakdown: Breakdown
+    faults: dict[str, int]
+    events: int
+
+
+def events(cfg: SimConfig) -> list[Event]:
+    """The run's events in time order (see the module docstring)."""
+    rng = random.Random(cfg.seed)
+    horizon = cfg.days * 86_400.0
+    names = list(cfg.kinds)
+    weights = [k.share for k in cfg.kinds]
+
+    def next_fault(t: float) -> float:
+        return math.inf if math.isinf(cfg.mtbf_s) else t + rng.expovariate(1.0 / cfg.mtbf_s)
+
+    out: list[Event] = []
+    t, attempt, step = cfg.startup_s, 0, 0
+    saves: list[tuple[float, int]] = [(0.0, 0)]  # (completed at, step): newest last
+    last_save = t
+    fault = next_fault(t)
+    while t < horizon:
+        if fault < t + cfg.step_s:  # it hits the step in flight (or the save before it)
+            kind = rng.choices(names, weights)[0]
+            detected = fault + kind.detect_s
+            target = saves[-1][1]
+            if kind.trains_until_detected:
+                while t + cfg.step_s <= detected:
+                    t += cfg.step_s
+                    out.append(StepDone(attempt, step, t, cfg.step_s))
+                    step += 1
+                target = max((s for at, s in saves if at <= fault), default=0)
+            out.append(Incident(detected, kind.name, t_fault=fault))
+            attempt += 1
+            out.append(RestartDecided(detected, attempt, resume_step=target))
+            if kind.trains_until_detected:  # the step in flight ends, late, while stopping
+                out.append(StepDone(attempt - 1, step, t + cfg.step_s, cfg.step_s))
+            t = detected + kind.restart_s
+            out.append(Resumed(t, attempt, target))
+            step, last_save = target, t
+            saves = [(at, s) for at, s in saves if s <= target][-2:]
+            fault = next_fault(t)
+            continue
+        t += cfg.step_s
+        out.append(StepDone(attempt, step, t, cfg.step_s))
+        step += 1
+        if t - last_save >= cfg.interval_s and fault >= t + cfg.stall_s:
+            t += cfg.stall_s
+            out.append(CheckpointSaved(t, step, cfg.stall_s))
+            saves = [*saves[-1:], (t, step)]
+            last_save = t
+    return out
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    acc = EttrAccumulator(start=0.0)
+    evs = events(cfg)
+    faults: dict[str, int] = {}
+    for e in evs:
+        acc.feed(e)
+        if isinstance(e, Incident):
+            faults[e.kind] = faults.get(e.kind, 0) + 1
+    end = max(cfg.days * 86_400.0, acc.cursor)
+    return SimResult(config=cfg, breakdown=acc.snapshot(now=end), faults=faults,
+                     events=len(evs))

@@ -1,0 +1,184 @@
+"""The callbacks inside a real Hugging Face Trainer and a real Lightning Trainer (one process,
+CPU): reports every step, checkpoints reported once complete, and retention (the Trainer's
+save_total_limit, Lightning's top-k) that never deletes a checkpoint the supervisor pinned."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent.protocol import ENV_AGENT_SOCKET, ENV_RESUME_PLAN, PIN_FILE
+from agent.worker.report import Reporter, set_reporter
+from tests.wire import Receiver, wait_for
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
+def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
+    r = Receiver(tmp_path / "agent.sock")
+    monkeypatch.setenv(ENV_AGENT_SOCKET, r.path)
+    monkeypatch.delenv(ENV_RESUME_PLAN, raising=False)
+    set_reporter(Reporter(r.path))
+    yield r
+    set_reporter(None)
+    r.close()
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(8) * (i + 1)) % 16
+        return {"input_ids": ids, "labels": ids}
+
+
+def hf_trainer(tmp_path: Path, tw: Any, *callbacks: Any, save_total_limit: int = 1,
+               **overrides: Any) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                       n_head=1, bos_token_id=0, eos_token_id=0))
+    kw: dict[str, Any] = dict(
+        output_dir=str(tmp_path / "ck"), max_steps=8, per_device_train_batch_size=4,
+        save_strategy="steps", save_steps=2, save_total_limit=save_total_limit,
+        train_sampling_strategy="sequential", ignore_data_skip=True, report_to="none",
+        disable_tqdm=True, use_cpu=True, logging_steps=100)
+    kw.update(overrides)
+    args = TrainingArguments(**kw)
+    data = tw.dataset(Tokens()) if tw is not None else Tokens()
+    return Trainer(model=model, args=args, train_dataset=data,
+                   callbacks=[c for c in (tw, *callbacks) if c is not None])
+
+
+def pin_at(step: int, hook: str) -> Any:
+    """A callback standing in for the agent: pins the checkpoint of ``step`` once saved."""
+    from transformers import TrainerCallback
+
+    class Pin(TrainerCallback):
+        pass
+
+    def on_save(self: Any, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == step:
+            (Path(args.output_dir) / f"checkpoint-{step}" / PIN_FILE).write_text("protect\n")
+
+    setattr(Pin, hook, on_save)
+    return Pin()
+
+
+def test_the_trainers_own_rotation_deletes_a_pinned_checkpoint(tmp_path: Path) -> None:
+    """Why the callback takes save_total_limit over: without it the pin means nothing."""
+    trainer = hf_trainer(tmp_path, None, pin_at(2, "on_save"))
+    trainer.train()
+    assert not (tmp_path / "ck" / "checkpoint-2").exists()
+
+
+def test_hf_reports_every_step_and_keeps_the_pinned_checkpoint(
+        tmp_path: Path, agent: Receiver) -> None:
+    from agent.integrations.hf import TrainwardenCallback
+
+    tw = TrainwardenCallback(retention_grace_s=0.0)
+    trainer = hf_trainer(tmp_path, tw, pin_at(2, "on_save"))
+    trainer.train(resume_from_checkpoint=tw.resume_from_checkpoint())
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in ck.iterdir()) == ["checkpoint-2", "checkpoint-8"]
+    assert trainer.args.save_total_limit is None  # taken over: keep 1, pins, the grace
+    wait_for(lambda: len(agent.of("step")) == 8 and len(agent.of("checkpoint")) == 4,
+             what="8 step and 4 checkpoint reports")
+    steps = agent.of("step")
+    assert [m["step"] for m in steps] == list(range(8))
+    assert [m["batch_index"] for m in steps] == list(range(8))
+    assert all(m["loss"] > 0 and m["lr"] > 0 and m["grad_norm"] > 0 for m in steps)
+    assert all(m["samples"] == 4 and m["tokens"] == 32 for m in steps)
+    assert all(m["compute_s"] is not None and m["data_s"] is not None for m in steps)
+    saved = agent.of("checkpoint")
+    assert [m["step"] for m in saved] == [2, 4, 6, 8]
+    assert saved[-1]["path"] == str((ck / "checkpoint-8").resolve())
+
+
+def test_hf_refuses_settings_that_would_break_the_order(tmp_path: Path) -> None:
+    from agent.integrations.hf import TrainwardenCallback
+
+    with pytest.raises(ValueError, match='train_sampling_strategy="sequential"'):
+        hf_trainer(tmp_path, TrainwardenCallback(), train_sampling_strategy="random")
+    with pytest.raises(ValueError, match="ignore_data_skip=True"):
+        hf_trainer(tmp_path, TrainwardenCallback(), ignore_data_skip=False)
+    with pytest.raises(TypeError, match="map-style dataset"):
+        TrainwardenCallback().dataset(Stream())
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        yield from range(4)
+
+
+def test_hf_training_without_the_resume_call_is_refused(tmp_path: Path) -> None:
+    from agent.integrations.hf import TrainwardenCallback
+
+    trainer = hf_trainer(tmp_path, TrainwardenCallback())
+    with pytest.raises(RuntimeError, match=r"resume_from_checkpoint=tw\.resume_from_checkpoint"):
+        trainer.train()
+
+
+def lightning_run(tmp_path: Path, grace: float, extra: list[Any] | None = None) -> Any:
+    import lightning.pytorch as pl
+
+    from agent.integrations.lightning import TrainwardenCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Pin(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            p = tmp_path / "ck" / "step_2"
+            if p.is_dir():
+                (p / PIN_FILE).write_text("protect\n")
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g),
+                                          torch.randn(64, 1, generator=g))
+    tw = TrainwardenCallback(tmp_path / "ck", keep=1, retention_grace_s=grace)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[tw, tw.model_checkpoint(every_n_train_steps=2), Pin(),
+                                    *(extra or [])])
+    trainer.fit(Module(), train_dataloaders=tw.dataloader(data, batch_size=4),
+                ckpt_path=tw.ckpt_path())
+    return tw
+
+
+def test_lightning_top_k_never_deletes_the_pinned_checkpoint(tmp_path: Path,
+                                                             agent: Receiver) -> None:
+    lightning_run(tmp_path, grace=0.0)
+    ck = tmp_path / "ck"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_2", "step_8"]
+    wait_for(lambda: len(agent.of("step")) == 8 and len(agent.of("checkpoint")) == 4,
+             what="8 step and 4 checkpoint reports")
+    steps = agent.of("step")
+    assert [m["batch_index"] for m in steps] == list(range(8))
+    assert all(m["loss"] > 0 and m["lr"] == pytest.approx(0.1) for m in steps)
+    assert [m["step"] for m in agent.of("checkpoint")] == [2, 4, 6, 8]
+
+
+def test_lightning_refuses_a_plain_model_checkpoint(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    with pytest.raises(ValueError, match="plain ModelCheckpoint"):
+        lightning_run(tmp_path, grace=0.0, extra=[ModelCheckpoint(dirpath=str(tmp_path / "x"))])
