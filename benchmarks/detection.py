@@ -52,6 +52,7 @@ if str(REPO) not in sys.path:  # run as a script: the test helpers live in the r
 
 import psutil  # noqa: E402
 
+from agent.core.hang import HangConfig  # noqa: E402
 from tests.e2e.system import (  # noqa: E402
     AGENT_TOKEN,
     Supervisor,
@@ -60,7 +61,7 @@ from tests.e2e.system import (  # noqa: E402
 )
 from tests.e2e.torchrun import TORCHRUN, worker_env  # noqa: E402
 
-DEFAULT_HANG_FLOOR_S = 25.0  # supervisor.config.SupervisorSettings.hang_floor_s
+DEFAULT_HANG_FLOOR_S = HangConfig().floor_s  # the supervisor's default hang.floor_s
 FINAL = ("completed", "failed", "stopped")
 RESTART_KINDS = ("crash", "hang", "collective_timeout")
 ALL_KINDS = ("crash", "hang", "collective_timeout", "slow", "spike", "nan")

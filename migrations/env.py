@@ -19,7 +19,7 @@ def _url() -> str:
         return url
     from supervisor.config import load_settings
 
-    return load_settings(insecure_no_auth=True).database_url
+    return load_settings(insecure_no_auth=True).db.database_url
 
 
 def run_migrations_offline() -> None:

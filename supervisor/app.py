@@ -12,14 +12,12 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
-from supervisor import dashboard, metrics, observe, policy, wire
+from supervisor import dashboard, metrics, wire
 from supervisor.api import agents, rollback, runs
 from supervisor.api.deps import DB
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
-from supervisor.detect import HangConfig, LossSpikeConfig, NodeLostConfig
-from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
@@ -69,35 +67,9 @@ def create_app(
 ) -> FastAPI:
     """Build the app.  Start-up (the lifespan) upgrades the schema and starts the evaluator
     thread when asked; tests pass their own ``db``/``clock`` and drive ``Evaluator.tick``."""
-    database = db if db is not None else make_database(settings.database_url)
-    evaluator = Evaluator(
-        database,
-        policy.PolicyConfig(
-            restart_budget=settings.restart_budget,
-            backoff_s=settings.restart_backoff_s,
-            backoff_max_s=settings.restart_backoff_max_s,
-            rollback_budget=settings.rollback_budget,
-            rollback_margin_steps=settings.rollback_margin_steps,
-            rollback_skip_before=settings.rollback_skip_before,
-            rollback_skip_after=settings.rollback_skip_after,
-            rollback_skip_batches=settings.rollback_skip_batches,
-            rollback_lr_scale=settings.rollback_lr_scale,
-            rollback_lr_ratio=settings.rollback_lr_ratio,
-            rollback_lr_steps=settings.rollback_lr_steps,
-            rollback_lr_ramp_steps=settings.rollback_lr_ramp_steps,
-            no_progress_restarts=settings.no_progress_restarts,
-        ),
-        clock=clock,
-        detection=observe.DetectionConfig(
-            hang=HangConfig(floor_s=settings.hang_floor_s, startup_s=settings.hang_startup_s,
-                            warmup_s=settings.hang_warmup_s),
-            node_lost=NodeLostConfig(deadline_s=settings.node_lost_s),
-            loss=LossSpikeConfig(recovery_window_steps=settings.spike_recovery_window_steps,
-                                 sustain_steps=settings.spike_sustain_steps),
-            disk=DiskConfig(low_ratio=settings.disk_low_ratio,
-                            hysteresis=min(0.02, (1 - settings.disk_low_ratio) / 2)),
-        ),
-    )
+    database = db if db is not None else make_database(settings.db.database_url)
+    evaluator = Evaluator(database, settings.policy_config(), clock=clock,
+                          detection=settings.detection_config())
 
     writer = IngestWriter(database, clock)
 
@@ -109,7 +81,7 @@ def create_app(
             migrate.upgrade(database.engine.url.render_as_string(hide_password=False))
         stop = None
         if start_evaluator:
-            _th, stop = evaluator.start(settings.evaluator_interval_s)
+            _th, stop = evaluator.start(settings.evaluator.interval_s)
         try:
             yield
         finally:
@@ -151,7 +123,7 @@ def create_app(
 
     app.add_middleware(JsonApiBodies)  # curl -d's default form type carries JSON too
     # Outside it: oversized bodies are refused before anything parses them.
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,

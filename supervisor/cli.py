@@ -1,5 +1,5 @@
-"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``agent ...``,
-``plan ...``.
+"""``trainwarden`` console script: ``supervisor``, ``db upgrade|current``, ``settings``,
+``agent ...``, ``plan ...`` and the API clients (``runs``, ``incidents``, ...).
 
 Imports are lazy: ``trainwarden agent`` runs on GPU nodes and must not pull in FastAPI or
 SQLAlchemy; only the chosen subcommand imports what it needs.  Each role is an extra of the
@@ -36,13 +36,21 @@ def require_extra(extra: str, command: str) -> None:
         )
 
 
-def _add_db_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", dest="db_url", help="database URL (default: SQLite in --data-dir)")
+def _add_setting_args(p: argparse.ArgumentParser, sections: tuple[str, ...] | None,
+                      with_settings: bool) -> None:
+    """``--config`` and a flag for every setting (of ``sections``).  The flags come from the
+    settings model, which imports the server stack: only built for the subcommand that runs."""
     p.add_argument("--config", help="TOML or JSON config file (or TRAINWARDEN_CONFIG)")
-    p.add_argument("--data-dir", type=str, help="data directory (default ./trainwarden-data)")
+    if with_settings:
+        from supervisor.config import add_flags
+        from supervisor.settings_reference import describe
+
+        add_flags(p, sections, describe)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
+    """The parser; ``with_settings``: with a flag for every setting on ``supervisor`` and
+    ``db`` (see ``_add_setting_args``)."""
     parser = argparse.ArgumentParser(
         prog="trainwarden", description="Fault-tolerant supervisor for distributed training."
     )
@@ -50,22 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("supervisor", help="run the central supervisor (HTTP API)")
-    _add_db_args(sp)
-    sp.add_argument("--host", help="listen address (default 127.0.0.1)")
-    sp.add_argument("--port", type=int, help="listen port (default 8765; 0: any free port)")
-    sp.add_argument("--public-reads", action="store_true", default=None,
-                    help="allow reads without a token")
-    sp.add_argument("--insecure-no-auth", action="store_true", default=None,
-                    help="no tokens at all (loopback host only)")
-    sp.add_argument("--restart-budget", type=int)
-    sp.add_argument("--log-level", help="uvicorn log level (default info)")
+    _add_setting_args(sp, None, with_settings)
     sp.add_argument("--port-file", help="write the bound port to this file once listening")
 
     dp = sub.add_parser("db", help="database schema")
     dsub = dp.add_subparsers(dest="db_cmd", required=True)
     for name, help_ in (("upgrade", "upgrade the schema to the newest revision"),
                         ("current", "print the database's revision")):
-        _add_db_args(dsub.add_parser(name, help=help_))
+        _add_setting_args(dsub.add_parser(name, help=help_), ("db",), with_settings)
+
+    rp = sub.add_parser("settings", help="print every supervisor setting: flag, environment "
+                                         "variable, default, meaning")
+    rp.add_argument("--markdown", action="store_true", default=True,
+                    help="as a Markdown table (the only format)")
 
     from supervisor import client
 
@@ -79,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace, **extra: Any) -> Any:
+def _settings(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
-    from supervisor.config import load_settings
+    from supervisor.config import flag_values, load_settings
 
-    fields = {"db_url": args.db_url, "data_dir": args.data_dir, **extra}
+    fields: dict[str, Any] = dict(flag_values(args))
     try:
         # The db commands never authenticate anyone: they need no tokens.
         if args.cmd == "db":
@@ -99,23 +104,17 @@ def _settings(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _cmd_supervisor(args: argparse.Namespace) -> int:
-    require_extra("supervisor", "supervisor")
-    settings = _settings(
-        args, host=args.host, port=args.port, public_reads=args.public_reads,
-        insecure_no_auth=args.insecure_no_auth, restart_budget=args.restart_budget,
-        log_level=args.log_level,
-    )
+    settings = _settings(args)
     from supervisor import serve
 
     return serve.serve(settings, port_file=args.port_file)
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
-    require_extra("supervisor", "db")
     settings = _settings(args)
     from supervisor import migrate
 
-    url = settings.database_url
+    url = settings.db.database_url
     if args.db_cmd == "upgrade":
         migrate.upgrade(url)
         print(f"schema at {migrate.current(url)} (head {migrate.head()})")
@@ -146,11 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from supervisor.goodput import plan_cli
 
         return plan_cli.main(argv[1:])
-    args = build_parser().parse_args(argv)
+    # The server's commands: their extra first (the flags come from its settings model).
+    serving = argv[0] if argv and argv[0] in ("supervisor", "db", "settings") else None
+    if serving is not None:
+        require_extra("supervisor", serving)
+    args = build_parser(with_settings=serving in ("supervisor", "db")).parse_args(argv)
     if args.cmd == "supervisor":
         return _cmd_supervisor(args)
     if args.cmd == "db":
         return _cmd_db(args)
+    if args.cmd == "settings":
+        from supervisor.settings_reference import markdown
+
+        print(markdown(), end="")
+        return 0
     from supervisor import client
 
     if args.cmd in client.COMMANDS:

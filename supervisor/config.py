@@ -1,26 +1,222 @@
-"""Supervisor settings: one pydantic-settings model.
+"""Supervisor settings: one pydantic-settings model whose sections are the components' own
+configs.
 
-Precedence, highest first: explicit arguments (the CLI's flags), ``TRAINWARDEN_*`` environment
-variables, then an optional TOML or JSON config file (``--config`` or ``TRAINWARDEN_CONFIG``).
+Each section is the config class of the component it configures, and holds its defaults:
+
+* ``server``, ``auth``: the HTTP service (this module); ``http``: its deadlines for slow and
+  idle clients (``httpguard.HttpConfig``);
+* ``db``: the store (``store.db.StoreConfig``); ``evaluator``: the loop
+  (``evaluator.EvaluatorConfig``);
+* ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
+  configs as ``observe.DetectionConfig`` holds them; ``detection``: its other fields (how
+  much and how often the windows are read);
+* ``restart``, ``rollback``: the fields of ``policy.PolicyConfig`` (``rollback_X`` is
+  ``rollback.X``, the others are ``restart``'s, ``restart_budget`` as ``restart.budget``).
+
+Every field is set the same three ways, highest first: a flag (``--SECTION-FIELD``, see
+``add_flags``), an environment variable (``TRAINWARDEN_SECTION_FIELD``), the config file (TOML
+``[section]`` tables, or JSON objects, at top level or under ``supervisor``; ``--config`` or
+``TRAINWARDEN_CONFIG``).  The flat names of the first versions (``TRAINWARDEN_AGENT_TOKEN``,
+``TRAINWARDEN_NODE_LOST_S``, ``port = 8765`` in a file...) keep working: ``LEGACY_NAMES``.
+``trainwarden settings --markdown`` prints every setting (``supervisor.settings_reference``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextvars
+import dataclasses
 import hashlib
 import ipaddress
 import json
 import os
 import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from supervisor.detect import (
+    HangConfig,
+    LossSpikeConfig,
+    NodeLostConfig,
+    StragglerConfig,
+    ThroughputConfig,
+)
+from supervisor.detect.disk import DiskConfig
+from supervisor.evaluator import EvaluatorConfig
+from supervisor.httpguard import HttpConfig
+from supervisor.observe import DetectionConfig
+from supervisor.policy import PolicyConfig
+from supervisor.store.db import StoreConfig
 
 ENV_PREFIX = "TRAINWARDEN_"
 ENV_CONFIG = "TRAINWARDEN_CONFIG"
+
+
+def hash_token(token: str) -> str:
+    """Tokens are kept (and may be configured) only as ``sha256:<hex>`` digests."""
+    if token.startswith("sha256:"):
+        return token
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# the service's own sections
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # listen address
+    port: int = 8765  # listen port (0: any free port)
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies are refused with 413
+    heartbeat_interval_s: float = 1.0  # told to agents at registration
+    log_level: str = "info"  # uvicorn's and the supervisor's log level
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"server.port must be in [0, 65535] (got {self.port})")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"server.max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
+        if not self.heartbeat_interval_s > 0:
+            raise ValueError("server.heartbeat_interval_s must be > 0 seconds "
+                             f"(got {self.heartbeat_interval_s})")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    # The token node agents write with (plain, or "sha256:<hex>" of it; hashed at load)
+    agent_token: str | None = None
+    # The token of operators: every read and write (plain or "sha256:<hex>")
+    operator_token: str | None = None
+    # No tokens at all (allowed on a loopback host only)
+    insecure_no_auth: bool = False
+    public_reads: bool = False  # reads (API, dashboard, /metrics) without a token
+
+    def __post_init__(self) -> None:
+        if self.insecure_no_auth and (self.agent_token or self.operator_token):
+            raise ValueError(
+                "insecure_no_auth is set together with a token: drop --insecure-no-auth "
+                "(tokens are then required) or drop the tokens"
+            )
+        if (self.agent_token and self.operator_token
+                and hash_token(self.agent_token) == hash_token(self.operator_token)):
+            raise ValueError(
+                "agent_token and operator_token are the same: the agent token would grant "
+                "operator rights; choose two different tokens"
+            )
+
+    @property
+    def agent_token_hash(self) -> str | None:
+        return hash_token(self.agent_token) if self.agent_token else None
+
+    @property
+    def operator_token_hash(self) -> str | None:
+        return hash_token(self.operator_token) if self.operator_token else None
+
+
+# ---------------------------------------------------------------------------------------------
+# sections over some fields of a component's config
+
+
+class _View(BaseModel):
+    """A settings section over some fields of a component's dataclass: the types and defaults
+    are the component's (``FIELDS``: this section's field -> the component's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    COMPONENT: ClassVar[type]
+    FIELDS: ClassVar[dict[str, str]]
+
+    def component_fields(self) -> dict[str, Any]:
+        return {theirs: getattr(self, ours) for ours, theirs in self.FIELDS.items()}
+
+
+def _view(name: str, component: type, fields: dict[str, str]) -> type[_View]:
+    hints = typing.get_type_hints(component)
+    defaults = component()
+    model = create_model(  # type: ignore[call-overload]
+        name, __base__=_View,
+        **{ours: (hints[theirs], getattr(defaults, theirs)) for ours, theirs in fields.items()})
+    model.COMPONENT, model.FIELDS = component, fields
+    return typing.cast(type[_View], model)
+
+
+def _view_fields(view: Any) -> dict[str, Any]:
+    return typing.cast(_View, view).component_fields()
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+_POLICY_FIELDS = [f.name for f in dataclasses.fields(PolicyConfig)]
+_DETECTION_HINTS = typing.get_type_hints(DetectionConfig)
+RollbackSection = _view("RollbackSection", PolicyConfig, {
+    n.removeprefix("rollback_"): n for n in _POLICY_FIELDS if n.startswith("rollback_")})
+RestartSection = _view("RestartSection", PolicyConfig, {
+    n.removeprefix("restart_"): n for n in _POLICY_FIELDS if not n.startswith("rollback_")})
+DetectionSection = _view("DetectionSection", DetectionConfig, {
+    n: n for n, tp in _DETECTION_HINTS.items() if not _is_section(tp)})
+_DETECTORS = [n for n, tp in _DETECTION_HINTS.items() if _is_section(tp)]
+
+
+def _detector(name: str) -> Any:
+    """The default of a detector section: the detector's config as DetectionConfig has it."""
+    return Field(default_factory=lambda: getattr(DetectionConfig(), name))
+
+
+# ---------------------------------------------------------------------------------------------
+# the settings
+
+# The flat names of the first versions -> (section, field).  They keep working as environment
+# variables (TRAINWARDEN_ + the name), config file keys and keyword arguments.
+LEGACY_NAMES: dict[str, tuple[str, str]] = {
+    "data_dir": ("db", "data_dir"), "db_url": ("db", "url"),
+    "host": ("server", "host"), "port": ("server", "port"),
+    "max_body_bytes": ("server", "max_body_bytes"),
+    "heartbeat_interval_s": ("server", "heartbeat_interval_s"),
+    "log_level": ("server", "log_level"),
+    **{f"http_{k}": ("http", k) for k in (
+        "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections")},
+    "agent_token": ("auth", "agent_token"), "operator_token": ("auth", "operator_token"),
+    "insecure_no_auth": ("auth", "insecure_no_auth"), "public_reads": ("auth", "public_reads"),
+    "evaluator_interval_s": ("evaluator", "interval_s"),
+    "restart_budget": ("restart", "budget"), "restart_backoff_s": ("restart", "backoff_s"),
+    "restart_backoff_max_s": ("restart", "backoff_max_s"),
+    "no_progress_restarts": ("restart", "no_progress_restarts"),
+    "hang_floor_s": ("hang", "floor_s"), "hang_startup_s": ("hang", "startup_s"),
+    "hang_warmup_s": ("hang", "warmup_s"), "node_lost_s": ("node_lost", "deadline_s"),
+    "disk_low_ratio": ("disk", "low_ratio"),
+    **{f"rollback_{k}": ("rollback", k) for k in (
+        "budget", "margin_steps", "skip_before", "skip_batches", "lr_scale", "lr_steps",
+        "lr_ramp_steps")},
+}
+
+
+def nest_legacy(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the flat names of ``LEGACY_NAMES`` moved into their sections (a value
+    given in its section wins)."""
+    out = {k: v for k, v in values.items() if k not in LEGACY_NAMES}
+    for name, (section, key) in LEGACY_NAMES.items():
+        if name in values:
+            sec = out.get(section)
+            if isinstance(sec, dict):
+                sec.setdefault(key, values[name])
+            elif sec is None:
+                out[section] = {key: values[name]}
+    return out
+
 
 # The config file of the settings being built.  pydantic-settings builds sources from the class,
 # so the file chosen at run time travels in a context variable instead of a global.
@@ -32,7 +228,7 @@ _config_data: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Contex
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Parse a ``.toml`` or ``.json`` config file; raises ``ValueError`` saying what is wrong.
 
-    A TOML file may hold the keys at top level or in a ``[supervisor]`` table."""
+    The sections may be at top level or under ``supervisor`` (``[supervisor.hang]``)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -56,146 +252,26 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 class _FileSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        data = _config_data.get() or {}
-        return data.get(field_name), field_name, False
+        return self().get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_config_data.get() or {})
+        return nest_legacy(dict(_config_data.get() or {}))
 
 
-def hash_token(token: str) -> str:
-    """Tokens are kept (and may be configured) only as ``sha256:<hex>`` digests."""
-    if token.startswith("sha256:"):
-        return token
-    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+class _EnvSource(EnvSettingsSource):
+    """``TRAINWARDEN_SECTION_FIELD`` (pydantic-settings' nested variables, split once after
+    the section), plus the flat names of ``LEGACY_NAMES``."""
 
-
-class SupervisorSettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=True
-    )
-
-    data_dir: Path = Path("./trainwarden-data")
-    db_url: str | None = Field(
-        default=None, description="SQLAlchemy URL; default: SQLite file trainwarden.db in data_dir"
-    )
-    host: str = "127.0.0.1"
-    port: int = Field(default=8765, ge=0, le=65535)
-    # Either may be a plain token or "sha256:<hex>" of one; both are hashed at load.
-    agent_token: str | None = None
-    operator_token: str | None = None
-    insecure_no_auth: bool = False
-    public_reads: bool = False
-    restart_budget: int = Field(default=10, ge=0)
-    restart_backoff_s: float = Field(default=1.0, ge=0.0)
-    restart_backoff_max_s: float = Field(default=60.0, ge=0.0)
-    heartbeat_interval_s: float = Field(default=1.0, gt=0.0)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    # Slow and idle clients (supervisor/httpguard.py): a request's headers must be complete
-    # within http_header_timeout_s of the connection opening (or of the previous response),
-    # its body within http_body_timeout_s of the headers (else 408 and closed); an idle
-    # keep-alive connection is closed after http_keep_alive_s; past http_max_connections open
-    # connections, requests are answered 503.
-    http_header_timeout_s: float = Field(default=10.0, gt=0.0)
-    http_body_timeout_s: float = Field(default=30.0, gt=0.0)
-    http_keep_alive_s: int = Field(default=5, ge=1)
-    http_max_connections: int = Field(default=2048, ge=1)
-    evaluator_interval_s: float = Field(default=0.5, gt=0.0)
-    # Detection (see supervisor/detect/): the hang deadline's floor and its allowances for
-    # start-up and the first steps of an attempt; how long an agent may be silent.
-    hang_floor_s: float = Field(default=25.0, gt=0.0)
-    hang_startup_s: float = Field(default=600.0, gt=0.0)
-    hang_warmup_s: float = Field(default=300.0, gt=0.0)
-    node_lost_s: float = Field(default=30.0, gt=0.0)
-    # A node's checkpoint disk below this free share: a disk_low event (and the alert).
-    disk_low_ratio: float = Field(default=0.10, gt=0.0, lt=1.0)
-    # Recovery from loss spikes / NaN (0 rollbacks: incidents only, no automatic rollback).
-    # A loss spike back to baseline within spike_recovery_window_steps is an event, not a
-    # rollback; one that is not, with at least spike_sustain_steps steps above the threshold,
-    # is an incident (see supervisor/detect/loss_spike.py).
-    spike_recovery_window_steps: int = Field(default=50, ge=1)
-    spike_sustain_steps: int = Field(default=10, ge=1)
-    rollback_budget: int = Field(default=3, ge=0)
-    rollback_margin_steps: int = Field(default=10, ge=0)
-    # Skip from rollback_skip_before batches before the spike's first batch through the batch
-    # where it was detected (+ rollback_skip_after), or rollback_skip_batches when set.
-    rollback_skip_before: int = Field(default=10, ge=0)
-    rollback_skip_after: int = Field(default=0, ge=0)
-    rollback_skip_batches: int | None = Field(default=None, ge=1)
-    # LR x rollback_lr_scale for rollback_lr_ratio x the batches skipped, back over half as
-    # many; rollback_lr_steps / rollback_lr_ramp_steps fix either.
-    rollback_lr_scale: float = Field(default=0.5, gt=0.0, le=1.0)
-    rollback_lr_ratio: float = Field(default=0.25, ge=0.0)
-    rollback_lr_steps: int | None = Field(default=None, ge=0)
-    rollback_lr_ramp_steps: int | None = Field(default=None, ge=0)
-    no_progress_restarts: int = Field(default=3, ge=1)
-    log_level: str = "info"
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _FileSource(settings_cls))
-
-    @model_validator(mode="after")
-    def _cross_field(self) -> SupervisorSettings:
-        if self.spike_recovery_window_steps < self.spike_sustain_steps:
-            raise ValueError(
-                f"spike_recovery_window_steps ({self.spike_recovery_window_steps}) is below "
-                f"spike_sustain_steps ({self.spike_sustain_steps}): a spike cannot have more "
-                "high steps than the window holds; raise the window or lower sustain_steps"
-            )
-        if self.restart_backoff_max_s < self.restart_backoff_s:
-            raise ValueError(
-                f"restart_backoff_max_s ({self.restart_backoff_max_s}) is below "
-                f"restart_backoff_s ({self.restart_backoff_s}): raise the maximum or lower the base"
-            )
-        if not self.agent_token and not self.operator_token and not self.insecure_no_auth:
-            raise ValueError(
-                "no token configured: set TRAINWARDEN_AGENT_TOKEN and TRAINWARDEN_OPERATOR_TOKEN "
-                "(or agent_token/operator_token in the config file), or pass --insecure-no-auth "
-                "to run without authentication on a loopback address"
-            )
-        if self.insecure_no_auth and (self.agent_token or self.operator_token):
-            raise ValueError(
-                "insecure_no_auth is set together with a token: drop --insecure-no-auth "
-                "(tokens are then required) or drop the tokens"
-            )
-        if self.insecure_no_auth and not _is_loopback(self.host):
-            raise ValueError(
-                f"--insecure-no-auth is only allowed on a loopback host, not {self.host!r}: "
-                "configure agent_token and operator_token to listen on other addresses"
-            )
-        if (
-            self.agent_token
-            and self.operator_token
-            and hash_token(self.agent_token) == hash_token(self.operator_token)
-        ):
-            raise ValueError(
-                "agent_token and operator_token are the same: the agent token would grant "
-                "operator rights; choose two different tokens"
-            )
-        return self
-
-    @property
-    def database_url(self) -> str:
-        """The effective database URL (``db_url``, or the SQLite file in ``data_dir``)."""
-        if self.db_url:
-            return self.db_url
-        return f"sqlite:///{(self.data_dir / 'trainwarden.db').resolve()}"
-
-    @property
-    def agent_token_hash(self) -> str | None:
-        return hash_token(self.agent_token) if self.agent_token else None
-
-    @property
-    def operator_token_hash(self) -> str | None:
-        return hash_token(self.operator_token) if self.operator_token else None
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        env = dict(self.env_vars)
+        prefix = ENV_PREFIX.lower()
+        for name, (section, key) in LEGACY_NAMES.items():
+            old, new = prefix + name, f"{prefix}{section}_{key}"
+            if old != new and old in env:
+                value = env.pop(old)
+                env.setdefault(new, value)  # the section's own name wins
+        self.env_vars = env
 
 
 def _is_loopback(host: str) -> bool:
@@ -207,10 +283,78 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+class SupervisorSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="_", env_nested_max_split=1,
+        extra="forbid", validate_default=True, frozen=True,
+    )
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    db: StoreConfig = Field(default_factory=StoreConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+    hang: HangConfig = _detector("hang")
+    node_lost: NodeLostConfig = _detector("node_lost")
+    disk: DiskConfig = _detector("disk")
+    straggler: StragglerConfig = _detector("straggler")
+    loss: LossSpikeConfig = _detector("loss")
+    throughput: ThroughputConfig = _detector("throughput")
+    # (built at import time: their types are not known to the type checker)
+    detection: DetectionSection = Field(default_factory=DetectionSection)  # type: ignore[valid-type]
+    restart: RestartSection = Field(default_factory=RestartSection)  # type: ignore[valid-type]
+    rollback: RollbackSection = Field(default_factory=RollbackSection)  # type: ignore[valid-type]
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**nest_legacy(values))
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, _EnvSource(settings_cls), _FileSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> SupervisorSettings:
+        self.policy_config()  # its own rules (budgets, backoff, LR scale) raise ValueError
+        self.detection_config()
+        auth = self.auth
+        if not auth.agent_token and not auth.operator_token and not auth.insecure_no_auth:
+            raise ValueError(
+                "no token configured: set TRAINWARDEN_AGENT_TOKEN and TRAINWARDEN_OPERATOR_TOKEN "
+                "(or agent_token/operator_token in the [auth] table of the config file), or "
+                "pass --insecure-no-auth to run without authentication on a loopback address"
+            )
+        if auth.insecure_no_auth and not _is_loopback(self.server.host):
+            raise ValueError(
+                f"--insecure-no-auth is only allowed on a loopback host, not "
+                f"{self.server.host!r}: configure agent_token and operator_token to listen on "
+                "other addresses"
+            )
+        return self
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(**_view_fields(self.restart), **_view_fields(self.rollback))
+
+    def detection_config(self) -> DetectionConfig:
+        return DetectionConfig(**{name: getattr(self, name) for name in _DETECTORS},
+                               **_view_fields(self.detection))
+
+    @property
+    def database_url(self) -> str:
+        return self.db.database_url
+
+
 def load_settings(
     config_file: str | Path | None = None, **overrides: Any
 ) -> SupervisorSettings:
-    """Build settings from overrides (``None`` values are dropped), env and the config file.
+    """Build settings from overrides (``None`` values are dropped; a section's values as a
+    dict, or the flat names of ``LEGACY_NAMES``), the environment and the config file.
 
     Raises ``ValueError`` (pydantic's ``ValidationError`` is one) naming the bad setting."""
     path = config_file or os.environ.get(ENV_CONFIG) or None
@@ -220,3 +364,98 @@ def load_settings(
         return SupervisorSettings(**{k: v for k, v in overrides.items() if v is not None})
     finally:
         _config_data.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fields, for flags and the reference
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str
+    name: str
+    type: Any  # the field's type, Optional unwrapped
+    default: Any
+    owner: type  # the class that declares the field (for its comment)
+    owner_field: str  # the field's name there
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.section}-{self.name}".replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return f"{ENV_PREFIX}{self.section}_{self.name}".upper()
+
+    @property
+    def dest(self) -> str:
+        return f"{self.section}__{self.name}"
+
+    @property
+    def legacy(self) -> list[str]:
+        """Today's other names of this setting (environment variable spelling)."""
+        return [f"{ENV_PREFIX}{n}".upper() for n, (s, f) in LEGACY_NAMES.items()
+                if (s, f) == (self.section, self.name) and
+                f"{ENV_PREFIX}{n}".upper() != self.env]
+
+
+def _unwrap(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def settings_fields() -> Iterator[Setting]:
+    """Every field of every section, in the model's order."""
+    for section, info in SupervisorSettings.model_fields.items():
+        cls = info.annotation
+        assert isinstance(cls, type)
+        value = info.get_default(call_default_factory=True)
+        if issubclass(cls, _View):
+            hints = typing.get_type_hints(cls.COMPONENT)
+            for ours, theirs in cls.FIELDS.items():
+                yield Setting(section, ours, _unwrap(hints[theirs]), getattr(value, ours),
+                              cls.COMPONENT, theirs)
+        else:
+            hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                yield Setting(section, f.name, _unwrap(hints[f.name]), getattr(value, f.name),
+                              cls, f.name)
+
+
+_FLAG_ALIASES = {("server", "host"): "--host", ("server", "port"): "--port",
+                 ("server", "log_level"): "--log-level", ("auth", "public_reads"): "--public-reads",
+                 ("auth", "insecure_no_auth"): "--insecure-no-auth", ("db", "url"): "--db",
+                 ("db", "data_dir"): "--data-dir"}
+
+
+def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None,
+              describe: Callable[[Setting], str] | None = None) -> None:
+    """A flag for every field (of ``sections``, or all): ``--SECTION-FIELD`` (and the short
+    names of the first versions: ``--host``, ``--port``, ``--db``...)."""
+    for s in settings_fields():
+        if sections is not None and s.section not in sections:
+            continue
+        names = [s.flag]
+        alias = _FLAG_ALIASES.get((s.section, s.name))
+        if alias and alias != s.flag:
+            names.append(alias)
+        text = (describe(s) if describe else "").replace("%", "%%")
+        if s.type is bool:
+            parser.add_argument(*names, dest=s.dest, default=None,
+                                action=argparse.BooleanOptionalAction, help=text)
+        else:
+            kind = s.type if s.type in (int, float, str, Path) else str
+            parser.add_argument(*names, dest=s.dest, default=None, type=kind,
+                                metavar=s.name.upper(), help=text)
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The flags given on the command line (by ``add_flags``), as sections of values."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if "__" in key and value is not None:
+            section, name = key.split("__", 1)
+            out.setdefault(section, {})[name] = value
+    return out

@@ -63,6 +63,15 @@ class TickReport:
     findings: int = 0
 
 
+@dataclass(frozen=True)
+class EvaluatorConfig:
+    interval_s: float = 0.5  # seconds between two ticks of the evaluation loop
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"evaluator interval_s must be > 0 seconds (got {self.interval_s})")
+
+
 @dataclass
 class RunState:
     """What the evaluator keeps about one active run between ticks; it goes when the run

@@ -25,9 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("trainwarden.supervisor")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """Slow and idle clients (the settings' ``http`` section)."""
+
+    header_timeout_s: float = 10.0  # a request's headers complete within this (else 408)
+    body_timeout_s: float = 30.0  # its body within this of the headers (else 408)
+    keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
+    max_connections: int = 2048  # past this many open connections requests get 503
+
+    def __post_init__(self) -> None:
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ValueError("http.header_timeout_s and http.body_timeout_s must be > 0 seconds")
+        if self.keep_alive_s < 1 or self.max_connections < 1:
+            raise ValueError("http.keep_alive_s and http.max_connections must be >= 1")
 
 _408_BODY = b"request not received in time\n"
 _408 = (b"HTTP/1.1 408 Request Timeout\r\n"

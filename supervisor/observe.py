@@ -48,7 +48,6 @@ from supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateR
 _DELIVERY_SLACK_S = 1.0
 
 
-
 @dataclass(frozen=True)
 class DetectionConfig:
     hang: HangConfig = field(default_factory=HangConfig)
@@ -63,8 +62,8 @@ class DetectionConfig:
     # ingest for the process: it runs at most every straggler_interval_s and never more
     # often than 25 times its own last duration (at most ~4% of a core), so a small run is
     # judged every tick and one of thousands of ranks every second or two.
-    straggler_interval_s: float = 0.0
-    straggler_cost_factor: float = 25.0
+    straggler_interval_s: float = 0.0  # seconds between two straggler judgements, at least
+    straggler_cost_factor: float = 25.0  # x the last judgement's duration, at least
     interval_history: int = 300  # step intervals the hang deadline learns from
 
 

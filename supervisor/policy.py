@@ -33,24 +33,24 @@ from supervisor.enums import FINAL_STATUSES, Actor, IncidentKind, RestartCause, 
 @dataclass(frozen=True)
 class PolicyConfig:
     restart_budget: int = 10  # per cause: crash, hang (collective timeouts too), node_lost
-    backoff_s: float = 1.0
-    backoff_max_s: float = 60.0
+    backoff_s: float = 1.0  # the first restart waits this long, each next one twice as long
+    backoff_max_s: float = 60.0  # ... up to this
     # Loss-spike / NaN rollback: to the newest checkpoint at least rollback_margin_steps
     # before the spike, skipping what was observed to be bad and lowering the LR for a while
     # in proportion.  A rollback that costs more than the spike did is a loss of its own.
     rollback_budget: int = 3  # rollbacks per run before it is stopped
     rollback_margin_steps: int = 10  # the checkpoint must be this far before the spike start
-    # Skip from this many batches before the spike's first batch through the batch of the
-    # step where it was detected (plus rollback_skip_after); doubled on each recurrence.
-    rollback_skip_before: int = 10
-    rollback_skip_after: int = 0
+    # The skip runs from the spike's first batch through the batch of the step where it was
+    # detected, widened on both sides; it doubles on each recurrence.
+    rollback_skip_before: int = 10  # batches skipped before the spike's first batch
+    rollback_skip_after: int = 0  # batches skipped after the one where it was detected
     rollback_skip_batches: int | None = None  # a fixed length instead (doubled likewise)
     rollback_lr_scale: float = 0.5  # LR x this (squared, cubed... on each recurrence)
-    # LR x scale for rollback_lr_ratio x the batches skipped, then back to 1.0 linearly over
-    # half as many; rollback_lr_steps / rollback_lr_ramp_steps fix either instead.
-    rollback_lr_ratio: float = 0.25
-    rollback_lr_steps: int | None = None
-    rollback_lr_ramp_steps: int | None = None
+    # LR x scale for rollback_lr_ratio x the batches skipped, then back to 1.0 over half as
+    # many steps; rollback_lr_steps / rollback_lr_ramp_steps fix either instead.
+    rollback_lr_ratio: float = 0.25  # steps at the lowered LR per batch skipped
+    rollback_lr_steps: int | None = None  # a fixed number of steps at the lowered LR instead
+    rollback_lr_ramp_steps: int | None = None  # a fixed ramp back to 1.0 instead
     # A run that restarts this many times in a row without passing its highest step is
     # stopped and flagged, not restarted forever.
     no_progress_restarts: int = 3
@@ -72,6 +72,11 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be >= 0, or unset to size it from the skip")
         if self.no_progress_restarts < 1:
             raise ValueError("no_progress_restarts must be >= 1")
+        if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_s "
+                             f"({self.backoff_s}) >= 0: raise the maximum or lower the base")
+        if self.rollback_margin_steps < 0:
+            raise ValueError("rollback_margin_steps must be >= 0")
 
 
 # The cause a restart is counted against (each has its own budget).  A collective timeout

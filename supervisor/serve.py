@@ -23,14 +23,15 @@ _FD_MARGIN = 256
 def uvicorn_config(app: Any, settings: SupervisorSettings) -> uvicorn.Config:
     """The server's configuration: the read deadlines, keep-alive and connection cap of the
     settings (used by ``serve`` and by the tests that drive a real server)."""
+    server, http = settings.server, settings.http
     return uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        app, host=server.host, port=server.port, log_level=server.log_level,
         access_log=False,
-        http=guarded_protocol(header_timeout_s=settings.http_header_timeout_s,
-                              body_timeout_s=settings.http_body_timeout_s),
-        timeout_keep_alive=settings.http_keep_alive_s,
+        http=guarded_protocol(header_timeout_s=http.header_timeout_s,
+                              body_timeout_s=http.body_timeout_s),
+        timeout_keep_alive=http.keep_alive_s,
         # uvicorn counts the connection asking too, and answers 503 at >= its limit.
-        limit_concurrency=settings.http_max_connections + 1,
+        limit_concurrency=http.max_connections + 1,
     )
 
 
@@ -48,15 +49,16 @@ def raise_fd_limit(connections: int) -> None:
         new = soft
         log.warning("cannot raise the open-file limit (%s)", e)
     if new < want:
-        log.warning("open-file limit %d is below the %d that http_max_connections=%d needs: "
+        log.warning("open-file limit %d is below the %d that http.max_connections=%d needs: "
                     "raise it (ulimit -n, LimitNOFILE=) or lower the cap", new, want,
                     connections)
 
 
 def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
-    logging.basicConfig(level=settings.log_level.upper(),
+    server_cfg = settings.server
+    logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise_fd_limit(settings.http_max_connections)
+    raise_fd_limit(settings.http.max_connections)
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
 
     async def main() -> None:
@@ -65,8 +67,8 @@ def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
             await asyncio.sleep(0.02)
         if server.started:
             port = server.servers[0].sockets[0].getsockname()[1]
-            log.info("trainwarden supervisor on http://%s:%s (db %s)", settings.host, port,
-                     settings.database_url.split("@")[-1])
+            log.info("trainwarden supervisor on http://%s:%s (db %s)", server_cfg.host, port,
+                     settings.db.database_url.split("@")[-1])
             if port_file:
                 tmp = Path(port_file + ".tmp")
                 tmp.write_text(str(port))

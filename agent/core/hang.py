@@ -67,14 +67,14 @@ class HangConfig:
     """Deadlines, in seconds.  Every one can go down to about a second for tests."""
 
     k: float = 8.0  # x p99 of recent step intervals
-    quantile: float = 0.99
+    quantile: float = 0.99  # the quantile of recent step intervals that k multiplies
     # The learned deadline is never shorter.  25 s: with the evaluator's tick and the
     # agents' one-second batches on top, a hang is called within the 30 s target.
     floor_s: float = 25.0
     min_intervals: int = 5  # intervals needed before the learned deadline is trusted
     startup_s: float = 600.0  # attempt start -> first step report
     warmup_steps: int = 5  # the first steps of an attempt get warmup_s
-    warmup_s: float = 300.0
+    warmup_s: float = 300.0  # the deadline of those first steps
     checkpoint_s: float = 600.0  # a save in progress gets this much from its start ...
     save_k: float = 3.0  # ... or save_k x the longest recent save, whichever is longer
     longest_k: float = 1.5  # x the longest interval the run survived (if passed)

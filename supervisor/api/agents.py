@@ -25,7 +25,7 @@ def register(
     with the same run and node returns the same ``agent_id`` and the next sequence number."""
     with db.write() as conn:
         r = registry.register_agent(conn, req=req, now=clock())
-    return wire.RegisterReply(heartbeat_interval_s=settings.heartbeat_interval_s, **r)
+    return wire.RegisterReply(heartbeat_interval_s=settings.server.heartbeat_interval_s, **r)
 
 
 INGEST_BODY = {

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, HTTPException, Request, status
 
-from supervisor.config import SupervisorSettings
+from supervisor.config import AuthConfig, SupervisorSettings
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.evaluator import Clock
 from supervisor.ingest import IngestWriter
@@ -71,14 +71,14 @@ class TokenCheck:
         self.need = need
 
     async def __call__(self, request: Request) -> Principal:
-        settings: SupervisorSettings = request.app.state.settings
-        agent_hash, op_hash = settings.agent_token_hash, settings.operator_token_hash
+        auth: AuthConfig = request.app.state.settings.auth
+        agent_hash, op_hash = auth.agent_token_hash, auth.operator_token_hash
         if agent_hash is None and op_hash is None:
             # Only reachable with insecure_no_auth on a loopback address (see config).
             return Principal("operator")
         scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            if self.need == "read" and settings.public_reads:
+            if self.need == "read" and auth.public_reads:
                 return Principal("anonymous")
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,

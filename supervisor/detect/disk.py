@@ -21,8 +21,8 @@ __all__ = ["DISK_LOW", "DISK_RECOVERED", "DiskConfig", "detect_disk"]
 
 @dataclass(frozen=True)
 class DiskConfig:
-    low_ratio: float = 0.10
-    hysteresis: float = 0.02
+    low_ratio: float = 0.10  # free share of the checkpoint disk below which it is low
+    hysteresis: float = 0.02  # recovered only above low_ratio + this
 
     def __post_init__(self) -> None:
         require(0 < self.low_ratio < 1,

@@ -108,9 +108,9 @@ class LossSpikeConfig:
     # Back: the median of the newest recover_steps losses within recover_z standard errors
     # of a median of that many (1.2533 x 1.4826 x MAD / sqrt(n)) or recover_rel x |median|
     # of the baseline's median.
-    recover_z: float = 2.0
-    recover_rel: float = 0.25
-    recover_steps: int = 5
+    recover_z: float = 2.0  # "back": within this many standard errors of the baseline ...
+    recover_rel: float = 0.25  # ... or within this share of its median
+    recover_steps: int = 5  # judged on the median of this many newest losses
     recovery_window_steps: int = 50  # a spike back within this many steps is transient
     sustain_steps: int = 10  # high steps a spike not back in the window needs to be one
     rise_steps: int = 10  # a spike whose newest N steps are all high and rising ...

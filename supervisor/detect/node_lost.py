@@ -2,9 +2,9 @@
 
 Agents send a heartbeat with every ingest batch (about once a second, and at least every
 heartbeat interval).  A node whose newest heartbeat is older than ``deadline_s`` is lost: the
-machine died, the network split, or the agent hung.  ``deadline_s = 15`` is many heartbeat
-intervals (one missed batch is not a loss) yet well under a minute, so a gang restart is not
-held up long.
+machine died, the network split, or the agent hung.  ``deadline_s = 30`` is many heartbeat
+intervals (one missed batch, or a busy supervisor answering late, is not a loss) yet well
+under a minute, so a gang restart is not held up long.
 
 Pass heartbeat times as the *supervisor* saw them (receive time), so node clock skew cannot
 matter, and ``observing_since`` = the supervisor's own start time: a supervisor that was down
@@ -24,11 +24,11 @@ from supervisor.detect.findings import INCIDENT, NODE_LOST, Finding
 
 @dataclass(frozen=True)
 class NodeLostConfig:
-    deadline_s: float = 15.0
+    deadline_s: float = 30.0  # seconds without a heartbeat before a node is lost
 
     def __post_init__(self) -> None:
         require(self.deadline_s > 0,
-                f"NodeLostConfig.deadline_s must be > 0 seconds (got {self.deadline_s}); try 15")
+                f"NodeLostConfig.deadline_s must be > 0 seconds (got {self.deadline_s}); try 30")
 
 
 def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,

@@ -14,18 +14,34 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
-__all__ = ["Connection", "Database", "KeptConnection", "make_database", "make_engine"]
+__all__ = ["Connection", "Database", "KeptConnection", "StoreConfig", "make_database",
+           "make_engine"]
 
 # ``Connection`` is what every store function takes; the rest of the supervisor names the type
 # through this module and never imports SQLAlchemy itself.
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # SQLAlchemy URL (postgresql+psycopg://user@host/db); unset: SQLite in data_dir
+    url: str | None = None
+    data_dir: Path = Path("./trainwarden-data")  # where the default SQLite file is kept
+
+    @property
+    def database_url(self) -> str:
+        """The effective database URL (``url``, or the SQLite file in ``data_dir``)."""
+        if self.url:
+            return self.url
+        return f"sqlite:///{(Path(self.data_dir) / 'trainwarden.db').resolve()}"
 
 
 class Database:

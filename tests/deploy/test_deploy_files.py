@@ -23,6 +23,7 @@ import yaml
 
 from agent import cli as agent_cli
 from supervisor import cli as supervisor_cli
+from supervisor.config import flag_values
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -67,7 +68,7 @@ def _agent_config(argv: list[str]) -> Any:
 
 
 def _supervisor_args(argv: list[str]) -> argparse.Namespace:
-    parser = supervisor_cli.build_parser()
+    parser = supervisor_cli.build_parser(with_settings=True)  # as `trainwarden supervisor` does
     parser.exit_on_error = False
     for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
         for sub in action.choices.values():  # type: ignore[union-attr]
@@ -124,7 +125,7 @@ def test_systemd_supervisor_command_line_parses() -> None:
     assert argv[0] == UNIT_BINARY
     args = _supervisor_args(argv[1:])
     assert args.cmd == "supervisor"
-    assert args.host == "0.0.0.0"
+    assert flag_values(args)["server"]["host"] == "0.0.0.0"
 
 
 def test_systemd_agent_command_line_parses() -> None:

@@ -1,62 +1,185 @@
-"""Settings: precedence (flags > env > file), defaults, and the cross-field rules."""
+"""Settings: one model of sections (each component's config); every field set by flag,
+environment variable and config file, in that precedence; today's flat names kept; the
+cross-field rules; and the generated reference covering every field."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from supervisor.config import SupervisorSettings, hash_token, load_settings
+from supervisor import cli
+from supervisor.config import (
+    LEGACY_NAMES,
+    SupervisorSettings,
+    flag_values,
+    hash_token,
+    load_settings,
+    settings_fields,
+)
+from supervisor.detect import HangConfig, NodeLostConfig
+from supervisor.observe import DetectionConfig
+from supervisor.policy import PolicyConfig
+from supervisor.settings_reference import markdown, rows
 
-TOKENS = {"agent_token": "a", "operator_token": "o"}
+TOKENS = {"auth": {"agent_token": "a", "operator_token": "o"}}
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     for k in list(os.environ):
         if k.startswith("TRAINWARDEN_") and k != "TRAINWARDEN_TEST_POSTGRES_URL":
             monkeypatch.delenv(k)
 
 
-def test_defaults(tmp_path: Path) -> None:
-    s = load_settings(data_dir=str(tmp_path), **TOKENS)
-    assert (s.host, s.port, s.restart_budget, s.restart_backoff_max_s) == (
-        "127.0.0.1", 8765, 10, 60.0)
-    assert s.database_url == f"sqlite:///{(tmp_path / 'trainwarden.db').resolve()}"
-    assert s.agent_token_hash == hash_token("a") and s.agent_token_hash.startswith("sha256:")
+def flags(*argv: str) -> dict[str, dict[str, object]]:
+    """What ``trainwarden supervisor ARGV`` passes on to the settings."""
+    return flag_values(cli.build_parser(with_settings=True).parse_args(["supervisor", *argv]))
 
 
-def test_precedence_file_env_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_defaults_are_the_components_own(tmp_path: Path) -> None:
+    """A user who sets nothing gets exactly the defaults the components declare."""
+    s = load_settings(**TOKENS)
+    assert s.policy_config() == PolicyConfig()
+    assert s.detection_config() == DetectionConfig()
+    assert s.hang == HangConfig() and s.node_lost == NodeLostConfig()
+    assert (s.server.host, s.server.port) == ("127.0.0.1", 8765)
+    sqlite = (Path("trainwarden-data") / "trainwarden.db").resolve()
+    assert s.db.database_url == f"sqlite:///{sqlite}"
+    assert s.auth.agent_token_hash == hash_token("a")
+    assert s.auth.agent_token_hash.startswith("sha256:")
+
+
+def test_every_field_by_flag() -> None:
+    given = flags("--hang-floor-s", "6", "--rollback-skip-batches", "40",
+                  "--straggler-threshold", "0.6", "--loss-z", "4", "--throughput-drop", "0.5",
+                  "--detection-interval-history", "50", "--server-port", "9000",
+                  "--auth-public-reads")
+    s = load_settings(**{**given, "auth": {**given["auth"], **TOKENS["auth"]}})
+    assert s.hang.floor_s == 6.0
+    assert s.policy_config().rollback_skip_batches == 40
+    assert s.detection_config().straggler.threshold == 0.6
+    assert s.detection_config().loss.z == 4.0
+    assert s.detection_config().throughput.drop == 0.5
+    assert s.detection_config().interval_history == 50
+    assert s.server.port == 9000 and s.auth.public_reads is True
+
+
+def test_the_flags_of_the_first_versions_still_work() -> None:
+    given = flags("--host", "127.0.0.2", "--port", "9001", "--db", "sqlite:///x.db",
+                  "--data-dir", "d", "--restart-budget", "4", "--public-reads",
+                  "--insecure-no-auth", "--log-level", "debug")
+    assert given == {"server": {"host": "127.0.0.2", "port": 9001, "log_level": "debug"},
+                     "db": {"url": "sqlite:///x.db", "data_dir": Path("d")},
+                     "restart": {"budget": 4},
+                     "auth": {"public_reads": True, "insecure_no_auth": True}}
+
+
+def test_every_field_has_a_flag() -> None:
+    parser = cli.build_parser(with_settings=True)
+    sub = next(a for a in parser._actions if a.dest == "cmd").choices["supervisor"]  # type: ignore[union-attr]
+    options = {o for a in sub._actions for o in a.option_strings}
+    assert [s.flag for s in settings_fields() if s.flag not in options] == []
+
+
+def test_every_field_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINWARDEN_HANG_FLOOR_S", "6")
+    monkeypatch.setenv("TRAINWARDEN_ROLLBACK_SKIP_BATCHES", "40")
+    monkeypatch.setenv("TRAINWARDEN_STRAGGLER_HOLD_STEPS", "0")
+    monkeypatch.setenv("TRAINWARDEN_NODE_LOST_DEADLINE_S", "12")
+    monkeypatch.setenv("TRAINWARDEN_AUTH_AGENT_TOKEN", "ea")
+    monkeypatch.setenv("TRAINWARDEN_AUTH_OPERATOR_TOKEN", "eo")
+    monkeypatch.setenv("TRAINWARDEN_DETECTION_STRAGGLER_INTERVAL_S", "2.5")
+    s = load_settings()
+    assert s.hang.floor_s == 6.0 and s.rollback.skip_batches == 40
+    assert s.straggler.hold_steps == 0 and s.node_lost.deadline_s == 12.0
+    assert s.auth.agent_token == "ea" and s.detection.straggler_interval_s == 2.5
+
+
+def test_the_environment_names_of_the_first_versions_still_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"TRAINWARDEN_AGENT_TOKEN": "a", "TRAINWARDEN_OPERATOR_TOKEN": "o",
+           "TRAINWARDEN_DB_URL": "sqlite:///tw.db", "TRAINWARDEN_DATA_DIR": "/tmp/twd",
+           "TRAINWARDEN_PUBLIC_READS": "true", "TRAINWARDEN_HANG_FLOOR_S": "6",
+           "TRAINWARDEN_HANG_STARTUP_S": "120", "TRAINWARDEN_HANG_WARMUP_S": "20",
+           "TRAINWARDEN_NODE_LOST_S": "3600", "TRAINWARDEN_RESTART_BUDGET": "4",
+           "TRAINWARDEN_RESTART_BACKOFF_S": "0.5", "TRAINWARDEN_ROLLBACK_BUDGET": "2",
+           "TRAINWARDEN_ROLLBACK_SKIP_BATCHES": "40", "TRAINWARDEN_ROLLBACK_LR_STEPS": "30",
+           "TRAINWARDEN_DISK_LOW_RATIO": "0.2", "TRAINWARDEN_MAX_BODY_BYTES": "65536",
+           "TRAINWARDEN_PORT": "2000", "TRAINWARDEN_NO_PROGRESS_RESTARTS": "5"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings()
+    p = s.policy_config()
+    assert (s.auth.agent_token, s.auth.operator_token, s.auth.public_reads) == ("a", "o", True)
+    assert (s.db.url, s.db.data_dir) == ("sqlite:///tw.db", Path("/tmp/twd"))
+    assert (s.hang.floor_s, s.hang.startup_s, s.hang.warmup_s) == (6.0, 120.0, 20.0)
+    assert s.node_lost.deadline_s == 3600.0 and s.disk.low_ratio == 0.2
+    assert (p.restart_budget, p.backoff_s, p.no_progress_restarts) == (4, 0.5, 5)
+    assert (p.rollback_budget, p.rollback_skip_batches, p.rollback_lr_steps) == (2, 40, 30)
+    assert (s.server.max_body_bytes, s.server.port) == (65536, 2000)
+
+
+def test_the_sections_own_name_wins_over_the_old_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINWARDEN_NODE_LOST_S", "100")
+    monkeypatch.setenv("TRAINWARDEN_NODE_LOST_DEADLINE_S", "200")
+    assert load_settings(**TOKENS).node_lost.deadline_s == 200.0
+
+
+def test_every_field_by_config_file(tmp_path: Path) -> None:
+    f = tmp_path / "tw.toml"
+    f.write_text('[auth]\nagent_token = "fa"\noperator_token = "fo"\n'
+                 '[hang]\nfloor_s = 6\n[rollback]\nskip_batches = 40\n'
+                 '[straggler]\nthreshold = 0.6\n[server]\nport = 1000\n')
+    s = load_settings(f)
+    assert (s.auth.agent_token, s.hang.floor_s, s.rollback.skip_batches) == ("fa", 6.0, 40)
+    assert (s.straggler.threshold, s.server.port) == (0.6, 1000)
+    j = tmp_path / "tw.json"
+    j.write_text(json.dumps({"supervisor": {"restart": {"budget": 7}, **TOKENS}}))
+    assert load_settings(j).restart.budget == 7
+
+
+def test_a_config_file_of_the_first_versions_still_works(tmp_path: Path) -> None:
     f = tmp_path / "tw.toml"
     f.write_text('[supervisor]\nport = 1000\nrestart_budget = 5\nagent_token = "fa"\n'
-                 'operator_token = "fo"\npublic_reads = true\n')
+                 'operator_token = "fo"\npublic_reads = true\nhang_floor_s = 7\n')
     s = load_settings(f)
-    assert (s.port, s.restart_budget, s.public_reads) == (1000, 5, True)
-    monkeypatch.setenv("TRAINWARDEN_PORT", "2000")
+    assert (s.server.port, s.restart.budget, s.auth.public_reads, s.hang.floor_s) == (
+        1000, 5, True, 7.0)
+
+
+def test_precedence_flags_then_env_then_file(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "tw.toml"
+    f.write_text('[server]\nport = 1000\n[restart]\nbudget = 5\n[hang]\nfloor_s = 9\n'
+                 'startup_s = 90\n[auth]\nagent_token = "fa"\noperator_token = "fo"\n')
     monkeypatch.setenv("TRAINWARDEN_CONFIG", str(f))
+    monkeypatch.setenv("TRAINWARDEN_SERVER_PORT", "2000")
+    monkeypatch.setenv("TRAINWARDEN_HANG_FLOOR_S", "8")
     s = load_settings()
-    assert (s.port, s.restart_budget) == (2000, 5)
-    s = load_settings(port=3000)
-    assert (s.port, s.restart_budget) == (3000, 5)
-    j = tmp_path / "tw.json"
-    j.write_text(json.dumps({"restart_budget": 7, **TOKENS}))
-    assert load_settings(j).restart_budget == 7
+    assert (s.server.port, s.restart.budget) == (2000, 5)
+    assert (s.hang.floor_s, s.hang.startup_s) == (8.0, 90.0)  # one section, two sources
+    s = load_settings(**flags("--server-port", "3000", "--hang-floor-s", "7"))
+    assert (s.server.port, s.restart.budget, s.hang.floor_s, s.hang.startup_s) == (
+        3000, 5, 7.0, 90.0)
 
 
 @pytest.mark.parametrize("kw, needle", [
     ({}, "no token configured"),
-    ({**TOKENS, "restart_backoff_s": 10, "restart_backoff_max_s": 5}, "restart_backoff_max_s"),
-    ({"agent_token": "same", "operator_token": "same"}, "the same"),
-    ({"insecure_no_auth": True, "host": "0.0.0.0"}, "loopback"),
-    ({"insecure_no_auth": True, **TOKENS}, "drop --insecure-no-auth"),
-    ({**TOKENS, "port": 70000}, "port"),
+    ({**TOKENS, "restart": {"backoff_s": 10, "backoff_max_s": 5}}, "raise the maximum"),
+    ({"auth": {"agent_token": "same", "operator_token": "same"}}, "the same"),
+    ({"auth": {"insecure_no_auth": True}, "server": {"host": "0.0.0.0"}}, "loopback"),
+    ({"auth": {"insecure_no_auth": True, "agent_token": "a"}}, "drop --insecure-no-auth"),
+    ({**TOKENS, "server": {"port": 70000}}, "server.port"),
+    ({**TOKENS, "rollback": {"lr_scale": 2.0}}, "rollback_lr_scale"),
+    ({**TOKENS, "hang": {"floor_s": 0}}, "HangConfig.floor_s"),
+    ({**TOKENS, "straggler": {"hold_steps": 5}}, "hold_steps"),
 ])
 def test_bad_settings_name_the_fix(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
-        SupervisorSettings(**kw)  # type: ignore[arg-type]
+        SupervisorSettings(**kw)
 
 
 def test_bad_config_file(tmp_path: Path) -> None:
@@ -67,20 +190,44 @@ def test_bad_config_file(tmp_path: Path) -> None:
     f.write_text("nonsense = 1\n")
     with pytest.raises(ValueError, match="nonsense"):
         load_settings(f, **TOKENS)
+    f.write_text("[hang]\nflor_s = 1\n")
+    with pytest.raises(ValueError, match="flor_s"):
+        load_settings(f, **TOKENS)
     with pytest.raises(ValueError, match="cannot read"):
         load_settings(tmp_path / "missing.toml")
 
 
 def test_insecure_loopback_ok() -> None:
-    s = SupervisorSettings(insecure_no_auth=True)
-    assert s.agent_token_hash is None and s.operator_token_hash is None
+    s = SupervisorSettings(auth={"insecure_no_auth": True})
+    assert s.auth.agent_token_hash is None and s.auth.operator_token_hash is None
+
+
+def test_the_reference_covers_every_field() -> None:
+    """One row per field of every section, each with its flag, environment variable and
+    meaning; the table lists the old names too."""
+    table = markdown()
+    fields = list(settings_fields())
+    assert [r.name for r in rows()] == [f"{s.section}.{s.name}" for s in fields]
+    for s in fields:
+        assert f"`{s.section}.{s.name}`" in table and s.flag in table and s.env in table
+    assert [r.name for r in rows() if not r.meaning] == []
+    for old in LEGACY_NAMES:
+        assert f"TRAINWARDEN_{old.upper()}" in table
+    assert len(fields) == sum(
+        len(getattr(SupervisorSettings(**TOKENS), section).__dict__)
+        for section in SupervisorSettings.model_fields)
+
+
+def test_settings_command_prints_the_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["settings", "--markdown"]) == 0
+    assert capsys.readouterr().out == markdown()
 
 
 def test_spike_and_rollback_settings_reach_the_detector_and_the_policy(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from supervisor.app import create_app
 
-    env = {"SPIKE_RECOVERY_WINDOW_STEPS": "80", "SPIKE_SUSTAIN_STEPS": "12",
+    env = {"LOSS_RECOVERY_WINDOW_STEPS": "80", "LOSS_SUSTAIN_STEPS": "12",
            "ROLLBACK_BUDGET": "5", "ROLLBACK_MARGIN_STEPS": "20",
            "ROLLBACK_SKIP_BEFORE": "4", "ROLLBACK_SKIP_AFTER": "6",
            "ROLLBACK_SKIP_BATCHES": "300", "ROLLBACK_LR_SCALE": "0.3",
@@ -99,9 +246,11 @@ def test_spike_and_rollback_settings_reach_the_detector_and_the_policy(
 
 
 def test_rollback_defaults_size_the_skip_and_the_lr_from_what_was_seen(tmp_path: Path) -> None:
-    s = load_settings(data_dir=str(tmp_path), **TOKENS)
-    assert (s.rollback_skip_batches, s.rollback_lr_steps, s.rollback_lr_ramp_steps) == (
+    pol = load_settings(data_dir=str(tmp_path), **TOKENS).policy_config()
+    assert (pol.rollback_skip_batches, pol.rollback_lr_steps, pol.rollback_lr_ramp_steps) == (
         None, None, None)
-    assert (s.spike_recovery_window_steps, s.rollback_lr_ratio) == (50, 0.25)
-    with pytest.raises(ValueError, match=r"spike_recovery_window_steps \(5\) is below"):
-        load_settings(spike_recovery_window_steps=5, **TOKENS)
+    assert pol.rollback_lr_ratio == 0.25
+    loss = load_settings(data_dir=str(tmp_path), **TOKENS).detection_config().loss
+    assert loss.recovery_window_steps == 50
+    with pytest.raises(ValueError, match=r"recovery_window_steps"):
+        load_settings(loss={"recovery_window_steps": 5}, **TOKENS)

@@ -12,13 +12,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import uvicorn
 
 from supervisor.app import create_app
 from supervisor.config import SupervisorSettings
+from supervisor.httpguard import HttpConfig
 from supervisor.serve import uvicorn_config
 from tests.dashboard.browser import supervisor_process, wait_for
 
@@ -189,9 +189,8 @@ def test_past_the_connection_cap_requests_get_503(server: Server) -> None:
 def test_the_supervisor_a_user_starts_has_the_deadlines(tmp_path: Path) -> None:
     """``trainwarden supervisor`` with its defaults (10 s for headers, 5 s keep-alive):
     a silent connection, a trickled request and an idle keep-alive one, side by side."""
-    defaults: Any = SupervisorSettings.model_fields
-    header_s = defaults["http_header_timeout_s"].default
-    keep_alive_s = defaults["http_keep_alive_s"].default
+    header_s = HttpConfig().header_timeout_s
+    keep_alive_s = HttpConfig().keep_alive_s
     with supervisor_process(tmp_path, agent_token=AGENT_TOKEN,
                             operator_token=OPERATOR_TOKEN) as sup:
         host, port = sup.base_url.removeprefix("http://").split(":")

@@ -1,0 +1,53 @@
+"""The walls between the packages (the import-linter contracts in pyproject.toml): the agent
+never imports the supervisor, the in-training library none of the service's packages, the
+shared core and the detectors and policy nothing impure, and only the store talks SQL."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+LINT = Path(sys.executable).with_name("lint-imports")
+
+
+def lint(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LINT), "--no-cache", "--config", str(root / "pyproject.toml")],
+                          cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_code_keeps_every_wall(repo_root: Path) -> None:
+    r = lint(repo_root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5 kept, 0 broken" in r.stdout
+
+
+# One forbidden import for each contract: file, the line added to it.
+BREACHES = {
+    "the agent never imports the supervisor": ("agent/watchdog.py", "import supervisor.wire"),
+    "the in-training library imports nothing of the service": (
+        "agent/worker/report.py", "import httpx"),
+    "the shared core is pure": ("agent/core/stats.py", "import socket"),
+    "detectors and policy are pure": ("supervisor/detect/disk.py", "import supervisor.store.db"),
+    "only the store talks SQL": ("supervisor/metrics.py", "import sqlalchemy"),
+}
+
+
+def test_each_wall_catches_a_forbidden_import(repo_root: Path, tmp_path: Path) -> None:
+    """The same contracts over a copy of the code with one forbidden import per contract:
+    every one of them is reported broken."""
+    for pkg in ("agent", "supervisor"):
+        shutil.copytree(repo_root / pkg, tmp_path / pkg,
+                        ignore=shutil.ignore_patterns("__pycache__", "static", "templates"))
+    shutil.copy(repo_root / "pyproject.toml", tmp_path)
+    for path, line in BREACHES.values():
+        f = tmp_path / path
+        f.write_text(f.read_text() + f"\n{line}  # noqa\n")
+    r = lint(tmp_path)
+    assert r.returncode != 0
+    assert "0 kept, 5 broken" in r.stdout, r.stdout
+    for name, (path, _line) in BREACHES.items():
+        assert name in r.stdout
+        assert path.removesuffix(".py").replace("/", ".") in r.stdout
