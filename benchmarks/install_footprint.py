@@ -63,8 +63,15 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tw-install-") as tmp:
         work = Path(tmp)
+        # From the committed tree (git archive): a build in the working tree would reuse its
+        # build/ folder, where deleted files linger.
+        src = work / "src"
+        src.mkdir()
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
         _check([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(work),
-                str(REPO)], work)
+                str(src)], work)
         (whl,) = work.glob("trainwarden-*.whl")
         empty = work / "empty"
         _check([sys.executable, "-m", "venv", str(empty)], work)

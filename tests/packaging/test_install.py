@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -51,10 +52,26 @@ def _run(cmd: list[str | Path], cwd: Path, timeout: float = 600,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def source_copy(dest: Path) -> Path:
+    """The project's files as a fresh checkout has them (tracked and new, not ignored ones):
+    a build in the working tree would reuse its ``build/`` folder, where files deleted from
+    the source linger and would ship in the wheel."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = REPO / os.fsdecode(name)
+        if src.is_file():
+            target = dest / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, REPO], out)
+    src = source_copy(tmp_path_factory.mktemp("source"))
+    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, src], out)
     assert r.returncode == 0, r.stdout + r.stderr
     (whl,) = out.glob("trainwarden-*.whl")
     assert whl.name.startswith(f"trainwarden-{VERSION}-")
