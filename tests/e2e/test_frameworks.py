@@ -35,6 +35,9 @@ class Case:
     every: int  # checkpoint every N steps
     crash_at: int
     spike_at: int
+    # Batches the spike corrupts: enough that the loss cannot be back within the supervisor's
+    # recovery window (50 steps), so it is a sustained spike (a rollback), not a blip.
+    spike_len: int
     args: tuple[str, ...] = ()
 
     def train(self, work: Path) -> list[str]:
@@ -44,9 +47,14 @@ class Case:
 
 
 CASES = {
-    # cosine LR schedule with warm-up: the plan's factor comes on top of it
-    "hf": Case("hf_trainer.py", steps=300, every=25, crash_at=180, spike_at=150),
-    "lightning": Case("lightning_module.py", steps=600, every=50, crash_at=230, spike_at=300),
+    # Cosine LR schedule with warm-up: the plan's factor comes on top of it.  Random tokens
+    # only teach the GPT-2 the uniform distribution, which it unlearns within a few tens of
+    # steps: 20 such batches are a transient spike (no rollback); 50 keep it up past the
+    # window.  Lightning's corrupted targets wreck its Adam state: 20 batches are sustained.
+    "hf": Case("hf_trainer.py", steps=300, every=25, crash_at=180, spike_at=150,
+               spike_len=50),
+    "lightning": Case("lightning_module.py", steps=600, every=50, crash_at=230, spike_at=300,
+                      spike_len=20),
 }
 
 
@@ -140,7 +148,7 @@ def test_spike_rolled_back_skipped_lr_lowered_and_ends_as_well_as_a_clean_run(
     case = CASES[name]
     clean = clean_run(name, tmp_path_factory)
     run = under_trainwarden(supervisor, tmp_path, f"spike-{name}", case,
-                            "--inject", f"spike@{case.spike_at}")
+                            "--inject", f"spike@{case.spike_at}:len={case.spike_len}")
     assert run["status"] == "completed" and run["restarts"] == 1, run
     (inc,) = acted_on(supervisor, f"spike-{name}")
     assert inc["kind"] == "loss_spike", inc
@@ -149,7 +157,7 @@ def test_spike_rolled_back_skipped_lr_lowered_and_ends_as_well_as_a_clean_run(
     back = act["resumed_step"]
     assert back <= case.spike_at - 10, act
     (skip,) = [tuple(r) for r in act["plan"]["skip"]]
-    corrupted = set(range(case.spike_at, case.spike_at + 20))
+    corrupted = set(range(case.spike_at, case.spike_at + case.spike_len))
     assert corrupted <= set(range(skip[0], skip[1] + 1)), skip
     lr = act["plan"]["lr"]
     assert lr["scale"] < 1.0, lr
