@@ -91,9 +91,12 @@ def _settings(args: argparse.Namespace) -> Any:
 
     fields: dict[str, Any] = dict(flag_values(args))
     try:
-        # The db commands never authenticate anyone: they need no tokens.
+        # The db commands never authenticate anyone: they need no tokens, and the tokens of
+        # the environment a supervisor runs in are ignored rather than checked against that.
         if args.cmd == "db":
-            return load_settings(args.config, insecure_no_auth=True, **fields)
+            return load_settings(args.config, auth={"insecure_no_auth": True,
+                                                    "agent_token": None,
+                                                    "operator_token": None}, **fields)
         return load_settings(args.config, **fields)
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'settings'}: {x['msg']}"

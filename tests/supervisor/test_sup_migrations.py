@@ -61,3 +61,16 @@ def test_db_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["db", "upgrade", "--db", url]) == 0
     assert cli.main(["db", "current", "--db", url]) == 0
     assert capsys.readouterr().out.strip().endswith(f"{migrate.head()} (head)")
+
+
+def test_db_cli_runs_in_the_supervisors_environment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`trainwarden db` where the supervisor's tokens are set (its unit, its container): the
+    tokens are not needed and do not stand in the way."""
+    monkeypatch.setenv("TRAINWARDEN_AGENT_TOKEN", "a")
+    monkeypatch.setenv("TRAINWARDEN_AUTH_OPERATOR_TOKEN", "o")
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    assert cli.main(["db", "upgrade", "--db", url]) == 0
+    assert cli.main(["db", "current", "--db", url]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"{migrate.head()} (head)")
