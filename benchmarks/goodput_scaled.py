@@ -43,8 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from supervisor.detect.hang import HangConfig  # noqa: E402
-
+from supervisor.detect import HangConfig  # noqa: E402
 from supervisor.detect.loss_spike import LossSpikeConfig  # noqa: E402
 from supervisor.goodput import interval as iv  # noqa: E402
 from supervisor.goodput.simulate import FaultKind, SimConfig, simulate  # noqa: E402
