@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m tests.parallel $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent supervisor tests examples benchmarks migrations

@@ -11,6 +11,33 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_ENV = "TRAINWARDEN_TEST_POSTGRES_URL"
 
+# `make test` runs the suite as two pytest processes side by side (tests/parallel.py), one per
+# core, each taking one shard: the end-to-end tests that start torchrun, one after the other,
+# and everything else beside them (unit and API tests, the browser, packaging, and the
+# framework end-to-end module, which runs one torchrun job at a time).  Much of an
+# end-to-end test's time is waiting (deadlines, step sleeps, process start-up), which the
+# other shard uses.  TRAINWARDEN_TEST_SHARD selects a shard; unset, every test runs.
+SHARD_ENV = "TRAINWARDEN_TEST_SHARD"
+SHARDS = ("e2e", "rest")
+E2E = REPO / "tests" / "e2e"
+BESIDE_E2E = {"test_frameworks.py"}
+
+
+def shard_of(path: Path) -> str:
+    return "e2e" if path.parent == E2E and path.name not in BESIDE_E2E else "rest"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = os.environ.get(SHARD_ENV)
+    if not shard:
+        return
+    if shard not in SHARDS:
+        raise pytest.UsageError(f"{SHARD_ENV}={shard!r}: use one of {', '.join(SHARDS)}")
+    keep = [i for i in items if shard_of(Path(str(i.path))) == shard]
+    kept = set(keep)
+    config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+    items[:] = keep
+
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
@@ -29,3 +56,4 @@ def postgres_url() -> str:
     if not url:
         pytest.skip(f"{POSTGRES_ENV} is not set: no PostgreSQL to test against")
     return url
+
