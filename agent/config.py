@@ -29,7 +29,9 @@ _MAX_SOCKET_PATH = 100
 
 
 def default_state_dir(run: str, node: str) -> Path:
-    """Per run and node, so two agents on one host (two runs) never share a spool."""
+    """Per run name and node, so two agents on one host (two runs) never share a spool.  The
+    state in it belongs to the supervisor's identity of the run (its uuid), not to the name:
+    an agent that finds another run's state there archives it before any worker starts."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "trainwarden" / _safe(run) / _safe(node)
 
@@ -54,6 +56,10 @@ class AgentConfig:
     # Main loop period: how often the socket is drained and torchrun polled.
     tick_interval_s: float = 0.1
     http_timeout_s: float = 3.0
+    # Before launching, how long to try registering: the reply says which run this is (its
+    # uuid and attempt), so the workers never start from another run's state.  A supervisor
+    # that does not answer in time delays training by this much at most.
+    register_wait_s: float = 10.0
     # Spool bound (undelivered batches on disk); the oldest go first when it is full.
     spool_max_bytes: int = 256 * 1024 * 1024
     spool_max_batches: int = 20_000
@@ -105,6 +111,8 @@ class AgentConfig:
             raise ValueError("spool bounds must be > 0")
         if self.dead_letter_max_bytes <= 0 or self.dead_letter_max_batches <= 0:
             raise ValueError("dead-letter bounds must be > 0")
+        if self.register_wait_s < 0:
+            raise ValueError("the registration wait must be >= 0 seconds")
         if self.max_5xx_tries < 1:
             raise ValueError("max_5xx_tries must be >= 1")
         if self.max_items_per_batch <= 0 or self.queue_max <= 0:

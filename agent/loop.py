@@ -3,8 +3,15 @@
 One tick: echo torchrun's output, drain the worker socket, notice torchrun's exit, apply
 commands, and spool a batch when one is due (every ``batch_interval_s``, at once when an
 event, checkpoint, exit or command result is waiting).  The network is the uplink thread's
-business; a tick never waits on it.  Training is launched before registration: the
-supervisor is never in the training path.
+business; a tick never waits on it.
+
+Before launching, the agent registers (for at most ``register_wait_s``): the reply names the
+run, by the uuid the supervisor gave it at creation, and the local state must belong to that
+run.  A state of another run (another uuid, or one saved before runs had one: a reused run
+name) is archived beside the state dir and replaced, so no worker starts at its attempt or
+from its resume plan; a run that has ended refuses the registration, and nothing is launched.
+A supervisor that does not answer in time delays training by that wait only: the workers
+start from the local state, and a foreign state found once it answers is replaced then.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
 # Checkpoint directories learned from the workers' reports, kept (newest last) for the pins.
 _MAX_LEARNED_ROOTS = 8
+
+
+# The supervisor refused the registration (the run has ended): nothing was launched.
+EXIT_REFUSED = 3
 
 
 class AgentAlreadyRunning(RuntimeError):
@@ -85,37 +96,17 @@ class Agent:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state_dir(self.state_dir)
         self.state_path = self.state_dir / "agent.json"
-        saved = self._load_state()
-        self._attempt = int(saved.get("attempt", 0))
-        plan = saved.get("plan")
-        self.plan_path: Path | None = Path(plan) if plan and Path(plan).exists() else None
         self.threaded_uplink = threaded_uplink
+        self._transport = transport
         self.launcher = Launcher(
             config.command, run=config.run, node=config.node, state_dir=self.state_dir,
             socket_path=config.socket_path, stop_grace_s=config.stop_grace_s, echo=echo,
             popen=popen, clock=clock,
         )
         self.receiver = DatagramReceiver(config.socket_path, config.queue_max)
-        self.uplink = Uplink(
-            supervisor_url=config.supervisor_url, token=config.token,
-            state_dir=self.state_dir, register_request=self._register_request(),
-            spool_max_bytes=config.spool_max_bytes, spool_max_batches=config.spool_max_batches,
-            max_items_per_batch=config.max_items_per_batch,
-            max_5xx_tries=config.max_5xx_tries,
-            dead_letter_max_bytes=config.dead_letter_max_bytes,
-            dead_letter_max_batches=config.dead_letter_max_batches,
-            http_timeout_s=config.http_timeout_s, transport=transport, clock=clock,
-        )
-        self.executor = Executor(self.state_dir, self, self._emit, clock)
         self.stats = WorkerStats()
         self.gpus = GpuHealth(gpu_module)
         self._gpus_read_at = float("-inf")
-        # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
-        # directory of the checkpoints the workers report.
-        self.checkpoint_root: Path | None = config.checkpoint_root
-        learned = saved.get("checkpoint_roots")
-        self.learned_roots: list[str] = [r for r in learned if isinstance(r, str)] \
-            if isinstance(learned, list) else []
         self.pending: list[dict[str, Any]] = []
         self.urgent = False
         self.state = AgentState.STARTING
@@ -127,10 +118,96 @@ class Agent:
         self.started_at = clock()
         self.watch = HangWatch(config.hang)
         self._hung_attempt: int | None = None
+        self.archived: Path | None = None  # where another run's state was moved aside
+        self._open_state()
+
+    def _open_state(self) -> None:
+        """Read the state dir's files (attempt, plan, pins, the run's uuid) and build the
+        parts that live in it: the uplink (spool, sequence numbers) and the executor."""
+        saved = self._load_state()
+        # No agent.json yet: a state this agent creates, bound to no run until registered.
+        # One found without a uuid was saved before runs had one: it may be any run's.
+        self._unbound = not self.state_path.exists()
+        uuid = saved.get("run_uuid")
+        self.run_uuid: str | None = uuid if isinstance(uuid, str) and uuid else None
+        self._attempt = int(saved.get("attempt", 0))
+        plan = saved.get("plan")
+        self.plan_path: Path | None = Path(plan) if plan and Path(plan).exists() else None
+        config, clock = self.cfg, self.clock
+        self.uplink = Uplink(
+            supervisor_url=config.supervisor_url, token=config.token,
+            state_dir=self.state_dir, register_request=self._register_request(),
+            spool_max_bytes=config.spool_max_bytes, spool_max_batches=config.spool_max_batches,
+            max_items_per_batch=config.max_items_per_batch,
+            max_5xx_tries=config.max_5xx_tries,
+            dead_letter_max_bytes=config.dead_letter_max_bytes,
+            dead_letter_max_batches=config.dead_letter_max_batches,
+            http_timeout_s=config.http_timeout_s, transport=self._transport, clock=clock,
+        )
+        self.uplink.check_identity = self._is_our_run
+        self.executor = Executor(self.state_dir, self, self._emit, clock)
+        # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
+        # directory of the checkpoints the workers report.
+        self.checkpoint_root: Path | None = config.checkpoint_root
+        learned = saved.get("checkpoint_roots")
+        self.learned_roots: list[str] = [r for r in learned if isinstance(r, str)] \
+            if isinstance(learned, list) else []
         pins = saved.get("pins")
         # (an agent of an earlier version saved its restart pins as a plain list)
         self.pins = CheckpointPins({"restart": pins} if isinstance(pins, list) else pins,
                                    roots=self._pin_roots())
+
+    # -- the run's identity ------------------------------------------------------------------
+
+    def _is_our_run(self, reply: protocol.RegisterReply) -> bool:
+        """Whether the local state belongs to the run the supervisor answered for: the same
+        uuid, or a fresh state dir (an older supervisor sends no uuid: the state is kept)."""
+        uuid = reply.get("run_uuid")
+        return not uuid or uuid == self.run_uuid or (self.run_uuid is None and self._unbound)
+
+    def _adopt(self, reply: protocol.RegisterReply, *, launching: bool) -> None:
+        """Record the run's uuid in the state; a new state launched now starts at the run's
+        attempt (a node joining a run that has restarted, a state just archived)."""
+        uuid = reply.get("run_uuid")
+        if not uuid or uuid == self.run_uuid:
+            return
+        if launching and self._unbound:
+            self._attempt, self.plan_path = int(reply.get("attempt") or 0), None
+        self.run_uuid, self._unbound = uuid, False
+        self._save_state()
+
+    def _archive_state(self, reply: protocol.RegisterReply) -> None:
+        """The local state is another run's (a reused run name: another uuid, or a state
+        saved before runs had one): move it aside, open a fresh one, and take the run's
+        uuid and attempt.  Called with no worker running and the sender thread stopped."""
+        self.uplink.close()  # its sender thread writes in the state dir
+        old = self.run_uuid
+        tag = old or f"no-uuid-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        dest = self.state_dir.with_name(f"{self.state_dir.name}.archived-{tag}")
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = dest.with_name(f"{self.state_dir.name}.archived-{tag}-{n}")
+        dest.mkdir(parents=True)
+        keep = {"agent.lock", self.cfg.socket_path.name}
+        for child in list(self.state_dir.iterdir()):
+            if child.name not in keep:
+                os.replace(child, dest / child.name)
+        self.archived = dest
+        log.warning(
+            "the state in %s belongs to another run named %r (run uuid %s; the supervisor's "
+            "run is %s, at attempt %s): archived it to %s and starting afresh, so no worker "
+            "starts at its attempt or resumes from its checkpoints", self.state_dir,
+            self.cfg.run, old or "none recorded", reply.get("run_uuid"), reply.get("attempt"),
+            dest)
+        self._open_state()
+        self._adopt(reply, launching=True)
+        self._registered_attempt_checked = False
+        self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
+                    "name": protocol.EVENT_STATE_ARCHIVED,
+                    "message": f"local agent state of another run (uuid {old or 'none'}) "
+                               f"archived to {dest}",
+                    "details": {"archived_to": str(dest), "old_run_uuid": old}})
 
     # -- persisted state ---------------------------------------------------------------------
 
@@ -140,7 +217,8 @@ class Agent:
     def _save_state(self) -> None:
         plan = str(self.plan_path) if self.plan_path else None
         pins = self.pins.state() if hasattr(self, "pins") else {}
-        save_json(self.state_path, {"attempt": self._attempt, "plan": plan, "pins": pins,
+        save_json(self.state_path, {"run_uuid": self.run_uuid, "attempt": self._attempt,
+                                    "plan": plan, "pins": pins,
                                     "checkpoint_roots": self.learned_roots})
 
     def _pin_roots(self) -> list[Path]:
@@ -247,15 +325,40 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Kill what a previous incarnation left, launch torchrun, start sending."""
+        """Kill what a previous incarnation left, learn which run this is (registration,
+        bounded by ``register_wait_s``), launch torchrun, start sending.  A run that has
+        ended launches nothing: ``result`` is set."""
         killed = self.launcher.kill_leftovers()
         if killed:
             self._emit({"type": "event", "t": self.clock(), "name": "agent_leftovers_killed",
                         "message": f"killed {len(killed)} process(es) of a previous agent",
                         "details": {"pids": killed}})
+        self._identify()
+        if self.result is not None:
+            return
         self.launch(self._attempt, self.plan_path)
         if self.threaded_uplink:
             self.uplink.start()
+
+    def _identify(self) -> None:
+        """Register before any worker starts: the reply names the run (its uuid and attempt)
+        the local state must belong to.  A state of another run is archived here."""
+        reply = self.uplink.register_now(self.cfg.register_wait_s)
+        if self.uplink.refused:
+            self._refused()
+        elif reply is None:
+            log.warning("the supervisor did not accept the registration within %.0f s: "
+                        "launching attempt %d from the local state (run uuid %s); it is "
+                        "checked once the supervisor answers", self.cfg.register_wait_s,
+                        self._attempt, self.run_uuid or "none yet")
+        elif self.uplink.foreign is not None:
+            self._archive_state(reply)
+        else:
+            self._adopt(reply, launching=True)
+
+    def _refused(self) -> None:
+        log.error("%s", self.uplink.refused)
+        self.result = EXIT_REFUSED
 
     def tick(self) -> int | None:
         """One iteration; returns the agent's exit code once it should end."""
@@ -287,6 +390,15 @@ class Agent:
         return self.result
 
     def _check_registration(self) -> None:
+        if self.uplink.refused and self.result is None:
+            self._refused()  # shutdown() stops the workers
+            return
+        if self.uplink.foreign is not None:
+            self._replace_foreign_state(self.uplink.foreign)
+            return
+        reg = self.uplink.registration
+        if reg is not None and reg.get("run_uuid") not in (None, self.run_uuid):
+            self._adopt(reg, launching=False)
         reg = self.uplink.registration
         if reg is None or self._registered_attempt_checked:
             return
@@ -297,6 +409,22 @@ class Agent:
             log.warning("supervisor says the run is at attempt %s, local workers run attempt "
                         "%d: the supervisor's next restart command realigns them",
                         reg.get("attempt"), self._attempt)
+
+    def _replace_foreign_state(self, reply: protocol.RegisterReply) -> None:
+        """The supervisor answered only after the workers were launched from the local state,
+        and that state is another run's: stop them, archive it, relaunch as the run's
+        attempt on a fresh state (what they reported meanwhile is dropped)."""
+        log.error("the workers were launched from the state of another run named %r "
+                  "(uuid %s, not %s): stopping them to start afresh", self.cfg.run,
+                  self.run_uuid or "none", reply.get("run_uuid"))
+        self.launcher.stop()
+        self.receiver.drain()
+        self.receiver.take()
+        self.pending = []
+        self._archive_state(reply)
+        self.launch(self._attempt, self.plan_path)
+        if self.threaded_uplink:
+            self.uplink.start()
 
     def _check_local_hang(self) -> None:
         """Act on a hang ourselves only while the supervisor has been silent for longer than
@@ -415,6 +543,8 @@ class Agent:
             except OSError as e:  # the command cannot be run at all (not found, not allowed)
                 log.error("cannot start %r: %s", self.cfg.command[0], e)
                 return 127
+            if self.result is not None:  # refused before any worker started
+                return self.result
             while True:
                 if self._signal is not None:
                     log.info("agent got %s: shutting down", signal.Signals(self._signal).name)

@@ -96,6 +96,9 @@ EVENT_BATCH_DEAD_LETTERED = "batch_dead_lettered"
 # The agent refused to pin a checkpoint path outside this node's checkpoint root(s);
 # details: {path, reason}
 EVENT_PIN_REFUSED = "checkpoint_pin_refused"
+# The agent found another run's state in its state dir (a reused run name) and archived it
+# before starting any worker; details: {"archived_to", "old_run_uuid"}.
+EVENT_STATE_ARCHIVED = "agent_state_archived"
 
 
 class WorkerEvent(TypedDict, total=False):
@@ -333,6 +336,9 @@ class RegisterRequest(TypedDict, total=False):
 class RegisterReply(TypedDict):
     agent_id: int
     run_id: int
+    # The supervisor's identity of the run (an older supervisor sends none): the agent's
+    # local state belongs to it, and a state saved under another is archived.
+    run_uuid: str
     attempt: int  # the run's current attempt; the agent launches with it
     next_seq: int  # first sequence number the supervisor has not stored for this agent
     heartbeat_interval_s: float

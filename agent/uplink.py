@@ -10,6 +10,11 @@ first.  Outcomes per batch:
   and the sender backs off (0.5 s doubling to 10 s).  Nothing is set aside for these: a wrong
   token or an outage must not throw away the run's data.
 - 404: the supervisor does not know this agent (its database was reset): register again.
+- registration answered 409: the run has ended (completed, failed, stopped); nothing is
+  sent any more (``refused`` says why) and the agent ends.
+- a registration whose run uuid is not the local state's (``check_identity``): nothing is
+  sent (``foreign`` holds the reply) until the agent has archived that state and built a new
+  uplink on a fresh one; another run's spooled batches never reach this run.
 - any other 4xx: final, the batch itself is bad.  It is set aside in the dead-letter store
   (``dead-letter/``, with the reply) and the queue moves on.
 - any other 5xx: retried with backoff.  After ``max_5xx_tries`` tries in a row the batch
@@ -102,6 +107,11 @@ class Uplink:
         # The checkpoints the supervisor's newest reply says to protect (None: no reply yet).
         self.protect: list[str] | None = None
         self.registration: protocol.RegisterReply | None = None
+        # The agent's test of a registration reply: False when the reply is another run's
+        # than the local state's (then ``foreign`` holds it and nothing is sent).
+        self.check_identity: Callable[[protocol.RegisterReply], bool] | None = None
+        self.foreign: protocol.RegisterReply | None = None
+        self.refused: str | None = None  # the supervisor's why, when it refused (409)
         self.sent = 0
         self.last_ok: float | None = None  # when the supervisor last answered
         self.last_error: str | None = None
@@ -234,7 +244,7 @@ class Uplink:
     def pump(self) -> None:
         """One sending pass: register if needed, then post batches until the spool is empty
         or a send fails (then back off)."""
-        if self.clock() < self._next_try:
+        if self.clock() < self._next_try or self.refused or self.foreign:
             return
         if self.registration is None and not self._register():
             return
@@ -267,11 +277,33 @@ class Uplink:
         self.last_error = None
         self._backoff = _BACKOFF_MIN_S
 
+    def register_now(self, timeout_s: float) -> protocol.RegisterReply | None:
+        """Register from the calling thread (before the sender starts), trying until
+        ``timeout_s`` has passed.  Returns the reply (also when it is another run's than the
+        local state's: ``foreign`` is set then), or None when the supervisor did not answer
+        in time or refused (``refused``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._register():
+                return self.registration
+            left = deadline - time.monotonic()
+            if self.refused or self.foreign or left <= 0:
+                return self.foreign
+            time.sleep(min(max(0.0, self._next_try - self.clock()), left))
+
     def _register(self) -> bool:
         try:
             r = self.client.post(REGISTER_PATH, json=self.register_request)
         except httpx.HTTPError as e:
             self._fail(f"register: {type(e).__name__}: {e}")
+            return False
+        if r.status_code == 409:  # the run has ended: final, say why and send nothing more
+            try:
+                why = str(r.json().get("detail") or r.text)
+            except (ValueError, AttributeError):
+                why = r.text
+            self.refused = why[:2000] or f"HTTP {r.status_code}"
+            log.error("registration refused: %s", self.refused)
             return False
         if r.status_code >= 300:
             level = logging.ERROR if 400 <= r.status_code < 500 else logging.WARNING
@@ -284,6 +316,9 @@ class Uplink:
         except (ValueError, KeyError, TypeError) as e:
             log.error("registration reply unreadable (%s): %s", e, r.text[:500])
             self._fail("register: bad reply")
+            return False
+        if self.check_identity is not None and not self.check_identity(reply):
+            self.foreign = reply  # the agent archives the local state and starts afresh
             return False
         with self._lock:
             if self.next_seq < next_seq:

@@ -8,9 +8,11 @@ stop: queued -> delivered -> done.  Any agent reporting "failed" marks the actio
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from agent.core.states import CommandKind, CommandStatus
+from agent.protocol import ResumePlan
 from supervisor import policy
 from supervisor.enums import ActionKind, ActionStatus, Actor, RestartCause, RunStatus
 from supervisor.policy import (
@@ -28,6 +30,9 @@ from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
 from supervisor.store.db import Connection
 from supervisor.store.rows import ActionRow, RunRow
+
+# The supervisor told one agent to relaunch as the run's attempt (its reports carried another).
+EVENT_REALIGN = "attempt_realign"
 
 
 def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
@@ -151,6 +156,24 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     registry.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
                             reason=decision.reason)
     return action_id
+
+
+def realign(conn: Connection, *, run: RunRow, node: str, decision: policy.Realign,
+            now: float) -> None:
+    """One command for one agent, outside any action: relaunch as the run's attempt.  No
+    checkpoint is named (each worker resumes from the newest complete one of its own
+    directory); an event on the run says why."""
+    plan = json.loads(ResumePlan(attempt=decision.attempt, reason=decision.reason).to_json())
+    rec.create_commands(conn, rows=[{
+        "run_id": run["id"], "agent_id": decision.agent_id, "action_id": None,
+        "kind": CommandKind.RESTART, "attempt": decision.attempt, "plan": plan,
+        "not_before": None, "reason": decision.reason, "status": CommandStatus.PENDING,
+        "sent_count": 0, "detail": "", "collect_stacks": False, "created_at": now,
+        "updated_at": now}])
+    rec.insert_event(conn, run_id=run["id"], agent_id=decision.agent_id,
+                     attempt=int(run["attempt"]), rank=None, t=now, name=EVENT_REALIGN,
+                     step=None, message=decision.reason,
+                     details={"node": node, "attempt": decision.attempt})
 
 
 def advance(conn: Connection, *, action: ActionRow, now: float) -> str:

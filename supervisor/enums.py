@@ -62,6 +62,8 @@ class IncidentKind(StrEnum):
     STRAGGLER = FindingKind.STRAGGLER.value
     LOSS_SPIKE = FindingKind.LOSS_SPIKE.value
     NONFINITE = FindingKind.NONFINITE.value
+    # An agent keeps reporting another attempt than the run's and could not be realigned.
+    ATTEMPT_MISMATCH = "attempt_mismatch"
 
 
 class IncidentStatus(StrEnum):

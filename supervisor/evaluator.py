@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent import protocol
 from agent.core.findings import FindingKind, Severity
@@ -81,6 +81,8 @@ class RunState:
     straggler_at: float = float("-inf")  # when its stragglers were last judged ...
     straggler_cost_s: float = 0.0  # ... and how long that took
     loss_seen: tuple[int, int] | None = None  # (attempt, newest step) of the last loss look
+    # agent id -> (the other attempt it reports, since when): see ``_attempt_mismatches``
+    mismatch: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 class Evaluator:
@@ -111,10 +113,62 @@ class Evaluator:
                 obs = observed.get(int(run["id"]))
                 if obs is not None and obs.attempt == int(run["attempt"]):
                     self._act_on(conn, run, obs, now, rep)
+            busy = {int(a["run_id"]) for a in rec.actions_in_progress(conn)}
             for run in registry.active_runs(conn):
                 rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
+                self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
         return rep
+
+    # -- attempt mismatch --------------------------------------------------------------------
+
+    def _attempt_mismatches(self, conn: Connection, run: RunRow, busy: bool, now: float,
+                            rep: TickReport) -> None:
+        """Agents whose reports carry another attempt than the run's: none of what they
+        report counts for the run's attempt, so the policy realigns them within seconds, or
+        opens an incident that says why (``policy.on_attempt_mismatch``).  A restart under
+        way (an action in progress, a command in flight to the agent) is not a mismatch."""
+        state = self._state(run)
+        attempt = int(run["attempt"])
+        open_incidents = {i["agent_id"]: i for i in rec.incidents_of(
+            conn, run_id=run["id"], kinds=[IncidentKind.ATTEMPT_MISMATCH],
+            status=IncidentStatus.OPEN)}
+        tracked = set()
+        for ag in registry.run_agents(conn, run_id=run["id"]):
+            aid = int(ag["id"])
+            if ag["attempt"] is None or int(ag["attempt"]) == attempt:
+                if aid in open_incidents:  # realigned after all
+                    rec.resolve_incident(conn, incident_id=open_incidents[aid]["id"], now=now)
+                continue
+            cmds = rec.agent_commands(conn, agent_id=aid)
+            if busy or any(c["action_id"] is not None for c in cmds):
+                continue
+            reported = int(ag["attempt"])
+            prev = state.mismatch.get(aid)
+            if prev is None or prev[0] != reported:
+                prev = state.mismatch[aid] = (reported, now)
+            tracked.add(aid)
+            sent = [c for c in cmds if c["action_id"] is None and c["attempt"] == attempt
+                    and float(c["created_at"]) >= prev[1]]
+            facts = policy.MismatchFacts(
+                agent_id=aid, node=ag["node"], agent_attempt=reported, run_attempt=attempt,
+                mismatch_s=now - prev[1], agent_state=ag["state"] or "",
+                last_seen_s=now - float(ag["last_seen_at"] or now),
+                realign=policy.RealignSent(status=sent[-1]["status"],
+                                           age_s=now - float(sent[-1]["created_at"]),
+                                           detail=sent[-1]["detail"] or "") if sent else None,
+                incident_open=aid in open_incidents)
+            decision = policy.on_attempt_mismatch(facts, self.cfg)
+            if isinstance(decision, policy.Realign):
+                rep.decisions += 1
+                log.warning("run %s: %s", run["name"], decision.reason)
+                actions.realign(conn, run=run, node=ag["node"], decision=decision, now=now)
+            elif isinstance(decision, policy.OpenIncident):
+                rep.decisions += 1
+                log.error("run %s: %s", run["name"], decision.incident.cause)
+                actions.apply(conn, run=run, decision=decision, now=now)
+        for gone in state.mismatch.keys() - tracked:
+            del state.mismatch[gone]
 
     def _observe_active(self, now: float) -> dict[int, Observation]:
         """Run the detectors on every active run (one read transaction); the state of runs

@@ -34,6 +34,9 @@ class RegisterRequest(_Wire):
 class RegisterReply(BaseModel):
     agent_id: int
     run_id: int
+    # The supervisor's identity of the run: the agent's local state belongs to it (a state
+    # saved under another uuid is another run's, and is archived before any worker starts).
+    run_uuid: str
     attempt: int
     next_seq: int
     heartbeat_interval_s: float

@@ -21,10 +21,15 @@ router = APIRouter(tags=["agents"])
 def register(
     req: wire.RegisterRequest, db: DB, clock: ClockDep, settings: Settings, _auth: AgentAuth
 ) -> wire.RegisterReply:
-    """Register a node agent for a run (the run is created on first use).  Registering again
-    with the same run and node returns the same ``agent_id`` and the next sequence number."""
-    with db.write() as conn:
-        r = registry.register_agent(conn, req=req, now=clock())
+    """Register a node agent for a run (the run is created on first use, with a new
+    ``run_uuid``).  Registering again with the same run and node returns the same ``agent_id``
+    and the next sequence number.  A run that has ended (completed, failed, stopped) is
+    refused with 409 and a message that says what to do: it is never silently reopened."""
+    try:
+        with db.write() as conn:
+            r = registry.register_agent(conn, req=req, now=clock())
+    except registry.RunFinished as e:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
     return wire.RegisterReply(heartbeat_interval_s=settings.server.heartbeat_interval_s, **r)
 
 

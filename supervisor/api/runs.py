@@ -33,6 +33,7 @@ def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
     return {
         "id": run["id"],
         "name": run["name"],
+        "uuid": run["uuid"],  # the supervisor's identity of the run (a reused name differs)
         "status": run["status"],
         "reason": run["reason"],
         "attempt": run["attempt"],

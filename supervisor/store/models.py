@@ -13,6 +13,7 @@ Conventions, and why:
 
 from __future__ import annotations
 
+import uuid as _uuid
 from typing import Any
 
 from sqlalchemy import (
@@ -56,6 +57,11 @@ class Run(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
+    # The supervisor's identity of the run, issued when the run is created and sent in the
+    # registration reply: an agent's local state belongs to it, not to the run's name (a
+    # reused name on a fresh database is another run).
+    uuid: Mapped[str] = mapped_column(String(36), unique=True,
+                                      default=lambda: str(_uuid.uuid4()))
     status: Mapped[str] = mapped_column(String(20), default=RunStatus.RUNNING)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     restarts: Mapped[int] = mapped_column(Integer, default=0)

@@ -169,6 +169,19 @@ def create_commands(conn: Connection, *, rows: Sequence[dict[str, Any]]) -> None
         conn.execute(commands.insert(), list(rows))
 
 
+def agent_commands(conn: Connection, *, agent_id: int) -> list[dict[str, Any]]:
+    """The agent's commands still in flight (pending or delivered) and its realign commands
+    (the ones with no action), oldest first."""
+    c = commands.c
+    q = (select(c.id, c.kind, c.attempt, c.status, c.action_id, c.detail, c.created_at,
+                c.updated_at)
+         .where(c.agent_id == agent_id,
+                (c.status.in_([CommandStatus.PENDING, CommandStatus.DELIVERED]))
+                | c.action_id.is_(None))
+         .order_by(c.id))
+    return [dict(r._mapping) for r in conn.execute(q)]
+
+
 def supersede_commands(conn: Connection, *, run_id: int, now: float) -> None:
     """Unacknowledged commands of a run are dropped when a newer decision replaces them."""
     conn.execute(

@@ -3,29 +3,48 @@ a ``Connection``."""
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
 from agent.core.states import AgentState
 from supervisor import wire
-from supervisor.enums import ACTIVE_STATUSES, RunStatus
+from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, RunStatus
 from supervisor.store._sql import insert, row
 from supervisor.store.rows import AgentRow, RegisteredAgent, RunRow
 from supervisor.store.tables import agents, ingested_batches, runs
 
 
+class RunFinished(Exception):
+    """Registration for a run that has ended (completed, failed or stopped): a finished run
+    is never silently reopened, and a new run under its name would inherit its records."""
+
+    def __init__(self, name: str, status: str, reason: str) -> None:
+        self.name, self.status, self.reason = name, status, reason
+        why = f" ({reason})" if reason else ""
+        super().__init__(
+            f"run {name!r} has already {status}{why}; a finished run is not reopened by a new "
+            f"agent. Start a new run under another name (for example --run {name}-2); to "
+            "continue training from this run's checkpoints, give the new run the same "
+            "checkpoint directory (its workers resume from the newest complete checkpoint)")
+
+
 def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
                    ) -> RegisteredAgent:
-    """Create the run and the agent if new (an agent re-registering keeps its id)."""
+    """Create the run (with a new uuid) and the agent if new (an agent re-registering keeps
+    its id).  Raises ``RunFinished`` for a run that has ended: nothing is changed then."""
     ins = insert(conn, runs).values(
-        name=req.run, status=RunStatus.RUNNING, attempt=0, restarts=0, reason="",
-        created_at=now, updated_at=now,
+        name=req.run, uuid=str(uuid.uuid4()), status=RunStatus.RUNNING, attempt=0,
+        restarts=0, reason="", created_at=now, updated_at=now,
     )
     conn.execute(ins.on_conflict_do_nothing(index_elements=["name"]))
     run = conn.execute(
-        select(runs.c.id, runs.c.attempt).where(runs.c.name == req.run)
+        select(runs.c.id, runs.c.uuid, runs.c.attempt, runs.c.status, runs.c.reason)
+        .where(runs.c.name == req.run)
     ).one()
+    if run.status in FINAL_STATUSES:
+        raise RunFinished(req.run, run.status, run.reason)
     values = {
         "hostname": req.hostname, "pid": req.pid, "command": list(req.command),
         "nproc_per_node": req.nproc_per_node, "checkpoint_root": req.checkpoint_root,
@@ -45,6 +64,7 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
     return {
         "agent_id": agent_id,
         "run_id": run.id,
+        "run_uuid": run.uuid,
         "attempt": run.attempt,
         "next_seq": 0 if max_seq is None else int(max_seq) + 1,
     }

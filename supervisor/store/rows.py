@@ -13,6 +13,7 @@ from typing import Any, TypedDict
 class RunRow(TypedDict):
     id: int
     name: str
+    uuid: str  # the supervisor's identity of the run (a reused name is another uuid)
     status: str  # a RunStatus
     attempt: int
     restarts: int
@@ -27,6 +28,7 @@ class RegisteredAgent(TypedDict):
 
     agent_id: int
     run_id: int
+    run_uuid: str
     attempt: int
     next_seq: int
 

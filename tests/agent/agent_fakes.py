@@ -55,6 +55,8 @@ class FakeSupervisor:
         self.next_seq = 0
         self.attempt = 0
         self.protect: list[str] | None = None  # None: an older supervisor (no field)
+        self.run_uuid: str | None = "uuid-of-run-1"  # None: an older supervisor (no field)
+        self.finished: str | None = None  # the run has ended: registration answers 409
 
     # -- behaviour ---------------------------------------------------------------------------
 
@@ -68,10 +70,14 @@ class FakeSupervisor:
             data = json.loads(body) if body else {}
             if method == "POST" and path == "/api/v1/agents/register":
                 self.registers.append(data)
+                if self.finished:
+                    return 409, {"detail": self.finished}
                 stored = max(self.batches, default=-1) + 1
-                return 200, {"agent_id": 7, "run_id": 1, "attempt": self.attempt,
-                             "next_seq": max(self.next_seq, stored),
-                             "heartbeat_interval_s": 1.0}
+                reg = {"agent_id": 7, "run_id": 1, "attempt": self.attempt,
+                       "next_seq": max(self.next_seq, stored), "heartbeat_interval_s": 1.0}
+                if self.run_uuid is not None:
+                    reg["run_uuid"] = self.run_uuid
+                return 200, reg
             if method == "POST" and path == "/api/v1/ingest":
                 seq = data["seq"]
                 if seq in self.status_for_seq:
@@ -155,6 +161,7 @@ class FakeRun:
         kw.setdefault("stop_grace_s", 0.5)
         kw.setdefault("flush_timeout_s", 2.0)
         kw.setdefault("checkpoint_root", self.tmp_path / "ckpt")
+        kw.setdefault("register_wait_s", 1.0)  # tests with a supervisor down start soon
         return AgentConfig(supervisor_url=url, run="run1", node="node1",
                            command=self.command(mode, *extra), token="agent-token",
                            state_dir=self.state_dir, **kw)

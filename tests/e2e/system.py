@@ -111,16 +111,22 @@ class Agent:
     """``trainwarden agent ... -- torchrun ...`` as a subprocess."""
 
     def __init__(self, supervisor_url: str, run: str, node: str, workdir: Path,
-                 torchrun_args: list[str]) -> None:
+                 torchrun_args: list[str], *, xdg_state_home: Path | None = None) -> None:
+        """``xdg_state_home``: use the default state location under it (no --state-dir), as
+        a user who passes no flag gets."""
         self.workdir = workdir
         self.log = workdir / f"agent-{node}.log"
         workdir.mkdir(parents=True, exist_ok=True)
         env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN}
+        state = ["--state-dir", str(workdir / f"state-{node}")]
+        if xdg_state_home is not None:
+            env["XDG_STATE_HOME"] = str(xdg_state_home)
+            state = []
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agent.cli", "--supervisor", supervisor_url, "--run", run,
-                 "--node", node, "--state-dir", str(workdir / f"state-{node}"),
-                 "--stop-grace", "2", "--", TORCHRUN, "--monitor-interval=0.1", *torchrun_args],
+                 "--node", node, *state, "--stop-grace", "2", "--", TORCHRUN,
+                 "--monitor-interval=0.1", *torchrun_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
 
     def wait(self, timeout: float) -> int:

@@ -291,3 +291,25 @@ def test_iterating_a_restored_loader_leaves_the_global_rngs_as_resume_left_them(
     assert global_rng() == restored
     next(batches)
     assert global_rng() == restored
+
+
+def test_a_plan_left_by_an_earlier_run_of_the_name_never_loads_its_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11: a second run with a reused name was handed the first run's resume plan and
+    resumed from the first run's checkpoint directory.  The plan is refused, whether its
+    directory is a sibling or merely shares the name's prefix, and nothing is loaded."""
+    first, second = tmp_path / "first" / "ckpt", tmp_path / "second" / "ckpt"
+    prefix = tmp_path / "second" / "ckpt-old"  # "second/ckpt" is a string prefix of it
+    for root in (first, prefix):
+        _, _, _, old = make(root)
+        old.save(50)
+    model, _, _, ckpt = make(second)
+    before = [p.detach().clone() for p in model.parameters()]
+    for named in (first / "step_50", prefix / "step_50"):
+        plan = tmp_path / "plan.json"
+        plan.write_text(ResumePlan(checkpoint=str(named), attempt=1).to_json())
+        monkeypatch.setenv("TRAINWARDEN_RESUME_PLAN", str(plan))
+        with pytest.raises(ValueError, match=r"is not inside this run.s checkpoint directory"):
+            ckpt.resume()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert ckpt.resumed_from is None
