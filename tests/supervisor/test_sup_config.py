@@ -254,3 +254,13 @@ def test_rollback_defaults_size_the_skip_and_the_lr_from_what_was_seen(tmp_path:
     assert loss.recovery_window_steps == 50
     with pytest.raises(ValueError, match=r"recovery_window_steps"):
         load_settings(loss={"recovery_window_steps": 5}, **TOKENS)
+
+
+def test_the_readme_holds_the_reference_as_generated() -> None:
+    """The README's settings table is `trainwarden settings --markdown`, unedited (rebuild it
+    with that command when a setting changes)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
+    assert begin in readme and end in readme, "README has no settings reference block"
+    block = readme[readme.index(begin) + len(begin):readme.index(end)]
+    assert block == markdown()
