@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from agent.protocol import (
     EVENT_BATCHES_SKIPPED,
-    EVENT_CHECKPOINT_SKIPPED,
     EVENT_CHECKPOINT_STARTED,
     EVENT_RESUMED,
     PIN_FILE,
@@ -46,8 +45,10 @@ from agent.worker.checkpoint import (
     _fsync_dir,
     _rng_state,
     _set_rng_state,
+    list_checkpoints,
     load_resume_plan,
     meta_lr,
+    share_resume_choice,
 )
 from agent.worker.distributed import collect_garbage_at_exit
 from agent.worker.report import PhaseTimer, Reporter, current_attempt, get_reporter, report_step
@@ -120,20 +121,8 @@ def validate_manifest(path: str | os.PathLike[str]) -> Validation:
 def list_step_checkpoints(root: str | os.PathLike[str], pattern: re.Pattern[str]
                           ) -> list[CheckpointInfo]:
     """Directories under ``root`` whose name matches ``pattern`` (group 1: the step), oldest
-    first, each validated."""
-    out: list[CheckpointInfo] = []
-    r = Path(root)
-    if not r.is_dir():
-        return out
-    for child in r.iterdir():
-        m = pattern.match(child.name)
-        if not m or not child.is_dir():
-            continue
-        v = validate_manifest(child)
-        out.append(CheckpointInfo(int(m.group(1)), child, v.ok, v.reason, v.nbytes,
-                                  (child / PIN_FILE).exists()))
-    out.sort(key=lambda c: c.step)
-    return out
+    first, each validated against its manifest (``Checkpointer``'s listing, with this check)."""
+    return list_checkpoints(root, pattern=pattern, validator=validate_manifest)
 
 
 # ---- retention -------------------------------------------------------------------------------
@@ -259,18 +248,9 @@ class RunSession:
         chosen: list[Any] = [None, []]
         if self.rank == 0:
             chosen[:] = _choose(root, pattern, plan)
-        if self.world_size > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        target, passed = chosen
-        if isinstance(target, tuple | list):
-            raise ValueError(target[1])
         r = self.resumed = Resumed()
-        for p, reason in passed:
-            r.passed_over.append((Path(p), reason))
-            log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
-            if self.rank == 0:
-                self.reporter.event(EVENT_CHECKPOINT_SKIPPED, f"incomplete checkpoint {p}: "
-                                    f"{reason}", details={"path": p, "reason": reason})
+        target = share_resume_choice(chosen, rank=self.rank, world_size=self.world_size,
+                                     reporter=self.reporter, passed_over=r.passed_over)
         meta: dict[str, Any] = {}
         if target is not None:
             path = Path(target)

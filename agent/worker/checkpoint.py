@@ -122,21 +122,27 @@ def validate_checkpoint(path: str | os.PathLike[str], *, require_meta: bool = Tr
     return Validation(True, "", total)
 
 
-def list_checkpoints(root: str | os.PathLike[str], *, validate: bool = True
+def list_checkpoints(root: str | os.PathLike[str], *, validate: bool = True,
+                     pattern: re.Pattern[str] = STEP_DIR,
+                     validator: Callable[[Path], Validation] | None = None
                      ) -> list[CheckpointInfo]:
-    """Checkpoints under ``root``, oldest first (partial save directories are not listed)."""
+    """Checkpoints under ``root``, oldest first (partial save directories are not listed):
+    the directories whose name matches ``pattern`` (group 1: the step), each checked by
+    ``validator`` (DCP's by default; the framework integrations pass their manifest check).
+    One that resolves outside ``root`` (a symlink leading out) is listed as incomplete."""
     out: list[CheckpointInfo] = []
     r = Path(root)
     if not r.is_dir():
         return out
+    check = validator or validate_checkpoint
     for child in r.iterdir():
-        m = STEP_DIR.match(child.name)
+        m = pattern.match(child.name)
         if not m or not child.is_dir():
             continue
         if not inside(child, r):
             v = Validation(False, f"resolves to {child.resolve()}, outside {r.resolve()}")
         else:
-            v = validate_checkpoint(child) if validate else Validation(True)
+            v = check(child) if validate else Validation(True)
         out.append(CheckpointInfo(int(m.group(1)), child, v.ok, v.reason, v.nbytes,
                                   (child / PIN_FILE).exists()))
     out.sort(key=lambda c: c.step)
@@ -164,6 +170,26 @@ def load_resume_plan(path: str | None = None) -> ResumePlan | None:
         return ResumePlan.from_json(text)
     except ValueError as e:
         raise ValueError(f"resume plan {path} is invalid: {e}") from None
+
+
+def share_resume_choice(chosen: list[Any], *, rank: int, world_size: int, reporter: Reporter,
+                        passed_over: list[tuple[Path, str]]) -> str | None:
+    """Every rank's copy of rank 0's choice ``[target, passed over]`` (collective when
+    distributed): the checkpoint to load (None: start fresh), or the ValueError rank 0 found
+    (``target`` an ``("error", why)`` pair).  The incomplete checkpoints passed over are
+    logged, appended to ``passed_over`` and (rank 0) reported."""
+    if world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    target, passed = chosen
+    if isinstance(target, tuple | list):
+        raise ValueError(target[1])
+    for p, reason in passed:
+        passed_over.append((Path(p), reason))
+        log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
+        if rank == 0:
+            reporter.event(EVENT_CHECKPOINT_SKIPPED, f"incomplete checkpoint {p}: {reason}",
+                           details={"path": p, "reason": reason})
+    return target  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -494,17 +520,8 @@ class Checkpointer:
             else:
                 path, passed = self.newest_complete()
                 chosen[:] = [str(path) if path else None, [(str(p), r) for p, r in passed]]
-        if self.world_size > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        target, passed = chosen
-        if isinstance(target, tuple | list):
-            raise ValueError(target[1])
-        for p, reason in passed:
-            info.passed_over.append((Path(p), reason))
-            log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
-            if self.rank == 0:
-                self.reporter.event(EVENT_CHECKPOINT_SKIPPED, f"incomplete checkpoint {p}: "
-                                    f"{reason}", details={"path": p, "reason": reason})
+        target = share_resume_choice(chosen, rank=self.rank, world_size=self.world_size,
+                                     reporter=self.reporter, passed_over=info.passed_over)
         meta: dict[str, Any] = {}
         if target is not None:
             meta = self.load(target)
