@@ -32,7 +32,7 @@ def _progress(log: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
-    pytest = [sys.executable, "-m", "pytest", "-q"]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rs"]  # -rs: why each skip skipped
     if argv:
         return subprocess.call([*pytest, *argv], cwd=REPO)
     work = Path(tempfile.mkdtemp(prefix="trainwarden-tests-"))
