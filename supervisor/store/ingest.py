@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from agent.core.states import CommandStatus
 from supervisor import wire
+from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
 from supervisor.store.tables import (
     agents,
@@ -347,21 +347,14 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> 
         "disk_total": heartbeat.disk_total_bytes if heartbeat else None,
         # JSON text for the raw statement (a cast to JSON on Postgres); None keeps the last.
         "workers": _worker_stats(heartbeat.workers) if heartbeat else None,
-        "gpus": (json.dumps(json_safe(heartbeat.gpus), separators=(",", ":"))
+        "gpus": (json.dumps(gpu_health(heartbeat.gpus), separators=(",", ":"))
                  if heartbeat and heartbeat.gpus is not None else None),
     })
 
 
-_WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
-
-
 def _worker_stats(workers: list[dict[str, Any]]) -> str:
     """The heartbeat's worker list as stored: the known keys with finite numbers only."""
-    rows = [{k: w[k] for k in _WORKER_KEYS
-             if isinstance(w.get(k), int | float) and not isinstance(w.get(k), bool)
-             and math.isfinite(w[k])}
-            for w in workers]
-    return json.dumps(rows, separators=(",", ":"))
+    return json.dumps(worker_stats(workers), separators=(",", ":"))
 
 
 def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
