@@ -12,7 +12,7 @@ from supervisor.api.deps import DB, AgentAuth, ClockDep, Settings, Writer
 from supervisor.api.errors import validation_error_response
 from supervisor.store import registry
 from supervisor.store.db import Database
-from supervisor.store.ingest import IngestResult, UnknownAgent, ingest_batch
+from supervisor.store.ingest import IngestConfig, IngestResult, UnknownAgent, ingest_batch
 
 router = APIRouter(tags=["agents"])
 
@@ -36,9 +36,10 @@ INGEST_BODY = {
 }
 
 
-def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float) -> IngestResult:
+def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float, cfg: IngestConfig
+                   ) -> IngestResult:
     with db.write() as conn:
-        return ingest_batch(conn, batch=batch, now=now)
+        return ingest_batch(conn, batch=batch, now=now, cfg=cfg)
 
 
 @router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY)
@@ -63,7 +64,7 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
             # SQLite: inline on the event loop, one transaction per batch.  Its writes are
             # CPU-bound and serialised, and a thread hop per request (or per group) measured
             # slower: the GIL hand-offs cost more than the grouping saves.
-            res = _ingest_inline(db, batch, clock())
+            res = _ingest_inline(db, batch, clock(), writer.cfg)
         else:
             # Postgres: group commit through the ingest writer thread.
             res = await writer.submit(batch)

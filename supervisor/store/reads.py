@@ -186,8 +186,9 @@ def _list(conn: Connection, table: Table, run_id: int, order: Iterable[Any], lim
 
 
 def list_checkpoints(conn: Connection, *, run_id: int, limit: int = 1000) -> list[CheckpointRow]:
-    """Newest first."""
-    return _list(conn, checkpoints, run_id, [checkpoints.c.t.desc(), checkpoints.c.id.desc()],
+    """Newest first: by step, then attempt, then arrival (never by the agent's clock)."""
+    c = checkpoints.c
+    return _list(conn, checkpoints, run_id, [c.step.desc(), c.attempt.desc(), c.id.desc()],
                  limit)
 
 
