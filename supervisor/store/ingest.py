@@ -31,7 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from agent.core.states import CommandStatus
-from supervisor import wire
+from supervisor import checkpoint_paths, wire
 from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
 from supervisor.store.tables import (
@@ -110,13 +110,25 @@ class UnknownAgent(LookupError):
     pass
 
 
+class CheckpointRefused(ValueError):
+    """A batch reporting a checkpoint outside the agent's registered roots: nothing of it is
+    stored.  ``errors``: one ``{"loc", "msg", "type"}`` per refused path (``loc`` within the
+    batch, as a 422 names it)."""
+
+    def __init__(self, agent_id: int, errors: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(e["msg"] for e in errors))
+        self.agent_id = agent_id
+        self.errors = errors
+
+
 def ingest_batch(conn: Connection, *, batch: wire.IngestBatch, now: float,
                  cfg: IngestConfig = IngestConfig()) -> IngestResult:
     """Store one batch in the caller's transaction (see ``ingest_batches``).
 
-    Raises ``UnknownAgent`` when the agent id was never registered."""
+    Raises ``UnknownAgent`` when the agent id was never registered, ``CheckpointRefused``
+    when it reports a checkpoint outside its registered roots."""
     res = ingest_batches(conn, batches=[batch], now=now, cfg=cfg)[0]
-    if isinstance(res, UnknownAgent):
+    if isinstance(res, UnknownAgent | CheckpointRefused):
         raise res
     return res
 
@@ -124,12 +136,15 @@ def ingest_batch(conn: Connection, *, batch: wire.IngestBatch, now: float,
 def ingest_batches(
     conn: Connection, *, batches: Sequence[wire.IngestBatch], now: float,
     cfg: IngestConfig = IngestConfig(),
-) -> list[IngestResult | UnknownAgent]:
+) -> list[IngestResult | UnknownAgent | CheckpointRefused]:
     """Store a group of batches in the caller's ONE transaction; results in input order.
 
     A replayed (agent_id, seq), stored before or earlier in the same group, stores nothing and
     is answered as a duplicate.  A batch of an unregistered agent gets ``UnknownAgent`` and
-    stores nothing.  Rows of all batches go in one multi-row statement per table, and the
+    stores nothing.  A batch reporting a checkpoint path outside the agent's registered roots
+    (``supervisor.checkpoint_paths``) gets ``CheckpointRefused`` and stores nothing (a replay
+    of a batch stored before is still a duplicate); the paths of the others are stored
+    normalised.  Rows of all batches go in one multi-row statement per table, and the
     per-step aggregates are merged across the group first: the cost per batch falls as the
     load rises (the ingest writer groups whatever arrived while the last group was written).
 
@@ -148,7 +163,7 @@ def ingest_batches(
 
 def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
                   batches: Sequence[wire.IngestBatch], ids: list[int], now: float,
-                  cfg: IngestConfig) -> list[IngestResult | UnknownAgent]:
+                  cfg: IngestConfig) -> list[IngestResult | UnknownAgent | CheckpointRefused]:
     # agent id -> (run id, the run's attempt, its protected checkpoints)
     heads: dict[int, tuple[int, int, list[str]]]
     if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
@@ -157,23 +172,25 @@ def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
     else:
         heads = {int(r[0]): (int(r[1]), int(r[2]), _json_list(r[3]))
                  for r in conn.execute(_HEADS, {"ids": ids})}
+    refused, paths = _checkpoint_paths(conn, batches, heads)
     # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
     wanted: dict[tuple[int, int], dict[str, Any]] = {}
-    for b in batches:
-        if b.agent_id in heads and (b.agent_id, b.seq) not in wanted:
+    for i, b in enumerate(batches):
+        if b.agent_id in heads and i not in refused and (b.agent_id, b.seq) not in wanted:
             wanted[(b.agent_id, b.seq)] = {"agent_id": b.agent_id, "seq": b.seq,
                                            "received_at": now, "items": len(b.items)}
     claimed = {(int(r[0]), int(r[1]))
                for r in hot.insert_rows(cur, "claim", list(wanted.values()), fetch=True)}
     acc = _Acc()
     duplicate: list[bool] = []
-    for b in batches:
+    for i, b in enumerate(batches):
         key = (b.agent_id, b.seq)
-        new = key in claimed
+        new = key in claimed and i not in refused
         claimed.discard(key)  # a second copy in this group is a duplicate
         duplicate.append(not new)
         if new:
-            _collect(acc, b, run_id=heads[b.agent_id][0], now=now, cfg=cfg)
+            _collect(acc, b, run_id=heads[b.agent_id][0], now=now, cfg=cfg,
+                     paths=paths.get(i, []))
     aggs = _flush(conn, hot, cur, acc, now=now)
     # After this group's acknowledgements, so an acknowledged command is not re-sent.
     pending = _pending(conn, hot, cur, list(heads), now)
@@ -182,15 +199,56 @@ def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
         # and Postgres holds that row lock until the commit.  Sorted keys: concurrent
         # writers lock rows in the same order (no deadlock).
         hot.insert_rows(cur, "aggregates", aggs)
-    out: list[IngestResult | UnknownAgent] = []
-    for b, dup in zip(batches, duplicate, strict=True):
+    out: list[IngestResult | UnknownAgent | CheckpointRefused] = []
+    for i, (b, dup) in enumerate(zip(batches, duplicate, strict=True)):
         if b.agent_id not in heads:
             out.append(UnknownAgent(b.agent_id))
+            continue
+        if i in refused:
+            out.append(refused[i])
             continue
         run_id, attempt, protect = heads[b.agent_id]
         out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
                                 commands=pending.get(b.agent_id, []), protect=protect))
     return out
+
+
+def _checkpoint_paths(conn: Connection, batches: Sequence[wire.IngestBatch],
+                      heads: dict[int, Any]
+                      ) -> tuple[dict[int, CheckpointRefused], dict[int, list[str]]]:
+    """Batch index -> its refusal, and batch index -> its checkpoint paths normalised (in
+    item order), for the batches of known agents that report checkpoints.  A refused batch
+    that was stored before (a replay, from before the agent's roots changed) is left to the
+    duplicate check instead."""
+    wanted = sorted({b.agent_id for b in batches if b.agent_id in heads
+                     and any(isinstance(it, wire.CheckpointItem) for it in b.items)})
+    if not wanted:  # the common case: no extra statement
+        return {}, {}
+    roots = {int(r[0]): [x for x in (r[1] or []) if isinstance(x, str)]
+             for r in conn.execute(select(agents.c.id, agents.c.checkpoint_roots)
+                                   .where(agents.c.id.in_(wanted)))}
+    refused: dict[int, CheckpointRefused] = {}
+    paths: dict[int, list[str]] = {}
+    for i, b in enumerate(batches):
+        if b.agent_id not in roots:
+            continue
+        ok: list[str] = []
+        errors: list[dict[str, Any]] = []
+        for j, it in enumerate(b.items):
+            if not isinstance(it, wire.CheckpointItem):
+                continue
+            try:
+                ok.append(checkpoint_paths.resolve(it.path, roots[b.agent_id]))
+            except checkpoint_paths.OutsideRoots as e:
+                errors.append({"loc": ["items", str(j), "path"], "msg": str(e),
+                               "type": "checkpoint_outside_roots"})
+        if not errors:
+            paths[i] = ok
+        elif conn.execute(select(ingested_batches.c.seq).where(
+                ingested_batches.c.agent_id == b.agent_id,
+                ingested_batches.c.seq == b.seq)).first() is None:
+            refused[i] = CheckpointRefused(b.agent_id, errors)
+    return refused, paths
 
 
 def _json_list(raw: Any) -> list[str]:
@@ -344,8 +402,10 @@ class _Acc:
 
 
 def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
-             cfg: IngestConfig) -> None:
+             cfg: IngestConfig, paths: list[str]) -> None:
+    """``paths``: the batch's checkpoint paths as checked (``_checkpoint_paths``)."""
     agent_id = batch.agent_id
+    checked = iter(paths)
     clk = _ClockCheck(now, cfg)
     t0 = clk.t(batch.sent_at, now, "sent_at")
     heartbeat: wire.HeartbeatItem | None = None
@@ -384,7 +444,8 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
             acc.checkpoints.append({
                 "run_id": run_id, "agent_id": agent_id,
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
-                "step": it.step, "path": it.path, "bytes": it.bytes, "lineage": it.lineage,
+                "step": it.step, "path": next(checked), "bytes": it.bytes,
+                "lineage": it.lineage,
                 "complete": it.complete, "save_s": finite(it.save_s),
                 "async_save": it.async_save, "t": clk.t(it.t, t0, "checkpoint"),
             })

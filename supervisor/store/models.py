@@ -143,7 +143,11 @@ class Agent(Base):
     pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
     command: Mapped[list[Any]] = mapped_column(JSONList(), default=list)
     nproc_per_node: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)
+    checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)  # the first root
+    # The directories the agent's checkpoints are saved in, normalised (registration): every
+    # checkpoint path it reports must lie strictly inside one (``supervisor.checkpoint_paths``)
+    checkpoint_roots: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True),
+                                                               nullable=True)
     agent_version: Mapped[str] = mapped_column(String(50), default="")
     registered_at: Mapped[float] = mapped_column(Float)
     last_seen_at: Mapped[float] = mapped_column(Float)

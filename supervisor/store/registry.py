@@ -29,7 +29,10 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
     ).one()
     values = {
         "hostname": req.hostname, "pid": req.pid, "command": list(req.command),
-        "nproc_per_node": req.nproc_per_node, "checkpoint_root": req.checkpoint_root,
+        "nproc_per_node": req.nproc_per_node,
+        # (normalised by the request's model; the first is kept where older readers look)
+        "checkpoint_roots": list(req.checkpoint_roots),
+        "checkpoint_root": req.checkpoint_roots[0] if req.checkpoint_roots else None,
         "agent_version": req.agent_version, "last_seen_at": now,
         "state": AgentState.REGISTERED,
     }
