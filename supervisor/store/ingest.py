@@ -55,8 +55,9 @@ class IngestConfig:
     # time (and counted in a clock_skew event).  1 day: a clock an hour or a time zone off
     # (up to 14 h) still passes, a clock years ahead does not
     clock_ahead_s: float = 86_400.0
-    # ... and more than this many seconds behind it.  30 days: an agent cut off for weeks
-    # replays its spool with the true times; a clock at 1970 (no RTC, no NTP) is caught
+    # An agent timestamp more than this many seconds behind the supervisor's clock is
+    # replaced the same way.  30 days: an agent cut off for weeks replays its spool with the
+    # true times; a clock at 1970 (no RTC, no NTP) is caught
     clock_behind_s: float = 30 * 86_400.0
 
     def __post_init__(self) -> None:
