@@ -125,7 +125,7 @@ def _age(t: Any) -> str:
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
 
 
-def _run_path(run: str, rest: str = "") -> str:
+def run_path(run: str, rest: str = "") -> str:
     """``/runs/RUN/rest`` with the name quoted (whatever it holds, it stays one segment)."""
     return f"/runs/{quote(run, safe='')}{rest}"
 
@@ -145,7 +145,7 @@ def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
-    incs = _get(client, _run_path(args.run, "/incidents"))["incidents"]
+    incs = _get(client, run_path(args.run, "/incidents"))["incidents"]
     rows = [[i["id"], i["kind"], i["status"], i["attempt"], i.get("step"), i.get("node"),
              i.get("rank"), _age(i["opened_at"]), _short(i["cause"])] for i in incs]
     print(table(rows, ["ID", "KIND", "STATUS", "ATTEMPT", "STEP", "NODE", "RANK", "OPENED",
@@ -154,8 +154,8 @@ def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:
-    cps = _get(client, _run_path(args.run, "/checkpoints"))["checkpoints"]
-    protected = set(_get(client, _run_path(args.run)).get("protected") or [])
+    cps = _get(client, run_path(args.run, "/checkpoints"))["checkpoints"]
+    protected = set(_get(client, run_path(args.run)).get("protected") or [])
 
     def state(c: dict[str, Any]) -> str:
         text = "abandoned" if c.get("abandoned") else (
@@ -169,7 +169,7 @@ def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def _actions(client: httpx.Client, args: argparse.Namespace) -> int:
-    acts = _get(client, _run_path(args.run, "/actions"))["actions"]
+    acts = _get(client, run_path(args.run, "/actions"))["actions"]
     rows = [[a["id"], a["kind"], a["actor"], a["status"], a["attempt"], a.get("resumed_step"),
              _age(a["created_at"]), _short(a["reason"])] for a in acts]
     print(table(rows, ["ID", "KIND", "ACTOR", "STATUS", "ATTEMPT", "RESUMED AT", "AGE",
@@ -182,7 +182,7 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
     if args.lr_scale != 1.0:
         body.update(lr_scale=args.lr_scale, lr_scale_steps=args.lr_steps,
                     lr_ramp_steps=args.lr_ramp_steps)
-    r = client.post(_run_path(args.run, "/rollback"), json=body)
+    r = client.post(run_path(args.run, "/rollback"), json=body)
     r.raise_for_status()
     action_id = r.json()["action_id"]
     print(f"rollback of {args.run} to step {args.to} queued: action {action_id}")

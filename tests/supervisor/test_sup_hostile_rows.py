@@ -218,7 +218,7 @@ def test_metrics_renders_hostile_rows(hostile: tuple[TestClient, list[str]]) -> 
     assert any(f.name.startswith("trainwarden_") for f in families)
 
 
-@pytest.mark.parametrize("cmd", ["runs", "incidents", "checkpoints", "actions"])
+@pytest.mark.parametrize("cmd", ["runs", "incidents", "checkpoints", "actions", "plan"])
 def test_every_cli_table_prints_hostile_rows(
         hostile: tuple[TestClient, list[str]], app: FastAPI, cmd: str,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,7 +231,8 @@ def test_every_cli_table_prints_hostile_rows(
 
     monkeypatch.setattr(cli_client, "connect", connect)
     for run in names[:1] if cmd == "runs" else names:
-        argv = [cmd] if cmd == "runs" else [cmd, run]
+        argv = {"runs": ["runs"], "plan": ["plan", "--params", "125M", "--seq-len", "512",
+                                           "--check", run]}.get(cmd, [cmd, run])
         assert cli.main([*argv, "--token", OPERATOR_TOKEN]) == 0, printable(run)
         out = capsys.readouterr().out
         assert RAW.findall(out) == [], f"a control character reached the terminal ({cmd})"
