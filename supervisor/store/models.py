@@ -90,14 +90,15 @@ class _JSONShape(TypeDecorator[Any]):
 
 
 class JSONDict(_JSONShape):
-    """A JSON object column; another value reads as ``{"value": it}`` (still shown, never
-    indexed by mistake)."""
+    """A JSON object column; another value reads as NULL where the column is nullable (a
+    GPU reading or a plan that is not one: none), else as ``{"value": it}`` (details still
+    shown, never indexed by mistake)."""
 
     kind = dict
     cache_ok = True
 
     def _wrong(self, value: Any) -> Any:
-        if value is None:
+        if value is None or self.nullable:
             return None if self.nullable else {}
         return {"value": value}
 
