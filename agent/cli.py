@@ -34,8 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spool, logs, plans and ids (default: "
                              "~/.local/state/trainwarden/RUN/NODE)")
     parser.add_argument("--checkpoint-root", type=Path, default=None, metavar="DIR",
-                        help="checkpoint directory whose free space is reported (default: "
-                             "the directory of the checkpoints the workers report)")
+                        help="the directory the workers save checkpoints in: registered "
+                             "with the supervisor, which refuses a checkpoint reported "
+                             "anywhere else; pins stay inside it; its free space is reported "
+                             "(default: the training command's --checkpoint-dir and the "
+                             "directories of the checkpoints the workers report)")
     parser.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL of the workers (default 5)")
     parser.add_argument("--hang-floor", type=float, default=_HANG.floor_s, metavar="S",

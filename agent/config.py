@@ -140,6 +140,23 @@ class AgentConfig:
         return Path(tempfile.gettempdir()) / f"trainwarden-{digest}.sock"
 
     @property
+    def command_checkpoint_dir(self) -> Path | None:
+        """The training command's ``--checkpoint-dir DIR`` (or ``--checkpoint_dir``), made
+        absolute against this directory (torchrun and its workers run here): the checkpoint
+        root the agent registers when no --checkpoint-root is given."""
+        cmd = self.command
+        for i, arg in enumerate(cmd):
+            for flag in ("--checkpoint-dir", "--checkpoint_dir"):
+                value: str | None = None
+                if arg == flag and i + 1 < len(cmd):
+                    value = cmd[i + 1]
+                elif arg.startswith(flag + "="):
+                    value = arg.split("=", 1)[1]
+                if value:
+                    return Path(value).expanduser().absolute()
+        return None
+
+    @property
     def nproc_per_node(self) -> int | None:
         """Read from the torchrun command when it says (for registration only)."""
         cmd = self.command

@@ -48,6 +48,14 @@ AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
 # Checkpoint directories learned from the workers' reports, kept (newest last) for the pins.
 _MAX_LEARNED_ROOTS = 8
+_MAX_REGISTERED_ROOTS = 16  # what the supervisor accepts
+
+
+def _resolved(p: Path) -> Path:
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the path as given only
+        return p
 
 
 # The supervisor refused the registration (the run has ended): nothing was launched.
@@ -133,6 +141,10 @@ class Agent:
         self._attempt = int(saved.get("attempt", 0))
         plan = saved.get("plan")
         self.plan_path: Path | None = Path(plan) if plan and Path(plan).exists() else None
+        # Checkpoint directories the workers reported (the registration names them too).
+        learned = saved.get("checkpoint_roots")
+        self.learned_roots: list[str] = [r for r in learned if isinstance(r, str)] \
+            if isinstance(learned, list) else []
         config, clock = self.cfg, self.clock
         self.uplink = Uplink(
             supervisor_url=config.supervisor_url, token=config.token,
@@ -149,9 +161,6 @@ class Agent:
         # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
         # directory of the checkpoints the workers report.
         self.checkpoint_root: Path | None = config.checkpoint_root
-        learned = saved.get("checkpoint_roots")
-        self.learned_roots: list[str] = [r for r in learned if isinstance(r, str)] \
-            if isinstance(learned, list) else []
         pins = saved.get("pins")
         # (an agent of an earlier version saved its restart pins as a plain list)
         self.pins = CheckpointPins({"restart": pins} if isinstance(pins, list) else pins,
@@ -237,10 +246,37 @@ class Agent:
             self.checkpoint_root = parent
         if str(parent) in self.learned_roots[-1:]:
             return
+        before = self._checkpoint_roots()
         self.learned_roots = [r for r in self.learned_roots if r != str(parent)]
         self.learned_roots = [*self.learned_roots, str(parent)][-_MAX_LEARNED_ROOTS:]
         self.pins.roots = self._pin_roots()
         self._save_state()
+        if set(self._checkpoint_roots()) != set(before):
+            # The supervisor refuses a checkpoint outside the roots this agent registered:
+            # register again (before the batch carrying this checkpoint goes out).
+            self.uplink.update_registration(self._register_request())
+
+    def _checkpoint_roots(self) -> list[str]:
+        """The roots this agent registers: --checkpoint-root (the user's word: that one
+        only, as the pins), else the training command's --checkpoint-dir and the directories
+        of the checkpoints its workers reported.  Each as given and as resolved (a symlinked
+        directory); only absolute directories below ``/``, which the supervisor accepts."""
+        found: list[Path] = []
+        if self.cfg.checkpoint_root is not None:
+            found.append(self.cfg.checkpoint_root)
+        else:
+            cmd_dir = self.cfg.command_checkpoint_dir
+            if cmd_dir is not None:
+                found.append(cmd_dir)
+            found += [Path(r) for r in self.learned_roots]
+        out: list[str] = []
+        for p in found:
+            for q in (p, _resolved(p)):
+                text = str(q)
+                if (q.is_absolute() and text != "/" and ".." not in q.parts
+                        and text.isprintable() and text not in out):
+                    out.append(text)
+        return out[:_MAX_REGISTERED_ROOTS]
 
     def _report_refused_pins(self) -> None:
         for path, why in self.pins.take_refused():
@@ -251,6 +287,7 @@ class Agent:
                                     "refused": self.pins.refused}})
 
     def _register_request(self) -> protocol.RegisterRequest:
+        roots = self._checkpoint_roots()
         return {
             "run": self.cfg.run,
             "node": self.cfg.node,
@@ -258,8 +295,8 @@ class Agent:
             "pid": os.getpid(),
             "command": list(self.cfg.command),
             "nproc_per_node": self.cfg.nproc_per_node,
-            "checkpoint_root": str(self.cfg.checkpoint_root) if self.cfg.checkpoint_root
-            else None,
+            "checkpoint_root": roots[0] if roots else None,
+            "checkpoint_roots": roots,
             "agent_version": AGENT_VERSION,
         }
 

@@ -329,7 +329,10 @@ class RegisterRequest(TypedDict, total=False):
     pid: int
     command: list[str]
     nproc_per_node: int | None
-    checkpoint_root: str | None
+    checkpoint_root: str | None  # the first of checkpoint_roots (what older supervisors read)
+    # Where this node's checkpoints are saved: the supervisor refuses a checkpoint reported
+    # anywhere else (absolute directories, not "/").
+    checkpoint_roots: list[str]
     agent_version: str
 
 

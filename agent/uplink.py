@@ -24,6 +24,11 @@ first.  Outcomes per batch:
   batch that breaks the supervisor never blocks the batches (and heartbeats) behind it, and an
   outage never dead-letters anything.
 
+The supervisor checks every checkpoint path against the roots of the agent's newest
+registration: when the agent learns a new root (its workers report a checkpoint elsewhere),
+``update_registration`` has the sender register again before the next batch.  Refused (4xx),
+the registration held stands and sending goes on.
+
 Every batch set aside is announced to the supervisor by a ``batch_dead_lettered`` event in
 the next batch spooled (seq, status, reason, and the count so far), so it shows there.
 
@@ -112,6 +117,10 @@ class Uplink:
         self.check_identity: Callable[[protocol.RegisterReply], bool] | None = None
         self.foreign: protocol.RegisterReply | None = None
         self.refused: str | None = None  # the supervisor's why, when it refused (409)
+        # A newer register request (a checkpoint root learned): registered again before the
+        # next batch goes out.
+        self._reregister = False
+        self._register_status: int | None = None  # the last registration's HTTP status
         self.sent = 0
         self.last_ok: float | None = None  # when the supervisor last answered
         self.last_error: str | None = None
@@ -249,6 +258,10 @@ class Uplink:
         if self.registration is None and not self._register():
             return
         while not self._stop.is_set():
+            # Checked before every batch: one spooled after update_registration goes out
+            # under the new registration.
+            if self._reregister and not self._register_again():
+                return
             if self._suspect is not None and self._suspect_due:
                 entry = self.spool.get(self._suspect[0])
                 if entry is None:  # dropped by the spool's bound meanwhile
@@ -291,12 +304,34 @@ class Uplink:
                 return self.foreign
             time.sleep(min(max(0.0, self._next_try - self.clock()), left))
 
+    def _register_again(self) -> bool:
+        """The re-registration ``update_registration`` asked for; whether to go on sending."""
+        self._reregister = False
+        if self._register():
+            return True
+        if self._register_status is not None and 400 <= self._register_status < 500:
+            # Refused: the registration we hold stands and the batches go on (one naming a
+            # checkpoint the supervisor then refuses is set aside alone).
+            self._next_try = 0.0
+            return True
+        self._reregister = True  # unreachable: again before any batch
+        return False
+
+    def update_registration(self, request: protocol.RegisterRequest) -> None:
+        """Register again with ``request`` before the next batch is sent (the supervisor
+        checks every checkpoint path against the roots of the newest registration)."""
+        self.register_request = request
+        self._reregister = True
+        self._wake.set()
+
     def _register(self) -> bool:
+        self._register_status = None
         try:
             r = self.client.post(REGISTER_PATH, json=self.register_request)
         except httpx.HTTPError as e:
             self._fail(f"register: {type(e).__name__}: {e}")
             return False
+        self._register_status = r.status_code
         if r.status_code == 409:  # the run has ended: final, say why and send nothing more
             try:
                 why = str(r.json().get("detail") or r.text)

@@ -71,7 +71,7 @@ def create_app(
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
                           detection=settings.detection_config())
 
-    writer = IngestWriter(database, clock)
+    writer = IngestWriter(database, clock, cfg=settings.ingest)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

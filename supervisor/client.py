@@ -8,11 +8,13 @@ clear or rewrite the operator's terminal."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
     import httpx
@@ -103,11 +105,29 @@ def _get(client: httpx.Client, path: str) -> Any:
     return r.json()
 
 
-def _age(t: float | None) -> str:
-    if t is None:
-        return "-"
-    s = max(0.0, time.time() - t)
+def _number(x: Any) -> float | None:
+    """A finite number from a reply, else None (the API writes NaN/Infinity as strings, and a
+    row may hold anything)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _age(t: Any) -> str:
+    v = _number(t)
+    if v is None:
+        return "-" if t is None else "?"
+    s = max(0.0, time.time() - v)
     return f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h"
+
+
+def run_path(run: str, rest: str = "") -> str:
+    """``/runs/RUN/rest`` with the name quoted (whatever it holds, it stays one segment)."""
+    return f"/runs/{quote(run, safe='')}{rest}"
 
 
 def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
@@ -116,7 +136,7 @@ def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
     rows = []
     for r in runs:
         ck = r.get("checkpoint") or {}
-        tp = (r.get("throughput") or {}).get("samples_per_s")
+        tp = _number((r.get("throughput") or {}).get("samples_per_s"))
         rows.append([r["name"], r["status"], r["attempt"], r.get("restarts"), r.get("step"),
                      f"{tp:.0f}" if tp else None, ck.get("step"), _age(ck.get("t"))])
     print(table(rows, ["RUN", "STATUS", "ATTEMPT", "RESTARTS", "STEP", "SAMPLES/S",
@@ -125,7 +145,7 @@ def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
-    incs = _get(client, f"/runs/{args.run}/incidents")["incidents"]
+    incs = _get(client, run_path(args.run, "/incidents"))["incidents"]
     rows = [[i["id"], i["kind"], i["status"], i["attempt"], i.get("step"), i.get("node"),
              i.get("rank"), _age(i["opened_at"]), _short(i["cause"])] for i in incs]
     print(table(rows, ["ID", "KIND", "STATUS", "ATTEMPT", "STEP", "NODE", "RANK", "OPENED",
@@ -134,8 +154,8 @@ def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:
-    cps = _get(client, f"/runs/{args.run}/checkpoints")["checkpoints"]
-    protected = set(_get(client, f"/runs/{args.run}").get("protected") or [])
+    cps = _get(client, run_path(args.run, "/checkpoints"))["checkpoints"]
+    protected = set(_get(client, run_path(args.run)).get("protected") or [])
 
     def state(c: dict[str, Any]) -> str:
         text = "abandoned" if c.get("abandoned") else (
@@ -149,7 +169,7 @@ def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 def _actions(client: httpx.Client, args: argparse.Namespace) -> int:
-    acts = _get(client, f"/runs/{args.run}/actions")["actions"]
+    acts = _get(client, run_path(args.run, "/actions"))["actions"]
     rows = [[a["id"], a["kind"], a["actor"], a["status"], a["attempt"], a.get("resumed_step"),
              _age(a["created_at"]), _short(a["reason"])] for a in acts]
     print(table(rows, ["ID", "KIND", "ACTOR", "STATUS", "ATTEMPT", "RESUMED AT", "AGE",
@@ -162,7 +182,7 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
     if args.lr_scale != 1.0:
         body.update(lr_scale=args.lr_scale, lr_scale_steps=args.lr_steps,
                     lr_ramp_steps=args.lr_ramp_steps)
-    r = client.post(f"/runs/{args.run}/rollback", json=body)
+    r = client.post(run_path(args.run, "/rollback"), json=body)
     r.raise_for_status()
     action_id = r.json()["action_id"]
     print(f"rollback of {args.run} to step {args.to} queued: action {action_id}")

@@ -5,7 +5,8 @@ Each section is the config class of the component it configures, and holds its d
 
 * ``server``, ``auth``: the HTTP service (this module); ``http``: its deadlines for slow and
   idle clients (``httpguard.HttpConfig``);
-* ``db``: the store (``store.db.StoreConfig``); ``evaluator``: the loop
+* ``db``: the store (``store.db.StoreConfig``); ``ingest``: what agent batches must satisfy
+  (``store.ingest.IngestConfig``: the agent-clock rule); ``evaluator``: the loop
   (``evaluator.EvaluatorConfig``);
 * ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
   configs as ``observe.DetectionConfig`` holds them; ``detection``: its other fields (how
@@ -60,6 +61,7 @@ from supervisor.httpguard import HttpConfig
 from supervisor.observe import DetectionConfig
 from supervisor.policy import PolicyConfig
 from supervisor.store.db import StoreConfig
+from supervisor.store.ingest import IngestConfig
 
 ENV_PREFIX = "TRAINWARDEN_"
 ENV_CONFIG = "TRAINWARDEN_CONFIG"
@@ -292,6 +294,7 @@ class SupervisorSettings(BaseSettings):
     server: ServerConfig = Field(default_factory=ServerConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     db: StoreConfig = Field(default_factory=StoreConfig)
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
     hang: HangConfig = _detector("hang")

@@ -23,7 +23,7 @@ from typing import Any
 from supervisor import wire
 from supervisor.evaluator import Clock
 from supervisor.store.db import Database
-from supervisor.store.ingest import IngestResult, ingest_batches
+from supervisor.store.ingest import IngestConfig, IngestResult, ingest_batches
 
 log = logging.getLogger("trainwarden.ingest")
 
@@ -33,9 +33,12 @@ _Item = tuple[wire.IngestBatch, "asyncio.Future[Any]", asyncio.AbstractEventLoop
 
 
 class IngestWriter:
-    def __init__(self, db: Database, clock: Clock, *, max_group: int = MAX_GROUP) -> None:
+    def __init__(self, db: Database, clock: Clock, *, max_group: int = MAX_GROUP,
+                 cfg: IngestConfig | None = None) -> None:
         self.db = db
         self.clock = clock
+        # The agent-clock rule (the inline SQLite path reads it here too).
+        self.cfg = cfg or IngestConfig()
         self.max_group = max_group
         self._q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -103,7 +106,8 @@ class IngestWriter:
             # A failed group drops the kept connection (it may be broken); the next group
             # takes a fresh one.
             with self._kept.write() as conn:
-                results = list(ingest_batches(conn, batches=[g[0] for g in group], now=now))
+                results = list(ingest_batches(conn, batches=[g[0] for g in group], now=now,
+                                              cfg=self.cfg))
         except Exception:
             if len(group) > 1:
                 log.warning("ingest group of %d failed; retrying batch by batch", len(group),
@@ -112,7 +116,8 @@ class IngestWriter:
             for batch, _fut, _loop in group:
                 try:
                     with self.db.write() as conn:
-                        results.append(ingest_batches(conn, batches=[batch], now=now)[0])
+                        results.append(ingest_batches(conn, batches=[batch], now=now,
+                                                      cfg=self.cfg)[0])
                 except Exception as e:
                     log.exception("ingest of agent %s seq %s failed", batch.agent_id, batch.seq)
                     results.append(e)

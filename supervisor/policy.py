@@ -359,14 +359,18 @@ def on_exit(
 
 
 def operator_restart(
-    run: RunFacts, *, checkpoint: str | None, reason: str, actor: str, now: float
+    run: RunFacts, *, checkpoint: str | None, reason: str, actor: str, now: float,
+    step: int | None = None,
 ) -> Decision:
-    """A restart asked for by an operator: no backoff, not counted against the budget."""
+    """A restart asked for by an operator: no backoff, not counted against the budget.
+    ``step``: the step of a checkpoint the operator named; the branch beyond it is abandoned
+    (the newest checkpoint is the highest step of the current lineage, so the old branch's
+    later saves must not be taken for the newest again)."""
     if run.status in FINAL_STATUSES:
         return Note("ignored", f"run is {run.status}")
     return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
                    reason=reason or "operator restart", actor=actor,
-                   counts_against_budget=False)
+                   counts_against_budget=False, rollback_to_step=step)
 
 
 def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:

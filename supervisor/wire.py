@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.core.states import CommandKind, ExitOutcome
+from supervisor import checkpoint_paths
 
 NonNeg = Annotated[int, Field(ge=0)]
 
@@ -27,8 +28,33 @@ class RegisterRequest(_Wire):
     pid: int | None = None
     command: list[str] = Field(default_factory=list)
     nproc_per_node: Annotated[int, Field(ge=1)] | None = None
+    # (one root, as the first agents sent it; it joins checkpoint_roots, first)
     checkpoint_root: str | None = None
+    checkpoint_roots: list[Annotated[str, Field(max_length=checkpoint_paths.MAX_PATH)]] = Field(
+        default_factory=list, max_length=checkpoint_paths.MAX_ROOTS,
+        description="the directories this agent's checkpoints are saved in (absolute, not "
+                    "'/'): every checkpoint path it reports must lie strictly inside one, "
+                    "and a relative one is resolved against the first")
     agent_version: str = Field(default="", max_length=50)
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _root(cls, v: str | None) -> str | None:
+        return None if v is None else checkpoint_paths.normalize_root(v)
+
+    @field_validator("checkpoint_roots")
+    @classmethod
+    def _roots(cls, v: list[str]) -> list[str]:
+        return checkpoint_paths.normalize_roots(v)
+
+    @model_validator(mode="after")
+    def _all_roots(self) -> RegisterRequest:
+        roots = checkpoint_paths.normalize_roots(
+            [*([self.checkpoint_root] if self.checkpoint_root else []), *self.checkpoint_roots])
+        if len(roots) > checkpoint_paths.MAX_ROOTS:
+            raise ValueError(f"at most {checkpoint_paths.MAX_ROOTS} checkpoint roots")
+        self.checkpoint_roots = roots
+        return self
 
 
 class RegisterReply(BaseModel):
@@ -85,6 +111,7 @@ class CheckpointItem(_Wire):
     rank: NonNeg | None = None
     t: float | None = None
     step: NonNeg
+    # strictly inside one of the agent's registered checkpoint roots (relative: to the first)
     path: str = Field(min_length=1)
     bytes: NonNeg | None = None
     save_s: float | None = None

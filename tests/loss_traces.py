@@ -171,7 +171,8 @@ class Replay:
     def register(self) -> None:
         r = self.http.post("/api/v1/agents/register", headers=self.agent_headers, json={
             "run": self.run, "node": "n0", "hostname": "replay", "pid": 1,
-            "command": ["replay", self.trace.name], "nproc_per_node": 2})
+            "command": ["replay", self.trace.name], "nproc_per_node": 2,
+            "checkpoint_roots": [f"/replay/{self.run}"]})
         assert r.status_code == 200, r.text
         self.agent_id = int(r.json()["agent_id"])
 

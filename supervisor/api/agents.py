@@ -12,7 +12,13 @@ from supervisor.api.deps import DB, AgentAuth, ClockDep, Settings, Writer
 from supervisor.api.errors import validation_error_response
 from supervisor.store import registry
 from supervisor.store.db import Database
-from supervisor.store.ingest import IngestResult, UnknownAgent, ingest_batch
+from supervisor.store.ingest import (
+    CheckpointRefused,
+    IngestConfig,
+    IngestResult,
+    UnknownAgent,
+    ingest_batch,
+)
 
 router = APIRouter(tags=["agents"])
 
@@ -41,17 +47,20 @@ INGEST_BODY = {
 }
 
 
-def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float) -> IngestResult:
+def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float, cfg: IngestConfig
+                   ) -> IngestResult:
     with db.write() as conn:
-        return ingest_batch(conn, batch=batch, now=now)
+        return ingest_batch(conn, batch=batch, now=now, cfg=cfg)
 
 
 @router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY)
 async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _auth: AgentAuth
                  ) -> Response:
     """Store one batch (idempotent by ``agent_id`` + ``seq``: a replay stores nothing and is
-    answered ``duplicate: true``).  The reply carries the agent's unacknowledged commands and
-    the checkpoints its workers' retention must keep (``protect``).
+    answered ``duplicate: true``).  A checkpoint path outside the agent's registered roots
+    is 422 naming the path and the roots, and nothing of the batch is stored.  The reply
+    carries the agent's unacknowledged commands and the checkpoints its workers' retention
+    must keep (``protect``).
 
     The hot path, kept lean on purpose: the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), the store work runs inline (SQLite) or in the
@@ -68,10 +77,13 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
             # SQLite: inline on the event loop, one transaction per batch.  Its writes are
             # CPU-bound and serialised, and a thread hop per request (or per group) measured
             # slower: the GIL hand-offs cost more than the grouping saves.
-            res = _ingest_inline(db, batch, clock())
+            res = _ingest_inline(db, batch, clock(), writer.cfg)
         else:
             # Postgres: group commit through the ingest writer thread.
             res = await writer.submit(batch)
+    except CheckpointRefused as e:
+        # Nothing of the batch is stored; the agent sets it aside (a 4xx is final).
+        return validation_error_response(e.errors, prefix=("body",))
     except UnknownAgent:
         raise HTTPException(
             status.HTTP_404_NOT_FOUND,

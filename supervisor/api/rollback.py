@@ -9,10 +9,10 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from agent.protocol import LRSchedule, normalize_ranges
 from supervisor import actions, policy
+from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
 from supervisor.enums import Actor
 from supervisor.store import reads, registry
-from supervisor.store import recovery as rec
 from supervisor.store.rows import ActionRow
 
 router = APIRouter(tags=["recovery"])
@@ -20,7 +20,7 @@ router = APIRouter(tags=["recovery"])
 
 class RollbackRequest(BaseModel):
     """Exactly one of ``checkpoint`` (a checkpoint id, as listed by ``/checkpoints``) or
-    ``step`` names where to roll back to."""
+    ``step`` names where to roll back to (never a path)."""
 
     checkpoint: int | None = Field(default=None, description="checkpoint id")
     step: int | None = Field(default=None, ge=0, description="or the checkpoint's step")
@@ -34,6 +34,9 @@ class RollbackRequest(BaseModel):
     reason: str = Field(default="", max_length=1000)
 
     model_config = {"extra": "forbid"}
+
+    _no_path = model_validator(mode="before")(no_path)
+    _checkpoint_id = field_validator("checkpoint", mode="before")(checkpoint_id)
 
     @field_validator("skip")
     @classmethod
@@ -64,20 +67,8 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
         if r["status"] in policy.FINAL_STATUSES:
             raise HTTPException(status.HTTP_409_CONFLICT,
                                 f"run {run!r} is {r['status']}: nothing to roll back")
-        ck = rec.checkpoint_by(conn, run_id=r["id"], checkpoint_id=req.checkpoint,
-                                step=req.step)
-        what = (f"checkpoint {req.checkpoint}" if req.checkpoint is not None
-                else f"checkpoint at step {req.step}")
-        if ck is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run!r} has no {what}")
-        if not ck["complete"]:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                                f"checkpoint {ck['id']} (step {ck['step']}) is not complete")
-        if ck["abandoned"]:
-            raise HTTPException(
-                status.HTTP_422_UNPROCESSABLE_CONTENT,
-                f"checkpoint {ck['id']} (step {ck['step']}) is on a branch an earlier "
-                "rollback abandoned; pick one of the current lineage (GET .../checkpoints)")
+        ck = known_checkpoint(conn, run_id=r["id"], run=run, checkpoint_id=req.checkpoint,
+                              step=req.step)
         lr = None
         if req.lr_scale != 1.0:
             lr = LRSchedule(scale=req.lr_scale, steps=req.lr_scale_steps,

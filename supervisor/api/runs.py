@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, status
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from supervisor import actions, observe, policy
+from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
 from supervisor.enums import Actor
 from supervisor.store import reads, registry
@@ -138,10 +139,25 @@ def get_events(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[s
 
 
 class RestartRequest(BaseModel):
-    checkpoint: str | None = Field(
-        default=None, description="checkpoint path; default: the newest complete one"
+    """Where to restart from: at most one of ``checkpoint`` (an id, as listed by
+    ``/checkpoints``) or ``step``, never a path; neither: the newest complete checkpoint."""
+
+    checkpoint: int | None = Field(
+        default=None, description="checkpoint id; default: the newest complete one"
     )
+    step: int | None = Field(default=None, ge=0, description="or the checkpoint's step")
     reason: str = Field(default="", max_length=1000)
+
+    model_config = {"extra": "forbid"}
+
+    _no_path = model_validator(mode="before")(no_path)
+    _checkpoint_id = field_validator("checkpoint", mode="before")(checkpoint_id)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RestartRequest:
+        if self.checkpoint is not None and self.step is not None:
+            raise ValueError('give at most one of "checkpoint" (an id) or "step"')
+        return self
 
 
 class StopRequest(BaseModel):
@@ -162,15 +178,23 @@ def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
 def restart_run(
     run: str, req: RestartRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
 ) -> dict[str, Any]:
-    """Gang-restart the run as its next attempt (operator; no backoff, outside the budget)."""
+    """Gang-restart the run as its next attempt (operator; no backoff, outside the budget),
+    from the checkpoint named by id or step (it must exist, be complete and be on the current
+    lineage; the checkpoints of the branch beyond it are abandoned, as by a rollback), or
+    from the newest complete one."""
 
     def decide(conn: Connection, r: RunRow) -> policy.Decision:
-        ckpt = req.checkpoint
-        if ckpt is None:
+        step: int | None = None
+        ckpt: str | None
+        if req.checkpoint is not None or req.step is not None:
+            ck = known_checkpoint(conn, run_id=r["id"], run=run, checkpoint_id=req.checkpoint,
+                                  step=req.step)
+            ckpt, step = ck["path"], int(ck["step"])
+        else:
             newest = rec.newest_complete_checkpoint(conn, run_id=r["id"])
             ckpt = newest["path"] if newest else None
-        return policy.operator_restart(actions.facts(r), checkpoint=ckpt, reason=req.reason,
-                                       actor=Actor.OPERATOR, now=clock())
+        return policy.operator_restart(actions.facts(r), checkpoint=ckpt, step=step,
+                                       reason=req.reason, actor=Actor.OPERATOR, now=clock())
 
     return _operator(db, run, clock(), decide)
 

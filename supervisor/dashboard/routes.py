@@ -34,10 +34,25 @@ POLL_MS = 2000
 # template filters
 
 
+# The filters take anything a row may hold (None, a string, an undefined key, a time no
+# clock could give): what is not a finite number reads "n/a", never an error.
+
+
+def _real(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    try:
+        v = float(x)
+    except OverflowError:  # an int beyond any float
+        return math.copysign(math.inf, x)
+    return v if math.isfinite(v) else None
+
+
 def fmt_age(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
+    s = _real(seconds)
+    if s is None:
         return "n/a"
-    s = max(0.0, seconds)
+    s = max(0.0, s)
     if s < 90:
         return f"{s:.0f} s"
     if s < 5400:
@@ -48,15 +63,20 @@ def fmt_age(seconds: float | None) -> str:
 
 
 def fmt_ts(t: float | None) -> str:
+    """A unix time as UTC; a time no calendar holds (non-finite, before year 1 or after
+    9999: a broken clock) as "invalid time", never an error."""
     if t is None:
         return ""
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        return dt.datetime.fromtimestamp(float(t), dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, ValueError, OSError, TypeError):
+        return "invalid time"
 
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
+    x = _real(n)
+    if x is None:
         return "n/a"
-    x = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(x) < 1024 or unit == "TiB":
             return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
@@ -65,12 +85,12 @@ def fmt_bytes(n: float | None) -> str:
 
 
 def fmt_num(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "n/a"
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, int):
+    if isinstance(x, int) and not isinstance(x, bool):
         return str(x)
+    if not isinstance(x, float):
+        return "n/a"
     return f"{x:.{digits}g}"
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from supervisor.goodput import plan as pl
 from supervisor.text import duration as _dur
-from supervisor.text import table
+from supervisor.text import printable, table
 
 _DEFAULTS = pl.PlanInputs(params=1.0)  # the planner's defaults, read for the help texts
 
@@ -164,7 +164,7 @@ def render(plan: pl.Plan) -> str:
 
 
 def render_check(rows: Sequence[pl.CheckRow], run: str) -> str:
-    return f"Plan against run {run}\n" + table(
+    return f"Plan against run {printable(run)}\n" + table(
         [[r.quantity, _f(r.planned, ".3g"), _f(r.measured, ".3g"),
           _f(r.ratio, ".2f"), r.note] for r in rows],
         ["QUANTITY", "PLAN", "MEASURED", "MEASURED/PLAN", "HOW"])
@@ -178,7 +178,7 @@ def _fetch(args: argparse.Namespace) -> dict[str, Any]:
     url = args.supervisor or os.environ.get(client.ENV_URL, client.DEFAULT_URL)
     try:
         with client.connect(url, args.token) as c:
-            r = c.get(f"/runs/{args.check}")
+            r = c.get(client.run_path(args.check))
             r.raise_for_status()
             data: dict[str, Any] = r.json()
             return data

@@ -45,7 +45,8 @@ def split_float(x: float | None) -> tuple[float | None, str | None]:
 def join_float(value: float | None, special: str | None) -> float | None:
     if special is None:
         return value
-    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[special]
+    # (an unknown marker, which only a damaged row holds: the stored value stands)
+    return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}.get(special, value)
 
 
 def with_specials(d: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from agent.core.states import CommandStatus
-from supervisor import wire
+from supervisor import checkpoint_paths, wire
+from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
 from supervisor.store.tables import (
     agents,
@@ -47,6 +48,56 @@ from supervisor.store.tables import (
 )
 
 
+@dataclass(frozen=True)
+class IngestConfig:
+    # An agent timestamp (t of a step, event, checkpoint, exit, heartbeat; a batch's sent_at)
+    # more than this many seconds ahead of the supervisor's clock is replaced by the receive
+    # time (and counted in a clock_skew event).  1 day: a clock an hour or a time zone off
+    # (up to 14 h) still passes, a clock years ahead does not
+    clock_ahead_s: float = 86_400.0
+    # An agent timestamp more than this many seconds behind the supervisor's clock is
+    # replaced the same way.  30 days: an agent cut off for weeks replays its spool with the
+    # true times; a clock at 1970 (no RTC, no NTP) is caught
+    clock_behind_s: float = 30 * 86_400.0
+
+    def __post_init__(self) -> None:
+        for name in ("clock_ahead_s", "clock_behind_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"ingest.{name} must be a positive number of seconds "
+                                 f"(got {v})")
+
+
+CLOCK_SKEW_EVENT = "clock_skew"
+# One clock_skew event per agent per this many seconds (of the supervisor's clock); the
+# timestamps replaced meanwhile are added to its count.
+CLOCK_SKEW_EVENT_S = 3600.0
+
+
+class _ClockCheck:
+    """One batch's agent timestamps against the supervisor's clock: a time that is not
+    finite, or further off than the configured skew, becomes the receive time."""
+
+    def __init__(self, now: float, cfg: IngestConfig) -> None:
+        self.now = now
+        self.lo, self.hi = now - cfg.clock_behind_s, now + cfg.clock_ahead_s
+        self.replaced: dict[str, int] = {}
+        self.worst: float | None = None  # the replaced value furthest off (finite ones)
+        self.nonfinite = 0
+
+    def t(self, value: float | None, default: float, what: str) -> float:
+        if value is None:
+            return default
+        if self.lo <= value <= self.hi:  # (False for NaN)
+            return value
+        self.replaced[what] = self.replaced.get(what, 0) + 1
+        if not math.isfinite(value):
+            self.nonfinite += 1
+        elif self.worst is None or abs(value - self.now) > abs(self.worst - self.now):
+            self.worst = value
+        return self.now
+
+
 @dataclass
 class IngestResult:
     run_id: int
@@ -60,39 +111,60 @@ class UnknownAgent(LookupError):
     pass
 
 
-def ingest_batch(conn: Connection, *, batch: wire.IngestBatch, now: float) -> IngestResult:
+class CheckpointRefused(ValueError):
+    """A batch reporting a checkpoint outside the agent's registered roots: nothing of it is
+    stored.  ``errors``: one ``{"loc", "msg", "type"}`` per refused path (``loc`` within the
+    batch, as a 422 names it)."""
+
+    def __init__(self, agent_id: int, errors: list[dict[str, Any]]) -> None:
+        super().__init__("; ".join(e["msg"] for e in errors))
+        self.agent_id = agent_id
+        self.errors = errors
+
+
+def ingest_batch(conn: Connection, *, batch: wire.IngestBatch, now: float,
+                 cfg: IngestConfig = IngestConfig()) -> IngestResult:
     """Store one batch in the caller's transaction (see ``ingest_batches``).
 
-    Raises ``UnknownAgent`` when the agent id was never registered."""
-    res = ingest_batches(conn, batches=[batch], now=now)[0]
-    if isinstance(res, UnknownAgent):
+    Raises ``UnknownAgent`` when the agent id was never registered, ``CheckpointRefused``
+    when it reports a checkpoint outside its registered roots."""
+    res = ingest_batches(conn, batches=[batch], now=now, cfg=cfg)[0]
+    if isinstance(res, UnknownAgent | CheckpointRefused):
         raise res
     return res
 
 
 def ingest_batches(
-    conn: Connection, *, batches: Sequence[wire.IngestBatch], now: float
-) -> list[IngestResult | UnknownAgent]:
+    conn: Connection, *, batches: Sequence[wire.IngestBatch], now: float,
+    cfg: IngestConfig = IngestConfig(),
+) -> list[IngestResult | UnknownAgent | CheckpointRefused]:
     """Store a group of batches in the caller's ONE transaction; results in input order.
 
     A replayed (agent_id, seq), stored before or earlier in the same group, stores nothing and
     is answered as a duplicate.  A batch of an unregistered agent gets ``UnknownAgent`` and
-    stores nothing.  Rows of all batches go in one multi-row statement per table, and the
+    stores nothing.  A batch reporting a checkpoint path outside the agent's registered roots
+    (``supervisor.checkpoint_paths``) gets ``CheckpointRefused`` and stores nothing (a replay
+    of a batch stored before is still a duplicate); the paths of the others are stored
+    normalised.  Rows of all batches go in one multi-row statement per table, and the
     per-step aggregates are merged across the group first: the cost per batch falls as the
     load rises (the ingest writer groups whatever arrived while the last group was written).
+
+    Agent timestamps are checked against ``now`` (``IngestConfig``): one that is not finite,
+    or further off than the allowed skew, is stored as ``now`` and counted in the agent's
+    ``clock_skew`` event.
     """
     hot = _hot(conn)
     ids = sorted({b.agent_id for b in batches})
     cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
-        return _ingest_group(conn, hot, cur, batches, ids, now)
+        return _ingest_group(conn, hot, cur, batches, ids, now, cfg)
     finally:
         cur.close()
 
 
 def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
-                  batches: Sequence[wire.IngestBatch], ids: list[int], now: float
-                  ) -> list[IngestResult | UnknownAgent]:
+                  batches: Sequence[wire.IngestBatch], ids: list[int], now: float,
+                  cfg: IngestConfig) -> list[IngestResult | UnknownAgent | CheckpointRefused]:
     # agent id -> (run id, the run's attempt, its protected checkpoints)
     heads: dict[int, tuple[int, int, list[str]]]
     if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
@@ -101,23 +173,25 @@ def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
     else:
         heads = {int(r[0]): (int(r[1]), int(r[2]), _json_list(r[3]))
                  for r in conn.execute(_HEADS, {"ids": ids})}
+    refused, paths = _checkpoint_paths(conn, batches, heads)
     # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
     wanted: dict[tuple[int, int], dict[str, Any]] = {}
-    for b in batches:
-        if b.agent_id in heads and (b.agent_id, b.seq) not in wanted:
+    for i, b in enumerate(batches):
+        if b.agent_id in heads and i not in refused and (b.agent_id, b.seq) not in wanted:
             wanted[(b.agent_id, b.seq)] = {"agent_id": b.agent_id, "seq": b.seq,
                                            "received_at": now, "items": len(b.items)}
     claimed = {(int(r[0]), int(r[1]))
                for r in hot.insert_rows(cur, "claim", list(wanted.values()), fetch=True)}
     acc = _Acc()
     duplicate: list[bool] = []
-    for b in batches:
+    for i, b in enumerate(batches):
         key = (b.agent_id, b.seq)
-        new = key in claimed
+        new = key in claimed and i not in refused
         claimed.discard(key)  # a second copy in this group is a duplicate
         duplicate.append(not new)
         if new:
-            _collect(acc, b, run_id=heads[b.agent_id][0], now=now)
+            _collect(acc, b, run_id=heads[b.agent_id][0], now=now, cfg=cfg,
+                     paths=paths.get(i, []))
     aggs = _flush(conn, hot, cur, acc, now=now)
     # After this group's acknowledgements, so an acknowledged command is not re-sent.
     pending = _pending(conn, hot, cur, list(heads), now)
@@ -126,15 +200,56 @@ def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
         # and Postgres holds that row lock until the commit.  Sorted keys: concurrent
         # writers lock rows in the same order (no deadlock).
         hot.insert_rows(cur, "aggregates", aggs)
-    out: list[IngestResult | UnknownAgent] = []
-    for b, dup in zip(batches, duplicate, strict=True):
+    out: list[IngestResult | UnknownAgent | CheckpointRefused] = []
+    for i, (b, dup) in enumerate(zip(batches, duplicate, strict=True)):
         if b.agent_id not in heads:
             out.append(UnknownAgent(b.agent_id))
+            continue
+        if i in refused:
+            out.append(refused[i])
             continue
         run_id, attempt, protect = heads[b.agent_id]
         out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
                                 commands=pending.get(b.agent_id, []), protect=protect))
     return out
+
+
+def _checkpoint_paths(conn: Connection, batches: Sequence[wire.IngestBatch],
+                      heads: dict[int, Any]
+                      ) -> tuple[dict[int, CheckpointRefused], dict[int, list[str]]]:
+    """Batch index -> its refusal, and batch index -> its checkpoint paths normalised (in
+    item order), for the batches of known agents that report checkpoints.  A refused batch
+    that was stored before (a replay, from before the agent's roots changed) is left to the
+    duplicate check instead."""
+    wanted = sorted({b.agent_id for b in batches if b.agent_id in heads
+                     and any(isinstance(it, wire.CheckpointItem) for it in b.items)})
+    if not wanted:  # the common case: no extra statement
+        return {}, {}
+    roots = {int(r[0]): [x for x in (r[1] or []) if isinstance(x, str)]
+             for r in conn.execute(select(agents.c.id, agents.c.checkpoint_roots)
+                                   .where(agents.c.id.in_(wanted)))}
+    refused: dict[int, CheckpointRefused] = {}
+    paths: dict[int, list[str]] = {}
+    for i, b in enumerate(batches):
+        if b.agent_id not in roots:
+            continue
+        ok: list[str] = []
+        errors: list[dict[str, Any]] = []
+        for j, it in enumerate(b.items):
+            if not isinstance(it, wire.CheckpointItem):
+                continue
+            try:
+                ok.append(checkpoint_paths.resolve(it.path, roots[b.agent_id]))
+            except checkpoint_paths.OutsideRoots as e:
+                errors.append({"loc": ["items", str(j), "path"], "msg": str(e),
+                               "type": "checkpoint_outside_roots"})
+        if not errors:
+            paths[i] = ok
+        elif conn.execute(select(ingested_batches.c.seq).where(
+                ingested_batches.c.agent_id == b.agent_id,
+                ingested_batches.c.seq == b.seq)).first() is None:
+            refused[i] = CheckpointRefused(b.agent_id, errors)
+    return refused, paths
 
 
 def _json_list(raw: Any) -> list[str]:
@@ -283,16 +398,22 @@ class _Acc:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     exits: list[dict[str, Any]] = field(default_factory=list)
     results: list[tuple[int, int, wire.CommandResultItem, float]] = field(default_factory=list)
+    # (run id, agent id, attempt, the batch's check) of batches with timestamps replaced
+    skews: list[tuple[int, int, int, _ClockCheck]] = field(default_factory=list)
 
 
-def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> None:
+def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
+             cfg: IngestConfig, paths: list[str]) -> None:
+    """``paths``: the batch's checkpoint paths as checked (``_checkpoint_paths``)."""
     agent_id = batch.agent_id
-    t0 = batch.sent_at if batch.sent_at is not None else now
+    checked = iter(paths)
+    clk = _ClockCheck(now, cfg)
+    t0 = clk.t(batch.sent_at, now, "sent_at")
     heartbeat: wire.HeartbeatItem | None = None
     for it in batch.items:
         if isinstance(it, wire.StepItem):
             attempt = it.attempt if it.attempt is not None else batch.attempt
-            t = it.t if it.t is not None else t0
+            t = clk.t(it.t, t0, "step")
             loss, loss_sp = split_float(it.loss)
             gn, gn_sp = split_float(it.grad_norm)
             row = {
@@ -317,29 +438,33 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> 
             acc.events.append({
                 "run_id": run_id, "agent_id": agent_id,
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
-                "rank": it.rank, "t": it.t if it.t is not None else t0, "name": it.name,
+                "rank": it.rank, "t": clk.t(it.t, t0, "event"), "name": it.name,
                 "step": it.step, "message": it.message, "details": json_safe(it.details),
             })
         elif isinstance(it, wire.CheckpointItem):
             acc.checkpoints.append({
                 "run_id": run_id, "agent_id": agent_id,
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
-                "step": it.step, "path": it.path, "bytes": it.bytes, "lineage": it.lineage,
+                "step": it.step, "path": next(checked), "bytes": it.bytes,
+                "lineage": it.lineage,
                 "complete": it.complete, "save_s": finite(it.save_s),
-                "async_save": it.async_save, "t": it.t if it.t is not None else t0,
+                "async_save": it.async_save, "t": clk.t(it.t, t0, "checkpoint"),
             })
         elif isinstance(it, wire.HeartbeatItem):
+            clk.t(it.t, t0, "heartbeat")  # (not stored: checked to be counted)
             heartbeat = it
         elif isinstance(it, wire.ExitItem):
             acc.exits.append({
                 "run_id": run_id, "agent_id": agent_id,
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
-                "t": it.t if it.t is not None else t0, "exit_code": it.exit_code,
+                "t": clk.t(it.t, t0, "exit"), "exit_code": it.exit_code,
                 "signal": it.signal, "outcome": it.outcome,
                 "failed_ranks": json_safe(it.failed_ranks), "handled": False, "verdict": None,
             })
         else:
-            acc.results.append((agent_id, run_id, it, it.t if it.t is not None else t0))
+            acc.results.append((agent_id, run_id, it, clk.t(it.t, t0, "command_result")))
+    if clk.replaced:
+        acc.skews.append((run_id, agent_id, batch.attempt, clk))
     acc.seen.append({
         "agent_id": agent_id, "now": now, "dropped": batch.dropped, "attempt": batch.attempt,
         "state": heartbeat.state if heartbeat else None,
@@ -347,21 +472,14 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> 
         "disk_total": heartbeat.disk_total_bytes if heartbeat else None,
         # JSON text for the raw statement (a cast to JSON on Postgres); None keeps the last.
         "workers": _worker_stats(heartbeat.workers) if heartbeat else None,
-        "gpus": (json.dumps(json_safe(heartbeat.gpus), separators=(",", ":"))
+        "gpus": (json.dumps(gpu_health(heartbeat.gpus), separators=(",", ":"))
                  if heartbeat and heartbeat.gpus is not None else None),
     })
 
 
-_WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
-
-
 def _worker_stats(workers: list[dict[str, Any]]) -> str:
     """The heartbeat's worker list as stored: the known keys with finite numbers only."""
-    rows = [{k: w[k] for k in _WORKER_KEYS
-             if isinstance(w.get(k), int | float) and not isinstance(w.get(k), bool)
-             and math.isfinite(w[k])}
-            for w in workers]
-    return json.dumps(rows, separators=(",", ":"))
+    return json.dumps(worker_stats(workers), separators=(",", ":"))
 
 
 def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
@@ -380,6 +498,9 @@ def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
         conn.execute(exits.insert(), acc.exits)
     for agent_id, run_id, res, t in acc.results:
         _apply_command_result(conn, agent_id=agent_id, run_id=run_id, item=res, now=now, t=t)
+    for run_id, agent_id, attempt, clk in acc.skews:
+        _count_clock_skew(conn, run_id=run_id, agent_id=agent_id, attempt=attempt, clk=clk,
+                          now=now)
     if acc.latest_rank:
         hot.insert_rows(cur, "ranks", [acc.latest_rank[k] for k in sorted(acc.latest_rank)])
     return [acc.aggs[k] for k in sorted(acc.aggs)]
@@ -533,6 +654,45 @@ def _apply_command_result(
                 message=f"command_result for command {item.command_id} not sent to this agent",
                 details={"status": item.status, "detail": item.detail},
             ))
+
+
+def _count_clock_skew(conn: Connection, *, run_id: int, agent_id: int, attempt: int,
+                      clk: _ClockCheck, now: float) -> None:
+    """Count a batch's replaced timestamps in the agent's ``clock_skew`` event: the one of
+    the last ``CLOCK_SKEW_EVENT_S`` if there is one (a skewed clock skews every batch: one
+    event an hour, not one a second), else a new one."""
+    ev = events.c
+    prev = conn.execute(
+        select(ev.id, ev.details).where(ev.run_id == run_id, ev.agent_id == agent_id,
+                                        ev.name == CLOCK_SKEW_EVENT,
+                                        ev.t >= now - CLOCK_SKEW_EVENT_S)
+        .order_by(ev.id.desc()).limit(1)).first()
+    old = prev[1] if prev is not None and isinstance(prev[1], dict) else {}
+    fields = dict(old.get("fields") or {}) if isinstance(old.get("fields"), dict) else {}
+    for k, n in clk.replaced.items():
+        fields[k] = int(fields.get(k) or 0) + n
+    count = sum(int(v) for v in fields.values() if isinstance(v, int))
+    worst = old.get("worst_offset_s")
+    if clk.worst is not None:
+        off = clk.worst - now
+        if not isinstance(worst, int | float) or abs(off) > abs(worst):
+            worst = off
+    details = {
+        "count": count, "fields": fields,
+        "nonfinite": int(old.get("nonfinite") or 0) + clk.nonfinite,
+        "worst_offset_s": worst, "ahead_s": clk.hi - now, "behind_s": now - clk.lo,
+        "first_at": old.get("first_at", now), "last_at": now,
+    }
+    message = (f"{count} agent timestamp(s) not finite or off the supervisor's clock by more "
+               f"than {clk.hi - now:g} s ahead / {now - clk.lo:g} s behind: stored as the "
+               "receive time")
+    if prev is not None:
+        conn.execute(update(events).where(ev.id == prev[0])
+                     .values(details=details, message=message))
+    else:
+        conn.execute(events.insert().values(
+            run_id=run_id, agent_id=agent_id, attempt=attempt, rank=None, t=now,
+            name=CLOCK_SKEW_EVENT, step=None, message=message, details=details))
 
 
 def _mark_sent(conn: Connection, *, ids: list[int], now: float) -> None:

@@ -8,7 +8,9 @@ Conventions, and why:
   (``"nan"``, ``"inf"``, ``"-inf"``): SQLite stores NaN as NULL, and a NaN loss is a signal that
   must survive storage; the value column is NULL then;
 * the hot tables (``rank_steps``, ``step_aggregates``) are written only through Core bulk
-  statements in ``ingest.py``; the ORM classes exist for the schema and for readable queries.
+  statements in ``ingest.py``; the ORM classes exist for the schema and for readable queries;
+* JSON columns read back as the container their annotation names (``JSONDict``,
+  ``JSONList``), whatever the row holds: every reader may index them without a type check.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from sqlalchemy import (
     false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from agent.core.states import AgentState, CommandStatus
 from supervisor.enums import ActionStatus, IncidentStatus, RunStatus
@@ -46,6 +49,66 @@ NAMING_CONVENTION = {
 
 # 64-bit ids for the tables that grow with every step; SQLite only auto-increments INTEGER.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class _JSONShape(TypeDecorator[Any]):
+    """A JSON column that reads back as one kind of container.  A row holding anything else
+    (another type, or text that is not JSON at all: an older version, a bug, a hand edit)
+    reads as the empty container, or as NULL where the column is nullable, so the pages,
+    the API and the evaluator never meet a string where they index a dict.  Written values
+    are stored as given (the DDL is plain JSON: no migration)."""
+
+    impl = JSON
+    cache_ok = True
+    kind: type = dict
+
+    def __init__(self, *, nullable: bool = False) -> None:
+        super().__init__()
+        self.nullable = nullable
+
+    def result_processor(self, dialect: Any, coltype: Any) -> Any:
+        inner = self.impl_instance.result_processor(dialect, coltype)
+
+        def process(value: Any) -> Any:
+            if inner is not None:
+                try:
+                    value = inner(value)
+                except ValueError:  # text that is not JSON (SQLite stores any text)
+                    value = None
+            return self.process_result_value(value, dialect)
+
+        return process
+
+    def process_result_value(self, value: Any, dialect: Any) -> Any:
+        if isinstance(value, self.kind):
+            return value
+        if value is None and self.nullable:
+            return None
+        return self._wrong(value)
+
+    def _wrong(self, value: Any) -> Any:
+        return None if self.nullable else self.kind()
+
+
+class JSONDict(_JSONShape):
+    """A JSON object column; another value reads as NULL where the column is nullable (a
+    GPU reading or a plan that is not one: none), else as ``{"value": it}`` (details still
+    shown, never indexed by mistake)."""
+
+    kind = dict
+    cache_ok = True
+
+    def _wrong(self, value: Any) -> Any:
+        if value is None or self.nullable:
+            return None if self.nullable else {}
+        return {"value": value}
+
+
+class JSONList(_JSONShape):
+    """A JSON array column; another value reads as empty (NULL where nullable)."""
+
+    kind = list
+    cache_ok = True
 
 
 class Base(DeclarativeBase):
@@ -68,7 +131,8 @@ class Run(Base):
     reason: Mapped[str] = mapped_column(Text, default="")  # why the status last changed
     # Checkpoint paths the workers' retention must keep (policy.protected_checkpoints, set
     # by the evaluator); every ingest reply carries them to the agents, who pin them.
-    protected: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    protected: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True),
+                                                           nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -84,9 +148,13 @@ class Agent(Base):
     node: Mapped[str] = mapped_column(String(200))
     hostname: Mapped[str] = mapped_column(String(255), default="")
     pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    command: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    command: Mapped[list[Any]] = mapped_column(JSONList(), default=list)
     nproc_per_node: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)
+    checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)  # the first root
+    # The directories the agent's checkpoints are saved in, normalised (registration): every
+    # checkpoint path it reports must lie strictly inside one (``supervisor.checkpoint_paths``)
+    checkpoint_roots: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True),
+                                                               nullable=True)
     agent_version: Mapped[str] = mapped_column(String(50), default="")
     registered_at: Mapped[float] = mapped_column(Float)
     last_seen_at: Mapped[float] = mapped_column(Float)
@@ -96,8 +164,8 @@ class Agent(Base):
     disk_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # From the newest heartbeat that carried them: the workers' CPU and memory
     # ([{rank, local_rank, pid, cpu_percent, rss_bytes}]) and the GPU readings (NVML).
-    workers: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
-    gpus: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    workers: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True), nullable=True)
+    gpus: Mapped[dict[str, Any] | None] = mapped_column(JSONDict(nullable=True), nullable=True)
     dropped: Mapped[int] = mapped_column(Integer, default=0)
 
 
@@ -211,7 +279,7 @@ class Event(Base):
     name: Mapped[str] = mapped_column(String(100))
     step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
-    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)
 
 
 class Exit(Base):
@@ -228,7 +296,7 @@ class Exit(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     signal: Mapped[int | None] = mapped_column(Integer, nullable=True)
     outcome: Mapped[str] = mapped_column(String(20))
-    failed_ranks: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    failed_ranks: Mapped[list[Any]] = mapped_column(JSONList(), default=list)
     handled: Mapped[bool] = mapped_column(Boolean, default=False)
     # what the evaluator made of it: failure | completed | late | ignored
     verdict: Mapped[str | None] = mapped_column(String(20), nullable=True)
@@ -253,7 +321,7 @@ class Incident(Base):
     rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     signal: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)
     opened_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # while it lasts
     resolved_at: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -284,12 +352,12 @@ class Action(Base):
     # failed when an agent reports the command failed
     status: Mapped[str] = mapped_column(String(20), default=ActionStatus.QUEUED)
     attempt: Mapped[int] = mapped_column(Integer)  # the attempt the action starts (or stops)
-    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSONDict(nullable=True), nullable=True)
     not_before: Mapped[float | None] = mapped_column(Float, nullable=True)
     resumed_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
-    progress: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # status -> time
+    progress: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)  # status -> time
 
 
 class Command(Base):
@@ -306,7 +374,7 @@ class Command(Base):
     )
     kind: Mapped[str] = mapped_column(String(20))
     attempt: Mapped[int] = mapped_column(Integer)
-    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSONDict(nullable=True), nullable=True)
     # A hang: the agent dumps every worker's stacks first, then kills the tree at once.
     collect_stacks: Mapped[bool] = mapped_column(Boolean, default=False,
                                                  server_default=false())

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
 from agent.protocol import EVENT_FLOPS_DECLARED
 from supervisor.enums import ActionKind, IncidentStatus
+from supervisor.store._health import number
 from supervisor.store._sql import row, with_specials
 from supervisor.store.rows import (
     ActionRow,
@@ -84,12 +85,14 @@ def throughput(conn: Connection, *, run_id: int, attempt: int, window: int = 20)
     if len(rows) < 2:
         return out
     span = rows[0].t_last - rows[-1].t_last
-    if span <= 0:
+    if not (math.isfinite(span) and span > 0):  # (times no clock gives: no rate)
         return out
     newer = rows[:-1]  # the oldest row only marks the start of the span
-    out["steps_per_s"] = len(newer) / span
-    out["samples_per_s"] = sum(r.samples for r in newer) / span
-    out["tokens_per_s"] = sum(r.tokens for r in newer) / span
+    rates = {"steps_per_s": len(newer) / span,
+             "samples_per_s": sum(r.samples for r in newer) / span,
+             "tokens_per_s": sum(r.tokens for r in newer) / span}
+    for k, v in rates.items():
+        out[k] = v if math.isfinite(v) else None  # type: ignore[literal-required]
     return out
 
 
@@ -183,8 +186,9 @@ def _list(conn: Connection, table: Table, run_id: int, order: Iterable[Any], lim
 
 
 def list_checkpoints(conn: Connection, *, run_id: int, limit: int = 1000) -> list[CheckpointRow]:
-    """Newest first."""
-    return _list(conn, checkpoints, run_id, [checkpoints.c.t.desc(), checkpoints.c.id.desc()],
+    """Newest first: by step, then attempt, then arrival (never by the agent's clock)."""
+    c = checkpoints.c
+    return _list(conn, checkpoints, run_id, [c.step.desc(), c.attempt.desc(), c.id.desc()],
                  limit)
 
 
@@ -229,7 +233,16 @@ def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None
                                          events.c.name == EVENT_FLOPS_DECLARED)
          .order_by(events.c.id.desc()).limit(1))
     d = conn.execute(q).scalar()
-    return d if isinstance(d, dict) else None
+    if not isinstance(d, dict):
+        return None
+    # The declared figures only, each a positive finite number or None; without a peak and
+    # one of the FLOPs figures there is no declaration to show.
+    out = {k: v if (v := number(d.get(k))) is not None and v > 0 else None
+           for k in ("peak_flops_per_rank", "flops_per_sample", "flops_per_token")}
+    if out["peak_flops_per_rank"] is None or (out["flops_per_sample"] is None
+                                              and out["flops_per_token"] is None):
+        return None
+    return out
 
 
 def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:

@@ -203,13 +203,23 @@ def max_steps(conn: Connection, *, run_id: int) -> dict[int, int]:
 # checkpoint lineage
 
 
+# "Newest" among checkpoints is by lineage and step, never by the agent's timestamp: the
+# current lineage (not abandoned), the highest step, and for a step saved twice the later
+# attempt, then the later arrival.  An agent's clock may be off (the supervisor bounds it,
+# see ``IngestConfig``, but within the bound a step-1 save may still carry a later time than
+# a step-99 one).
+def _newest_first(c: Any) -> list[Any]:
+    return [c.step.desc(), c.attempt.desc(), c.id.desc()]
+
+
 def newest_complete_checkpoint(conn: Connection, *, run_id: int) -> CheckpointRow | None:
-    """The newest complete checkpoint of the current lineage (never an abandoned one)."""
+    """The newest complete checkpoint of the current lineage (never an abandoned one): its
+    highest step."""
     q = (
         select(checkpoints)
         .where(checkpoints.c.run_id == run_id, checkpoints.c.complete.is_(True),
                checkpoints.c.abandoned.is_(False))
-        .order_by(checkpoints.c.t.desc(), checkpoints.c.id.desc())
+        .order_by(*_newest_first(checkpoints.c))
         .limit(1)
     )
     r = conn.execute(q).first()
@@ -217,11 +227,13 @@ def newest_complete_checkpoint(conn: Connection, *, run_id: int) -> CheckpointRo
 
 
 def lineage_checkpoints(conn: Connection, *, run_id: int) -> list[tuple[int, float, str]]:
-    """(step, saved at, path) of the complete checkpoints of the current lineage, oldest
-    first (a step saved twice counts once, with its newest save)."""
+    """(step, saved at, path) of the complete checkpoints of the current lineage, lowest step
+    first (a step saved twice counts once, with its newest save: the later attempt, then the
+    later arrival)."""
     c = checkpoints.c
     q = (select(c.step, c.t, c.path).where(c.run_id == run_id, c.complete.is_(True),
-                                           c.abandoned.is_(False)).order_by(c.t, c.id))
+                                           c.abandoned.is_(False))
+         .order_by(*reversed(_newest_first(c))))
     by_step = {int(r[0]): (float(r[1]), str(r[2])) for r in conn.execute(q)}
     return [(s, t, p) for s, (t, p) in sorted(by_step.items())]
 
@@ -244,14 +256,15 @@ def abandon_branches(conn: Connection, *, run_id: int) -> int:
 
 def checkpoint_by(conn: Connection, *, run_id: int, checkpoint_id: int | None = None,
                   step: int | None = None) -> CheckpointRow | None:
-    """One checkpoint of a run by id, or the newest save of a step."""
+    """One checkpoint of a run by id, or the newest save of a step (the later attempt, then
+    the later arrival; a save of the current lineage before an abandoned one)."""
     c = checkpoints.c
     q = select(checkpoints).where(c.run_id == run_id)
     if checkpoint_id is not None:
         q = q.where(c.id == checkpoint_id)
     if step is not None:
         q = q.where(c.step == step)
-    r = conn.execute(q.order_by(c.t.desc(), c.id.desc()).limit(1)).first()
+    r = conn.execute(q.order_by(c.abandoned, *_newest_first(c)).limit(1)).first()
     return cast(CheckpointRow, row(r)) if r else None
 
 

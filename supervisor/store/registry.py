@@ -11,6 +11,7 @@ from sqlalchemy import Connection, func, or_, select, update
 from agent.core.states import AgentState
 from supervisor import wire
 from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, RunStatus
+from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import insert, row
 from supervisor.store.rows import AgentRow, RegisteredAgent, RunRow
 from supervisor.store.tables import agents, ingested_batches, runs
@@ -47,7 +48,10 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
         raise RunFinished(req.run, run.status, run.reason)
     values = {
         "hostname": req.hostname, "pid": req.pid, "command": list(req.command),
-        "nproc_per_node": req.nproc_per_node, "checkpoint_root": req.checkpoint_root,
+        "nproc_per_node": req.nproc_per_node,
+        # (normalised by the request's model; the first is kept where older readers look)
+        "checkpoint_roots": list(req.checkpoint_roots),
+        "checkpoint_root": req.checkpoint_roots[0] if req.checkpoint_roots else None,
         "agent_version": req.agent_version, "last_seen_at": now,
         "state": AgentState.REGISTERED,
     }
@@ -71,7 +75,10 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
 
 
 def _run(r: Any) -> RunRow:
-    return cast(RunRow, row(r))
+    d = cast(RunRow, row(r))
+    if d["protected"] is not None:  # checkpoint paths: text only, whatever the row holds
+        d["protected"] = [p for p in d["protected"] if isinstance(p, str)]
+    return d
 
 
 def get_run_by_name(conn: Connection, *, name: str) -> RunRow | None:
@@ -127,5 +134,14 @@ def set_protected(conn: Connection, *, run_id: int, paths: list[str]) -> None:
 
 
 def run_agents(conn: Connection, *, run_id: int) -> list[AgentRow]:
+    """The run's agents, their health readings in the shape of ``_health`` whatever the row
+    holds."""
     q = select(agents).where(agents.c.run_id == run_id).order_by(agents.c.id)
-    return [cast(AgentRow, row(r)) for r in conn.execute(q)]
+    out = []
+    for r in conn.execute(q):
+        a = cast(AgentRow, row(r))
+        if a["workers"] is not None:
+            a["workers"] = worker_stats(a["workers"])
+        a["gpus"] = gpu_health(a["gpus"])
+        out.append(a)
+    return out

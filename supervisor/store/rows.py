@@ -42,6 +42,7 @@ class AgentRow(TypedDict):
     command: list[Any]
     nproc_per_node: int | None
     checkpoint_root: str | None
+    checkpoint_roots: list[Any] | None
     agent_version: str
     registered_at: float
     last_seen_at: float

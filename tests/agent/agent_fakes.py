@@ -52,6 +52,8 @@ class FakeSupervisor:
         self.status_for_seq: dict[int, int] = {}
         self.commands: dict[int, dict[str, Any]] = {}
         self.registers: list[dict[str, Any]] = []
+        self.register_status: int | None = None  # set: registrations answered this
+        self.log: list[tuple[str, Any]] = []  # ("register", roots) / ("ingest", seq) in order
         self.next_seq = 0
         self.attempt = 0
         self.protect: list[str] | None = None  # None: an older supervisor (no field)
@@ -70,6 +72,9 @@ class FakeSupervisor:
             data = json.loads(body) if body else {}
             if method == "POST" and path == "/api/v1/agents/register":
                 self.registers.append(data)
+                self.log.append(("register", data.get("checkpoint_roots")))
+                if self.register_status is not None:
+                    return self.register_status, {"detail": "refused"}
                 if self.finished:
                     return 409, {"detail": self.finished}
                 stored = max(self.batches, default=-1) + 1
@@ -83,6 +88,7 @@ class FakeSupervisor:
                 if seq in self.status_for_seq:
                     return self.status_for_seq[seq], {"detail": "bad batch"}
                 self.arrivals.append(seq)
+                self.log.append(("ingest", seq))
                 dup = seq in self.batches
                 if dup:
                     self.duplicates += 1

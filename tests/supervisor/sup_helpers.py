@@ -42,10 +42,13 @@ def make_settings(**kw: Any) -> SupervisorSettings:
     return SupervisorSettings(**base)
 
 
-def register(client: TestClient, run: str = "r1", node: str = "n0") -> dict[str, Any]:
+def register(client: TestClient, run: str = "r1", node: str = "n0",
+             roots: list[str] | None = None) -> dict[str, Any]:
+    """Register an agent; its checkpoints are saved under ``/ck`` unless ``roots`` says."""
     r = client.post("/api/v1/agents/register", headers=AGENT,
                     json={"run": run, "node": node, "hostname": f"host-{node}", "pid": 1,
-                          "command": ["torchrun", "train.py"], "nproc_per_node": 2})
+                          "command": ["torchrun", "train.py"], "nproc_per_node": 2,
+                          "checkpoint_roots": ["/ck"] if roots is None else roots})
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
     return out

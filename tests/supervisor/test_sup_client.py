@@ -40,7 +40,8 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def feed(base: str) -> None:
     with httpx.Client(base_url=base + "/api/v1", timeout=10) as c:
         a = c.post("/agents/register", headers=AGENT,
-                   json={"run": "evil", "node": "node" + HOSTILE, "hostname": HOSTILE}).json()
+                   json={"run": "evil", "node": "node" + HOSTILE, "hostname": HOSTILE,
+                         "checkpoint_roots": ["/ck"]}).json()
         items = [{"type": "step", "rank": 0, "world_size": 1, "step": s, "t": time.time(),
                   "loss": 1.0} for s in range(12)]
         items.append({"type": "checkpoint", "step": 10, "path": "/ck/step_10" + HOSTILE,

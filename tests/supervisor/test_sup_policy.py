@@ -233,10 +233,10 @@ def test_run_completes_when_every_agent_completes(
 def test_operator_restart_and_stop(client: TestClient, evaluator: Evaluator) -> None:
     a0, _a1 = two_nodes(client)
     r = client.post("/api/v1/runs/r1/restart", headers=OPERATOR,
-                    json={"checkpoint": "/ck/0", "reason": "try again"})
+                    json={"step": 1, "reason": "try again"})
     assert r.status_code == 200, r.text
     cmd = ingest(client, a0, 2, [])["commands"][0]
-    assert cmd["plan"]["checkpoint"] == "/ck/0" and cmd["attempt"] == 1
+    assert cmd["plan"]["checkpoint"] == "/ck/1" and cmd["attempt"] == 1
     act = get(client, "/actions")["actions"][0]
     assert act["actor"] == "operator" and act["reason"] == "try again"
     assert get(client, "")["restarts"] == 0  # operator restarts are outside the budget

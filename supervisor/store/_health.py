@@ -1,0 +1,64 @@
+"""The node-health JSON an agent's heartbeat carries (its workers' CPU and memory, its GPU
+readings), reduced to the shape every reader expects: known keys, finite numbers, text where
+text belongs.  Applied where the rows are written and again where they are read, so a row
+stored by an older version (or by hand) renders like any other."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
+GPU_NUMBERS = ("util_percent", "mem_used_bytes", "mem_total_bytes", "temp_c", "power_w",
+               "ecc_uncorrected")
+MAX_DEVICES = 64
+MAX_TEXT = 500
+
+
+def number(x: Any) -> int | float | None:
+    """``x`` if it is a finite number (not a bool), else None."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return x if isinstance(x, int) or math.isfinite(x) else None
+
+
+def worker_stats(workers: Any) -> list[dict[str, Any]]:
+    """The workers list as stored: dicts of the known keys with finite numbers only."""
+    if not isinstance(workers, list):
+        return []
+    return [{k: v for k in WORKER_KEYS if (v := number(w.get(k))) is not None}
+            for w in workers if isinstance(w, dict)]
+
+
+def gpu_health(gpus: Any) -> dict[str, Any] | None:
+    """``{"available": bool, "reason": str, "devices": [...]}`` with the keys the reading
+    has, each of its type (a key of the wrong type is left out); None: not a reading."""
+    if not isinstance(gpus, dict):
+        return None
+    out: dict[str, Any] = {"available": gpus.get("available") is True}
+    if "reason" in gpus:
+        out["reason"] = _text(gpus["reason"])
+    devices = gpus.get("devices")
+    if devices is None:
+        return out
+    out["devices"] = []
+    for d in devices[:MAX_DEVICES] if isinstance(devices, list) else []:
+        if not isinstance(d, dict):
+            continue
+        dev: dict[str, Any] = {}
+        index = d.get("index")
+        if isinstance(index, int) and not isinstance(index, bool):
+            dev["index"] = index
+        elif index is not None:
+            dev["index"] = _text(index)
+        if "name" in d:
+            dev["name"] = None if d["name"] is None else _text(d["name"])
+        for k in GPU_NUMBERS:
+            if k in d:
+                dev[k] = number(d[k])  # (None: not read, or not a number)
+        out["devices"].append(dev)
+    return out
+
+
+def _text(x: Any) -> str:
+    return "" if x is None else str(x)[:MAX_TEXT]
