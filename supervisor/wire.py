@@ -121,6 +121,20 @@ class HeartbeatItem(_Wire):
     gpus: dict[str, Any] | None = None  # absent: not read this time (the last one stands)
 
 
+class FailedRank(_Wire):
+    """One failed worker of an exit, as torchrun's error summary names it (more keys kept)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=True, ser_json_inf_nan="constants")
+    rank: U31 | None = None
+    local_rank: U31 | None = None
+    exit_code: I32 | None = None
+    signal: U31 | None = None
+    pid: U31 | None = None
+    # The worker's own last words (parsed from its stderr): may hold colour codes, kept as
+    # they are (every page and the CLI show them escaped).
+    message: str | None = Field(default=None, max_length=16_384)
+
+
 class ExitItem(_Wire):
     type: Literal["exit"]
     t: Finite | None = None
@@ -128,7 +142,7 @@ class ExitItem(_Wire):
     exit_code: I32 | None = None
     signal: U31 | None = None
     outcome: ExitOutcome
-    failed_ranks: list[dict[str, Any]] = Field(default_factory=list, max_length=_MAX_LIST)
+    failed_ranks: list[FailedRank] = Field(default_factory=list, max_length=_MAX_LIST)
 
 
 class CommandResultItem(_Wire):

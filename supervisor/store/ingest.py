@@ -385,7 +385,9 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float) -> 
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
                 "t": it.t if it.t is not None else t0, "exit_code": it.exit_code,
                 "signal": it.signal, "outcome": it.outcome,
-                "failed_ranks": json_safe(it.failed_ranks), "handled": False, "verdict": None,
+                "failed_ranks": json_safe([f.model_dump(exclude_unset=True)
+                                           for f in it.failed_ranks]),
+                "handled": False, "verdict": None,
             })
         else:
             acc.results.append((agent_id, run_id, it, it.t if it.t is not None else t0))
