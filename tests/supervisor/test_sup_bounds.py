@@ -5,24 +5,32 @@ nothing is stored."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 from sup_helpers import (
     AGENT,
     OPERATOR,
+    FakeClock,
+    ingest,
+    make_settings,
     register,
-    run_with_checkpoints,
     step,
     store_snapshot,
 )
 
-from supervisor.store.db import Database
+from supervisor.app import create_app
+from supervisor.store.db import Database, make_database
+from supervisor.store.models import metadata
 
 BIG = 2**63  # one past what a 64-bit column holds
 BIG32 = 2**31  # one past what a Postgres INTEGER column holds
 NAN = float("nan")
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 INF = float("inf")
 
 
@@ -166,52 +174,76 @@ def assert_refused(r: Any, field: str) -> None:
     assert any(field in e["loc"] for e in body["errors"]), body["errors"]
 
 
-@pytest.fixture
-def seeded(client: TestClient, db: Database) -> tuple[int, dict[str, list[str]]]:
-    """Run r1 with steps and checkpoints (agent seq 0 stored); the store as it is then."""
-    aid = run_with_checkpoints(client)
-    return aid, store_snapshot(db)
+@dataclass
+class Seeded:
+    client: TestClient
+    db: Database
+    agent_id: int
+    before: dict[str, list[str]]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Seeded]:
+    """One store per backend for all the hostile requests of this module (each one stores
+    nothing, which every test checks): run r1 with two steps and a checkpoint at step 100
+    (agent seq 0 stored), and the store as it is then."""
+    if request.param == "sqlite":
+        database = make_database(f"sqlite:///{tmp_path_factory.mktemp('bounds') / 'b.db'}")
+        metadata.create_all(database.engine)
+    else:
+        database = make_database(request.getfixturevalue("pg_tables_url"))
+        names = ", ".join(t.name for t in metadata.sorted_tables)
+        with database.engine.begin() as c:
+            c.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+    app = create_app(make_settings(), db=database, clock=FakeClock(), upgrade_schema=False,
+                     start_evaluator=False)
+    try:
+        with TestClient(app) as client:
+            aid = register(client)["agent_id"]
+            ingest(client, aid, 0, [step(0, 100), step(1, 100), _ck(step=100, path="/ck/100")])
+            yield Seeded(client, database, aid, store_snapshot(database))
+    finally:
+        database.dispose()
 
 
 @pytest.mark.parametrize(("field", "body"), [c[1:] for c in REGISTER],
                          ids=[c[0] for c in REGISTER])
 def test_hostile_registration_is_422_and_stores_nothing(
-        client: TestClient, db: Database, seeded: Any, field: str, body: Any) -> None:
-    assert_refused(_post(client, "/api/v1/agents/register", body, AGENT), field)
-    assert store_snapshot(db) == seeded[1]
+        seeded: Seeded, field: str, body: Any) -> None:
+    assert_refused(_post(seeded.client, "/api/v1/agents/register", body, AGENT), field)
+    assert store_snapshot(seeded.db) == seeded.before
 
 
 @pytest.mark.parametrize(("field", "build"), [c[1:] for c in INGEST],
                          ids=[c[0] for c in INGEST])
 def test_hostile_batch_is_422_and_stores_nothing(
-        client: TestClient, db: Database, seeded: Any, field: str, build: Any) -> None:
-    assert_refused(_post(client, "/api/v1/ingest", build(seeded[0]), AGENT), field)
-    assert store_snapshot(db) == seeded[1]
+        seeded: Seeded, field: str, build: Any) -> None:
+    assert_refused(_post(seeded.client, "/api/v1/ingest", build(seeded.agent_id), AGENT), field)
+    assert store_snapshot(seeded.db) == seeded.before
 
 
 @pytest.mark.parametrize(("field", "route", "body"), [c[1:] for c in OPERATOR_POSTS],
                          ids=[c[0] for c in OPERATOR_POSTS])
 def test_hostile_operator_request_is_422_and_stores_nothing(
-        client: TestClient, db: Database, seeded: Any, field: str, route: str,
-        body: Any) -> None:
-    assert_refused(_post(client, f"/api/v1/runs/r1/{route}", body, OPERATOR), field)
-    assert store_snapshot(db) == seeded[1]
+        seeded: Seeded, field: str, route: str, body: Any) -> None:
+    assert_refused(_post(seeded.client, f"/api/v1/runs/r1/{route}", body, OPERATOR), field)
+    assert store_snapshot(seeded.db) == seeded.before
 
 
 @pytest.mark.parametrize(("field", "url"), [c[1:] for c in QUERIES],
                          ids=[c[0] for c in QUERIES])
 def test_hostile_query_and_path_parameters_are_422(
-        client: TestClient, db: Database, seeded: Any, field: str, url: str) -> None:
-    assert_refused(client.get(url, headers=OPERATOR), field)
-    assert store_snapshot(db) == seeded[1]
+        seeded: Seeded, field: str, url: str) -> None:
+    assert_refused(seeded.client.get(url, headers=OPERATOR), field)
+    assert store_snapshot(seeded.db) == seeded.before
 
 
 @pytest.mark.parametrize("page", ["/runs/r%00", "/runs/r%00/tables",
                                   "/dashboard/api/runs/r%00/state",
                                   "/dashboard/api/runs/r%00/series"])
-def test_a_nul_in_a_dashboard_run_name_is_an_unknown_run(client: TestClient, page: str
-                                                         ) -> None:
-    r = client.get(page, headers=OPERATOR)
+def test_a_nul_in_a_dashboard_run_name_is_an_unknown_run(seeded: Seeded, page: str) -> None:
+    r = seeded.client.get(page, headers=OPERATOR)
     assert r.status_code == 404, r.text
 
 
