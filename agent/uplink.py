@@ -16,7 +16,10 @@ first.  Outcomes per batch:
   sent (``foreign`` holds the reply) until the agent has archived that state and built a new
   uplink on a fresh one; another run's spooled batches never reach this run.
 - any other 4xx: final, the batch itself is bad.  It is set aside in the dead-letter store
-  (``dead-letter/``, with the reply) and the queue moves on.
+  (``dead-letter/``, with the reply) and the queue moves on.  So is a 409, the supervisor's
+  answer to a seq it already stored with different content: resending cannot store it under
+  that seq, and it is not renumbered on a guess (a second agent posting under our id, or our
+  numbering gone back, is for a human to see in the dead-letter store and the event).
 - any other 5xx: retried with backoff.  After ``max_5xx_tries`` tries in a row the batch
   steps out of line and the newer batches go on.  If a newer batch is accepted, the suspect
   gets one last try and, failing again, is set aside like a 4xx; if the newer batches fail

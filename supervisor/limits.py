@@ -1,18 +1,123 @@
-"""Refuse request bodies over the configured size with 413, before they are parsed.
+"""Limits on what a request may carry, in one place: the bounds of every number and text
+field of the wire and API request models (documented in the OpenAPI through them), and the
+request body size (refused with 413 before it is parsed).
 
-A pure ASGI middleware (Starlette's BaseHTTPMiddleware costs a task per request): the
-Content-Length is checked up front; a body without one is counted as it streams in.
+The bounds are what both stores hold: ids, sequence numbers, byte counts and batch indices
+fit a 64-bit integer (Postgres BIGINT, SQLite's integers); steps, ranks, attempts, pids and
+the ids of the INTEGER tables fit Postgres' 32-bit INTEGER.  Durations must be finite; an
+agent's times (``t``, ``sent_at``) may be any number, NaN included: ingest checks them against
+the supervisor's clock and stores the receive time for one that is not finite or far off
+(``IngestConfig``), so a broken clock costs its times, not its batch.  Loss and grad norm
+keep NaN/Infinity (a NaN loss is a signal).  Text never holds NUL (Postgres text cannot) or
+terminal control characters.  A value out of bounds is a 422 naming the field, never a store
+error.
+
+The body size check is a pure ASGI middleware (Starlette's BaseHTTPMiddleware costs a task
+per request): the Content-Length is checked up front; a body without one is counted as it
+streams in.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Path
+from pydantic import AfterValidator, Field
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
+
+# ---- numbers -------------------------------------------------------------------------------
+
+INT32_MAX = 2**31 - 1  # Postgres INTEGER
+INT64_MAX = 2**63 - 1  # Postgres BIGINT, SQLite INTEGER
+
+# 0 <= x <= 2^31-1: steps, ranks, attempts, counts, pids, ids of the INTEGER tables.
+U31 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# 0 <= x <= 2^63-1: sequence numbers, byte counts, batch indices.
+U63 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# -2^31 <= x <= 2^31-1: exit codes (negative: the signal that ended the process).
+I32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+# 1 <= x <= 2^31-1.
+Positive31 = Annotated[int, Field(ge=1, le=INT32_MAX)]
+# Unix times and durations: finite (NaN and Infinity are refused).
+Finite = Annotated[float, Field(allow_inf_nan=False,
+                                description="a finite number (NaN and Infinity are refused)")]
+# An agent's Unix time: any number; one not finite, or beyond the allowed clock skew, is
+# stored as the time the supervisor received it (and counted in a clock_skew event).
+AgentTime = Annotated[float, Field(
+    allow_inf_nan=True, description="Unix time by the agent's clock; not finite or beyond "
+    "ingest.clock_ahead_s / clock_behind_s of the supervisor's: stored as the receive time")]
+
+# ---- text ----------------------------------------------------------------------------------
+
+# One-line text (names, paths, versions): no C0 control (U+0000-U+001F, tab and newline
+# included), no DEL, no C1 control (U+0080-U+009F; U+009B is CSI on its own).
+LINE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"
+# Free text (messages, reasons): the same, except tab, newline and carriage return.
+TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]*$"
+LINE_REFUSES = "control characters (U+0000-U+001F, U+007F-U+009F) are refused"
+TEXT_REFUSES = ("control characters (U+0000-U+001F except tab, newline and carriage return; "
+                "U+007F-U+009F) are refused")
+MAX_PATH = 4096  # PATH_MAX
+MAX_TEXT = 16_384  # a message, a reason, a command's result (the agent cuts at 4000)
+
+_LINE_BAD = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_TEXT_BAD = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _checker(bad: re.Pattern[str], what: str) -> Any:
+    def check(v: str) -> str:
+        m = bad.search(v)
+        if m is not None:
+            raise ValueError(f"{what}: found U+{ord(m.group()):04X} at offset {m.start()}")
+        return v
+    return AfterValidator(check)
+
+
+# The validators: ``Line``/``Text`` carry them, ``line()``/``text()`` the length and the docs.
+LINE = _checker(_LINE_BAD, LINE_REFUSES)
+TEXT = _checker(_TEXT_BAD, TEXT_REFUSES)
+Line = Annotated[str, LINE]
+Text = Annotated[str, TEXT]
+
+
+def line(default: Any = ..., *, max_length: int, min_length: int | None = None,
+         description: str = "") -> Any:
+    """A one-line text field (``name: Line = line(...)``): at most ``max_length``
+    characters, no control characters."""
+    return Field(default, max_length=max_length, min_length=min_length,
+                 description=_describe(description, f"at most {max_length} characters; "
+                                                    f"{LINE_REFUSES}"),
+                 json_schema_extra={"pattern": LINE_PATTERN})
+
+
+def text(default: Any = "", *, max_length: int = MAX_TEXT, description: str = "") -> Any:
+    """A free-text field (``message: Text = text(...)``): several lines allowed."""
+    return Field(default, max_length=max_length,
+                 description=_describe(description, f"at most {max_length} characters; "
+                                                    f"{TEXT_REFUSES}"),
+                 json_schema_extra={"pattern": TEXT_PATTERN})
+
+
+def _describe(what: str, bounds: str) -> str:
+    return f"{what} ({bounds})" if what else bounds[0].upper() + bounds[1:]
+
+
+# One argument of a command line (tabs and newlines may be part of one).
+Arg = Annotated[str, TEXT, Field(max_length=MAX_PATH, json_schema_extra={"pattern": TEXT_PATTERN})]
+
+# A run's name: what registration accepts.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
+RUN_NAME_MAX = 200
+# The run path parameter of the API: any name the store can hold (a run written there by
+# other means than registration is still addressable), never a NUL (Postgres text has none).
+RunName = Annotated[str, Path(max_length=RUN_NAME_MAX, pattern=r"^[^\x00]+$",
+                              description="the run's name (a NUL is refused)")]
+
+# ---- the request body ----------------------------------------------------------------------
 
 
 class BodyTooLarge(HTTPException):

@@ -2,40 +2,62 @@
 
 The supervisor validates every request against these before anything is stored.  Unknown
 fields are ignored (a newer agent may send more), unknown item types are refused (the batch
-would otherwise be half understood).  Floats keep NaN/Infinity: a NaN loss is a signal.
+would otherwise be half understood).  Every number and text field is bounded by
+``supervisor.limits`` (what both stores hold; the OpenAPI documents the bounds): durations
+must be finite; an agent's times may be any number (ingest checks them against its own
+clock); loss and grad norm keep NaN/Infinity (a NaN loss is a signal).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.core.states import CommandKind, ExitOutcome
 from supervisor import checkpoint_paths
+from supervisor.limits import (
+    I32,
+    MAX_PATH,
+    RUN_NAME_MAX,
+    RUN_NAME_PATTERN,
+    U31,
+    U63,
+    AgentTime,
+    Arg,
+    Finite,
+    Line,
+    Positive31,
+    Text,
+    line,
+    text,
+)
 
-NonNeg = Annotated[int, Field(ge=0)]
+# A JSON list an item carries as it is (the store keeps what it understands of it).
+_MAX_LIST = 4096
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=True)
+    # ser_json_inf_nan: the content digest tells a NaN loss from a missing one.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=True, ser_json_inf_nan="constants")
 
 
 class RegisterRequest(_Wire):
-    run: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-    node: str = Field(min_length=1, max_length=200)
-    hostname: str = Field(default="", max_length=255)
-    pid: int | None = None
-    command: list[str] = Field(default_factory=list)
-    nproc_per_node: Annotated[int, Field(ge=1)] | None = None
+    run: str = Field(min_length=1, max_length=RUN_NAME_MAX, pattern=RUN_NAME_PATTERN)
+    node: Line = line(min_length=1, max_length=200)
+    hostname: Line = line("", max_length=255)
+    pid: U31 | None = None
+    command: list[Arg] = Field(default_factory=list, max_length=1000)
+    nproc_per_node: Positive31 | None = None
     # (one root, as the first agents sent it; it joins checkpoint_roots, first)
-    checkpoint_root: str | None = None
+    checkpoint_root: Line | None = line(None, max_length=MAX_PATH)
     checkpoint_roots: list[Annotated[str, Field(max_length=checkpoint_paths.MAX_PATH)]] = Field(
         default_factory=list, max_length=checkpoint_paths.MAX_ROOTS,
         description="the directories this agent's checkpoints are saved in (absolute, not "
                     "'/'): every checkpoint path it reports must lie strictly inside one, "
                     "and a relative one is resolved against the first")
-    agent_version: str = Field(default="", max_length=50)
+    agent_version: Line = line("", max_length=50)
 
     @field_validator("checkpoint_root")
     @classmethod
@@ -70,83 +92,97 @@ class RegisterReply(BaseModel):
 
 class StepItem(_Wire):
     type: Literal["step"]
-    v: int | None = None
-    attempt: NonNeg | None = None  # default: the batch's attempt
-    rank: NonNeg
-    local_rank: NonNeg | None = None
-    world_size: Annotated[int, Field(ge=1)] | None = None
-    pid: int | None = None
-    step: NonNeg
-    t: float | None = None  # default: the batch's sent_at
-    batch_index: NonNeg | None = None
-    loss: float | None = None
-    samples: NonNeg | None = None
-    tokens: NonNeg | None = None
-    lr: float | None = None
-    grad_norm: float | None = None
-    data_s: float | None = None
-    compute_s: float | None = None
-    step_s: float | None = None
-    dropped: NonNeg | None = None
+    v: U31 | None = None
+    attempt: U31 | None = None  # default: the batch's attempt
+    rank: U31
+    local_rank: U31 | None = None
+    world_size: Positive31 | None = None
+    pid: U31 | None = None
+    step: U31
+    t: AgentTime | None = None  # default: the batch's sent_at
+    batch_index: U63 | None = None
+    loss: float | None = Field(default=None, description="NaN and Infinity are kept")
+    samples: U31 | None = None
+    tokens: U31 | None = None
+    lr: float | None = Field(default=None, description="non-finite: stored as unknown")
+    grad_norm: float | None = Field(default=None, description="NaN and Infinity are kept")
+    data_s: Finite | None = None
+    compute_s: Finite | None = None
+    step_s: Finite | None = None
+    dropped: U31 | None = None
 
 
 class EventItem(_Wire):
     type: Literal["event"]
-    v: int | None = None
-    attempt: NonNeg | None = None
-    rank: NonNeg | None = None
-    local_rank: NonNeg | None = None
-    pid: int | None = None
-    t: float | None = None
-    name: str = Field(min_length=1, max_length=100)
-    step: NonNeg | None = None
-    message: str = ""
+    v: U31 | None = None
+    attempt: U31 | None = None
+    rank: U31 | None = None
+    local_rank: U31 | None = None
+    pid: U31 | None = None
+    t: AgentTime | None = None
+    name: Line = line(min_length=1, max_length=100)
+    step: U31 | None = None
+    message: Text = text()
     details: dict[str, Any] = Field(default_factory=dict)
 
 
 class CheckpointItem(_Wire):
     type: Literal["checkpoint"]
-    v: int | None = None
-    attempt: NonNeg | None = None
-    rank: NonNeg | None = None
-    t: float | None = None
-    step: NonNeg
+    v: U31 | None = None
+    attempt: U31 | None = None
+    rank: U31 | None = None
+    t: AgentTime | None = None
+    step: U31
     # strictly inside one of the agent's registered checkpoint roots (relative: to the first)
-    path: str = Field(min_length=1)
-    bytes: NonNeg | None = None
-    save_s: float | None = None
+    path: Line = line(min_length=1, max_length=MAX_PATH)
+    bytes: U63 | None = None
+    save_s: Finite | None = None
     async_save: bool = False
-    lineage: str | None = None
+    lineage: Line | None = line(None, max_length=200)
     complete: bool = True  # protocol: sent once the checkpoint is complete on disk
 
 
 class HeartbeatItem(_Wire):
     type: Literal["heartbeat"]
-    t: float | None = None
-    attempt: NonNeg | None = None
-    state: str = Field(default="running", max_length=20)
-    workers: list[dict[str, Any]] = Field(default_factory=list, max_length=4096)
-    disk_free_bytes: NonNeg | None = None
-    disk_total_bytes: NonNeg | None = None
+    t: AgentTime | None = None
+    attempt: U31 | None = None
+    state: Line = line("running", max_length=20)
+    workers: list[dict[str, Any]] = Field(default_factory=list, max_length=_MAX_LIST)
+    disk_free_bytes: U63 | None = None
+    disk_total_bytes: U63 | None = None
     gpus: dict[str, Any] | None = None  # absent: not read this time (the last one stands)
+
+
+class FailedRank(_Wire):
+    """One failed worker of an exit, as torchrun's error summary names it (more keys kept)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=True, ser_json_inf_nan="constants")
+    rank: U31 | None = None
+    local_rank: U31 | None = None
+    exit_code: I32 | None = None
+    signal: U31 | None = None
+    pid: U31 | None = None
+    # The worker's own last words (parsed from its stderr): may hold colour codes, kept as
+    # they are (every page and the CLI show them escaped).
+    message: str | None = Field(default=None, max_length=16_384)
 
 
 class ExitItem(_Wire):
     type: Literal["exit"]
-    t: float | None = None
-    attempt: NonNeg | None = None
-    exit_code: int | None = None
-    signal: int | None = None
+    t: AgentTime | None = None
+    attempt: U31 | None = None
+    exit_code: I32 | None = None
+    signal: U31 | None = None
     outcome: ExitOutcome
-    failed_ranks: list[dict[str, Any]] = Field(default_factory=list)
+    failed_ranks: list[FailedRank] = Field(default_factory=list, max_length=_MAX_LIST)
 
 
 class CommandResultItem(_Wire):
     type: Literal["command_result"]
-    t: float | None = None
-    command_id: int
+    t: AgentTime | None = None
+    command_id: U31
     status: Literal["delivered", "done", "failed"]  # agent.core.states.COMMAND_RESULTS
-    detail: str = ""
+    detail: Text = text()
 
 
 Item = Annotated[
@@ -156,12 +192,21 @@ Item = Annotated[
 
 
 class IngestBatch(_Wire):
-    agent_id: int
-    seq: NonNeg
-    sent_at: float | None = None
-    attempt: NonNeg = 0
-    dropped: NonNeg = 0
+    agent_id: U31
+    seq: U63
+    sent_at: AgentTime | None = None
+    attempt: U31 = 0
+    dropped: U31 = 0
     items: list[Item] = Field(default_factory=list)
+
+    def content_digest(self) -> str:
+        """What the batch says, as a short hash: its attempt and items as understood (the
+        fields that only say when and how it was sent, ``sent_at`` and ``dropped``, are left
+        out, and so are values at their default, so that a replay by a newer agent or to a
+        newer supervisor reads the same).  A replayed (agent_id, seq) with another digest is
+        a different batch under a used sequence number."""
+        data = self.model_dump_json(include={"attempt", "items"}, exclude_defaults=True)
+        return hashlib.blake2b(data.encode(), digest_size=16).hexdigest()
 
 
 class CommandOut(BaseModel):

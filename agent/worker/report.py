@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import math
 import os
+import re
 import select
 import socket
 import threading
@@ -228,7 +229,8 @@ class Reporter:
         msg = {
             "type": "event", "v": PROTOCOL_VERSION, "attempt": self.attempt, "rank": self.rank,
             "local_rank": self.local_rank, "pid": self.pid, "t": time.time(), "name": name,
-            "step": step, "message": message[:4000], "details": details or {},
+            "step": step, "message": _CONTROL.sub(_escape, message[:4000]),
+            "details": details or {},
         }
         if blocking:
             self.flush(budget_s=0.5)
@@ -289,6 +291,14 @@ def _int(x: Any) -> str:
 
 
 _INF = float("inf")
+# What the supervisor refuses in a message (all C0 controls but tab, newline and carriage
+# return; DEL; C1): shown escaped instead, so that a colourised message cannot get its batch
+# refused.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    return f"\\x{ord(m.group()):02x}"
 
 
 def _as_float(x: Any) -> float | None:

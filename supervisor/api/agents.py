@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from pydantic import ValidationError
 
 from supervisor import wire
 from supervisor.api.deps import DB, AgentAuth, ClockDep, Settings, Writer
-from supervisor.api.errors import validation_error_response
+from supervisor.api.errors import (
+    ERROR_RESPONSES,
+    SafeJSONResponse,
+    SeqConflictBody,
+    validation_error_response,
+)
 from supervisor.store import registry
 from supervisor.store.db import Database
 from supervisor.store.ingest import (
     CheckpointRefused,
     IngestConfig,
     IngestResult,
+    SeqConflict,
     UnknownAgent,
     ingest_batch,
 )
 
-router = APIRouter(tags=["agents"])
+log = logging.getLogger("trainwarden.ingest")
+
+router = APIRouter(tags=["agents"], responses=ERROR_RESPONSES)
 
 
 @router.post("/agents/register", response_model=wire.RegisterReply)
@@ -53,14 +62,17 @@ def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float, cfg: Inges
         return ingest_batch(conn, batch=batch, now=now, cfg=cfg)
 
 
-@router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY)
+@router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY,
+             responses={409: {"model": SeqConflictBody,
+                              "description": "The seq was already used for different content"}})
 async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _auth: AgentAuth
                  ) -> Response:
-    """Store one batch (idempotent by ``agent_id`` + ``seq``: a replay stores nothing and is
-    answered ``duplicate: true``).  A checkpoint path outside the agent's registered roots
-    is 422 naming the path and the roots, and nothing of the batch is stored.  The reply
-    carries the agent's unacknowledged commands and the checkpoints its workers' retention
-    must keep (``protect``).
+    """Store one batch (idempotent by ``agent_id`` + ``seq``: a replay of the same content
+    stores nothing and is answered ``duplicate: true``; the same seq with different content is
+    refused with 409, stores nothing, and is logged).  A checkpoint path outside the agent's
+    registered roots is 422 naming the path and the roots, and nothing of the batch is
+    stored.  The reply carries the agent's unacknowledged commands and the checkpoints its
+    workers' retention must keep (``protect``).
 
     The hot path, kept lean on purpose: the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), the store work runs inline (SQLite) or in the
@@ -89,6 +101,10 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
             status.HTTP_404_NOT_FOUND,
             f"unknown agent_id {batch.agent_id}: register first (POST /api/v1/agents/register)",
         ) from None
+    except SeqConflict as e:
+        log.warning("refused batch: %s", e)
+        return SafeJSONResponse(status_code=status.HTTP_409_CONFLICT,
+                                content={"detail": str(e), "next_seq": e.next_seq})
     reply = {"seq": batch.seq, "duplicate": res.duplicate, "attempt": res.attempt,
              "commands": res.commands, "protect": res.protect}
     return Response(json.dumps(reply, separators=(",", ":")), media_type="application/json")

@@ -3,7 +3,9 @@ lowered for a while; and the progress of any action."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, status
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -11,27 +13,30 @@ from agent.protocol import LRSchedule, normalize_ranges
 from supervisor import actions, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.enums import Actor
+from supervisor.limits import U31, U63, RunName, Text, text
 from supervisor.store import reads, registry
 from supervisor.store.rows import ActionRow
 
-router = APIRouter(tags=["recovery"])
+router = APIRouter(tags=["recovery"], responses=ERROR_RESPONSES)
 
 
 class RollbackRequest(BaseModel):
     """Exactly one of ``checkpoint`` (a checkpoint id, as listed by ``/checkpoints``) or
     ``step`` names where to roll back to (never a path)."""
 
-    checkpoint: int | None = Field(default=None, description="checkpoint id")
-    step: int | None = Field(default=None, ge=0, description="or the checkpoint's step")
-    skip: list[list[int]] = Field(default_factory=list, max_length=1000,
-                                  description="inclusive global batch-index ranges to skip")
+    checkpoint: U31 | None = Field(default=None, description="checkpoint id")
+    step: U31 | None = Field(default=None, description="or the checkpoint's step")
+    skip: list[Annotated[list[U63], Field(min_length=2, max_length=2)]] = Field(
+        default_factory=list, max_length=1000,
+        description="inclusive global batch-index ranges [from, to] to skip")
     lr_scale: float = Field(default=1.0, gt=0.0, le=10.0, description="LR multiplier")
     lr_scale_steps: int = Field(default=0, ge=0, le=10_000_000,
                                 description="steps at lr_scale, from the resumed step")
     lr_ramp_steps: int = Field(default=0, ge=0, le=10_000_000,
                                description="then linearly back to 1.0 over this many steps")
-    reason: str = Field(default="", max_length=1000)
+    reason: Text = text(max_length=1000)
 
     model_config = {"extra": "forbid"}
 
@@ -54,7 +59,7 @@ class RollbackRequest(BaseModel):
 
 
 @router.post("/runs/{run}/rollback", response_model=None, status_code=202)
-def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
              ) -> JSONResponse:
     """Gang-restart the run from the named checkpoint with a resume plan (skip ranges, LR
     schedule).  Validated first (the checkpoint exists, is complete, belongs to this run and
@@ -86,7 +91,7 @@ def rollback(run: str, req: RollbackRequest, db: DB, clock: ClockDep, _auth: Ope
 
 
 @router.get("/actions/{action_id}", response_model=None)
-def get_action(action_id: int, db: DB, _auth: ReadAuth) -> ActionRow:
+def get_action(action_id: Annotated[U31, Path()], db: DB, _auth: ReadAuth) -> ActionRow:
     """One action with its progress: queued, delivered, restarted, resumed (first step)."""
     with db.read() as conn:
         a = reads.get_action(conn, action_id=action_id)

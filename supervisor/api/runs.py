@@ -10,7 +10,9 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from supervisor import actions, observe, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
+from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.enums import Actor
+from supervisor.limits import U31, RunName, Text, text
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
@@ -18,7 +20,7 @@ from supervisor.store.rows import RunRow
 
 # response_model=None: the routes return plain dicts, rendered by SafeJSONResponse so that
 # a NaN loss reads "NaN" (a pydantic response model would turn it into null).
-router = APIRouter(tags=["runs"])
+router = APIRouter(tags=["runs"], responses=ERROR_RESPONSES)
 
 
 def _run_or_404(conn: Connection, name: str) -> RunRow:
@@ -66,7 +68,7 @@ def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
 
 
 @router.get("/runs/{run}", response_model=None)
-def get_run(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
+def get_run(run: RunName, db: DB, _auth: ReadAuth) -> dict[str, Any]:
     """Status, attempt, newest step, throughput, restarts, newest complete checkpoint."""
     with db.read() as conn:
         return _summary(conn, _run_or_404(conn, run))
@@ -74,13 +76,13 @@ def get_run(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
 
 @router.get("/runs/{run}/steps", response_model=None)
 def get_steps(
-    run: str,
+    run: RunName,
     db: DB,
     _auth: ReadAuth,
-    step_from: Annotated[int | None, Query(alias="from", ge=0)] = None,
-    step_to: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    step_from: Annotated[U31 | None, Query(alias="from")] = None,
+    step_to: Annotated[U31 | None, Query(alias="to")] = None,
     max_points: Annotated[int, Query(ge=1, le=100_000)] = 1000,
-    attempt: Annotated[int | None, Query(ge=0)] = None,
+    attempt: Annotated[U31 | None, Query()] = None,
 ) -> dict[str, Any]:
     """Per-step aggregates; above ``max_points`` steps they are bucketed by step range (each
     point: step_from..step_to, loss min/max/mean over finite values, NaN/Inf counts, sums)."""
@@ -95,7 +97,7 @@ def get_steps(
 
 
 @router.get("/runs/{run}/ranks", response_model=None)
-def get_ranks(run: str, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
+def get_ranks(run: RunName, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
     """Latest report of each rank (timings, loss, grad norm; non-finite values as strings)
     with its straggler ``score`` and ``slow`` (the straggler detector's statistic and rule,
     as ``/metrics`` exports them), lowest score first; ``straggler``: the rule's settings."""
@@ -119,22 +121,22 @@ Limit = Annotated[int, Query(ge=1, le=10_000)]
 
 
 @router.get("/runs/{run}/checkpoints", response_model=None)
-def get_checkpoints(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+def get_checkpoints(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "checkpoints", reads.list_checkpoints, limit)
 
 
 @router.get("/runs/{run}/incidents", response_model=None)
-def get_incidents(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+def get_incidents(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "incidents", reads.list_incidents, limit)
 
 
 @router.get("/runs/{run}/actions", response_model=None)
-def get_actions(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+def get_actions(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "actions", reads.list_actions, limit)
 
 
 @router.get("/runs/{run}/events", response_model=None)
-def get_events(run: str, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
+def get_events(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "events", reads.list_events, limit)
 
 
@@ -142,11 +144,11 @@ class RestartRequest(BaseModel):
     """Where to restart from: at most one of ``checkpoint`` (an id, as listed by
     ``/checkpoints``) or ``step``, never a path; neither: the newest complete checkpoint."""
 
-    checkpoint: int | None = Field(
+    checkpoint: U31 | None = Field(
         default=None, description="checkpoint id; default: the newest complete one"
     )
-    step: int | None = Field(default=None, ge=0, description="or the checkpoint's step")
-    reason: str = Field(default="", max_length=1000)
+    step: U31 | None = Field(default=None, description="or the checkpoint's step")
+    reason: Text = text(max_length=1000)
 
     model_config = {"extra": "forbid"}
 
@@ -161,7 +163,7 @@ class RestartRequest(BaseModel):
 
 
 class StopRequest(BaseModel):
-    reason: str = Field(default="", max_length=1000)
+    reason: Text = text(max_length=1000)
 
 
 def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
@@ -176,7 +178,7 @@ def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
 
 @router.post("/runs/{run}/restart", response_model=None)
 def restart_run(
-    run: str, req: RestartRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+    run: RunName, req: RestartRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
 ) -> dict[str, Any]:
     """Gang-restart the run as its next attempt (operator; no backoff, outside the budget),
     from the checkpoint named by id or step (it must exist, be complete and be on the current
@@ -201,7 +203,7 @@ def restart_run(
 
 @router.post("/runs/{run}/stop", response_model=None)
 def stop_run(
-    run: str, req: StopRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+    run: RunName, req: StopRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
 ) -> dict[str, Any]:
     """Stop every agent of the run; the run ends as "stopped" (operator)."""
     return _operator(

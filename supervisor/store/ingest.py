@@ -122,32 +122,48 @@ class CheckpointRefused(ValueError):
         self.errors = errors
 
 
+class SeqConflict(ValueError):
+    """The batch's (agent_id, seq) was stored before with different content: nothing of it is
+    stored.  ``next_seq``: the agent's first sequence number not stored yet."""
+
+    def __init__(self, agent_id: int, seq: int, next_seq: int) -> None:
+        super().__init__(f"seq {seq} of agent {agent_id} was already used for different "
+                         f"content: nothing stored (the agent's next free seq is {next_seq})")
+        self.agent_id, self.seq, self.next_seq = agent_id, seq, next_seq
+
+
 def ingest_batch(conn: Connection, *, batch: wire.IngestBatch, now: float,
                  cfg: IngestConfig = IngestConfig()) -> IngestResult:
     """Store one batch in the caller's transaction (see ``ingest_batches``).
 
     Raises ``UnknownAgent`` when the agent id was never registered, ``CheckpointRefused``
-    when it reports a checkpoint outside its registered roots."""
+    when it reports a checkpoint outside its registered roots, ``SeqConflict`` when its
+    (agent_id, seq) was stored before with different content."""
     res = ingest_batches(conn, batches=[batch], now=now, cfg=cfg)[0]
-    if isinstance(res, UnknownAgent | CheckpointRefused):
+    if isinstance(res, UnknownAgent | CheckpointRefused | SeqConflict):
         raise res
     return res
+
+
+Outcome = IngestResult | UnknownAgent | CheckpointRefused | SeqConflict
 
 
 def ingest_batches(
     conn: Connection, *, batches: Sequence[wire.IngestBatch], now: float,
     cfg: IngestConfig = IngestConfig(),
-) -> list[IngestResult | UnknownAgent | CheckpointRefused]:
+) -> list[Outcome]:
     """Store a group of batches in the caller's ONE transaction; results in input order.
 
     A replayed (agent_id, seq), stored before or earlier in the same group, stores nothing and
-    is answered as a duplicate.  A batch of an unregistered agent gets ``UnknownAgent`` and
-    stores nothing.  A batch reporting a checkpoint path outside the agent's registered roots
-    (``supervisor.checkpoint_paths``) gets ``CheckpointRefused`` and stores nothing (a replay
-    of a batch stored before is still a duplicate); the paths of the others are stored
-    normalised.  Rows of all batches go in one multi-row statement per table, and the
-    per-step aggregates are merged across the group first: the cost per batch falls as the
-    load rises (the ingest writer groups whatever arrived while the last group was written).
+    is answered as a duplicate when its content is the same (``IngestBatch.content_digest``),
+    with ``SeqConflict`` when it differs.  A batch of an unregistered agent gets
+    ``UnknownAgent`` and stores nothing.  A batch reporting a checkpoint path outside the
+    agent's registered roots (``supervisor.checkpoint_paths``) gets ``CheckpointRefused`` and
+    stores nothing (a replay of a batch stored before is still a duplicate); the paths of the
+    others are stored normalised.  Rows of all batches go in one multi-row statement per
+    table, and the per-step aggregates are merged across the group first: the cost per batch
+    falls as the load rises (the ingest writer groups whatever arrived while the last group
+    was written).
 
     Agent timestamps are checked against ``now`` (``IngestConfig``): one that is not finite,
     or further off than the allowed skew, is stored as ``now`` and counted in the agent's
@@ -164,7 +180,7 @@ def ingest_batches(
 
 def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
                   batches: Sequence[wire.IngestBatch], ids: list[int], now: float,
-                  cfg: IngestConfig) -> list[IngestResult | UnknownAgent | CheckpointRefused]:
+                  cfg: IngestConfig) -> list[Outcome]:
     # agent id -> (run id, the run's attempt, its protected checkpoints)
     heads: dict[int, tuple[int, int, list[str]]]
     if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
@@ -176,37 +192,56 @@ def _ingest_group(conn: Connection, hot: _HotSQL, cur: Any,
     refused, paths = _checkpoint_paths(conn, batches, heads)
     # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
     wanted: dict[tuple[int, int], dict[str, Any]] = {}
+    digests: list[str | None] = []
     for i, b in enumerate(batches):
+        d = b.content_digest() if b.agent_id in heads else None
+        digests.append(d)
         if b.agent_id in heads and i not in refused and (b.agent_id, b.seq) not in wanted:
             wanted[(b.agent_id, b.seq)] = {"agent_id": b.agent_id, "seq": b.seq,
-                                           "received_at": now, "items": len(b.items)}
+                                           "received_at": now, "items": len(b.items),
+                                           "digest": d}
     claimed = {(int(r[0]), int(r[1]))
                for r in hot.insert_rows(cur, "claim", list(wanted.values()), fetch=True)}
+    # The content already stored under each replayed key (what this group claimed counts).
+    known = {k: w["digest"] for k, w in wanted.items() if k in claimed}
+    replayed = [k for k in wanted if k not in claimed]
+    if replayed:
+        known.update(_stored_digests(conn, keys=replayed))
     acc = _Acc()
     duplicate: list[bool] = []
+    conflicts: dict[int, SeqConflict] = {}
     for i, b in enumerate(batches):
         key = (b.agent_id, b.seq)
         new = key in claimed and i not in refused
-        claimed.discard(key)  # a second copy in this group is a duplicate
+        claimed.discard(key)  # a second copy in this group is a replay
         duplicate.append(not new)
         if new:
             _collect(acc, b, run_id=heads[b.agent_id][0], now=now, cfg=cfg,
                      paths=paths.get(i, []))
+        elif (b.agent_id in heads and i not in refused
+              and known.get(key) not in (None, digests[i])):
+            conflicts[i] = SeqConflict(b.agent_id, b.seq, _next_seq(conn, agent_id=b.agent_id))
     aggs = _flush(conn, hot, cur, acc, now=now)
     # After this group's acknowledgements, so an acknowledged command is not re-sent.
-    pending = _pending(conn, hot, cur, list(heads), now)
+    # (Not for an agent whose batches were all refused: its reply carries none.)
+    answered = sorted({b.agent_id for i, b in enumerate(batches)
+                       if b.agent_id in heads and i not in conflicts and i not in refused})
+    pending = _pending(conn, hot, cur, answered, now)
     if aggs:
         # Last, right before the commit: every agent of a run updates the same step row,
         # and Postgres holds that row lock until the commit.  Sorted keys: concurrent
         # writers lock rows in the same order (no deadlock).
         hot.insert_rows(cur, "aggregates", aggs)
-    out: list[IngestResult | UnknownAgent | CheckpointRefused] = []
+    out: list[Outcome] = []
     for i, (b, dup) in enumerate(zip(batches, duplicate, strict=True)):
         if b.agent_id not in heads:
             out.append(UnknownAgent(b.agent_id))
             continue
         if i in refused:
             out.append(refused[i])
+            continue
+        if i in conflicts:
+            out.append(conflicts[i])
             continue
         run_id, attempt, protect = heads[b.agent_id]
         out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
@@ -250,6 +285,21 @@ def _checkpoint_paths(conn: Connection, batches: Sequence[wire.IngestBatch],
                 ingested_batches.c.seq == b.seq)).first() is None:
             refused[i] = CheckpointRefused(b.agent_id, errors)
     return refused, paths
+
+
+def _stored_digests(conn: Connection, *, keys: list[tuple[int, int]]
+                    ) -> dict[tuple[int, int], str | None]:
+    """The content digests stored under replayed (agent_id, seq) keys (the rare path)."""
+    ib = ingested_batches.c
+    q = select(ib.agent_id, ib.seq, ib.digest).where(
+        or_(*(and_(ib.agent_id == a, ib.seq == s) for a, s in keys)))
+    return {(int(r[0]), int(r[1])): r[2] for r in conn.execute(q)}
+
+
+def _next_seq(conn: Connection, *, agent_id: int) -> int:
+    top = conn.execute(select(func.max(ingested_batches.c.seq))
+                       .where(ingested_batches.c.agent_id == agent_id)).scalar_one()
+    return 0 if top is None else int(top) + 1
 
 
 def _json_list(raw: Any) -> list[str]:
@@ -314,7 +364,7 @@ class _HotSQL:
                 ins(ingested_batches)
                 .on_conflict_do_nothing(index_elements=["agent_id", "seq"])
                 .returning(ingested_batches.c.agent_id, ingested_batches.c.seq),
-                ("agent_id", "seq", "received_at", "items"),
+                ("agent_id", "seq", "received_at", "items", "digest"),
             ),
             "agent_seen": (_AGENT_SEEN, None),
             "pending": (_PENDING_ONE, None),
@@ -459,7 +509,9 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
                 "t": clk.t(it.t, t0, "exit"), "exit_code": it.exit_code,
                 "signal": it.signal, "outcome": it.outcome,
-                "failed_ranks": json_safe(it.failed_ranks), "handled": False, "verdict": None,
+                "failed_ranks": json_safe([f.model_dump(exclude_unset=True)
+                                           for f in it.failed_ranks]),
+                "handled": False, "verdict": None,
             })
         else:
             acc.results.append((agent_id, run_id, it, clk.t(it.t, t0, "command_result")))

@@ -390,7 +390,8 @@ class Command(Base):
 
 
 class IngestedBatch(Base):
-    """Keys of stored batches: a replayed (agent_id, seq) is answered as a duplicate."""
+    """Keys of stored batches: a replayed (agent_id, seq) is answered as a duplicate, or
+    refused when its content differs."""
 
     __tablename__ = "ingested_batches"
 
@@ -400,6 +401,9 @@ class IngestedBatch(Base):
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     received_at: Mapped[float] = mapped_column(Float)
     items: Mapped[int] = mapped_column(Integer)
+    # IngestBatch.content_digest: a replay with other content is refused (NULL: stored before
+    # digests were kept; any replay of it reads as a duplicate).
+    digest: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 metadata = Base.metadata

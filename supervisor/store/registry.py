@@ -82,6 +82,8 @@ def _run(r: Any) -> RunRow:
 
 
 def get_run_by_name(conn: Connection, *, name: str) -> RunRow | None:
+    if "\x00" in name:  # no run has one (registration refuses it); Postgres text cannot hold it
+        return None
     r = conn.execute(select(runs).where(runs.c.name == name)).first()
     return _run(r) if r else None
 

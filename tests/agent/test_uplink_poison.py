@@ -137,3 +137,35 @@ def test_one_bad_batch_never_blocks_the_rest(tmp_path: Path,
         assert time.time() - run["agents"][0]["last_seen_at"] < 30
     finally:
         up.close()
+
+
+def test_a_seq_used_for_other_content_is_set_aside_and_the_rest_goes_on(
+        tmp_path: Path, supervisor: tuple[str, FailSeqs]) -> None:
+    """The supervisor answers 409 when a seq it stored comes again with different content
+    (here: the agent's numbering went back, and seq 0 is spooled anew with other steps).  The
+    batch can never be stored under that seq: it is set aside with the reply, announced, and
+    the batches after it are delivered."""
+    base, _wrapper = supervisor
+    (tmp_path / "agent").mkdir()
+    up = Uplink(supervisor_url=base, token=AGENT_TOKEN, state_dir=tmp_path / "agent",
+                register_request={"run": "replay", "node": "n0"}, clock=StepClock())
+    try:
+        assert up.enqueue([step(0)], heartbeat(), attempt=0) == [0]
+        up.pump()
+        assert up.pending == 0
+        up.spool.add({"seq": 0, "attempt": 0, "items": [step(100), heartbeat()]})
+        assert up.enqueue([step(1)], heartbeat(), attempt=0) == [1]
+        up.pump()
+        assert up.pending == 0, "the refused batch does not stay in line"
+        assert up.enqueue([step(2)], heartbeat(), attempt=0) == [2]  # carries the notice
+        up.pump()
+        r = httpx.get(f"{base}/api/v1/runs/replay/steps", headers=OPERATOR, timeout=5)
+        assert sorted(p["step_from"] for p in r.json()["points"]) == [0, 1, 2]
+        r = httpx.get(f"{base}/api/v1/runs/replay/events", headers=OPERATOR, timeout=5)
+        [ev] = [e for e in r.json()["events"] if e["name"] == "batch_dead_lettered"]
+        assert ev["details"]["seq"] == 0 and ev["details"]["status"] == 409
+        dead = tmp_path / "agent" / "dead-letter"
+        reply = next(dead.glob("000000000000-*.reply.txt")).read_text()
+        assert reply.startswith("HTTP 409") and "already used for different content" in reply
+    finally:
+        up.close()

@@ -11,6 +11,8 @@ from sqlalchemy import Connection, func, select
 from supervisor.config import SupervisorSettings
 from supervisor.store import tables
 from supervisor.store._sql import with_specials
+from supervisor.store.db import Database
+from supervisor.store.models import metadata
 
 AGENT_TOKEN = "agent-secret"
 OPERATOR_TOKEN = "operator-secret"
@@ -96,6 +98,14 @@ def run_with_checkpoints(client: TestClient) -> int:
 
 
 # ---- reading the store's tables directly (what no supervisor code needs to read) ----
+
+
+def store_snapshot(db: Database) -> dict[str, list[str]]:
+    """Every row of every table, as text (NaN != NaN would fail an equal store): for "nothing
+    was stored" checks."""
+    with db.read() as c:
+        return {t.name: sorted(repr(tuple(r)) for r in c.execute(select(t)))
+                for t in metadata.sorted_tables}
 
 
 def count_rows(conn: Connection, table: str) -> int:

@@ -1,6 +1,8 @@
 """The CLI's tables (``trainwarden runs | incidents | checkpoints | actions``) against a real
-supervisor (uvicorn, SQLite, live evaluator) holding hostile text stored through its API:
-terminal escape sequences in a node name, a crash message, a checkpoint path, a reason."""
+supervisor (uvicorn, SQLite, live evaluator) holding hostile text: terminal escape sequences
+in a crash message (stored through the API), and in a node name, a checkpoint path and a
+reason (the API refuses control characters there: written into the store directly, as an
+older supervisor may have stored them)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from sqlalchemy import update
 
 from supervisor import cli
 from supervisor.app import create_app
 from supervisor.config import SupervisorSettings
+from supervisor.store import tables
 from tests.dashboard.browser import serve_in_thread, wait_for
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
@@ -32,19 +36,27 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token=OPERATOR_TOKEN,
                                   data_dir=data, restart_backoff_s=0.0,
                                   restart_backoff_max_s=0.0)
-    with serve_in_thread(create_app(settings)) as base:
+    app = create_app(settings)
+    with serve_in_thread(app) as base:
         feed(base)
+        with app.state.db.write() as conn:
+            conn.execute(update(tables.agents).values(node="node" + HOSTILE, hostname=HOSTILE))
+            conn.execute(update(tables.checkpoints).values(path=tables.checkpoints.c.path
+                                                           + HOSTILE))
+            conn.execute(update(tables.actions)
+                         .where(tables.actions.c.reason == "operator says ")
+                         .values(reason="operator says " + HOSTILE))
         yield base
 
 
 def feed(base: str) -> None:
     with httpx.Client(base_url=base + "/api/v1", timeout=10) as c:
         a = c.post("/agents/register", headers=AGENT,
-                   json={"run": "evil", "node": "node" + HOSTILE, "hostname": HOSTILE,
+                   json={"run": "evil", "node": "node", "hostname": "h",
                          "checkpoint_roots": ["/ck"]}).json()
         items = [{"type": "step", "rank": 0, "world_size": 1, "step": s, "t": time.time(),
                   "loss": 1.0} for s in range(12)]
-        items.append({"type": "checkpoint", "step": 10, "path": "/ck/step_10" + HOSTILE,
+        items.append({"type": "checkpoint", "step": 10, "path": "/ck/step_10",
                       "bytes": 5, "t": time.time(), "lineage": "a0"})
         items.append({"type": "exit", "attempt": 0, "exit_code": 1, "outcome": "crashed",
                       "failed_ranks": [{"rank": 0, "exit_code": 1, "message": HOSTILE}]})
@@ -55,7 +67,7 @@ def feed(base: str) -> None:
         wait_for(lambda: c.get("/runs/evil/actions", headers=OPERATOR).json()["actions"],
                  20, "the live evaluator's restart")
         r = c.post("/runs/evil/rollback", headers=OPERATOR,
-                   json={"step": 10, "reason": "operator says " + HOSTILE})
+                   json={"step": 10, "reason": "operator says "})
         assert r.status_code == 202, r.text
 
 

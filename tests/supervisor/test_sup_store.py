@@ -60,13 +60,14 @@ def test_group_ingest_merges_and_isolates(db: Database) -> None:
         batch(a0, 0, [step(0, 1, loss=1.0), step(1, 1, loss=float("nan"))]),
         batch(a1, 0, [step(2, 1, loss=3.0), {"type": "heartbeat", "state": "running",
                                              "disk_free_bytes": 123}]),
-        batch(a0, 0, [step(0, 1, loss=99.0)]),  # same key again in the group: a duplicate
+        batch(a0, 0, [step(0, 1, loss=99.0)]),  # same key, other content: refused
         batch(999, 0, [step(0, 1)]),  # unknown agent: refused, stores nothing
         batch(a0, 1, [step(0, 2, loss=2.0), {"type": "event", "name": "worker_started"}]),
     ]
     with db.write() as c:
         out = ingest.ingest_batches(c, batches=group, now=10.0)
-    assert [getattr(r, "duplicate", None) for r in out] == [False, False, True, None, False]
+    assert [getattr(r, "duplicate", None) for r in out] == [False, False, None, None, False]
+    assert isinstance(out[2], ingest.SeqConflict)
     assert isinstance(out[3], ingest.UnknownAgent)
     with db.read() as c:
         assert count_rows(c, "rank_steps") == 4

@@ -95,3 +95,13 @@ def _wait(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     while not cond():
         assert time.monotonic() < deadline, "condition not met before the deadline"
         time.sleep(0.01)
+
+
+def test_control_characters_in_an_event_message_go_escaped(  # type: ignore[no-untyped-def]
+        receiver) -> None:
+    """The supervisor refuses control characters in a message (and with them the whole
+    batch): a colourised message reaches it escaped, its line breaks kept."""
+    r = Reporter(receiver.path, rank=0, local_rank=0, world_size=1)
+    r.event("custom", "\x1b[31mred\x1b[0m\tand\nmore\x00")
+    _wait(lambda: len(receiver.messages) == 1)
+    assert receiver.messages[0]["message"] == "\\x1b[31mred\\x1b[0m\tand\nmore\\x00"
