@@ -322,6 +322,9 @@ def _fields(cls: type) -> tuple[Any, ...]:
 # Agent <-> supervisor (HTTP, JSON).  The supervisor validates these shapes with pydantic.
 
 
+CREDENTIAL_HEADER = "X-Trainwarden-Agent-Credential"
+
+
 class RegisterRequest(TypedDict, total=False):
     run: str
     node: str
@@ -331,6 +334,7 @@ class RegisterRequest(TypedDict, total=False):
     nproc_per_node: int | None
     checkpoint_root: str | None
     agent_version: str
+    takeover: bool
 
 
 class RegisterReply(TypedDict):
@@ -342,6 +346,9 @@ class RegisterReply(TypedDict):
     attempt: int  # the run's current attempt; the agent launches with it
     next_seq: int  # first sequence number the supervisor has not stored for this agent
     heartbeat_interval_s: float
+    # The agent's secret (an older supervisor sends none): sent with every ingest and
+    # registration in CREDENTIAL_HEADER; kept in the state dir.
+    credential: str
 
 
 class HeartbeatItem(TypedDict, total=False):

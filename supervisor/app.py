@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 
 from supervisor import dashboard, metrics, wire
 from supervisor.api import agents, rollback, runs
-from supervisor.api.deps import DB
+from supervisor.api.deps import DB, AgentCredentials
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
@@ -107,6 +107,7 @@ def create_app(
     app.state.clock = clock
     app.state.evaluator = evaluator
     app.state.ingest_writer = writer
+    app.state.agent_credentials = AgentCredentials()
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.include_router(agents.router, prefix=API_PREFIX)

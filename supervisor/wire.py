@@ -29,6 +29,9 @@ class RegisterRequest(_Wire):
     nproc_per_node: Annotated[int, Field(ge=1)] | None = None
     checkpoint_root: str | None = None
     agent_version: str = Field(default="", max_length=50)
+    # Replace the (run, node)'s live agent (its credential is revoked): the operator token
+    # only, an audited action.
+    takeover: bool = False
 
 
 class RegisterReply(BaseModel):
@@ -40,6 +43,9 @@ class RegisterReply(BaseModel):
     attempt: int
     next_seq: int
     heartbeat_interval_s: float
+    # The agent's secret: every ingest sends it in X-Trainwarden-Agent-Credential, and a
+    # re-registration presenting it there keeps the node.  Shown once; stored hashed.
+    credential: str
 
 
 class StepItem(_Wire):

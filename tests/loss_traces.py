@@ -174,6 +174,8 @@ class Replay:
             "command": ["replay", self.trace.name], "nproc_per_node": 2})
         assert r.status_code == 200, r.text
         self.agent_id = int(r.json()["agent_id"])
+        self.agent_headers = {**self.agent_headers,
+                              "X-Trainwarden-Agent-Credential": r.json()["credential"]}
 
     @property
     def done(self) -> bool:

@@ -1,5 +1,6 @@
 """FastAPI dependencies: the store, the clock, the settings, the straggler detector's
-configuration, and the one token check.
+configuration, the one token check, and the per-agent credential check (``AgentCredentials``,
+``judge_registration``).
 
 Tests override ``get_db``/``get_clock`` through ``app.dependency_overrides``.  The
 dependencies are ``async`` (they do no I/O) so FastAPI does not hop to a thread for each.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -19,7 +21,10 @@ from supervisor.config import AuthConfig, SupervisorSettings
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.evaluator import Clock
 from supervisor.ingest import IngestWriter
+from supervisor.store import credentials
+from supervisor.store.credentials import NodeHolder
 from supervisor.store.db import Database
+from supervisor.store.registry import Claim
 
 Need = Literal["read", "agent", "operator"]
 
@@ -53,6 +58,11 @@ async def get_settings(request: Request) -> SupervisorSettings:
 @dataclass(frozen=True)
 class Principal:
     role: Literal["operator", "agent", "anonymous"]
+
+    @property
+    def actor(self) -> str:
+        """What an action row's ``actor`` names for this principal."""
+        return self.role
 
 
 def _matches(presented_hash: str, expected: str | None) -> bool:
@@ -107,3 +117,117 @@ Straggler = Annotated[StragglerConfig, Depends(get_straggler_config)]
 ReadAuth = Annotated[Principal, Depends(TokenCheck("read"))]
 AgentAuth = Annotated[Principal, Depends(TokenCheck("agent"))]
 OperatorAuth = Annotated[Principal, Depends(TokenCheck("operator"))]
+
+
+# ---- the per-agent credential ----------------------------------------------------------------
+
+CREDENTIAL_HEADER = "X-Trainwarden-Agent-Credential"
+# On a 403 for the credential (not the token): the agent registers again to get a new one.
+CREDENTIAL_REFUSED_HEADER = "X-Trainwarden-Credential"
+
+
+def presented_credential(request: Request) -> str | None:
+    value = request.headers.get(CREDENTIAL_HEADER)
+    return value.strip() if value and value.strip() else None
+
+
+def _refused(why: str) -> HTTPException:
+    return HTTPException(status.HTTP_403_FORBIDDEN, why,
+                         headers={CREDENTIAL_REFUSED_HEADER: "invalid"})
+
+
+class AgentCredentials:
+    """The check that a batch comes from the agent it names: the digest of the presented
+    credential against the agent's, cached per agent (one dict lookup and one SHA-256 per
+    batch).  Registration and takeover update the cache in this process; a digest that does
+    not match the cached one is read again from the store before the batch is refused."""
+
+    _UNKNOWN = object()
+
+    def __init__(self) -> None:
+        self._digests: dict[int, str | None] = {}
+
+    def remember(self, agent_id: int, digest: str | None) -> None:
+        self._digests[agent_id] = digest
+
+    def check(self, db: Database, agent_id: int, presented: str | None) -> None:
+        """Raise 403 unless ``presented`` is the agent's credential; an agent the store
+        does not know passes (the ingest answers 404 then, and stores nothing)."""
+        digest = credentials.digest(presented) if presented is not None else None
+        cached = self._digests.get(agent_id, self._UNKNOWN)
+        if digest is not None and isinstance(cached, str) \
+                and hmac.compare_digest(digest, cached):
+            return
+        with db.read() as conn:
+            exists, held = credentials.secret_hash(conn, agent_id=agent_id)
+        if not exists:
+            self._digests.pop(agent_id, None)
+            return
+        self._digests[agent_id] = held
+        if digest is None:
+            raise _refused(f"missing agent credential: send the credential the registration "
+                           f"of agent {agent_id} returned in the {CREDENTIAL_HEADER} header")
+        if held is None or not hmac.compare_digest(digest, held):
+            raise _refused(f"this credential is not agent {agent_id}'s (revoked, replaced by "
+                           "a newer registration of its node, or another agent's): register "
+                           "again to get the agent's current credential")
+
+
+async def get_credentials(request: Request) -> AgentCredentials:
+    c: AgentCredentials = request.app.state.agent_credentials
+    return c
+
+
+def judge_registration(*, run: str, node: str, presented: str | None, takeover: bool,
+                       principal: Principal, now: float, live_s: float
+                       ) -> Callable[[NodeHolder | None], Claim]:
+    """The rule for a (run, node) that already has an agent: the agent proving its
+    credential keeps it; a holder heard from within ``live_s`` (the node-lost deadline) is
+    only replaced by an operator's takeover (409 otherwise, saying by whom and how); one
+    silent for longer, or whose credential an operator revoked, is replaced by the new
+    registration.  A credential an operator revoked is refused (409): that agent was
+    replaced."""
+    if takeover and principal.role != "operator":
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            "a takeover (\"takeover\": true) needs the operator token")
+    digest = credentials.digest(presented) if presented else None
+
+    def judge(holder: NodeHolder | None) -> Claim:
+        if holder is None:
+            return "new"
+        if digest is not None and holder["secret_hash"] is not None \
+                and hmac.compare_digest(digest, holder["secret_hash"]):
+            return "proven"
+        if takeover:
+            return "takeover"
+        if digest is not None and holder["revoked_hash"] is not None \
+                and hmac.compare_digest(digest, holder["revoked_hash"]):
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"node {node!r} of run {run!r} was taken over: this agent's credential was "
+                "revoked (an operator's takeover, or a newer agent registered the node after "
+                "this one fell silent for longer than the node-lost deadline) and another "
+                "agent holds the node. Stop this agent; to run it there again, start it with "
+                "a fresh state directory")
+        if holder["secret_hash"] is None:
+            return "free"
+        silent = now - holder["last_seen_at"]
+        if silent > live_s:
+            return "expired"
+        left = live_s - silent
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"node {node!r} of run {run!r} is held by agent {holder['agent_id']} (host "
+            f"{holder['hostname']!r}, pid {holder['pid']}), heard from {silent:.0f} s ago "
+            f"(the node-lost deadline is {live_s:.0f} s). An agent registering again "
+            f"presents its credential ({CREDENTIAL_HEADER}, kept in its state directory). "
+            f"To replace the agent: stop it and register after {left:.0f} s of silence, or "
+            f"take over now with the operator token (POST /api/v1/runs/{run}/nodes/{node}/"
+            "takeover, then start the new agent; or register with \"takeover\": true), "
+            "which revokes the old agent's credential",
+            headers={"Retry-After": str(max(1, int(left) + 1))})
+
+    return judge
+
+
+Credentials = Annotated[AgentCredentials, Depends(get_credentials)]
