@@ -1,5 +1,5 @@
-"""per-agent credentials: the SHA-256 digest of the secret each agent proves itself with on
-every ingest (issued at registration, replaced by a takeover)
+"""per-agent credentials (the SHA-256 digest of the secret each agent proves itself with on
+every ingest: issued at registration, replaced by a takeover) and tokens with roles
 
 Revision ID: 0008
 Revises: 0005
@@ -29,7 +29,21 @@ def upgrade() -> None:
                                 name="fk_agent_credentials_agent_id_agents"),
         sa.PrimaryKeyConstraint("agent_id", name="pk_agent_credentials"),
     )
+    op.create_table(
+        "api_tokens",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("name", sa.String(100), nullable=False),
+        sa.Column("role", sa.String(20), nullable=False),
+        sa.Column("scope", sa.String(201), nullable=True),
+        sa.Column("secret_hash", sa.String(71), nullable=False),
+        sa.Column("created_at", sa.Float(), nullable=False),
+        sa.Column("last_used_at", sa.Float(), nullable=True),
+        sa.PrimaryKeyConstraint("id", name="pk_api_tokens"),
+        sa.UniqueConstraint("name", name="uq_api_tokens_name"),
+        sa.UniqueConstraint("secret_hash", name="uq_api_tokens_secret_hash"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("api_tokens")
     op.drop_table("agent_credentials")

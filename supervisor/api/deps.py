@@ -21,12 +21,12 @@ from supervisor.config import AuthConfig, SupervisorSettings
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.evaluator import Clock
 from supervisor.ingest import IngestWriter
-from supervisor.store import credentials
+from supervisor.store import credentials, tokens
 from supervisor.store.credentials import NodeHolder
 from supervisor.store.db import Database
 from supervisor.store.registry import Claim
 
-Need = Literal["read", "agent", "operator"]
+Need = Literal["read", "agent", "operator", "admin"]
 
 async def get_db(request: Request) -> Database:
     db: Database = request.app.state.db
@@ -55,23 +55,85 @@ async def get_settings(request: Request) -> SupervisorSettings:
     return s
 
 
+Role = Literal["viewer", "agent", "operator", "admin"]
+# The roles each need admits: reads any token; agent routes an agent's, an operator's (and
+# the admin's); operator routes an operator's (and the admin's); the token routes the admin's.
+ADMITS: dict[str, frozenset[str]] = {
+    "read": frozenset({"viewer", "agent", "operator", "admin"}),
+    "agent": frozenset({"agent", "operator", "admin"}),
+    "operator": frozenset({"operator", "admin"}),
+    "admin": frozenset({"admin"}),
+}
+SETTINGS_TOKEN = "settings"  # the name a bootstrap token from the settings goes by
+
+
 @dataclass(frozen=True)
 class Principal:
-    role: Literal["operator", "agent", "anonymous"]
+    role: Literal["viewer", "agent", "operator", "admin", "anonymous"]
+    token: str = SETTINGS_TOKEN  # the token's name ("settings": a bootstrap token)
+    scope: str | None = None  # a run name, or a prefix ending in "*"; None: every run
 
     @property
     def actor(self) -> str:
-        """What an action row's ``actor`` names for this principal."""
-        return self.role
+        """What an action row's ``actor`` names: the role, and the token unless it is the
+        settings' (``operator`` for the bootstrap operator token, ``operator:ci`` for the
+        stored token named ci)."""
+        return self.role if self.token == SETTINGS_TOKEN else f"{self.role}:{self.token}"
+
+    def covers(self, run: str) -> bool:
+        if self.scope is None:
+            return True
+        if self.scope.endswith("*"):
+            return run.startswith(self.scope[:-1])
+        return run == self.scope
+
+    def require_run(self, run: str) -> None:
+        """403 unless the token's scope covers ``run``."""
+        if not self.covers(run):
+            raise HTTPException(status.HTTP_403_FORBIDDEN,
+                                f"token {self.token!r} is scoped to {self.scope!r}: "
+                                f"run {run!r} is outside it")
 
 
 def _matches(presented_hash: str, expected: str | None) -> bool:
     return expected is not None and hmac.compare_digest(presented_hash, expected)
 
 
+class StoredTokens:
+    """The stored tokens by digest, cached for ``ttl_s`` (a token revoked here is dropped at
+    once; one revoked through another process within ``ttl_s``).  ``last_used_at`` is
+    written at most every ``touch_s`` per token: no write per request."""
+
+    def __init__(self, ttl_s: float = 5.0, touch_s: float = 60.0) -> None:
+        self.ttl_s, self.touch_s = ttl_s, touch_s
+        self._cache: dict[str, tuple[float, tokens.TokenRow | None]] = {}
+        self._touched: dict[str, float] = {}
+
+    def forget(self) -> None:
+        self._cache.clear()
+
+    def lookup(self, db: Database, secret_hash: str, now: float) -> tokens.TokenRow | None:
+        hit = self._cache.get(secret_hash)
+        if hit is None or now - hit[0] > self.ttl_s:
+            with db.read() as conn:
+                row = tokens.by_digest(conn, secret_hash=secret_hash)
+            if len(self._cache) > 10_000:
+                self._cache.clear()  # bounded: unknown digests are cached too
+            self._cache[secret_hash] = (now, row)
+        else:
+            row = hit[1]
+        if row is not None and now - self._touched.get(row["name"], float("-inf")) > self.touch_s:
+            self._touched[row["name"]] = now
+            with db.write() as conn:
+                tokens.touch(conn, name=row["name"], now=now)
+        return row
+
+
 class TokenCheck:
     """The single authorisation check.  ``need``: read (any token, or none when reads are
-    public), agent (the agent or the operator token), operator (the operator token).
+    public), agent (an agent, operator or admin token), operator (an operator or admin
+    token), admin (an admin token).  The settings' tokens are checked first (no store
+    access: the ingest path); then the stored tokens (``StoredTokens``).
 
     It reads the header and the settings itself instead of through sub-dependencies: on the
     ingest path every resolved dependency costs measurable time per request.  The bearer
@@ -83,8 +145,10 @@ class TokenCheck:
     async def __call__(self, request: Request) -> Principal:
         auth: AuthConfig = request.app.state.settings.auth
         agent_hash, op_hash = auth.agent_token_hash, auth.operator_token_hash
-        if agent_hash is None and op_hash is None:
-            # Only reachable with insecure_no_auth on a loopback address (see config).
+        admin_hash = auth.admin_token_hash
+        if agent_hash is None and op_hash is None and admin_hash is None:
+            # Only reachable with insecure_no_auth on a loopback address (see config); no
+            # token routes then (there is no admin to hold them).
             return Principal("operator")
         scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -96,17 +160,30 @@ class TokenCheck:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         presented = "sha256:" + hashlib.sha256(token.strip().encode()).hexdigest()
-        if _matches(presented, op_hash):
-            return Principal("operator")
+        principal: Principal | None = None
         if _matches(presented, agent_hash):
-            if self.need == "operator":
-                raise HTTPException(
-                    status.HTTP_403_FORBIDDEN, "this route needs the operator token"
-                )
-            return Principal("agent")
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED, "invalid token", headers={"WWW-Authenticate": "Bearer"}
-        )
+            principal = Principal("agent")
+        elif _matches(presented, op_hash):
+            principal = Principal("operator")
+        elif _matches(presented, admin_hash):
+            principal = Principal("admin")
+        else:
+            clock: Clock = getattr(request.app.state, "clock", time.time)
+            row = request.app.state.stored_tokens.lookup(request.app.state.db, presented,
+                                                         clock())
+            if row is not None:
+                principal = Principal(row["role"], token=row["name"], scope=row["scope"])
+        if principal is None:
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid token",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if principal.role not in ADMITS[self.need]:
+            what = {"agent": "an agent", "operator": "an operator",
+                    "admin": "an admin"}.get(self.need, "a")
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"this route needs {what} token (the {self.need} role or above); token "
+                f"{principal.token!r} has the {principal.role} role")
+        return principal
 
 
 DB = Annotated[Database, Depends(get_db)]
@@ -117,6 +194,7 @@ Straggler = Annotated[StragglerConfig, Depends(get_straggler_config)]
 ReadAuth = Annotated[Principal, Depends(TokenCheck("read"))]
 AgentAuth = Annotated[Principal, Depends(TokenCheck("agent"))]
 OperatorAuth = Annotated[Principal, Depends(TokenCheck("operator"))]
+AdminAuth = Annotated[Principal, Depends(TokenCheck("admin"))]
 
 
 # ---- the per-agent credential ----------------------------------------------------------------
@@ -187,9 +265,10 @@ def judge_registration(*, run: str, node: str, presented: str | None, takeover: 
     silent for longer, or whose credential an operator revoked, is replaced by the new
     registration.  A credential an operator revoked is refused (409): that agent was
     replaced."""
-    if takeover and principal.role != "operator":
+    if takeover and principal.role not in ADMITS["operator"]:
         raise HTTPException(status.HTTP_403_FORBIDDEN,
                             "a takeover (\"takeover\": true) needs the operator token")
+    principal.require_run(run)
     digest = credentials.digest(presented) if presented else None
 
     def judge(holder: NodeHolder | None) -> Claim:

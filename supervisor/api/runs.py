@@ -9,7 +9,6 @@ from pydantic import BaseModel, Field
 
 from supervisor import actions, observe, policy
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
-from supervisor.enums import Actor
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
@@ -160,9 +159,10 @@ def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
 
 @router.post("/runs/{run}/restart", response_model=None)
 def restart_run(
-    run: str, req: RestartRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+    run: str, req: RestartRequest, db: DB, clock: ClockDep, auth: OperatorAuth
 ) -> dict[str, Any]:
     """Gang-restart the run as its next attempt (operator; no backoff, outside the budget)."""
+    auth.require_run(run)
 
     def decide(conn: Connection, r: RunRow) -> policy.Decision:
         ckpt = req.checkpoint
@@ -170,18 +170,19 @@ def restart_run(
             newest = rec.newest_complete_checkpoint(conn, run_id=r["id"])
             ckpt = newest["path"] if newest else None
         return policy.operator_restart(actions.facts(r), checkpoint=ckpt, reason=req.reason,
-                                       actor=Actor.OPERATOR, now=clock())
+                                       actor=auth.actor, now=clock())
 
     return _operator(db, run, clock(), decide)
 
 
 @router.post("/runs/{run}/stop", response_model=None)
 def stop_run(
-    run: str, req: StopRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+    run: str, req: StopRequest, db: DB, clock: ClockDep, auth: OperatorAuth
 ) -> dict[str, Any]:
     """Stop every agent of the run; the run ends as "stopped" (operator)."""
+    auth.require_run(run)
     return _operator(
         db, run, clock(),
         lambda conn, r: policy.operator_stop(actions.facts(r), reason=req.reason,
-                                             actor=Actor.OPERATOR),
+                                             actor=auth.actor),
     )

@@ -118,6 +118,21 @@ class AgentCredential(Base):
     issued_at: Mapped[float] = mapped_column(Float)
 
 
+class ApiToken(Base):
+    """A token with a role (viewer, agent, operator, admin), optionally scoped to one run or
+    a run-name prefix (``name*``).  Only its SHA-256 digest is kept."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    role: Mapped[str] = mapped_column(String(20))
+    scope: Mapped[str | None] = mapped_column(String(201), nullable=True)
+    secret_hash: Mapped[str] = mapped_column(String(71), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_used_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class Rank(Base):
     """Latest report of each rank of a run (one row per rank, upserted on ingest)."""
 
