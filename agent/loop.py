@@ -210,6 +210,7 @@ class Agent:
             self.cfg.run, old or "none recorded", reply.get("run_uuid"), reply.get("attempt"),
             dest)
         self._open_state()
+        self.uplink.adopt_credential(reply)  # the node is ours: the new state proves it
         self._adopt(reply, launching=True)
         self._registered_attempt_checked = False
         self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,

@@ -322,6 +322,9 @@ def _fields(cls: type) -> tuple[Any, ...]:
 # Agent <-> supervisor (HTTP, JSON).  The supervisor validates these shapes with pydantic.
 
 
+CREDENTIAL_HEADER = "X-Trainwarden-Agent-Credential"
+
+
 class RegisterRequest(TypedDict, total=False):
     run: str
     node: str
@@ -334,6 +337,7 @@ class RegisterRequest(TypedDict, total=False):
     # anywhere else (absolute directories, not "/").
     checkpoint_roots: list[str]
     agent_version: str
+    takeover: bool
 
 
 class RegisterReply(TypedDict):
@@ -345,6 +349,9 @@ class RegisterReply(TypedDict):
     attempt: int  # the run's current attempt; the agent launches with it
     next_seq: int  # first sequence number the supervisor has not stored for this agent
     heartbeat_interval_s: float
+    # The agent's secret (an older supervisor sends none): sent with every ingest and
+    # registration in CREDENTIAL_HEADER; kept in the state dir.
+    credential: str
 
 
 class HeartbeatItem(TypedDict, total=False):

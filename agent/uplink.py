@@ -10,8 +10,20 @@ first.  Outcomes per batch:
   and the sender backs off (0.5 s doubling to 10 s).  Nothing is set aside for these: a wrong
   token or an outage must not throw away the run's data.
 - 404: the supervisor does not know this agent (its database was reset): register again.
-- registration answered 409: the run has ended (completed, failed, stopped); nothing is
-  sent any more (``refused`` says why) and the agent ends.
+- 403 with ``X-Trainwarden-Credential: invalid``: the supervisor no longer takes this
+  agent's credential (a newer registration of the node, an operator's takeover): register
+  again, presenting it (the batch stays first in line).
+- registration answered 409 with ``Retry-After``: another agent holds the node and was
+  heard from recently (say, this agent's state dir was lost and its previous incarnation
+  is still alive): retried with backoff until the supervisor calls that one lost.
+- registration answered 409 otherwise: the run has ended (completed, failed, stopped), or
+  an operator took the node over; nothing is sent any more (``refused`` says why) and the
+  agent ends.
+
+Every request carries the agent's credential (``X-Trainwarden-Agent-Credential``, the
+secret the registration returned, kept in ``uplink.json`` beside the sequence numbers): it
+is what tells the supervisor a batch is this agent's, and re-registering with it keeps the
+node through an agent restart.
 - a registration whose run uuid is not the local state's (``check_identity``): nothing is
   sent (``foreign`` holds the reply) until the agent has archived that state and built a new
   uplink on a fresh one; another run's spooled batches never reach this run.
@@ -146,6 +158,9 @@ class Uplink:
         notices = state.get("notices")
         self._notices: list[dict[str, Any]] = [n for n in notices if isinstance(n, dict)] \
             if isinstance(notices, list) else []
+        cred = state.get("credential")
+        # The secret the supervisor issued this agent (None: not registered yet).
+        self.credential: str | None = cred if isinstance(cred, str) and cred else None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -156,7 +171,8 @@ class Uplink:
         save_json(self.state_path, {"next_seq": self.next_seq, "dropped": self.dropped,
                                     "dead_lettered": self.dead_lettered,
                                     "dead_letter_dropped": self.dead_letter_dropped,
-                                    "notices": self._notices})
+                                    "notices": self._notices,
+                                    "credential": self.credential})
 
     @property
     def dead_letter_dropped(self) -> int:
@@ -326,15 +342,32 @@ class Uplink:
         self.register_request = request
         self._reregister = True
         self._wake.set()
+    def _credential_headers(self) -> dict[str, str]:
+        return {protocol.CREDENTIAL_HEADER: self.credential} if self.credential else {}
+
+    def adopt_credential(self, reply: protocol.RegisterReply) -> None:
+        """Keep the credential of a registration answered before this uplink existed (the
+        reply that showed the old state to be another run's)."""
+        cred = reply.get("credential")
+        if isinstance(cred, str) and cred:
+            with self._lock:
+                self.credential = cred
+                self._save_state()
 
     def _register(self) -> bool:
         self._register_status = None
         try:
-            r = self.client.post(REGISTER_PATH, json=self.register_request)
+            r = self.client.post(REGISTER_PATH, json=self.register_request,
+                                 headers=self._credential_headers())
         except httpx.HTTPError as e:
             self._fail(f"register: {type(e).__name__}: {e}")
             return False
         self._register_status = r.status_code
+        if r.status_code == 409 and "retry-after" in r.headers:
+            # Another agent holds the node and was heard from recently: wait it out.
+            log.error("registration refused for now: %s", r.text[:1000])
+            self._fail("register: HTTP 409 (the node is held by a live agent)")
+            return False
         if r.status_code == 409:  # the run has ended: final, say why and send nothing more
             try:
                 why = str(r.json().get("detail") or r.text)
@@ -359,6 +392,10 @@ class Uplink:
             self.foreign = reply  # the agent archives the local state and starts afresh
             return False
         with self._lock:
+            cred = reply.get("credential")
+            if isinstance(cred, str) and cred and cred != self.credential:
+                self.credential = cred
+                self._save_state()  # before anything is sent with it
             if self.next_seq < next_seq:
                 # Our state is behind the supervisor's (state dir lost): what we hold is new.
                 shift = self.spool.renumber(next_seq)
@@ -381,7 +418,8 @@ class Uplink:
             # Python's json, not httpx's json=: the wire carries NaN/Infinity tokens (a NaN
             # loss is the signal), which httpx's strict encoder refuses.
             r = self.client.post(INGEST_PATH, content=json.dumps(batch).encode(),
-                                 headers={"content-type": "application/json"})
+                                 headers={"content-type": "application/json",
+                                          **self._credential_headers()})
         except httpx.HTTPError as e:
             self.spool.release(seq)
             self._fail(f"{type(e).__name__}: {e}")
@@ -390,6 +428,13 @@ class Uplink:
         if code < 300:
             self._delivered(seq, r)
             return True
+        if code == 403 and r.headers.get("x-trainwarden-credential") == "invalid":
+            self.spool.release(seq)
+            log.warning("supervisor refuses agent %s's credential (%s): registering again",
+                        self.agent_id, r.text[:300])
+            self.registration = None
+            self._fail("HTTP 403 (credential)")
+            return False
         if code in _UNAVAILABLE or code in _RETRY_4XX:
             self.spool.release(seq)
             if code in (401, 403):

@@ -125,8 +125,8 @@ def step_items(step: int, now: float, attempt: int = 0) -> list[dict[str, Any]]:
 class Conn:
     """Minimal HTTP/1.1 keep-alive client (POST JSON, read a Content-Length response)."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, port: int, credential: str = "") -> None:
+        self.port, self.credential = port, credential
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -135,6 +135,7 @@ class Conn:
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         assert self.reader is not None
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"X-Trainwarden-Agent-Credential: {self.credential}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
         self.writer.write(head.encode() + body)
         status_line = await self.reader.readline()
@@ -150,9 +151,9 @@ class Conn:
         return int(status_line.split()[1]), payload
 
 
-async def agent_loop(port: int, agent_id: int, seq0: int, t0: float, level: Level,
-                     measure_from: float, end: float) -> None:
-    conn = Conn(port)
+async def agent_loop(port: int, agent_id: int, seq0: int, credential: str, t0: float,
+                     level: Level, measure_from: float, end: float) -> None:
+    conn = Conn(port, credential)
     seq = seq0
     k = 0
     offset = random.random()  # agents are not synchronised
@@ -174,7 +175,7 @@ async def agent_loop(port: int, agent_id: int, seq0: int, t0: float, level: Leve
             status, _ = await conn.post("/api/v1/ingest", body)
         except (OSError, asyncio.IncompleteReadError):
             status = 0
-            conn = Conn(port)
+            conn = Conn(port, credential)
         done = time.monotonic()
         if scheduled >= measure_from:
             level.sent += 1
@@ -188,7 +189,7 @@ async def agent_loop(port: int, agent_id: int, seq0: int, t0: float, level: Leve
         k += 1
 
 
-def register_agents(port: int, run: str, n: int) -> list[tuple[int, int]]:
+def register_agents(port: int, run: str, n: int) -> list[tuple[int, int, str]]:
     out = []
     with httpx.Client(base_url=f"http://127.0.0.1:{port}",
                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
@@ -197,7 +198,8 @@ def register_agents(port: int, run: str, n: int) -> list[tuple[int, int]]:
                        json={"run": run, "node": f"node{i:04d}", "hostname": f"h{i}",
                              "pid": 1, "command": ["torchrun"], "nproc_per_node": RANKS})
             r.raise_for_status()
-            out.append((r.json()["agent_id"], r.json()["next_seq"]))
+            out.append((r.json()["agent_id"], r.json()["next_seq"],
+                        str(r.json().get("credential", ""))))
     return out
 
 
@@ -209,9 +211,9 @@ def run_level(sup: Supervisor, n_agents: int, seconds: float, warmup: float) -> 
         t0 = time.monotonic() + 0.2
         measure_from = t0 + warmup
         end = measure_from + seconds
-        tasks = [asyncio.create_task(agent_loop(sup.port, aid, seq, t0, level, measure_from,
-                                                end))
-                 for aid, seq in agents]
+        tasks = [asyncio.create_task(agent_loop(sup.port, aid, seq, cred, t0, level,
+                                                measure_from, end))
+                 for aid, seq, cred in agents]
         await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
         cpu0, w0 = sup.cpu_s(), time.monotonic()
         rss = 0.0

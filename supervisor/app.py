@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
 from supervisor import dashboard, metrics, wire
-from supervisor.api import agents, rollback, runs
-from supervisor.api.deps import DB
+from supervisor.api import agents, rollback, runs, tokens
+from supervisor.api.deps import DB, AgentCredentials, StoredTokens
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
@@ -107,11 +107,14 @@ def create_app(
     app.state.clock = clock
     app.state.evaluator = evaluator
     app.state.ingest_writer = writer
+    app.state.agent_credentials = AgentCredentials()
+    app.state.stored_tokens = StoredTokens()
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.include_router(agents.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(rollback.router, prefix=API_PREFIX)
+    app.include_router(tokens.router, prefix=API_PREFIX)
 
     @app.get("/healthz", tags=["health"])
     @app.get(API_PREFIX + "/healthz", tags=["health"], include_in_schema=False)

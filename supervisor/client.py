@@ -24,6 +24,7 @@ from supervisor.text import printable, table
 
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"
+ENV_ADMIN_TOKEN = "TRAINWARDEN_ADMIN_TOKEN"  # the token commands' default
 DEFAULT_URL = "http://127.0.0.1:8765"
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,20 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="follow the action's progress for up to S seconds")
     add_common(p)
+    p = sub.add_parser("token", help="tokens with roles: create, list, revoke (admin token, "
+                                     f"default ${ENV_ADMIN_TOKEN})")
+    tsub = p.add_subparsers(dest="token_cmd", required=True)
+    tp = tsub.add_parser("create", help="a new token (its secret is printed once)")
+    tp.add_argument("name")
+    tp.add_argument("--role", required=True, choices=("viewer", "agent", "operator", "admin"))
+    tp.add_argument("--scope", default=None, metavar="RUN",
+                    help="agent/operator tokens: one run, or a run-name prefix ending in '*'")
+    add_common(tp)
+    tp = tsub.add_parser("list", help="the tokens (never their secrets)")
+    add_common(tp)
+    tp = tsub.add_parser("revoke", help="revoke a token by name")
+    tp.add_argument("name")
+    add_common(tp)
 
 
 def _range(text: str) -> list[int]:
@@ -78,7 +93,8 @@ def connect(supervisor: str, token: str | None) -> httpx.Client:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    with connect(args.supervisor, args.token) as client:
+    token = args.token or (os.environ.get(ENV_ADMIN_TOKEN) if args.cmd == "token" else None)
+    with connect(args.supervisor, token) as client:
         try:
             return _COMMANDS[args.cmd](client, args)
         except httpx.HTTPStatusError as e:
@@ -204,6 +220,28 @@ def _short(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def _token(client: httpx.Client, args: argparse.Namespace) -> int:
+    if args.token_cmd == "create":
+        body = {"name": args.name, "role": args.role, "scope": args.scope}
+        r = client.post("/tokens", json=body)
+        r.raise_for_status()
+        t = r.json()
+        scope = f", scope {printable(t['scope'])}" if t.get("scope") else ""
+        print(f"token {printable(t['name'])} ({t['role']}{scope}) created; its secret, shown "
+              "only this once:")
+        print(t["token"])
+        return 0
+    if args.token_cmd == "revoke":
+        r = client.delete(f"/tokens/{args.name}")
+        r.raise_for_status()
+        print(f"token {printable(args.name)} revoked")
+        return 0
+    rows = [[t["name"], t["role"], t.get("scope") or "*", _age(t["created_at"]),
+             _age(t.get("last_used_at"))] for t in _get(client, "/tokens")["tokens"]]
+    print(table(rows, ["NAME", "ROLE", "SCOPE", "CREATED", "LAST USED"]))
+    return 0
+
+
 _COMMANDS = {"runs": _runs, "incidents": _incidents, "checkpoints": _checkpoints,
-             "actions": _actions, "rollback": _rollback}
+             "actions": _actions, "rollback": _rollback, "token": _token}
 COMMANDS = tuple(_COMMANDS)

@@ -102,12 +102,15 @@ class AuthConfig:
     agent_token: str | None = None
     # The token of operators: every read and write (plain or "sha256:<hex>")
     operator_token: str | None = None
+    # The bootstrap admin token: everything, and the token commands (plain or "sha256:<hex>")
+    admin_token: str | None = None
     # No tokens at all (allowed on a loopback host only)
     insecure_no_auth: bool = False
     public_reads: bool = False  # reads (API, dashboard, /metrics) without a token
 
     def __post_init__(self) -> None:
-        if self.insecure_no_auth and (self.agent_token or self.operator_token):
+        if self.insecure_no_auth and (self.agent_token or self.operator_token
+                                      or self.admin_token):
             raise ValueError(
                 "insecure_no_auth is set together with a token: drop --insecure-no-auth "
                 "(tokens are then required) or drop the tokens"
@@ -118,6 +121,12 @@ class AuthConfig:
                 "agent_token and operator_token are the same: the agent token would grant "
                 "operator rights; choose two different tokens"
             )
+        if self.admin_token and any(
+                t and hash_token(t) == hash_token(self.admin_token)
+                for t in (self.agent_token, self.operator_token)):
+            raise ValueError(
+                "admin_token is the same as the agent or the operator token: it would grant "
+                "admin rights; choose a different token")
 
     @property
     def agent_token_hash(self) -> str | None:
@@ -126,6 +135,10 @@ class AuthConfig:
     @property
     def operator_token_hash(self) -> str | None:
         return hash_token(self.operator_token) if self.operator_token else None
+
+    @property
+    def admin_token_hash(self) -> str | None:
+        return hash_token(self.admin_token) if self.admin_token else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,6 +205,7 @@ LEGACY_NAMES: dict[str, tuple[str, str]] = {
     **{f"http_{k}": ("http", k) for k in (
         "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_connections")},
     "agent_token": ("auth", "agent_token"), "operator_token": ("auth", "operator_token"),
+    "admin_token": ("auth", "admin_token"),
     "insecure_no_auth": ("auth", "insecure_no_auth"), "public_reads": ("auth", "public_reads"),
     "evaluator_interval_s": ("evaluator", "interval_s"),
     "restart_budget": ("restart", "budget"), "restart_backoff_s": ("restart", "backoff_s"),
@@ -327,7 +341,8 @@ class SupervisorSettings(BaseSettings):
         self.policy_config()  # its own rules (budgets, backoff, LR scale) raise ValueError
         self.detection_config()
         auth = self.auth
-        if not auth.agent_token and not auth.operator_token and not auth.insecure_no_auth:
+        if not auth.agent_token and not auth.operator_token and not auth.admin_token \
+                and not auth.insecure_no_auth:
             raise ValueError(
                 "no token configured: set TRAINWARDEN_AGENT_TOKEN and TRAINWARDEN_OPERATOR_TOKEN "
                 "(or agent_token/operator_token in the [auth] table of the config file), or "

@@ -58,6 +58,9 @@ class RegisterRequest(_Wire):
                     "'/'): every checkpoint path it reports must lie strictly inside one, "
                     "and a relative one is resolved against the first")
     agent_version: Line = line("", max_length=50)
+    # Replace the (run, node)'s live agent (its credential is revoked): the operator token
+    # only, an audited action.
+    takeover: bool = False
 
     @field_validator("checkpoint_root")
     @classmethod
@@ -88,6 +91,9 @@ class RegisterReply(BaseModel):
     attempt: int
     next_seq: int
     heartbeat_interval_s: float
+    # The agent's secret: every ingest sends it in X-Trainwarden-Agent-Credential, and a
+    # re-registration presenting it there keeps the node.  Shown once; stored hashed.
+    credential: str
 
 
 class StepItem(_Wire):

@@ -175,6 +175,8 @@ class Replay:
             "checkpoint_roots": [f"/replay/{self.run}"]})
         assert r.status_code == 200, r.text
         self.agent_id = int(r.json()["agent_id"])
+        self.agent_headers = {**self.agent_headers,
+                              "X-Trainwarden-Agent-Credential": r.json()["credential"]}
 
     @property
     def done(self) -> bool:

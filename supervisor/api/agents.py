@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from pydantic import ValidationError
 
 from supervisor import wire
-from supervisor.api.deps import DB, AgentAuth, ClockDep, Settings, Writer
+from supervisor.api.deps import (
+    DB,
+    AgentAuth,
+    ClockDep,
+    Credentials,
+    OperatorAuth,
+    Settings,
+    Writer,
+    judge_registration,
+    presented_credential,
+)
 from supervisor.api.errors import (
     ERROR_RESPONSES,
     SafeJSONResponse,
     SeqConflictBody,
     validation_error_response,
 )
-from supervisor.store import registry
+from supervisor.store import credentials, registry
 from supervisor.store.db import Database
 from supervisor.store.ingest import (
     CheckpointRefused,
@@ -34,18 +45,60 @@ router = APIRouter(tags=["agents"], responses=ERROR_RESPONSES)
 
 @router.post("/agents/register", response_model=wire.RegisterReply)
 def register(
-    req: wire.RegisterRequest, db: DB, clock: ClockDep, settings: Settings, _auth: AgentAuth
+    req: wire.RegisterRequest, request: Request, db: DB, clock: ClockDep, settings: Settings,
+    creds: Credentials, auth: AgentAuth,
 ) -> wire.RegisterReply:
     """Register a node agent for a run (the run is created on first use, with a new
-    ``run_uuid``).  Registering again with the same run and node returns the same ``agent_id``
-    and the next sequence number.  A run that has ended (completed, failed, stopped) is
+    ``run_uuid``).  The reply's ``credential`` is the agent's secret: every ingest must send
+    it (header ``X-Trainwarden-Agent-Credential``).  Registering again with the same run and
+    node returns the same ``agent_id`` and the next sequence number; presenting the
+    credential in that header keeps it.  A node whose agent is alive (heard from within the
+    node-lost deadline) is refused with 409 unless the credential is presented or an
+    operator takes over (``takeover: true`` with the operator token: the old credential is
+    revoked, an audited action).  A run that has ended (completed, failed, stopped) is
     refused with 409 and a message that says what to do: it is never silently reopened."""
+    now = clock()
+    presented = presented_credential(request)
+    judge = judge_registration(run=req.run, node=req.node, presented=presented,
+                               takeover=req.takeover, principal=auth, now=now,
+                               live_s=settings.node_lost.deadline_s)
     try:
         with db.write() as conn:
-            r = registry.register_agent(conn, req=req, now=clock())
+            r = registry.register_agent(conn, req=req, now=now, judge=judge)
+            if r["claim"] == "takeover" and r["holder"] is not None:
+                credentials.record_takeover(conn, run_id=r["run_id"], attempt=r["attempt"],
+                                            node=req.node, holder=r["holder"],
+                                            hostname=req.hostname, actor=auth.actor, now=now)
     except registry.RunFinished as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
-    return wire.RegisterReply(heartbeat_interval_s=settings.server.heartbeat_interval_s, **r)
+    secret = r["credential"] or presented or ""
+    if r["credential"] is not None:
+        creds.remember(r["agent_id"], credentials.digest(secret))
+    return wire.RegisterReply(
+        agent_id=r["agent_id"], run_id=r["run_id"], run_uuid=r["run_uuid"],
+        attempt=r["attempt"], next_seq=r["next_seq"], credential=secret,
+        heartbeat_interval_s=settings.server.heartbeat_interval_s)
+
+
+@router.post("/runs/{run}/nodes/{node}/takeover", response_model=None)
+def takeover(run: str, node: str, db: DB, clock: ClockDep, creds: Credentials,
+             auth: OperatorAuth) -> dict[str, Any]:
+    """Revoke the credential of the agent holding ``node`` of ``run`` (operator; an audited
+    action): its batches are refused from now on, its re-registration is told it was
+    replaced, and the node's next registration (the new agent's) claims the node."""
+    now = clock()
+    with db.write() as conn:
+        r = registry.get_run_by_name(conn, name=run)
+        holder = None if r is None else credentials.node_holder(conn, run_id=r["id"], node=node)
+        if r is None or holder is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND,
+                                f"run {run!r} has no agent on node {node!r}")
+        credentials.revoke(conn, agent_id=holder["agent_id"], now=now)
+        action_id = credentials.record_takeover(
+            conn, run_id=r["id"], attempt=r["attempt"], node=node, holder=holder, hostname="",
+            actor=auth.actor, now=now)
+    creds.remember(holder["agent_id"], None)
+    return {"run": run, "node": node, "agent_id": holder["agent_id"], "action_id": action_id}
 
 
 INGEST_BODY = {
@@ -65,14 +118,17 @@ def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float, cfg: Inges
 @router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY,
              responses={409: {"model": SeqConflictBody,
                               "description": "The seq was already used for different content"}})
-async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _auth: AgentAuth
-                 ) -> Response:
-    """Store one batch (idempotent by ``agent_id`` + ``seq``: a replay of the same content
-    stores nothing and is answered ``duplicate: true``; the same seq with different content is
-    refused with 409, stores nothing, and is logged).  A checkpoint path outside the agent's
-    registered roots is 422 naming the path and the roots, and nothing of the batch is
-    stored.  The reply carries the agent's unacknowledged commands and the checkpoints its
-    workers' retention must keep (``protect``).
+async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
+                 creds: Credentials, _auth: AgentAuth) -> Response:
+    """Store one batch of the agent whose credential comes in the
+    ``X-Trainwarden-Agent-Credential`` header (another agent's, a revoked or a missing one:
+    403, nothing stored; the ``X-Trainwarden-Credential: invalid`` header says to register
+    again).  Idempotent by ``agent_id`` + ``seq``: a replay of the same content stores nothing
+    and is answered ``duplicate: true``; the same seq with different content is refused with
+    409, stores nothing, and is logged.  A checkpoint path outside the agent's registered
+    roots is 422 naming the path and the roots, and nothing of the batch is stored.  The reply
+    carries the agent's unacknowledged commands and the checkpoints its workers' retention
+    must keep (``protect``).
 
     The hot path, kept lean on purpose: the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), the store work runs inline (SQLite) or in the
@@ -83,6 +139,7 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer, _aut
         batch = wire.IngestBatch.model_validate_json(await request.body())
     except ValidationError as e:
         return validation_error_response(e.errors(), prefix=("body",))
+    creds.check(db, batch.agent_id, presented_credential(request))
 
     try:
         if db.is_sqlite:

@@ -14,7 +14,6 @@ from supervisor import actions, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
 from supervisor.api.errors import ERROR_RESPONSES
-from supervisor.enums import Actor
 from supervisor.limits import U31, U63, RunName, Text, text
 from supervisor.store import reads, registry
 from supervisor.store.rows import ActionRow
@@ -59,11 +58,12 @@ class RollbackRequest(BaseModel):
 
 
 @router.post("/runs/{run}/rollback", response_model=None, status_code=202)
-def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: OperatorAuth
              ) -> JSONResponse:
     """Gang-restart the run from the named checkpoint with a resume plan (skip ranges, LR
     schedule).  Validated first (the checkpoint exists, is complete, belongs to this run and
     to its current lineage); nothing is stored when it is refused."""
+    auth.require_run(run)
     now = clock()
     with db.write() as conn:
         r = registry.get_run_by_name(conn, name=run)
@@ -82,7 +82,7 @@ def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, _auth:
             actions.facts(r), checkpoint=ck["path"], step=int(ck["step"]),
             skip=tuple((int(a), int(b)) for a, b in req.skip), lr=lr,
             reason=req.reason or f"operator rollback to step {ck['step']}",
-            actor=Actor.OPERATOR, now=now)
+            actor=auth.actor, now=now)
         if isinstance(decision, policy.Note):
             raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
         action_id = actions.apply(conn, run=r, decision=decision, now=now)

@@ -11,7 +11,6 @@ from supervisor import actions, observe, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
 from supervisor.api.errors import ERROR_RESPONSES
-from supervisor.enums import Actor
 from supervisor.limits import U31, RunName, Text, text
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
@@ -178,12 +177,13 @@ def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
 
 @router.post("/runs/{run}/restart", response_model=None)
 def restart_run(
-    run: RunName, req: RestartRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+    run: RunName, req: RestartRequest, db: DB, clock: ClockDep, auth: OperatorAuth
 ) -> dict[str, Any]:
     """Gang-restart the run as its next attempt (operator; no backoff, outside the budget),
     from the checkpoint named by id or step (it must exist, be complete and be on the current
     lineage; the checkpoints of the branch beyond it are abandoned, as by a rollback), or
     from the newest complete one."""
+    auth.require_run(run)
 
     def decide(conn: Connection, r: RunRow) -> policy.Decision:
         step: int | None = None
@@ -196,18 +196,19 @@ def restart_run(
             newest = rec.newest_complete_checkpoint(conn, run_id=r["id"])
             ckpt = newest["path"] if newest else None
         return policy.operator_restart(actions.facts(r), checkpoint=ckpt, step=step,
-                                       reason=req.reason, actor=Actor.OPERATOR, now=clock())
+                                       reason=req.reason, actor=auth.actor, now=clock())
 
     return _operator(db, run, clock(), decide)
 
 
 @router.post("/runs/{run}/stop", response_model=None)
 def stop_run(
-    run: RunName, req: StopRequest, db: DB, clock: ClockDep, _auth: OperatorAuth
+    run: RunName, req: StopRequest, db: DB, clock: ClockDep, auth: OperatorAuth
 ) -> dict[str, Any]:
     """Stop every agent of the run; the run ends as "stopped" (operator)."""
+    auth.require_run(run)
     return _operator(
         db, run, clock(),
         lambda conn, r: policy.operator_stop(actions.facts(r), reason=req.reason,
-                                             actor=Actor.OPERATOR),
+                                             actor=auth.actor),
     )

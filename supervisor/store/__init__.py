@@ -7,6 +7,8 @@ keyword-only functions taking a ``Connection``:
 
 * ``ingest``: the hot path (agent batches in, pending commands out with each reply);
 * ``registry``: runs and agents (registration, run status);
+* ``credentials``: each agent's credential digest, who holds a (run, node), takeovers;
+* ``tokens``: the stored tokens with roles;
 * ``recovery``: exits, incidents, audited actions and commands, the checkpoint lineage;
 * ``windows``: the measurements the detectors judge every tick (``supervisor.observe``);
 * ``reads``: what the API, the dashboard and the metrics collector show.

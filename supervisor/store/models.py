@@ -169,6 +169,38 @@ class Agent(Base):
     dropped: Mapped[int] = mapped_column(Integer, default=0)
 
 
+class AgentCredential(Base):
+    """The secret an agent proves itself with on every ingest (``X-Trainwarden-Agent-
+    Credential``): only its SHA-256 digest is kept, one per agent.  A new one replaces it
+    (registration of a new incarnation, an operator's takeover): the old one is revoked."""
+
+    __tablename__ = "agent_credentials"
+
+    agent_id: Mapped[int] = mapped_column(
+        ForeignKey("agents.id", ondelete="CASCADE"), primary_key=True
+    )
+    # "sha256:<hex>"; None: revoked by an operator (the node's next registration claims it)
+    secret_hash: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    # The one an operator revoked: an agent presenting it is told it was replaced.
+    revoked_hash: Mapped[str | None] = mapped_column(String(71), nullable=True)
+    issued_at: Mapped[float] = mapped_column(Float)
+
+
+class ApiToken(Base):
+    """A token with a role (viewer, agent, operator, admin), optionally scoped to one run or
+    a run-name prefix (``name*``).  Only its SHA-256 digest is kept."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    role: Mapped[str] = mapped_column(String(20))
+    scope: Mapped[str | None] = mapped_column(String(201), nullable=True)
+    secret_hash: Mapped[str] = mapped_column(String(71), unique=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_used_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class Rank(Base):
     """Latest report of each rank of a run (one row per rank, upserted on ingest)."""
 

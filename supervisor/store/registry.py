@@ -4,15 +4,18 @@ a ``Connection``."""
 from __future__ import annotations
 
 import uuid
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, Literal, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
 from agent.core.states import AgentState
 from supervisor import wire
 from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, RunStatus
+from supervisor.store import credentials
 from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import insert, row
+from supervisor.store.credentials import NodeHolder
 from supervisor.store.rows import AgentRow, RegisteredAgent, RunRow
 from supervisor.store.tables import agents, ingested_batches, runs
 
@@ -31,10 +34,22 @@ class RunFinished(Exception):
             "checkpoint directory (its workers resume from the newest complete checkpoint)")
 
 
-def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
+Claim = Literal["new", "proven", "expired", "free", "takeover"]
+"""How a registration claims its (run, node): the first agent there, the holder proving its
+credential, a new incarnation after the holder went silent, a node whose credential an
+operator revoked (or registered before agents had credentials), or an operator's takeover
+(a live holder's credential revoked)."""
+
+
+def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
+                   judge: Callable[[NodeHolder | None], Claim] | None = None
                    ) -> RegisteredAgent:
     """Create the run (with a new uuid) and the agent if new (an agent re-registering keeps
-    its id).  Raises ``RunFinished`` for a run that has ended: nothing is changed then."""
+    its id).  ``judge`` decides on the (run, node)'s current holder (it raises to refuse: the
+    caller's transaction then changes nothing; without one, every registration is a new
+    incarnation).  Every claim but ``proven`` issues a new
+    credential (the reply's ``credential``; None: the presented one stays valid) and revokes
+    the old one.  Raises ``RunFinished`` for a run that has ended: nothing is changed then."""
     ins = insert(conn, runs).values(
         name=req.run, uuid=str(uuid.uuid4()), status=RunStatus.RUNNING, attempt=0,
         restarts=0, reason="", created_at=now, updated_at=now,
@@ -46,6 +61,9 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
     ).one()
     if run.status in FINAL_STATUSES:
         raise RunFinished(req.run, run.status, run.reason)
+    holder = credentials.node_holder(conn, run_id=run.id, node=req.node)
+    claim: Claim = judge(holder) if judge is not None else ("new" if holder is None
+                                                             else "expired")
     values = {
         "hostname": req.hostname, "pid": req.pid, "command": list(req.command),
         "nproc_per_node": req.nproc_per_node,
@@ -62,16 +80,21 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float
     agent_id = conn.execute(
         select(agents.c.id).where(agents.c.run_id == run.id, agents.c.node == req.node)
     ).scalar_one()
+    secret = None if claim == "proven" else credentials.issue(conn, agent_id=agent_id, now=now)
     max_seq = conn.execute(
         select(func.max(ingested_batches.c.seq)).where(ingested_batches.c.agent_id == agent_id)
     ).scalar_one()
-    return {
+    reg: RegisteredAgent = {
         "agent_id": agent_id,
         "run_id": run.id,
         "run_uuid": run.uuid,
         "attempt": run.attempt,
         "next_seq": 0 if max_seq is None else int(max_seq) + 1,
+        "credential": secret,
+        "claim": claim,
+        "holder": holder,
     }
+    return reg
 
 
 def _run(r: Any) -> RunRow:

@@ -31,6 +31,9 @@ class RegisteredAgent(TypedDict):
     run_uuid: str
     attempt: int
     next_seq: int
+    credential: str | None  # a new secret (None: the one presented stays valid)
+    claim: str  # how it claimed the node (a ``registry.Claim``)
+    holder: Any  # the node's agent before (a ``credentials.NodeHolder``), or None
 
 
 class AgentRow(TypedDict):

@@ -10,6 +10,8 @@ from supervisor.store import models
 
 runs = cast(Table, models.Run.__table__)
 agents = cast(Table, models.Agent.__table__)
+agent_credentials = cast(Table, models.AgentCredential.__table__)
+api_tokens = cast(Table, models.ApiToken.__table__)
 ranks = cast(Table, models.Rank.__table__)
 rank_steps = cast(Table, models.RankStep.__table__)
 step_aggregates = cast(Table, models.StepAggregate.__table__)

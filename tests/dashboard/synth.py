@@ -27,6 +27,7 @@ class SynthRun:
     ranks_per_node: int = 2
     agents: dict[int, int] = field(default_factory=dict)  # node index -> agent id
     seq: dict[int, int] = field(default_factory=dict)
+    credentials: dict[int, str] = field(default_factory=dict)  # node index -> its secret
 
     @property
     def world(self) -> int:
@@ -41,6 +42,7 @@ class SynthRun:
             assert r.status_code == 200, r.text
             self.agents[n] = int(r.json()["agent_id"])
             self.seq[n] = int(r.json()["next_seq"])
+            self.credentials[n] = str(r.json()["credential"])
         return self
 
     def send(self, node: int, items: list[dict[str, Any]], attempt: int = 0) -> dict[str, Any]:
@@ -49,7 +51,8 @@ class SynthRun:
                            "attempt": attempt, "items": items})
         self.seq[node] += 1
         r = self.client.post("/api/v1/ingest", content=body,
-                             headers={**AGENT, "content-type": "application/json"})
+                             headers={**AGENT, "content-type": "application/json",
+                                      "X-Trainwarden-Agent-Credential": self.credentials[node]})
         assert r.status_code == 200, r.text
         out: dict[str, Any] = r.json()
         return out

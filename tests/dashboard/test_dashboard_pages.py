@@ -15,7 +15,7 @@ from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import AGENT, OPERATOR, OPERATOR_TOKEN, SynthRun
 
 
-def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluator) -> None:
+def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluator) -> SynthRun:
     """A run with a spike, checkpoints, a crash (incident + restart action) and a hang
     incident with stacks."""
     run = SynthRun(client, "alpha").register()
@@ -37,6 +37,7 @@ def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluato
         rec.insert_event(conn, run_id=r["id"], attempt=0, t=T0 + 20, step=12,
                           name="loss_spike_transient", message="transient loss spike",
                           details={"start_step": 12, "recovered_at_step": 15})
+    return run
 
 
 def test_runs_list_and_run_page(client: TestClient, db: Database, clock: FakeClock,
@@ -79,8 +80,8 @@ def test_runs_list_and_run_page(client: TestClient, db: Database, clock: FakeClo
 
 def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
                                               clock: FakeClock, evaluator: Evaluator) -> None:
-    seed(client, db, clock, evaluator)
-    run = SynthRun(client, "alpha", agents={0: 1, 1: 2}, seq={0: 100, 1: 100})
+    run = seed(client, db, clock, evaluator)
+    run.seq = {0: 100, 1: 100}
     # 12 steps: the detector judges a rank on 10 or more (a fresh attempt is not scored on
     # a handful), and the chart's scores are the detector's
     run.train(range(40, 52), t0=T0 + 30, attempt=1, slow_rank=2)

@@ -44,15 +44,39 @@ def make_settings(**kw: Any) -> SupervisorSettings:
     return SupervisorSettings(**base)
 
 
+CREDENTIAL_HEADER = "X-Trainwarden-Agent-Credential"
+
+
+def credentials_of(client: TestClient) -> dict[int, str]:
+    """The credentials ``register`` got through this client, by agent id."""
+    creds: dict[int, str] = client.__dict__.setdefault("_tw_credentials", {})
+    return creds
+
+
+def as_agent(client: TestClient, agent_id: int) -> dict[str, str]:
+    """The headers of agent ``agent_id``: the agent token and its credential."""
+    cred = credentials_of(client).get(agent_id)
+    return {**AGENT, **({CREDENTIAL_HEADER: cred} if cred else {})}
+
+
 def register(client: TestClient, run: str = "r1", node: str = "n0",
-             roots: list[str] | None = None) -> dict[str, Any]:
-    """Register an agent; its checkpoints are saved under ``/ck`` unless ``roots`` says."""
-    r = client.post("/api/v1/agents/register", headers=AGENT,
+             headers: dict[str, str] | None = None, roots: list[str] | None = None
+             ) -> dict[str, Any]:
+    """Register (again: presenting the credential it got before for this run and node); its
+    checkpoints are saved under ``/ck`` unless ``roots`` says."""
+    mine = client.__dict__.setdefault("_tw_nodes", {})
+    h = dict(headers if headers is not None else AGENT)
+    if headers is None and (run, node) in mine:
+        h.update(as_agent(client, mine[(run, node)]))
+    r = client.post("/api/v1/agents/register", headers=h,
                     json={"run": run, "node": node, "hostname": f"host-{node}", "pid": 1,
                           "command": ["torchrun", "train.py"], "nproc_per_node": 2,
                           "checkpoint_roots": ["/ck"] if roots is None else roots})
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
+    if out.get("credential"):
+        credentials_of(client)[out["agent_id"]] = out["credential"]
+        mine[(run, node)] = out["agent_id"]
     return out
 
 
@@ -62,7 +86,7 @@ def ingest(client: TestClient, agent_id: int, seq: int, items: list[dict[str, An
     body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": 1.0, "attempt": attempt,
                        "items": items})
     r = client.post("/api/v1/ingest", content=body,
-                    headers={**AGENT, "content-type": "application/json"})
+                    headers={**as_agent(client, agent_id), "content-type": "application/json"})
     assert r.status_code == expect, r.text
     out: dict[str, Any] = r.json()
     return out

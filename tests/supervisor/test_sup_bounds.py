@@ -16,6 +16,7 @@ from sup_helpers import (
     AGENT,
     OPERATOR,
     FakeClock,
+    as_agent,
     ingest,
     make_settings,
     register,
@@ -250,7 +251,8 @@ def test_the_bounds_leave_real_values_alone(client: TestClient, db: Database) ->
              _ck(step=top, bytes=2**63 - 1, lineage="l" * 200),
              _hb(disk_free_bytes=2**63 - 1, disk_total_bytes=2**63 - 1),
              _exit(exit_code=-9, signal=9)]
-    r = _post(client, "/api/v1/ingest", _batch(aid, *items, seq=2**63 - 1, dropped=top), AGENT)
+    r = _post(client, "/api/v1/ingest", _batch(aid, *items, seq=2**63 - 1, dropped=top),
+              as_agent(client, aid))
     assert r.status_code == 200, r.text
     pts = client.get(f"/api/v1/runs/r1/steps?from={top}&to={top}", headers=OPERATOR).json()
     assert pts["points"][0]["loss_nonfinite"] == 1

@@ -62,7 +62,8 @@ def feed(base: str) -> None:
                       "failed_ranks": [{"rank": 0, "exit_code": 1, "message": HOSTILE}]})
         body = json.dumps({"agent_id": a["agent_id"], "seq": 0, "items": items})
         r = c.post("/ingest", content=body,
-                   headers={**AGENT, "content-type": "application/json"})
+                   headers={**AGENT, "content-type": "application/json",
+                            "X-Trainwarden-Agent-Credential": a["credential"]})
         assert r.status_code == 200, r.text
         wait_for(lambda: c.get("/runs/evil/actions", headers=OPERATOR).json()["actions"],
                  20, "the live evaluator's restart")

@@ -13,9 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sup_helpers import (
-    AGENT,
     OPERATOR,
     FakeClock,
+    as_agent,
     command_rows,
     crash,
     ingest,
@@ -42,7 +42,8 @@ def checkpoint(s: int, t: float | str) -> dict[str, Any]:
 def post(client: TestClient, body: dict[str, Any]) -> dict[str, Any]:
     """An ingest body as the agent writes it (NaN/Infinity tokens included)."""
     r = client.post("/api/v1/ingest", content=json.dumps(body),
-                    headers={**AGENT, "content-type": "application/json"})
+                    headers={**as_agent(client, body["agent_id"]),
+                                "content-type": "application/json"})
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
     return out

@@ -21,10 +21,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text as sql_text
-from sup_helpers import OPERATOR, OPERATOR_TOKEN
+from sup_helpers import OPERATOR, OPERATOR_TOKEN, make_settings
 
 from supervisor import cli
 from supervisor import client as cli_client
+from supervisor.app import create_app
 from supervisor.store import tables
 from supervisor.store.db import Database
 from supervisor.text import printable
@@ -161,6 +162,16 @@ def store_hostile(db: Database, postgres: bool) -> list[str]:
     return names
 
 
+ADMIN_TOKEN = "admin-secret"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # every route reads with it (/tokens too)
+
+
+@pytest.fixture
+def app(db: Database, clock: Any) -> FastAPI:
+    return create_app(make_settings(admin_token=ADMIN_TOKEN), db=db, clock=clock,
+                      upgrade_schema=False, start_evaluator=False)
+
+
 @pytest.fixture
 def hostile(app: FastAPI, db: Database) -> Iterator[tuple[TestClient, list[str]]]:
     names = store_hostile(db, postgres=not db.is_sqlite)
@@ -193,7 +204,7 @@ def test_every_page_and_read_endpoint_renders_hostile_rows(
     for action_id, run in enumerate(names, start=1):
         for path in paths:
             url = _fill(path, run, action_id)
-            r = c.get(url, headers=OPERATOR)
+            r = c.get(url, headers=ADMIN)
             if r.status_code != 200:
                 failures.append(f"{r.status_code} {path} ({run!r}): {r.text[:300]}")
                 continue

@@ -118,16 +118,19 @@ def test_agent_subcommand_delegates(monkeypatch: object) -> None:
 def crash_gets_a_restart_from_the_live_evaluator(base: str) -> None:
     """The evaluator thread started by the app turns a crash report into restart commands."""
     with httpx.Client(base_url=base, headers={"Authorization": "Bearer a"}, timeout=5) as c:
-        ids = [c.post("/api/v1/agents/register", json={"run": "live", "node": n}).json()
-               ["agent_id"] for n in ("n0", "n1")]
+        regs = [c.post("/api/v1/agents/register", json={"run": "live", "node": n}).json()
+                for n in ("n0", "n1")]
+        ids = [r["agent_id"] for r in regs]
+        cred = [{"X-Trainwarden-Agent-Credential": r["credential"]} for r in regs]
         crash = {"type": "exit", "attempt": 0, "exit_code": 1, "outcome": "crashed",
                  "failed_ranks": [{"rank": 0, "exit_code": 1}]}
-        r = c.post("/api/v1/ingest", json={"agent_id": ids[0], "seq": 0, "items": [crash]})
+        r = c.post("/api/v1/ingest", json={"agent_id": ids[0], "seq": 0, "items": [crash]},
+                   headers=cred[0])
         assert r.status_code == 200, r.text
         seq = iter(range(1, 1000))
 
         def restart_sent() -> list[dict[str, object]] | None:
-            reply = c.post("/api/v1/ingest",
+            reply = c.post("/api/v1/ingest", headers=cred[1],
                            json={"agent_id": ids[1], "seq": next(seq), "items": []}).json()
             cmds: list[dict[str, object]] = reply["commands"]
             return cmds or None

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import update
-from sup_helpers import AGENT, ingest, register, step, store_snapshot
+from sup_helpers import as_agent, ingest, register, step, store_snapshot
 
 from supervisor import wire
 from supervisor.store import tables
@@ -20,7 +20,8 @@ from supervisor.store.ingest import IngestResult, SeqConflict, ingest_batches
 
 def post(client: TestClient, body: dict[str, Any]) -> Any:
     return client.post("/api/v1/ingest", content=json.dumps(body),
-                       headers={**AGENT, "content-type": "application/json"})
+                       headers={**as_agent(client, body["agent_id"]),
+                                "content-type": "application/json"})
 
 
 def test_a_replay_sent_later_is_a_duplicate(client: TestClient, db: Database) -> None:

@@ -103,6 +103,7 @@ def _feed_run(url: str, run: str) -> None:
                        "mem_total_bytes": 80_000_000_000}]}})
     batch = {"agent_id": reg.json()["agent_id"], "seq": reg.json()["next_seq"],
              "sent_at": t0, "attempt": 0, "items": items}
+    agent["X-Trainwarden-Agent-Credential"] = reg.json()["credential"]
     httpx.post(f"{url}/api/v1/ingest", headers=agent, json=batch, timeout=10).raise_for_status()
 
 

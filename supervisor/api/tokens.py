@@ -1,0 +1,60 @@
+"""Token routes (admin only): create a token with a role and an optional run scope, list
+them (never their secrets), revoke one."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, HTTPException, Request, status
+from pydantic import BaseModel, Field
+
+from supervisor.api.deps import DB, AdminAuth, ClockDep
+from supervisor.store import tokens
+
+router = APIRouter(tags=["tokens"])
+
+RUN_SCOPE = r"^[A-Za-z0-9][A-Za-z0-9._\-]*\*?$"
+
+
+class TokenRequest(BaseModel):
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    role: Literal["viewer", "agent", "operator", "admin"]
+    scope: str | None = Field(
+        default=None, max_length=201, pattern=RUN_SCOPE,
+        description="agent and operator tokens: one run's name, or a run-name prefix "
+                    "ending in '*'; none: every run")
+
+
+@router.post("/tokens", response_model=None, status_code=201)
+def create_token(req: TokenRequest, db: DB, clock: ClockDep, _auth: AdminAuth
+                 ) -> dict[str, Any]:
+    """A new token; the reply's ``token`` is its secret, shown this once (stored hashed)."""
+    if req.scope is not None and req.role not in ("agent", "operator"):
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            f"a {req.role} token has no scope: only agent and operator "
+                            "tokens are scoped to runs")
+    try:
+        with db.write() as conn:
+            row, secret = tokens.create(conn, name=req.name, role=req.role, scope=req.scope,
+                                        now=clock())
+    except tokens.NameTaken:
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"a token named {req.name!r} exists: revoke it first or choose "
+                            "another name") from None
+    return {**row, "token": secret}
+
+
+@router.get("/tokens", response_model=None)
+def list_tokens(db: DB, _auth: AdminAuth) -> dict[str, Any]:
+    with db.read() as conn:
+        return {"tokens": tokens.list_tokens(conn)}
+
+
+@router.delete("/tokens/{name}", response_model=None)
+def revoke_token(name: str, request: Request, db: DB, _auth: AdminAuth) -> dict[str, Any]:
+    """Revoke a token: refused from now on (by this supervisor at once)."""
+    with db.write() as conn:
+        if not tokens.revoke(conn, name=name):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no token named {name!r}")
+    request.app.state.stored_tokens.forget()
+    return {"revoked": name}

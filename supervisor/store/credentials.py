@@ -1,0 +1,100 @@
+"""Per-agent credentials: the digest of each agent's secret, and who holds a (run, node).
+Keyword-only functions taking a ``Connection``; the decisions are ``supervisor.api.deps``'s.
+
+The secret is 256 random bits, so its SHA-256 digest is kept (no KDF: nothing to brute
+force), and checking one is a digest comparison (``deps`` caches the digest per agent)."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import TypedDict
+
+from sqlalchemy import Connection, select
+
+from supervisor.enums import ActionStatus
+from supervisor.store._sql import insert
+from supervisor.store.tables import actions, agent_credentials, agents
+
+TAKEOVER = "takeover"  # the kind of the audited action
+
+SECRET_PREFIX = "twa_"  # so a leaked credential is recognisable (and told from a token)
+
+
+class NodeHolder(TypedDict):
+    """The agent registered for a (run, node), as a re-registration judges it."""
+
+    agent_id: int
+    hostname: str
+    pid: int | None
+    last_seen_at: float
+    secret_hash: str | None  # None: revoked by an operator, or registered before credentials
+    revoked_hash: str | None  # the credential an operator revoked
+
+
+def digest(secret: str) -> str:
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+def node_holder(conn: Connection, *, run_id: int, node: str) -> NodeHolder | None:
+    q = (select(agents.c.id, agents.c.hostname, agents.c.pid, agents.c.last_seen_at,
+                agent_credentials.c.secret_hash, agent_credentials.c.revoked_hash)
+         .select_from(agents.outerjoin(agent_credentials,
+                                       agent_credentials.c.agent_id == agents.c.id))
+         .where(agents.c.run_id == run_id, agents.c.node == node))
+    r = conn.execute(q).first()
+    if r is None:
+        return None
+    return {"agent_id": int(r.id), "hostname": r.hostname, "pid": r.pid,
+            "last_seen_at": float(r.last_seen_at), "secret_hash": r.secret_hash,
+            "revoked_hash": r.revoked_hash}
+
+
+def issue(conn: Connection, *, agent_id: int, now: float) -> str:
+    """A new secret for the agent, replacing (revoking) the one it had; returns the secret,
+    which is never stored and cannot be read back.  The replaced one is remembered as
+    revoked (an agent presenting it is told it was replaced)."""
+    secret = SECRET_PREFIX + secrets.token_urlsafe(32)
+    r = conn.execute(select(agent_credentials.c.secret_hash, agent_credentials.c.revoked_hash)
+                     .where(agent_credentials.c.agent_id == agent_id)).first()
+    revoked = None if r is None else (r.secret_hash or r.revoked_hash)
+    values = {"secret_hash": digest(secret), "revoked_hash": revoked, "issued_at": now}
+    ins = insert(conn, agent_credentials).values(agent_id=agent_id, **values)
+    conn.execute(ins.on_conflict_do_update(index_elements=["agent_id"], set_=values))
+    return secret
+
+
+def secret_hash(conn: Connection, *, agent_id: int) -> tuple[bool, str | None]:
+    """(whether the agent exists, the digest of its credential or None)."""
+    q = (select(agents.c.id, agent_credentials.c.secret_hash)
+         .select_from(agents.outerjoin(agent_credentials,
+                                       agent_credentials.c.agent_id == agents.c.id))
+         .where(agents.c.id == agent_id))
+    r = conn.execute(q).first()
+    return (False, None) if r is None else (True, r.secret_hash)
+
+
+def revoke(conn: Connection, *, agent_id: int, now: float) -> bool:
+    """Revoke the agent's credential (an operator's takeover): its ingest is refused, its
+    re-registration with it is told it was replaced, and the node's next registration
+    claims the node.  False when it held none."""
+    r = conn.execute(select(agent_credentials.c.secret_hash, agent_credentials.c.revoked_hash)
+                     .where(agent_credentials.c.agent_id == agent_id)).first()
+    old = r.secret_hash if r is not None else None
+    values = {"secret_hash": None, "revoked_hash": old or (r.revoked_hash if r else None),
+              "issued_at": now}
+    ins = insert(conn, agent_credentials).values(agent_id=agent_id, **values)
+    conn.execute(ins.on_conflict_do_update(index_elements=["agent_id"], set_=values))
+    return old is not None
+
+
+def record_takeover(conn: Connection, *, run_id: int, attempt: int, node: str,
+                    holder: NodeHolder, hostname: str, actor: str, now: float) -> int:
+    """The audited action of an operator's takeover of a node (done when recorded)."""
+    reason = (f"operator takeover of node {node!r}: agent {holder['agent_id']}'s credential "
+              f"revoked (it ran on host {holder['hostname']!r}, pid {holder['pid']}"
+              + (f"; the new agent runs on {hostname!r}" if hostname else "") + ")")
+    return int(conn.execute(actions.insert().values(
+        run_id=run_id, kind=TAKEOVER, reason=reason, actor=actor, status=ActionStatus.DONE,
+        attempt=attempt, created_at=now, updated_at=now,
+        progress={ActionStatus.DONE: now}).returning(actions.c.id)).scalar_one())
