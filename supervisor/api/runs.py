@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field
 
 from supervisor import actions, observe, policy
@@ -65,10 +65,16 @@ def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
 
 
 @router.get("/runs/{run}", response_model=None)
-def get_run(run: str, db: DB, _auth: ReadAuth) -> dict[str, Any]:
-    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint."""
+def get_run(run: str, db: DB, request: Request, _auth: ReadAuth) -> dict[str, Any]:
+    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint, and
+    ``goodput``: the live ETTR with the badput by cause in seconds (null before the
+    evaluator accounted the run; a cause it cannot measure is null, with the reason in
+    ``not_measured``)."""
     with db.read() as conn:
-        return _summary(conn, _run_or_404(conn, run))
+        out = _summary(conn, _run_or_404(conn, run))
+    evaluator = getattr(request.app.state, "evaluator", None)
+    out["goodput"] = evaluator.goodput(int(out["id"])) if evaluator is not None else None
+    return out
 
 
 @router.get("/runs/{run}/steps", response_model=None)
