@@ -1,6 +1,7 @@
 """The run page's loss chart reads at a glance (issue 14 item 6), in a real browser: a loss
-spike of 1e4 leaves the normal curve a readable band (log axis), and the labels of markers
-close together (a spike, restarts, rollbacks a few steps apart) never overlap."""
+spike of 1e4 leaves the normal curve a readable band (log axis), the labels of markers close
+together (a spike, restarts, rollbacks a few steps apart) never overlap, and the goodput bar
+(item 1) stands beside the chart."""
 
 from __future__ import annotations
 
@@ -69,9 +70,12 @@ def _intersect(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def test_loss_chart_log_axis_and_labels_that_do_not_overlap(db: Database) -> None:
     require_browser()
-    app = build_app(db, FakeClock())
+    clock = FakeClock()
+    app = build_app(db, clock)
     with serve_in_thread(app) as base, httpx.Client(base_url=base) as client:
         seed(client, db)
+        clock.now = T0 + 125  # within the node-lost deadline: the run stays as seeded
+        app.state.evaluator.tick()  # accounts the run's goodput
         with browser_page() as page:
             login(page, base, OPERATOR_TOKEN, "/runs/spiky")
             wait_for_charts(page)
@@ -105,6 +109,19 @@ def test_loss_chart_log_axis_and_labels_that_do_not_overlap(db: Database) -> Non
             overlaps = [(a["text"], b["text"]) for i, a in enumerate(labels)
                         for b in labels[i + 1:] if _intersect(a, b)]
             assert overlaps == [], overlaps
+            # beside it, the goodput bar: one segment per part with time, filling the bar
+            bar = page.evaluate("""() => {
+              const bar = document.querySelector("#goodput .goodput-bar");
+              const segs = [...bar.querySelectorAll(".seg")];
+              return {width: bar.clientWidth, parts: segs.map(e => e.dataset.part),
+                      sum: segs.reduce((a, e) => a + e.getBoundingClientRect().width, 0),
+                      head: document.querySelector("#goodput .goodput-head").textContent,
+                      legend: document.querySelector("#goodput .goodput-legend").textContent};
+            }""")
+            assert "productive" in bar["parts"] and "lost_progress" in bar["parts"], bar
+            assert abs(bar["sum"] - bar["width"]) <= 2, bar
+            assert bar["head"].startswith("ETTR "), bar
+            assert "idle: not measured" in bar["legend"], bar
             assert page.errors == [], page.errors
             screenshot(page, "dashboard-loss-chart")
 

@@ -319,6 +319,69 @@
     }});
   }
 
+  // ---------------------------------------------------------------- goodput bar
+
+  // The wall time since the run started as one stacked bar: productive, then each badput
+  // cause (seconds; a cause the supervisor cannot measure is listed as such).
+  var GOODPUT_PARTS = [
+    ["productive", "productive steps"], ["lost_progress", "lost progress"],
+    ["detection", "detection latency"], ["restart", "restart"], ["startup", "startup"],
+    ["checkpoint", "checkpoint stalls"], ["data_wait", "data wait"],
+    ["straggler", "straggler slowdown"], ["idle", "idle"], ["other", "other"]];
+
+  function fmtSecs(s) { return s < 90 ? s.toFixed(1) + " s" : fmtAge(s); }
+
+  function drawGoodput(g) {
+    var el = document.getElementById("goodput");
+    if (!el) return;
+    el.textContent = "";
+    if (!g || !g.wall_s) {
+      var p = document.createElement("p");
+      p.className = "muted";
+      p.textContent = "not accounted yet (the evaluator accounts a run from its first tick)";
+      el.appendChild(p);
+      return;
+    }
+    var head = document.createElement("p");
+    head.className = "goodput-head";
+    head.textContent = "ETTR " + (g.ettr === null ? "n/a" : (100 * g.ettr).toFixed(1) + "%") +
+      " of " + fmtSecs(g.wall_s) + " (" + g.steps_final + " steps on the final lineage, " +
+      g.steps_lost + " lost)";
+    el.appendChild(head);
+    var bar = document.createElement("div");
+    bar.className = "goodput-bar";
+    var list = document.createElement("ul");
+    list.className = "goodput-legend";
+    GOODPUT_PARTS.forEach(function (part) {
+      var key = part[0];
+      var secs = key === "productive" ? g.productive_s : g.badput_s[key];
+      var li = document.createElement("li");
+      var sw = document.createElement("span");
+      sw.className = "swatch seg-" + key;
+      li.appendChild(sw);
+      if (secs === null || secs === undefined) {
+        li.appendChild(document.createTextNode(part[1] + ": not measured"));
+        li.title = (g.not_measured || {})[key] || "";
+        li.className = "muted";
+      } else {
+        var pct = 100 * secs / g.wall_s;
+        li.appendChild(document.createTextNode(part[1] + ": " + fmtSecs(secs) + " (" +
+                                               pct.toFixed(1) + "%)"));
+        if (secs > 0) {
+          var seg = document.createElement("span");
+          seg.className = "seg seg-" + key;
+          seg.dataset.part = key;
+          seg.style.width = pct + "%";
+          seg.title = li.textContent;
+          bar.appendChild(seg);
+        }
+      }
+      list.appendChild(li);
+    });
+    el.appendChild(bar);
+    el.appendChild(list);
+  }
+
   // ---------------------------------------------------------------- run page
 
   function runPage(root) {
@@ -336,7 +399,7 @@
       return Promise.all([steps, series, tables]).then(function (res) {
         markers = res[1].data.markers;
         if (res[0].changed || res[1].changed) drawSteps(res[0].data.points, res[1].data.mfu);
-        if (res[1].changed) drawRanks(res[1].data.ranks);
+        if (res[1].changed) { drawRanks(res[1].data.ranks); drawGoodput(res[1].data.goodput); }
         if (res[2].changed) {
           var open = {};
           document.querySelectorAll("#tables details[open]").forEach(function (d, i) { open[i] = true; });
