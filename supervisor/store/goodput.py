@@ -19,8 +19,11 @@ def rank_steps_after(conn: Connection, *, run_id: int, after_id: int, limit: int
     """(id, attempt, step, rank, t, data_s, compute_s, step_s) of the run's rank step rows
     after ``after_id``, oldest first, at most ``limit``."""
     c = rank_steps.c
+    # ``run_id + 0``: no index on run_id may be used, so the planner walks the primary key
+    # from the cursor (the rows after it only) instead of every row of the run through
+    # ix_rank_steps_run_attempt_step and a sort (SQLite picks that without statistics).
     q = (select(c.id, c.attempt, c.step, c.rank, c.t, c.data_s, c.compute_s, c.step_s)
-         .where(c.run_id == run_id, c.id > after_id).order_by(c.id).limit(limit))
+         .where((c.run_id + 0) == run_id, c.id > after_id).order_by(c.id).limit(limit))
     return [(int(i), int(a), int(s), int(r), float(t), d, k, ss)
             for i, a, s, r, t, d, k, ss in conn.execute(q)]
 
@@ -34,7 +37,7 @@ def rank_count(conn: Connection, *, run_id: int) -> int:
 def checkpoints_after(conn: Connection, *, run_id: int, after_id: int) -> list[dict[str, Any]]:
     c = checkpoints.c
     q = (select(c.id, c.attempt, c.step, c.t, c.complete, c.save_s, c.async_save)
-         .where(c.run_id == run_id, c.id > after_id).order_by(c.id))
+         .where((c.run_id + 0) == run_id, c.id > after_id).order_by(c.id))  # (as above)
     return [dict(r._mapping) for r in conn.execute(q)]
 
 

@@ -10,11 +10,16 @@ at 120."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import event
 
 from supervisor.evaluator import Evaluator
+from supervisor.store import goodput as goodput_store
+from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock
 from tests.dashboard.synth import OPERATOR, SynthRun
 
@@ -100,3 +105,23 @@ def test_goodput_is_incremental(client: TestClient, clock: FakeClock,
     assert before is not None and after is not None
     assert after["wall_s"] == pytest.approx(before["wall_s"] + 10)
     assert after["productive_s"] == pytest.approx(before["productive_s"])
+
+
+def test_the_step_read_walks_the_primary_key_from_its_cursor(db: Database) -> None:
+    """Not every row of the run through the (run, attempt, step) index and a sort: SQLite
+    picks that plan for ``run_id = ? AND id > ? ORDER BY id`` when it has no statistics."""
+    seen: list[tuple[str, Any]] = []
+
+    def capture(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        seen.append((statement, params))
+
+    with db.read() as conn:
+        event.listen(db.engine, "before_cursor_execute", capture)
+        try:
+            goodput_store.rank_steps_after(conn, run_id=1, after_id=5, limit=10)
+        finally:
+            event.remove(db.engine, "before_cursor_execute", capture)
+        (statement, params), = seen
+        plan = " ".join(str(r[-1]) for r in
+                        conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params))
+    assert "PRIMARY KEY" in plan and "TEMP B-TREE" not in plan, plan
