@@ -133,6 +133,13 @@ class _Families:
         self.goodput = g("trainwarden_run_goodput_ratio",
                          "ETTR: productive step time on the final lineage / wall time since "
                          "the run started", labels=["run"])
+        self.productive = g("trainwarden_run_productive_seconds",
+                            "Productive step time on the final lineage since the run "
+                            "started (ETTR's numerator; it drops when a restore throws "
+                            "steps away)", labels=["run"])
+        self.wall = g("trainwarden_run_wall_seconds",
+                      "Wall time since the run started (ETTR's denominator; it stops when "
+                      "the run ends)", labels=["run"])
         self.badput = g("trainwarden_run_badput_seconds",
                         "Wall time since the run started not spent on productive steps, by "
                         "cause (causes not measured are left out)", labels=["run", "cause"])
@@ -179,7 +186,7 @@ class _Families:
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
-                self.goodput, self.badput,
+                self.goodput, self.productive, self.wall, self.badput,
                 self.incidents, self.no_progress, self.no_progress_limit, self.straggler,
                 self.straggler_slow, self.straggler_threshold, self.hb_age, self.disk,
                 self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util, self.gpu_mem,
@@ -239,6 +246,8 @@ class StoreCollector(Collector):
         if gp is not None:
             if gp["ettr"] is not None:
                 f.goodput.add_metric([name], gp["ettr"])
+            f.productive.add_metric([name], gp["productive_s"])
+            f.wall.add_metric([name], gp["wall_s"])
             for cause, secs in gp["badput_s"].items():
                 if secs is not None:
                     f.badput.add_metric([name, cause], secs)

@@ -86,6 +86,11 @@ def test_goodput_on_metrics(client: TestClient, clock: FakeClock,
     badput = {s.labels["cause"]: s.value for s in fams["trainwarden_run_badput_seconds"].samples
               if s.labels["run"] == "alpha"}
     assert badput == {k: pytest.approx(v, abs=1e-4) for k, v in EXPECTED.items()}
+    # the ETTR's two sides, for a windowed ETTR in PromQL (the low-goodput alert)
+    for fam, want in (("trainwarden_run_productive_seconds", PRODUCTIVE),
+                      ("trainwarden_run_wall_seconds", END)):
+        got = [s.value for s in fams[fam].samples if s.labels["run"] == "alpha"]
+        assert got == [pytest.approx(want, abs=1e-4)], fam
 
 
 def test_goodput_is_incremental(client: TestClient, clock: FakeClock,
