@@ -185,7 +185,7 @@ class Evaluator:
             for gone in self._runs.keys() - {int(r["id"]) for r in active}:
                 self._goodput_ended(conn, gone, self._runs.pop(gone))
             for run in active:
-                self._goodput_update(conn, run, self._state(run))
+                self._goodput_update(conn, run, self._state(run), now=now)
             return {int(run["id"]): obs for run in active
                     if (obs := self._observe(conn, run, self._state(run), now)) is not None}
 
@@ -194,7 +194,7 @@ class Evaluator:
     ENDED_GOODPUT_KEPT = 256
 
     def _goodput_update(self, conn: Connection, run: RunRow, state: RunState,
-                        ended_at: float | None = None) -> None:
+                        ended_at: float | None = None, now: float | None = None) -> None:
         """Feed the run's live ETTR with the rows it gained since the last tick."""
         run_id = int(run["id"])
         g = state.goodput
@@ -211,7 +211,7 @@ class Evaluator:
                                                    pending=g.pending_actions)
         with self._goodput_lock:
             g.update(steps=steps, world=world, checkpoints=ckpts, incidents=incs,
-                     actions=acts, ended_at=ended_at)
+                     actions=acts, ended_at=ended_at, now=now)
 
     def _goodput_ended(self, conn: Connection, run_id: int, state: RunState) -> None:
         run = registry.get_run(conn, run_id=run_id)
@@ -223,13 +223,23 @@ class Evaluator:
             while len(self._ended_goodput) > self.ENDED_GOODPUT_KEPT:
                 self._ended_goodput.pop(next(iter(self._ended_goodput)))
 
+    def _goodput_of(self, run_id: int) -> LiveGoodput | None:
+        state = self._runs.get(run_id)
+        return state.goodput if state is not None else self._ended_goodput.get(run_id)
+
+    def goodput_series(self, run_id: int, window_s: float) -> dict[str, Any] | None:
+        """``LiveGoodput.series`` now; None when this process has not accounted the run."""
+        now = self.clock()
+        with self._goodput_lock:
+            g = self._goodput_of(run_id)
+            return None if g is None else g.series(now, window_s)
+
     def goodput(self, run_id: int) -> dict[str, Any] | None:
         """The run's live ETTR and badput by cause (``LiveGoodput.as_dict``) now; None when
         this process has not accounted the run (not yet ticked, or it ended before)."""
         now = self.clock()
         with self._goodput_lock:
-            state = self._runs.get(run_id)
-            g = state.goodput if state is not None else self._ended_goodput.get(run_id)
+            g = self._goodput_of(run_id)
             return None if g is None else g.as_dict(now)
 
     def _state(self, run: RunRow) -> RunState:

@@ -77,6 +77,25 @@ def get_run(run: str, db: DB, request: Request, _auth: ReadAuth) -> dict[str, An
     return out
 
 
+@router.get("/runs/{run}/goodput", response_model=None)
+def get_goodput(
+    run: str, db: DB, request: Request, _auth: ReadAuth,
+    window_s: Annotated[float, Query(gt=0, le=86_400)] = 6 * 3600.0,
+) -> dict[str, Any]:
+    """The live goodput: ``current`` (as on the run), ``window`` (the ETTR and badput of
+    the last ``window_s`` seconds: its ``start``/``end`` say the span it covers, shorter
+    while the run or the series is younger; a restore inside it charges the steps it threw
+    away, so its productive time can be negative), and ``points``: the cumulative breakdown
+    once a minute over the last day.  404 for an unknown run; ``current`` null before the
+    evaluator accounted it."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+    evaluator = getattr(request.app.state, "evaluator", None)
+    series = evaluator.goodput_series(int(r["id"]), window_s) if evaluator else None
+    return {"run": run, "window_s": window_s,
+            **(series or {"current": None, "window": None, "points": []})}
+
+
 @router.get("/runs/{run}/steps", response_model=None)
 def get_steps(
     run: str,

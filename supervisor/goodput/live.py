@@ -25,11 +25,13 @@ counted in the phase the run was in (a restart's time, else ``other``).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.goodput.ettr import (
+    Breakdown,
     CheckpointSaved,
     EttrAccumulator,
     Event,
@@ -40,6 +42,7 @@ from supervisor.goodput.ettr import (
     RunEnded,
     event_time,
     gang_step,
+    window,
 )
 
 # rank step rows read per tick (a catch-up after a supervisor restart takes several ticks)
@@ -58,6 +61,9 @@ FINAL_ACTION = frozenset({"resumed", "failed", "superseded", "done"})
 
 StepRow = tuple[int, int, int, int, float, float | None, float | None, float | None]
 
+SERIES_EVERY_S = 60.0  # one point of the goodput series per minute of wall time ...
+SERIES_POINTS = 1440  # ... over the last day
+
 
 @dataclass
 class LiveGoodput:
@@ -75,6 +81,8 @@ class LiveGoodput:
     _partial: dict[tuple[int, int], list[tuple[float, RankTiming]]] = field(
         default_factory=dict)
     _last_step_t: dict[int, float] = field(default_factory=dict)  # attempt -> newest step end
+    # snapshots, one per SERIES_EVERY_S, for the series and the windowed ETTR
+    history: deque[Breakdown] = field(default_factory=lambda: deque(maxlen=SERIES_POINTS))
 
     def __post_init__(self) -> None:
         self.acc = EttrAccumulator(start=self.start)
@@ -85,10 +93,21 @@ class LiveGoodput:
                checkpoints: Iterable[Mapping[str, Any]] = (),
                incidents: Iterable[Mapping[str, Any]] = (),
                actions: Iterable[Mapping[str, Any]] = (),
-               ended_at: float | None = None) -> None:
-        """Feed the rows read since the last call (each kind after its cursor, id order)."""
+               ended_at: float | None = None, now: float | None = None) -> None:
+        """Feed the rows read since the last call (each kind after its cursor, id order);
+        ``now``: the time of the call, for the series (a point per ``SERIES_EVERY_S``)."""
         if self.ended:
             return
+        self._feed(steps, world, checkpoints, incidents, actions, ended_at)
+        t = ended_at if ended_at is not None else now
+        if t is not None and (ended_at is not None or not self.history
+                              or t - self.history[-1].end >= SERIES_EVERY_S):
+            self.history.append(self.acc.snapshot(t))
+
+    def _feed(self, steps: Sequence[StepRow], world: int,
+              checkpoints: Iterable[Mapping[str, Any]],
+              incidents: Iterable[Mapping[str, Any]],
+              actions: Iterable[Mapping[str, Any]], ended_at: float | None) -> None:
         events: list[Event] = []
         events.extend(self._steps(steps, max(1, world)))
         for c in checkpoints:
@@ -165,12 +184,29 @@ class LiveGoodput:
 
     def as_dict(self, now: float) -> dict[str, Any]:
         """The API's ``goodput`` object at ``now``."""
-        b = self.acc.snapshot(now)
-        parts = b.parts()
-        badput: dict[str, float | None] = {
-            cause: None if cause in NOT_MEASURED else parts[part]
-            for cause, part in CAUSES.items()}
-        return {"ettr": b.ettr, "wall_s": b.wall_s, "productive_s": b.productive,
-                "badput_s": badput, "not_measured": dict(NOT_MEASURED),
-                "steps_final": b.steps_final, "steps_lost": b.steps_lost,
-                "start": b.start, "end": b.end}
+        return breakdown_dict(self.acc.snapshot(now))
+
+    def series(self, now: float, window_s: float) -> dict[str, Any]:
+        """The breakdown now, over the last ``window_s`` (from the newest point at least
+        that old, else the oldest kept: ``window`` says which span it covers), and the
+        points kept (cumulative since the run's start, one per ``SERIES_EVERY_S``)."""
+        current = self.acc.snapshot(now)
+        earlier = next((b for b in reversed(self.history) if b.end <= now - window_s), None)
+        if earlier is None:
+            earlier = self.history[0] if self.history else None
+        win = window(earlier, current) if earlier is not None and earlier.end < current.end \
+            else current
+        return {"current": breakdown_dict(current), "window": breakdown_dict(win),
+                "points": [breakdown_dict(b) for b in self.history]}
+
+
+def breakdown_dict(b: Breakdown) -> dict[str, Any]:
+    """A breakdown as the API shows it: the causes by their API names, those not measured
+    null (with the reason)."""
+    parts = b.parts()
+    badput: dict[str, float | None] = {
+        cause: None if cause in NOT_MEASURED else parts[part] for cause, part in CAUSES.items()}
+    return {"ettr": b.ettr, "wall_s": b.wall_s, "productive_s": b.productive,
+            "badput_s": badput, "not_measured": dict(NOT_MEASURED),
+            "steps_final": b.steps_final, "steps_lost": b.steps_lost,
+            "start": b.start, "end": b.end}

@@ -130,3 +130,34 @@ def test_the_step_read_walks_the_primary_key_from_its_cursor(db: Database) -> No
         plan = " ".join(str(r[-1]) for r in
                         conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, params))
     assert "PRIMARY KEY" in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_goodput_series_and_window(client: TestClient, clock: FakeClock,
+                                   evaluator: Evaluator) -> None:
+    """``GET /runs/{run}/goodput``: a cumulative point once a minute (the first tick's, then
+    one a minute or more later), and the ETTR of the last ``window_s`` from the newest point
+    at least that old."""
+    script(client, clock, evaluator)  # ticks at 66, 70 and 120: one point, at 66
+    clock.now = T0 + 200
+    evaluator.tick()  # a second point, at 200
+    r = client.get("/api/v1/runs/alpha/goodput", params={"window_s": 100}, headers=OPERATOR)
+    assert r.status_code == 200
+    body = r.json()
+    assert [p["end"] - T0 for p in body["points"]] == [66.0, 200.0]
+    first, cur, win = body["points"][0], body["current"], body["window"]
+    assert (win["start"] - T0, win["end"] - T0) == (66.0, 200.0)
+    assert win["wall_s"] == pytest.approx(134.0)
+    assert win["productive_s"] == pytest.approx(cur["productive_s"] - first["productive_s"])
+    assert win["ettr"] == pytest.approx(win["productive_s"] / 134.0)
+    assert cur == client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["goodput"]
+    assert sum(v for v in win["badput_s"].values() if v is not None) + win["productive_s"] \
+        == pytest.approx(134.0)
+
+
+def test_goodput_series_refuses_bad_input(client: TestClient) -> None:
+    SynthRun(client, "alpha").register()
+    r = client.get("/api/v1/runs/alpha/goodput", params={"window_s": 0}, headers=OPERATOR)
+    assert r.status_code == 422
+    assert client.get("/api/v1/runs/nope/goodput", headers=OPERATOR).status_code == 404
+    body = client.get("/api/v1/runs/alpha/goodput", headers=OPERATOR).json()
+    assert body["current"] is None and body["points"] == []  # not accounted yet
