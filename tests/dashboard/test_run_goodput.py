@@ -19,6 +19,7 @@ from sqlalchemy import event
 
 from supervisor.evaluator import Evaluator
 from supervisor.store import goodput as goodput_store
+from supervisor.store import registry
 from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock
 from tests.dashboard.synth import OPERATOR, SynthRun
@@ -161,3 +162,23 @@ def test_goodput_series_refuses_bad_input(client: TestClient) -> None:
     assert client.get("/api/v1/runs/nope/goodput", headers=OPERATOR).status_code == 404
     body = client.get("/api/v1/runs/alpha/goodput", headers=OPERATOR).json()
     assert body["current"] is None and body["points"] == []  # not accounted yet
+
+
+def test_goodput_of_a_run_that_ended_stops_counting(client: TestClient, clock: FakeClock,
+                                                    evaluator: Evaluator,
+                                                    db: Database) -> None:
+    """The wall time ends when the run does; the breakdown stays readable after the
+    evaluator drops the run's state."""
+    script(client, clock, evaluator)
+    run_id = client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["id"]
+    with db.write() as conn:
+        registry.set_run_status(conn, run_id=run_id, status="completed", now=T0 + 150)
+    clock.now = T0 + 300
+    evaluator.tick()
+    assert run_id not in evaluator._runs
+    g = client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["goodput"]
+    assert g["end"] == pytest.approx(T0 + 150)
+    assert g["wall_s"] == pytest.approx(150.0)
+    assert g["productive_s"] == pytest.approx(PRODUCTIVE)
+    clock.now = T0 + 900
+    assert evaluator.goodput(run_id) == g
