@@ -185,7 +185,14 @@ class Evaluator:
             for gone in self._runs.keys() - {int(r["id"]) for r in active}:
                 self._goodput_ended(conn, gone, self._runs.pop(gone))
             for run in active:
-                self._goodput_update(conn, run, self._state(run), now=now)
+                state = self._state(run)
+                try:
+                    self._goodput_update(conn, run, state, now=now)
+                except Exception:  # the accounting must never stop the fault handling
+                    log.exception("run %s: goodput accounting failed; it starts over",
+                                  run["name"])
+                    with self._goodput_lock:
+                        state.goodput = None
             return {int(run["id"]): obs for run in active
                     if (obs := self._observe(conn, run, self._state(run), now)) is not None}
 

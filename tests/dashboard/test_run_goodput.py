@@ -182,3 +182,25 @@ def test_goodput_of_a_run_that_ended_stops_counting(client: TestClient, clock: F
     assert g["productive_s"] == pytest.approx(PRODUCTIVE)
     clock.now = T0 + 900
     assert evaluator.goodput(run_id) == g
+
+
+def test_a_failing_goodput_read_does_not_stop_the_fault_handling(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    run = SynthRun(client, "alpha").register()
+    run.train(range(10), t0=T0 + 5, dt=2.0)
+    run.crash(node=1, rank=3, t=T0 + 30)
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(goodput_store, "rank_steps_after", broken)
+    clock.now = T0 + 32
+    evaluator.tick()
+    acts = client.get("/api/v1/runs/alpha/actions", headers=OPERATOR).json()["actions"]
+    assert [a["kind"] for a in acts] == ["restart"]  # the crash was handled
+    assert client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["goodput"] is None
+    monkeypatch.undo()
+    evaluator.tick()  # it starts over from the run's start
+    g = client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["goodput"]
+    assert g is not None and g["steps_final"] == 10
