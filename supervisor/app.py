@@ -130,6 +130,6 @@ def create_app(
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
-                    straggler=evaluator.detection.straggler)
+                    straggler=evaluator.detection.straggler, goodput=evaluator.goodput)
     app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

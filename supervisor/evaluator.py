@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from agent import protocol
 from agent.core.findings import FindingKind, Severity
@@ -27,6 +28,8 @@ from supervisor.detect import Finding
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
+from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
+from supervisor.store import goodput as goodput_store
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
 from supervisor.store.db import Connection, Database
@@ -83,6 +86,7 @@ class RunState:
     loss_seen: tuple[int, int] | None = None  # (attempt, newest step) of the last loss look
     # agent id -> (the other attempt it reports, since when): see ``_attempt_mismatches``
     mismatch: dict[int, tuple[int, float]] = field(default_factory=dict)
+    goodput: LiveGoodput | None = None  # the live ETTR, fed with the rows new each tick
 
 
 class Evaluator:
@@ -98,6 +102,9 @@ class Evaluator:
         self._event_cursor = 0  # worker events are read once, in id order
         self._unattached: list[NodeEventRow] = []  # stack dumps that came before their incident
         self._runs: dict[int, RunState] = {}  # run id -> its state (active runs only)
+        # The goodput of runs that ended while this process watched them (newest kept).
+        self._ended_goodput: dict[int, LiveGoodput] = {}
+        self._goodput_lock = threading.Lock()  # the API reads what the loop feeds
 
     def tick(self) -> TickReport:
         now = self.clock()
@@ -176,9 +183,71 @@ class Evaluator:
         with self.db.read() as conn:
             active = registry.active_runs(conn)
             for gone in self._runs.keys() - {int(r["id"]) for r in active}:
-                del self._runs[gone]
+                self._goodput_ended(conn, gone, self._runs.pop(gone))
+            for run in active:
+                state = self._state(run)
+                try:
+                    self._goodput_update(conn, run, state, now=now)
+                except Exception:  # the accounting must never stop the fault handling
+                    log.exception("run %s: goodput accounting failed; it starts over",
+                                  run["name"])
+                    with self._goodput_lock:
+                        state.goodput = None
             return {int(run["id"]): obs for run in active
                     if (obs := self._observe(conn, run, self._state(run), now)) is not None}
+
+    # -- goodput -----------------------------------------------------------------------------
+
+    ENDED_GOODPUT_KEPT = 256
+
+    def _goodput_update(self, conn: Connection, run: RunRow, state: RunState,
+                        ended_at: float | None = None, now: float | None = None) -> None:
+        """Feed the run's live ETTR with the rows it gained since the last tick."""
+        run_id = int(run["id"])
+        g = state.goodput
+        if g is None:
+            g = state.goodput = LiveGoodput(start=float(run["created_at"]))
+        steps = goodput_store.rank_steps_after(conn, run_id=run_id, after_id=g.step_id,
+                                               limit=STEP_ROWS_PER_TICK)
+        if len(steps) == STEP_ROWS_PER_TICK:
+            ended_at = None  # still catching up: end it once every step is in
+        world = goodput_store.rank_count(conn, run_id=run_id)
+        ckpts = goodput_store.checkpoints_after(conn, run_id=run_id, after_id=g.checkpoint_id)
+        incs = goodput_store.incidents_after(conn, run_id=run_id, after_id=g.incident_id)
+        acts = goodput_store.restart_actions_after(conn, run_id=run_id, after_id=g.action_id,
+                                                   pending=g.pending_actions)
+        with self._goodput_lock:
+            g.update(steps=steps, world=world, checkpoints=ckpts, incidents=incs,
+                     actions=acts, ended_at=ended_at, now=now)
+
+    def _goodput_ended(self, conn: Connection, run_id: int, state: RunState) -> None:
+        run = registry.get_run(conn, run_id=run_id)
+        if run is None or state.goodput is None:
+            return
+        self._goodput_update(conn, run, state, ended_at=float(run["updated_at"]))
+        with self._goodput_lock:
+            self._ended_goodput[run_id] = state.goodput
+            while len(self._ended_goodput) > self.ENDED_GOODPUT_KEPT:
+                self._ended_goodput.pop(next(iter(self._ended_goodput)))
+
+    def _goodput_of(self, run_id: int) -> LiveGoodput | None:
+        state = self._runs.get(run_id)
+        return state.goodput if state is not None else self._ended_goodput.get(run_id)
+
+    def goodput_series(self, run_id: int, window_s: float) -> dict[str, Any] | None:
+        """``LiveGoodput.series`` now; None when this process has not accounted the run."""
+        now = self.clock()
+        with self._goodput_lock:
+            g = self._goodput_of(run_id)
+            return None if g is None else g.series(now, window_s)
+
+    def goodput(self, run_id: int) -> dict[str, Any] | None:
+        """The run's live ETTR and badput by cause (``LiveGoodput.as_dict``) now; None when
+        this process has not accounted the run (not yet ticked, or it ended before)."""
+        now = self.clock()
+        with self._goodput_lock:
+            g = self._goodput_of(run_id)
+            return None if g is None else g.as_dict(now)
 
     def _state(self, run: RunRow) -> RunState:
         state = self._runs.get(int(run["id"]))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Response
@@ -130,6 +130,19 @@ class _Families:
         self.mfu = g("trainwarden_run_mfu_ratio",
                      "Model FLOPs utilisation (declared FLOPs per sample and peak)",
                      labels=["run"])
+        self.goodput = g("trainwarden_run_goodput_ratio",
+                         "ETTR: productive step time on the final lineage / wall time since "
+                         "the run started", labels=["run"])
+        self.productive = g("trainwarden_run_productive_seconds",
+                            "Productive step time on the final lineage since the run "
+                            "started (ETTR's numerator; it drops when a restore throws "
+                            "steps away)", labels=["run"])
+        self.wall = g("trainwarden_run_wall_seconds",
+                      "Wall time since the run started (ETTR's denominator; it stops when "
+                      "the run ends)", labels=["run"])
+        self.badput = g("trainwarden_run_badput_seconds",
+                        "Wall time since the run started not spent on productive steps, by "
+                        "cause (causes not measured are left out)", labels=["run", "cause"])
         self.incidents = g("trainwarden_run_open_incidents", "Open incidents by kind",
                            labels=["run", "kind"])
         self.no_progress = g("trainwarden_run_restarts_without_progress",
@@ -173,6 +186,7 @@ class _Families:
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
+                self.goodput, self.productive, self.wall, self.badput,
                 self.incidents, self.no_progress, self.no_progress_limit, self.straggler,
                 self.straggler_slow, self.straggler_threshold, self.hb_age, self.disk,
                 self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util, self.gpu_mem,
@@ -184,8 +198,10 @@ class StoreCollector(Collector):
 
     def __init__(self, db: Database, clock: Clock = time.time, *,
                  policy_cfg: policy.PolicyConfig | None = None,
-                 straggler: StragglerConfig | None = None) -> None:
+                 straggler: StragglerConfig | None = None,
+                 goodput: Callable[[int], dict[str, Any] | None] | None = None) -> None:
         self.db = db
+        self.goodput = goodput  # run id -> the evaluator's live ETTR (Evaluator.goodput)
         self.clock = clock
         self.policy_cfg = policy_cfg or policy.PolicyConfig()
         self.straggler_cfg = straggler or StragglerConfig()
@@ -226,6 +242,15 @@ class StoreCollector(Collector):
             f.restarts.add_metric([name, cause], n)
         for cause, left in policy.budgets_left(automatic, self.policy_cfg).items():
             f.budget.add_metric([name, cause], left)
+        gp = self.goodput(run_id) if self.goodput is not None else None
+        if gp is not None:
+            if gp["ettr"] is not None:
+                f.goodput.add_metric([name], gp["ettr"])
+            f.productive.add_metric([name], gp["productive_s"])
+            f.wall.add_metric([name], gp["wall_s"])
+            for cause, secs in gp["badput_s"].items():
+                if secs is not None:
+                    f.badput.add_metric([name, cause], secs)
         counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
@@ -334,11 +359,14 @@ def route_template(scope: dict[str, Any], root_path: str = "") -> str:
 
 
 def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.PolicyConfig,
-            straggler: StragglerConfig, prefix: str = "") -> CollectorRegistry:
+            straggler: StragglerConfig, prefix: str = "",
+            goodput: Callable[[int], dict[str, Any] | None] | None = None
+            ) -> CollectorRegistry:
     """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the policy's
     and the straggler detector's configuration are the ones the evaluator decides with."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler))
+    registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler,
+                                     goodput=goodput))
     app.add_middleware(RequestMetrics, registry=registry)
     router = APIRouter(tags=["metrics"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from supervisor import actions, observe, policy
@@ -67,10 +67,35 @@ def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
 
 
 @router.get("/runs/{run}", response_model=None)
-def get_run(run: RunName, db: DB, _auth: ReadAuth) -> dict[str, Any]:
-    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint."""
+def get_run(run: RunName, db: DB, request: Request, _auth: ReadAuth) -> dict[str, Any]:
+    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint, and
+    ``goodput``: the live ETTR with the badput by cause in seconds (null before the
+    evaluator accounted the run; a cause it cannot measure is null, with the reason in
+    ``not_measured``)."""
     with db.read() as conn:
-        return _summary(conn, _run_or_404(conn, run))
+        out = _summary(conn, _run_or_404(conn, run))
+    evaluator = getattr(request.app.state, "evaluator", None)
+    out["goodput"] = evaluator.goodput(int(out["id"])) if evaluator is not None else None
+    return out
+
+
+@router.get("/runs/{run}/goodput", response_model=None)
+def get_goodput(
+    run: RunName, db: DB, request: Request, _auth: ReadAuth,
+    window_s: Annotated[float, Query(gt=0, le=86_400)] = 6 * 3600.0,
+) -> dict[str, Any]:
+    """The live goodput: ``current`` (as on the run), ``window`` (the ETTR and badput of
+    the last ``window_s`` seconds: its ``start``/``end`` say the span it covers, shorter
+    while the run or the series is younger; a restore inside it charges the steps it threw
+    away, so its productive time can be negative), and ``points``: the cumulative breakdown
+    once a minute over the last day.  404 for an unknown run; ``current`` null before the
+    evaluator accounted it."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+    evaluator = getattr(request.app.state, "evaluator", None)
+    series = evaluator.goodput_series(int(r["id"]), window_s) if evaluator else None
+    return {"run": run, "window_s": window_s,
+            **(series or {"current": None, "window": None, "points": []})}
 
 
 @router.get("/runs/{run}/steps", response_model=None)

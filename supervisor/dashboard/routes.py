@@ -250,11 +250,16 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
 
 
 @router.get("/dashboard/api/runs/{run}/series")
-def run_series(run: str, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
-    """Chart extras: spike/rollback markers, per-rank phase times, and the factor that turns
-    throughput into MFU (null until the run declares FLOPs and the hardware peak)."""
+def run_series(run: str, db: DB, straggler: Straggler, request: Request,
+               _auth: ReadAuth) -> dict[str, Any]:
+    """Chart extras: spike/rollback markers, per-rank phase times, the factor that turns
+    throughput into MFU (null until the run declares FLOPs and the hardware peak), and the
+    live goodput (as on ``GET /api/v1/runs/{run}``)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        return {"run": run, "markers": views.markers(conn, r["id"]),
-                "ranks": views.rank_series(conn, r["id"], straggler),
-                "mfu": views.mfu_feed(conn, r["id"])}
+        out = {"run": run, "markers": views.markers(conn, r["id"]),
+               "ranks": views.rank_series(conn, r["id"], straggler),
+               "mfu": views.mfu_feed(conn, r["id"])}
+    evaluator = getattr(request.app.state, "evaluator", None)
+    out["goodput"] = evaluator.goodput(int(r["id"])) if evaluator is not None else None
+    return out

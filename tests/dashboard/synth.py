@@ -58,12 +58,13 @@ class SynthRun:
         return out
 
     def train(self, steps: range, *, t0: float, attempt: int = 0, dt: float = 1.0,
-              spike: tuple[int, int] | None = None, nan_at: int | None = None,
-              slow_rank: int | None = None, checkpoint_every: int = 0,
+              spike: tuple[int, int] | None = None, spike_to: float | None = None,
+              nan_at: int | None = None, slow_rank: int | None = None, checkpoint_every: int = 0,
               disk_free: int = 50 * 2**30, disk_total: int | None = 100 * 2**30,
               gpus: dict[str, Any] | None = None, nodes: range | None = None) -> None:
         """Report ``steps`` from every rank of ``nodes`` (all of them unless given; one batch
-        per node per 10 steps)."""
+        per node per 10 steps).  ``spike_to``: the loss inside ``spike`` (default: 6 above
+        the curve)."""
         for chunk_start in range(steps.start, steps.stop, 10):
             chunk = range(chunk_start, min(chunk_start + 10, steps.stop))
             for n in nodes if nodes is not None else range(self.nodes):
@@ -73,7 +74,7 @@ class SynthRun:
                         rank = n * self.ranks_per_node + lr
                         items.append(step_item(rank, s, t=t0 + s * dt, attempt=attempt,
                                                local_rank=lr, world=self.world,
-                                               loss=loss_at(s, rank, spike, nan_at),
+                                               loss=loss_at(s, rank, spike, nan_at, spike_to),
                                                slow=rank == slow_rank))
                     if n == 0 and checkpoint_every and s and s % checkpoint_every == 0:
                         items.append({"type": "checkpoint", "attempt": attempt, "rank": 0,
@@ -109,13 +110,13 @@ class SynthRun:
                   attempt=attempt)
 
 
-def loss_at(step: int, rank: int, spike: tuple[int, int] | None, nan_at: int | None
-            ) -> float:
+def loss_at(step: int, rank: int, spike: tuple[int, int] | None, nan_at: int | None,
+            spike_to: float | None = None) -> float:
     if nan_at is not None and step == nan_at:
         return math.nan
     base = 4.0 * math.exp(-step / 40.0) + 1.0 + 0.01 * rank + 0.02 * math.sin(step)
     if spike is not None and spike[0] <= step <= spike[1]:
-        return base + 6.0
+        return base + 6.0 if spike_to is None else spike_to
     return base
 
 

@@ -58,6 +58,10 @@ CONTRACT = {
     "trainwarden_gpu_temperature_celsius",
     "trainwarden_gpu_ecc_uncorrected_errors",
     "trainwarden_run_mfu_ratio",
+    "trainwarden_run_goodput_ratio",
+    "trainwarden_run_badput_seconds",
+    "trainwarden_run_productive_seconds",
+    "trainwarden_run_wall_seconds",
     "trainwarden_http_requests_total",
     # histogram: only its series are queryable
     "trainwarden_ingest_latency_seconds_bucket",

@@ -73,6 +73,14 @@ def check_metrics_of_a_live_run(sup: Supervisor) -> None:
     assert one(m, "trainwarden_agent_worker_rss_bytes", run="live", node="node0") > 100e6
     assert one(m, "trainwarden_agent_gpu_available", run="live", node="node0") == 0  # CPU box
     assert one(m, "trainwarden_ingest_latency_seconds_count") > 10
+    # the live goodput: the rollback threw steps away and the restart took time
+    assert 0 < one(m, "trainwarden_run_goodput_ratio", run="live") < 1
+    assert one(m, "trainwarden_run_badput_seconds", run="live", cause="lost_progress") > 0
+    assert one(m, "trainwarden_run_badput_seconds", run="live", cause="restart") > 0
+    g = sup.get("/runs/live")["goodput"]
+    measured = sum(v for v in g["badput_s"].values() if v is not None)
+    assert measured + g["productive_s"] == pytest.approx(g["wall_s"], rel=1e-6)
+    assert g["steps_lost"] > 0 and g["badput_s"]["idle"] is None
 
 
 def test_spike_rollback_seen_and_operator_rollback_through_the_form(tmp_path: Path) -> None:

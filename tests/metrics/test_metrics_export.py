@@ -54,6 +54,8 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
               disk_total=70 * 2**30, gpus={"available": True, "devices": [
                   {"index": 0, "util_percent": 90, "mem_used_bytes": 5, "temp_c": 70,
                    "ecc_uncorrected": 0}, {"index": 1, "util_percent": None}]})
+    clock.now = T0 + 30
+    evaluator.tick()  # accounts the run's goodput (a second after its newest step)
     clock.now = T0 + 40
     samples = scrape(client)
     for name in RUN_GAUGES:
@@ -98,6 +100,11 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
                      node=node, gpu="0") == 0
     # a reading the GPU does not support is left out, not exported as 0
     assert not series(samples, "trainwarden_gpu_utilization_percent", gpu="1")
+    # the live goodput: steps of 0.25 s (less 0.02 s data wait) in 40 s of wall time; step 0
+    # ends at the run's registration, so none of it falls in the run's wall time
+    assert math.isclose(value(samples, "trainwarden_run_wall_seconds", run="alpha"), 40.0)
+    assert math.isclose(value(samples, "trainwarden_run_goodput_ratio", run="alpha"),
+                        29 * (0.25 - 0.02) / 40, rel_tol=1e-6)
     # everything the alert rules and the Grafana dashboard are written against is exported
     assert {n for n, _, _ in samples} >= CONTRACT
     scores = series(samples, "trainwarden_rank_straggler_score", run="alpha")

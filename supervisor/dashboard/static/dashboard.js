@@ -96,13 +96,119 @@
 
   // ---------------------------------------------------------------- charts
 
-  function markersPlugin(getMarkers) {
+  // Loss y axis.  Log by default: a spike of 1e4 over losses of about 1 leaves the normal
+  // curve a readable band instead of a line at zero.  A log axis cannot show a loss <= 0 or
+  // a non-finite one: non-finite losses are never drawn (their steps are shaded as
+  // "nonfinite" spikes), and when any finite loss is <= 0 the chart uses a linear axis with
+  // a range robust to outliers instead (the 2nd..98th percentile, padded), with the peak it
+  // clips annotated.  The note under the chart says which.
+  function lossScale(data) {
+    var vals = [], peak = null;
+    for (var s = 1; s < data.length; s++) {
+      for (var i = 0; i < data[s].length; i++) {
+        var v = data[s][i];
+        if (v === null || v === undefined || !isFinite(v)) continue;
+        vals.push(v);
+        if (peak === null || v > peak.value) peak = {step: data[0][i], value: v};
+      }
+    }
+    var nonpos = vals.filter(function (v) { return v <= 0; }).length;
+    if (vals.length === 0 || nonpos === 0) return {log: true, nonpos: 0};
+    vals.sort(function (a, b) { return a - b; });
+    var q = function (f) { return vals[Math.min(vals.length - 1, Math.floor(f * (vals.length - 1)))]; };
+    var lo = q(0.02), hi = q(0.98);
+    var pad = Math.max((hi - lo) * 0.15, Math.abs(hi) * 0.01, 1e-9);
+    var range = [Math.min(lo - pad, vals[0]), hi + pad];
+    var clipped = peak.value > range[1] ? peak : null;
+    if (!clipped) range[1] = Math.max(range[1], vals[vals.length - 1]);
+    return {log: false, nonpos: nonpos, range: range, clipped: clipped};
+  }
+
+  function fmtLoss(v) {
+    return Math.abs(v) >= 1e4 || (v !== 0 && Math.abs(v) < 1e-3) ? v.toExponential(1)
+      : String(+v.toPrecision(3));
+  }
+
+  function lossNote(sc) {
+    var el = document.getElementById("chart-loss-note");
+    if (!el) return;
+    el.textContent = sc.log
+      ? "log axis: a loss <= 0 cannot be drawn on it (the chart switches to a linear axis " +
+        "if one appears); non-finite losses are not drawn, their steps are shaded."
+      : "linear axis (" + sc.nonpos + " losses <= 0 rule out a log axis), range robust to " +
+        "outliers" + (sc.clipped ? "; the peak " + fmtLoss(sc.clipped.value) + " at step " +
+        sc.clipped.step + " is off the top" : "") + "; non-finite losses are not drawn.";
+  }
+
+  // Marker labels as boxes in a layer over the plot (not on the canvas), laid out so that no
+  // two overlap: each takes the first row from the top where it fits (right of its line,
+  // else left of it) beside the labels already there; when the rows (60% of the plot height)
+  // are full it is left out and counted in the layer's "+N more" box (every marker is in the
+  // tables below).  The plot shows the short form ("restart #3"), the title the whole label.
+  var LABEL_ROW_PX = 14, LABEL_GAP_PX = 4;
+
+  function layoutLabels(u, layer, items) {
+    layer.textContent = "";
+    var width = u.over.clientWidth || u.bbox.width / (window.devicePixelRatio || 1);
+    var height = u.over.clientHeight || u.bbox.height / (window.devicePixelRatio || 1);
+    var maxRows = Math.max(1, Math.floor(height * 0.6 / LABEL_ROW_PX));
+    var rows = [];  // per row: the boxes [left, right] placed in it
+    var hidden = 0;
+    items.sort(function (a, b) { return a.x - b.x; });
+    function fits(row, l, r) {
+      return row.every(function (b) { return r + LABEL_GAP_PX <= b[0] || l >= b[1] + LABEL_GAP_PX; });
+    }
+    function place(text, x, cls, title) {
+      var el = document.createElement("span");
+      el.className = "chart-label " + cls;
+      el.textContent = text;
+      el.title = title || text;
+      layer.appendChild(el);
+      var w = el.offsetWidth;
+      // right of its line, else left of it, in the first row where one of them fits
+      var spots = [x + 3, x - 3 - w].filter(function (l) { return l >= 0 && l + w <= width; });
+      if (!spots.length) spots = [Math.max(0, Math.min(x + 3, width - w))];
+      for (var r = 0; r < maxRows; r++) {
+        if (r === rows.length) rows.push([]);
+        for (var i = 0; i < spots.length; i++) {
+          var l = spots[i];
+          if (fits(rows[r], l, l + w)) {
+            rows[r].push([l, l + w]);
+            el.style.left = l + "px";
+            el.style.top = (r * LABEL_ROW_PX) + "px";
+            return true;
+          }
+        }
+      }
+      layer.removeChild(el);
+      return false;
+    }
+    items.forEach(function (it) { if (!place(it.short, it.x, it.cls, it.label)) hidden++; });
+    if (hidden) {
+      // in the first free spot of any row, else over the newest label of the last row
+      var text = "+" + hidden + " more (see the tables)";
+      if (!place(text, 0, "more", text)) {
+        var last = layer.lastChild;
+        if (last) { last.textContent = text; last.className = "chart-label more"; }
+      }
+    }
+    layer.dataset.hidden = String(hidden);
+  }
+
+  function markersPlugin(getMarkers, getScale) {
+    var layer = null;
     return {
       hooks: {
+        init: [function (u) {
+          layer = document.createElement("div");
+          layer.className = "chart-labels";
+          u.over.appendChild(layer);
+        }],
         draw: [function (u) {
           var ctx = u.ctx;
           var dpr = window.devicePixelRatio || 1;
           var min = u.scales.x.min, max = u.scales.x.max;
+          var labels = [];
           ctx.save();
           getMarkers().forEach(function (m) {
             if (m.to < min || m.from > max) return;
@@ -123,11 +229,19 @@
               ctx.stroke();
               ctx.setLineDash([]);
             }
-            ctx.fillStyle = "#374151";
-            ctx.font = (10 * dpr) + "px sans-serif";
-            ctx.fillText(m.label, x0 + 3 * dpr, u.bbox.top + 11 * dpr);
+            // the short form on the plot ("restart #3"), the whole label on hover
+            labels.push({label: m.label, short: m.label.replace(/ \(.*\)$/, ""),
+                         x: u.valToPos(Math.max(m.from, min), "x"),
+                         cls: m.type === "spike" ? "spike" : "restart"});
           });
           ctx.restore();
+          var sc = getScale();
+          if (sc && sc.clipped && sc.clipped.step >= min && sc.clipped.step <= max) {
+            var peak = "peak " + fmtLoss(sc.clipped.value) + " \u2191 (off scale)";
+            labels.push({label: peak, short: peak,
+                         x: u.valToPos(sc.clipped.step, "x"), cls: "peak"});
+          }
+          if (layer) layoutLabels(u, layer, labels);
         }]
       }
     };
@@ -135,16 +249,19 @@
 
   var charts = {};
   var markers = [];
+  var lossScaleNow = null;
+  window.trainwardenCharts = charts;  // for the browser tests and the console
 
   function draw(id, keys, data, label, opts) {
     var el = document.getElementById(id);
     if (!el || typeof uPlot === "undefined") return;
-    var sig = keys.join("|");
+    var sig = keys.join("|") + (opts && opts.sig ? "#" + opts.sig : "");
     var c = charts[id];
     if (c && c.sig === sig) { c.u.setData(data); return; }
     if (c) c.u.destroy();
     el.textContent = "";
     if (data[0].length === 0) { el.innerHTML = '<p class="muted">no data yet</p>'; charts[id] = null; return; }
+    var height = (opts && opts.height) || 240;
     var series = [{label: "step"}].concat(keys.map(function (k, i) {
       var s = {label: label(k, i), stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: true,
                points: {show: data[0].length < 60}};
@@ -152,21 +269,28 @@
       return s;
     }));
     var u = new uPlot({
-      width: Math.max(300, el.clientWidth - 4), height: 240,
-      scales: {x: {time: false}},
+      width: Math.max(300, el.clientWidth - 4), height: height,
+      scales: Object.assign({x: {time: false}}, opts && opts.scales),
       axes: [{label: "step", size: 40}, {size: 60}],
       series: series,
       legend: {live: true},
-      plugins: opts && opts.markers ? [markersPlugin(function () { return markers; })] : [],
+      plugins: opts && opts.markers ? [markersPlugin(function () { return markers; },
+                                                     function () { return lossScaleNow; })] : [],
     }, data, el);
-    charts[id] = {u: u, sig: sig};
+    charts[id] = {u: u, sig: sig, height: height};
   }
 
   function attemptLabel(k) { return k === "older" ? "earlier attempts" : "attempt " + k; }
 
   function drawSteps(points, mfu) {
     var loss = byAttempt(points, function (p) { return num(p.loss_mean); });
-    draw("chart-loss", loss.keys, loss.data, attemptLabel, {markers: true});
+    var sc = lossScale(loss.data);
+    lossScaleNow = sc;
+    lossNote(sc);
+    var yScale = sc.log ? {distr: 3, log: 10}
+      : {range: function () { return lossScaleNow.range; }};
+    draw("chart-loss", loss.keys, loss.data, attemptLabel,
+         {markers: true, sig: sc.log ? "log" : "linear", scales: {y: yScale}, height: 320});
     var tp = throughputOf(points);
     var thr = byAttempt(points, function (p, i) { return tp[i]; });
     draw("chart-throughput", thr.keys, thr.data, attemptLabel);
@@ -195,6 +319,69 @@
     }});
   }
 
+  // ---------------------------------------------------------------- goodput bar
+
+  // The wall time since the run started as one stacked bar: productive, then each badput
+  // cause (seconds; a cause the supervisor cannot measure is listed as such).
+  var GOODPUT_PARTS = [
+    ["productive", "productive steps"], ["lost_progress", "lost progress"],
+    ["detection", "detection latency"], ["restart", "restart"], ["startup", "startup"],
+    ["checkpoint", "checkpoint stalls"], ["data_wait", "data wait"],
+    ["straggler", "straggler slowdown"], ["idle", "idle"], ["other", "other"]];
+
+  function fmtSecs(s) { return s < 90 ? s.toFixed(1) + " s" : fmtAge(s); }
+
+  function drawGoodput(g) {
+    var el = document.getElementById("goodput");
+    if (!el) return;
+    el.textContent = "";
+    if (!g || !g.wall_s) {
+      var p = document.createElement("p");
+      p.className = "muted";
+      p.textContent = "not accounted yet (the evaluator accounts a run from its first tick)";
+      el.appendChild(p);
+      return;
+    }
+    var head = document.createElement("p");
+    head.className = "goodput-head";
+    head.textContent = "ETTR " + (g.ettr === null ? "n/a" : (100 * g.ettr).toFixed(1) + "%") +
+      " of " + fmtSecs(g.wall_s) + " (" + g.steps_final + " steps on the final lineage, " +
+      g.steps_lost + " lost)";
+    el.appendChild(head);
+    var bar = document.createElement("div");
+    bar.className = "goodput-bar";
+    var list = document.createElement("ul");
+    list.className = "goodput-legend";
+    GOODPUT_PARTS.forEach(function (part) {
+      var key = part[0];
+      var secs = key === "productive" ? g.productive_s : g.badput_s[key];
+      var li = document.createElement("li");
+      var sw = document.createElement("span");
+      sw.className = "swatch seg-" + key;
+      li.appendChild(sw);
+      if (secs === null || secs === undefined) {
+        li.appendChild(document.createTextNode(part[1] + ": not measured"));
+        li.title = (g.not_measured || {})[key] || "";
+        li.className = "muted";
+      } else {
+        var pct = 100 * secs / g.wall_s;
+        li.appendChild(document.createTextNode(part[1] + ": " + fmtSecs(secs) + " (" +
+                                               pct.toFixed(1) + "%)"));
+        if (secs > 0) {
+          var seg = document.createElement("span");
+          seg.className = "seg seg-" + key;
+          seg.dataset.part = key;
+          seg.style.width = pct + "%";
+          seg.title = li.textContent;
+          bar.appendChild(seg);
+        }
+      }
+      list.appendChild(li);
+    });
+    el.appendChild(bar);
+    el.appendChild(list);
+  }
+
   // ---------------------------------------------------------------- run page
 
   function runPage(root) {
@@ -212,7 +399,7 @@
       return Promise.all([steps, series, tables]).then(function (res) {
         markers = res[1].data.markers;
         if (res[0].changed || res[1].changed) drawSteps(res[0].data.points, res[1].data.mfu);
-        if (res[1].changed) drawRanks(res[1].data.ranks);
+        if (res[1].changed) { drawRanks(res[1].data.ranks); drawGoodput(res[1].data.goodput); }
         if (res[2].changed) {
           var open = {};
           document.querySelectorAll("#tables details[open]").forEach(function (d, i) { open[i] = true; });
@@ -248,7 +435,7 @@
     window.addEventListener("resize", function () {
       Object.keys(charts).forEach(function (id) {
         var c = charts[id], el = document.getElementById(id);
-        if (c && el) c.u.setSize({width: Math.max(300, el.clientWidth - 4), height: 240});
+        if (c && el) c.u.setSize({width: Math.max(300, el.clientWidth - 4), height: c.height});
       });
     });
     rollback(run, enc, refresh);

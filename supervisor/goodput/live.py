@@ -1,0 +1,212 @@
+"""The live ETTR of one run: the store's new rows (read by ``supervisor.store.goodput`` after
+the cursors kept here) turned into ``ettr`` events and fed to one ``EttrAccumulator``.
+
+The evaluator keeps one ``LiveGoodput`` per run in its ``RunState`` and calls ``update`` each
+tick with only the rows the run gained since the last one, so the cost of a tick follows the
+new rows, never the length of the run.  Pure: no I/O, no clock.
+
+What becomes which event:
+
+* rank step rows -> ``StepDone`` once every rank of the run reported the step (``gang_step``:
+  the slowest rank's ``step_s``, the median rank's data wait, the straggler slowdown); a step
+  some rank never reported is taken as done once that attempt completes a later step;
+* complete checkpoints -> ``CheckpointSaved`` (stall: ``save_s`` of a synchronous save; an
+  asynchronous save's staging is not reported, so 0);
+* incidents -> ``Incident`` (fault time: the exit report of the incident's agent and attempt,
+  else the end of that attempt's newest step: when progress stopped);
+* restart actions -> ``RestartDecided`` at creation (a rollback's target as the resume step)
+  and ``Resumed`` when it resumed;
+* the run leaving the active statuses -> ``RunEnded``.
+
+Not fed, so not measured: ``AgentsDown``/``AgentsUp`` (the store keeps each agent's current
+state, not its history), so ``idle`` reads as not measured; time with no agent running is
+counted in the phase the run was in (a restart's time, else ``other``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.goodput.ettr import (
+    Breakdown,
+    CheckpointSaved,
+    EttrAccumulator,
+    Event,
+    Incident,
+    RankTiming,
+    RestartDecided,
+    Resumed,
+    RunEnded,
+    event_time,
+    gang_step,
+    window,
+)
+
+# rank step rows read per tick (a catch-up after a supervisor restart takes several ticks)
+STEP_ROWS_PER_TICK = 20_000
+MAX_PARTIAL_STEPS = 4096  # steps waiting for their last rank, oldest dropped beyond
+
+# API names of the badput causes, in the order the page stacks them, and the accumulator's
+# part each reads.
+CAUSES = {"lost_progress": "lost", "detection": "detection", "restart": "restart",
+          "startup": "startup", "checkpoint": "checkpoint", "data_wait": "data_wait",
+          "straggler": "straggler", "idle": "idle", "other": "other"}
+NOT_MEASURED = {"idle": "the store keeps each agent's current state, not when agents went "
+                        "down or came back; time with no agent running is counted in the "
+                        "phase the run was in (restart, else other)"}
+FINAL_ACTION = frozenset({"resumed", "failed", "superseded", "done"})
+
+StepRow = tuple[int, int, int, int, float, float | None, float | None, float | None]
+
+SERIES_EVERY_S = 60.0  # one point of the goodput series per minute of wall time ...
+SERIES_POINTS = 1440  # ... over the last day
+
+
+@dataclass
+class LiveGoodput:
+    """One run's accumulator and the cursors of the rows already fed."""
+
+    start: float  # the run's creation
+    acc: EttrAccumulator = field(init=False)
+    step_id: int = 0
+    checkpoint_id: int = 0
+    incident_id: int = 0
+    action_id: int = 0
+    pending_actions: set[int] = field(default_factory=set)
+    decided: set[int] = field(default_factory=set)
+    ended: bool = False
+    _partial: dict[tuple[int, int], list[tuple[float, RankTiming]]] = field(
+        default_factory=dict)
+    _last_step_t: dict[int, float] = field(default_factory=dict)  # attempt -> newest step end
+    # snapshots, one per SERIES_EVERY_S, for the series and the windowed ETTR
+    history: deque[Breakdown] = field(default_factory=lambda: deque(maxlen=SERIES_POINTS))
+
+    def __post_init__(self) -> None:
+        self.acc = EttrAccumulator(start=self.start)
+
+    # -- feeding -------------------------------------------------------------------------
+
+    def update(self, *, steps: Sequence[StepRow], world: int,
+               checkpoints: Iterable[Mapping[str, Any]] = (),
+               incidents: Iterable[Mapping[str, Any]] = (),
+               actions: Iterable[Mapping[str, Any]] = (),
+               ended_at: float | None = None, now: float | None = None) -> None:
+        """Feed the rows read since the last call (each kind after its cursor, id order);
+        ``now``: the time of the call, for the series (a point per ``SERIES_EVERY_S``)."""
+        if self.ended:
+            return
+        self._feed(steps, world, checkpoints, incidents, actions, ended_at)
+        t = ended_at if ended_at is not None else now
+        if t is not None and (ended_at is not None or not self.history
+                              or t - self.history[-1].end >= SERIES_EVERY_S):
+            self.history.append(self.acc.snapshot(t))
+
+    def _feed(self, steps: Sequence[StepRow], world: int,
+              checkpoints: Iterable[Mapping[str, Any]],
+              incidents: Iterable[Mapping[str, Any]],
+              actions: Iterable[Mapping[str, Any]], ended_at: float | None) -> None:
+        events: list[Event] = []
+        events.extend(self._steps(steps, max(1, world)))
+        for c in checkpoints:
+            self.checkpoint_id = max(self.checkpoint_id, int(c["id"]))
+            if c["complete"]:
+                stall = 0.0 if c["async_save"] or c["save_s"] is None else float(c["save_s"])
+                events.append(CheckpointSaved(t=float(c["t"]), step=int(c["step"]),
+                                              stall_s=stall))
+        for inc in incidents:
+            self.incident_id = max(self.incident_id, int(inc["id"]))
+            fault = inc.get("exit_t")
+            if fault is None:
+                fault = self._last_step_t.get(int(inc["attempt"]))
+            events.append(Incident(t_detected=float(inc["opened_at"]), kind=str(inc["kind"]),
+                                   t_fault=None if fault is None else float(fault)))
+        for a in actions:
+            events.extend(self._action(a))
+        events.sort(key=event_time)
+        for e in events:
+            self.acc.feed(e)
+        if ended_at is not None:
+            self.acc.feed(RunEnded(t=max(ended_at, self.acc.cursor)))
+            self.ended = True
+
+    def _steps(self, rows: Sequence[StepRow], world: int) -> list[Event]:
+        done: list[tuple[int, int]] = []
+        for rid, attempt, step, rank, t, data_s, compute_s, step_s in rows:
+            self.step_id = max(self.step_id, rid)
+            got = self._partial.setdefault((attempt, step), [])
+            got.append((t, RankTiming(rank=rank, data_s=data_s, compute_s=compute_s,
+                                      step_s=step_s)))
+            if len({r.rank for _, r in got}) >= world:
+                done.append((attempt, step))
+        out: list[Event] = []
+        for key in done:
+            if key not in self._partial:
+                continue
+            # a step of the same attempt some rank never reported counts as done now
+            for older in sorted(k for k in self._partial if k[0] == key[0] and k[1] < key[1]):
+                out.append(self._gang(older))
+            out.append(self._gang(key))
+        while len(self._partial) > MAX_PARTIAL_STEPS:
+            out.append(self._gang(min(self._partial)))
+        return out
+
+    def _gang(self, key: tuple[int, int]) -> Event:
+        got = self._partial.pop(key)
+        t = max(x for x, _ in got)
+        self._last_step_t[key[0]] = max(t, self._last_step_t.get(key[0], t))
+        return gang_step(key[0], key[1], t, [r for _, r in got])
+
+    def _action(self, a: Mapping[str, Any]) -> list[Event]:
+        aid = int(a["id"])
+        self.action_id = max(self.action_id, aid)
+        out: list[Event] = []
+        if aid not in self.decided:
+            self.decided.add(aid)
+            rb = a.get("rollback_to_step")
+            out.append(RestartDecided(t=float(a["created_at"]), attempt=int(a["attempt"]),
+                                      resume_step=None if rb is None else int(rb)))
+        status = str(a["status"])
+        progress = a.get("progress") or {}
+        if status == "resumed" and a.get("resumed_step") is not None:
+            t = progress.get("resumed", a["created_at"])
+            out.append(Resumed(t=float(t), attempt=int(a["attempt"]),
+                               step=int(a["resumed_step"])))
+        if status in FINAL_ACTION:
+            self.pending_actions.discard(aid)
+        else:
+            self.pending_actions.add(aid)
+        return out
+
+    # -- reading -------------------------------------------------------------------------
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        """The API's ``goodput`` object at ``now``."""
+        return breakdown_dict(self.acc.snapshot(now))
+
+    def series(self, now: float, window_s: float) -> dict[str, Any]:
+        """The breakdown now, over the last ``window_s`` (from the newest point at least
+        that old, else the oldest kept: ``window`` says which span it covers), and the
+        points kept (cumulative since the run's start, one per ``SERIES_EVERY_S``)."""
+        current = self.acc.snapshot(now)
+        earlier = next((b for b in reversed(self.history) if b.end <= now - window_s), None)
+        if earlier is None:
+            earlier = self.history[0] if self.history else None
+        win = window(earlier, current) if earlier is not None and earlier.end < current.end \
+            else current
+        return {"current": breakdown_dict(current), "window": breakdown_dict(win),
+                "points": [breakdown_dict(b) for b in self.history]}
+
+
+def breakdown_dict(b: Breakdown) -> dict[str, Any]:
+    """A breakdown as the API shows it: the causes by their API names, those not measured
+    null (with the reason)."""
+    parts = b.parts()
+    badput: dict[str, float | None] = {
+        cause: None if cause in NOT_MEASURED else parts[part] for cause, part in CAUSES.items()}
+    return {"ettr": b.ettr, "wall_s": b.wall_s, "productive_s": b.productive,
+            "badput_s": badput, "not_measured": dict(NOT_MEASURED),
+            "steps_final": b.steps_final, "steps_lost": b.steps_lost,
+            "start": b.start, "end": b.end}
