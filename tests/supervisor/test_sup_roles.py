@@ -60,6 +60,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/api/v1/runs/{run}/incidents"): READ,
     ("GET", "/api/v1/runs/{run}/actions"): READ,
     ("GET", "/api/v1/runs/{run}/events"): READ,
+    ("GET", "/api/v1/runs/{run}/goodput"): READ,
     ("POST", "/api/v1/runs/{run}/restart"): OPERATOR_NEED,
     ("POST", "/api/v1/runs/{run}/stop"): OPERATOR_NEED,
     ("POST", "/api/v1/runs/{run}/rollback"): OPERATOR_NEED,
