@@ -16,6 +16,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_fakes import FakeRun, FakeSupervisor, _Handler
 
+from agent.loop import Agent
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """Agents made by a test; their workers are stopped and sockets closed afterwards."""
+    made: list[Agent] = []
+    yield made
+    for a in made:
+        try:
+            a.launcher.stop()
+        finally:
+            a.close()
+
 
 @pytest.fixture
 def fake_supervisor() -> FakeSupervisor:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,6 @@ def xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     base = tmp_path / "xdg"
     monkeypatch.setenv("XDG_STATE_HOME", str(base))
     return base
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    made: list[Agent] = []
-    yield made
-    for a in made:
-        try:
-            a.launcher.stop()
-        finally:
-            a.close()
 
 
 def _config(fake_run: FakeRun, mode: str = "serve", *extra: str, **kw: Any) -> AgentConfig:

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +20,6 @@ from agent.config import AgentConfig
 from agent.core.hang import HangConfig
 from agent.launcher import Launcher, pids_alive
 from agent.loop import Agent, AgentAlreadyRunning
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    """Agents made by a test; their workers are stopped and sockets closed afterwards."""
-    made: list[Agent] = []
-    yield made
-    for a in made:
-        try:
-            a.launcher.stop()
-        finally:
-            a.close()
 
 
 def make_agent(agents: list[Agent], cfg: AgentConfig, fake: FakeSupervisor,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +41,6 @@ def test_the_training_commands_checkpoint_dir(cmd: list[str], want: str | None,
     got = cfg.command_checkpoint_dir
     assert (None if got is None else str(got)) == (
         None if want is None else want.replace("CWD", str(Path.cwd())))
-
-
-@pytest.fixture
-def agents() -> Iterator[list[Agent]]:
-    made: list[Agent] = []
-    yield made
-    for a in made:
-        try:
-            a.launcher.stop()
-        finally:
-            a.close()
 
 
 def make_agent(agents: list[Agent], cfg: AgentConfig, transport: httpx.BaseTransport
