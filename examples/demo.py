@@ -133,6 +133,7 @@ def follow(url: str, agent: subprocess.Popen[bytes]) -> str:
     seen_actions: dict[Any, str] = {}
     last_line = ""
     next_at = 0.0
+    agent_gone_at: float | None = None
     with httpx.Client(base_url=f"{url}/api/v1", timeout=5) as client:
         while True:
             try:
@@ -164,10 +165,16 @@ def follow(url: str, agent: subprocess.Popen[bytes]) -> str:
                 next_at = time.time() + 5
                 print(line)
                 last_line = line
-            if r.get("status") in ("completed", "failed", "stopped") or agent.poll() is not None:
-                if agent.poll() is not None:
-                    print(f"  agent exited with {agent.returncode}")
+            if r.get("status") in ("completed", "failed", "stopped"):
                 return str(r.get("status"))
+            if agent.poll() is not None:
+                # The agent's last batch (its exit) may still be on its way to the run's
+                # status: give the supervisor a few seconds before calling the run unfinished.
+                if agent_gone_at is None:
+                    agent_gone_at = time.monotonic()
+                    print(f"  agent exited with {agent.returncode}")
+                elif time.monotonic() - agent_gone_at > 15:
+                    return str(r.get("status"))
             time.sleep(1.0)
 
 

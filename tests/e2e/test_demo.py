@@ -27,11 +27,13 @@ def test_the_demo_restarts_the_crash_rolls_back_the_spike_and_completes(tmp_path
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert "run demo: completed, attempt 2, step 2999, restarts 2" in out, out[-3000:]
-    assert re.search(r"incident #1 crash \(open\): worker on node node0 rank 1 killed by "
+    # (incident numbers are not asserted: a straggler, named and never acted on, may come
+    # first on a busy machine)
+    assert re.search(r"incident #\d+ crash \(open\): worker on node node0 rank 1 killed by "
                      r"signal 9", out), out[-3000:]
     crash_resumed = re.search(r"action #1 restart resumed at step (\d+)", out)
     assert crash_resumed and int(crash_resumed[1]) <= 1200, out[-3000:]
-    assert "incident #2 loss_spike (open): loss spike: loss" in out, out[-3000:]
+    assert re.search(r"incident #\d+ loss_spike \(open\): loss spike: loss", out), out[-3000:]
     plan = re.search(r"action #2 restart queued: loss spike at step 2000, detected at step "
                      r"(\d+): roll back to step (\d+), skip batches (\d+)-(\d+), LR x0.5", out)
     assert plan, out[-3000:]
