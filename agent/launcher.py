@@ -8,7 +8,8 @@ torchrun copies into the workers).  So "the group" here is: torchrun's process g
 descendant of torchrun, the process groups those descendants lead, and every process that
 carries our environment marks.  Stop signals all of them, SIGKILLs what is left after the grace
 period, and then verifies that nothing is left.  It never waits on torchrun's own shutdown
-(torchrun waits a hard-coded 30 s on a stopped worker: TORCH-CPU-NOTES trap 5).
+(after a collective timeout torchrun SIGTERMs a stopped worker and waits a hard-coded 30 s,
+ignoring --shutdown-timeout, before it SIGKILLs).
 
 torchrun's stdout/stderr go to files in the state dir, not pipes, so a dead agent can never
 block or SIGPIPE the training; the agent tails the files to echo them and to parse torchrun's
@@ -399,7 +400,7 @@ class Launcher:
 
         ``immediate``: SIGKILL the whole tree at once.  For a hung run: a SIGTERMed worker
         stuck in a collective does not exit, and torchrun waits a hard-coded 30 s before it
-        SIGKILLs (TORCH-CPU-NOTES trap 5)."""
+        SIGKILLs, whatever --shutdown-timeout says."""
         self._stop_requested = True
         if self._stop_started is not None:
             if immediate and self._killed_at is None:

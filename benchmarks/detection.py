@@ -77,7 +77,7 @@ class Scenario:
     incident: str  # expected incident kind
     ranks: tuple[int | None, ...]  # acceptable incident ranks
     steps: tuple[int, int]  # acceptable incident steps, inclusive range
-    target: str  # the DESIGN.md target, in words
+    target: str  # the detection target, in words
     restarts: bool  # the policy restarts the gang (spike and nan: a rollback)
 
 
@@ -288,7 +288,7 @@ def med(xs: list[float]) -> float | None:
 
 def summary_table(results: list[RunResult], scs: dict[str, Scenario]) -> str:
     head = ("| fault | expected incident | n | detection median s | detection max s | "
-            "DESIGN target | within target | incident -> first resumed step median s "
+            "target | within target | incident -> first resumed step median s "
             "(max) | fault -> resumed median s | kind ok | rank ok | step ok | "
             "incidents per run | final status |")
     lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
@@ -417,7 +417,7 @@ def report(results: list[RunResult], scs: dict[str, Scenario], *, command: str, 
     print()
     print(summary_table(results, scs))
     print()
-    print("Targets (DESIGN.md): crash within 5 s; hang within max(30 s, 10 x median step time) "
+    print("Targets: crash within 5 s; hang within max(30 s, 10 x median step time) "
           "with the stuck rank's stack captured; a 1.5x straggler named (right rank) within "
           "50 steps / 60 s; 0 incidents on clean runs.  Detection is from the worker's "
           "`fault_injected` event to the first incident's `opened_at`; resume is from "

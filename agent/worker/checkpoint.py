@@ -13,7 +13,8 @@ path, or a ``step_<N>`` symlink leading out of the directory, would run someone 
 pickle.  A plan naming one stops the worker with an error saying so.
 
 What is saved: model and optimiser through ``get_state_dict`` (DDP and FSDP2 alike); for every
-rank, under a key of its own (TORCH-CPU-NOTES trap 2), its data-loader position and RNG states;
+rank, under a key of its own (DCP keeps one rank's copy of state saved under a shared key:
+rank 0 would resume at rank 1's data position), its data-loader position and RNG states;
 and, replicated, the seed, the run's configuration, the step, the last loss, the active skip
 ranges and LR schedule, and which attempt wrote it.
 """
@@ -225,7 +226,8 @@ class Checkpointer:
     two after it happened, can still pin the last good checkpoint before it even when saves
     come faster than that.  With
     ``async_save`` the write runs in the background on a process group of its own (on the
-    default group it breaks gloo: TORCH-CPU-NOTES trap 3).
+    default gloo group, with training going on, it aborts with "Received data size doesn't
+    match" or hangs to the timeout).
     """
 
     def __init__(self, root: str | os.PathLike[str], model: torch.nn.Module,

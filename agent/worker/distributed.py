@@ -51,7 +51,8 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
     """Start the default process group with an explicit collective timeout.
 
     Works on every torchrun attempt: torchrun's store keeps the addresses of the previous
-    attempt's workers, and gloo then connects to dead peers (TORCH-CPU-NOTES trap 1).  We
+    attempt's workers, and gloo then connects to dead peers ("Gloo connectFullMesh failed ...
+    Connection refused" on 9 of 10 restarts with the default rendezvous).  We
     rendezvous ourselves and prefix the store with the attempt, so each attempt meets only its
     own peers.  Without torchrun (no WORLD_SIZE) this starts a one-process group.
 
