@@ -141,16 +141,16 @@ class Evaluator:
             conn, run_id=run["id"], kinds=[IncidentKind.ATTEMPT_MISMATCH],
             status=IncidentStatus.OPEN)}
         tracked = set()
-        for ag in registry.run_agents(conn, run_id=run["id"]):
-            aid = int(ag["id"])
-            if ag["attempt"] is None or int(ag["attempt"]) == attempt:
-                if aid in open_incidents:  # realigned after all
-                    rec.resolve_incident(conn, incident_id=open_incidents[aid]["id"], now=now)
-                continue
+        off = registry.agents_off_attempt(conn, run_id=run["id"], attempt=attempt)
+        off_ids = {ag["id"] for ag in off}
+        for aid in [k for k in open_incidents if k is not None and k not in off_ids]:
+            rec.resolve_incident(conn, incident_id=open_incidents[aid]["id"], now=now)
+        for ag in off:
+            aid = ag["id"]
             cmds = rec.agent_commands(conn, agent_id=aid)
             if busy or any(c["action_id"] is not None for c in cmds):
                 continue
-            reported = int(ag["attempt"])
+            reported = ag["attempt"]
             prev = state.mismatch.get(aid)
             if prev is None or prev[0] != reported:
                 prev = state.mismatch[aid] = (reported, now)

@@ -81,9 +81,15 @@ def attempt_started_at(conn: Connection, run: RunRow) -> float | None:
 
 
 def progress_window(conn: Connection, run: RunRow, *, started_at: float,
-                    observing_since: float, cfg: DetectionConfig) -> ProgressWindow:
+                    observing_since: float, cfg: DetectionConfig,
+                    every_rank: bool = True) -> ProgressWindow:
+    """``every_rank=False``: only the ranks that can change the verdict short of a hang
+    (``windows.rank_progress_lagging``); a hang's finding names every rank behind, so it is
+    judged again on the whole window."""
     run_id, attempt = int(run["id"]), int(run["attempt"])
-    ranks = windows.rank_progress(conn, run_id=run_id, attempt=attempt)
+    ranks = windows.rank_progress(conn, run_id=run_id, attempt=attempt) if every_rank else \
+        windows.rank_progress_lagging(conn, run_id=run_id, attempt=attempt,
+                                      lag_steps=cfg.hang.rank_lag_steps)
     times = windows.step_times(conn, run_id=run_id, attempt=attempt, limit=cfg.interval_history)
     if len(times) < cfg.hang.min_intervals + 1 and attempt > 0:  # learn from the last attempt
         times = windows.step_times(conn, run_id=run_id, attempt=attempt - 1,
@@ -117,7 +123,8 @@ def hang_findings(conn: Connection, run: RunRow, *, now: float,
         started = attempt_started_at(conn, run)
     if started is None:
         return []
-    w = progress_window(conn, run, started_at=started, observing_since=observing_since, cfg=cfg)
+    w = progress_window(conn, run, started_at=started, observing_since=observing_since, cfg=cfg,
+                        every_rank=False)
     # Judge progress only up to what every agent has delivered: reports reach us through
     # the agents, and a batch that is late (a slow network, a busy supervisor) is a delivery
     # gap, not a hang.  An agent that stays silent is the node-lost detector's business.
@@ -127,6 +134,10 @@ def hang_findings(conn: Connection, run: RunRow, *, now: float,
     if seen:
         now = min(now, min(seen) + _DELIVERY_SLACK_S)
     out = detect_hang(w, now, cfg.hang)
+    if any(f.kind == FindingKind.HANG for f in out):
+        w = progress_window(conn, run, started_at=started, observing_since=observing_since,
+                            cfg=cfg)
+        out = detect_hang(w, now, cfg.hang)
     if w.ranks:  # a hang is "after the newest step any rank reported"
         newest = max(p.step for p in w.ranks.values())
         out = [dataclasses.replace(f, step=newest) if f.kind == FindingKind.HANG and f.step is None

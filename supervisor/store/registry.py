@@ -16,7 +16,7 @@ from supervisor.store import credentials
 from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import insert, row
 from supervisor.store.credentials import NodeHolder
-from supervisor.store.rows import AgentRow, RegisteredAgent, RunRow
+from supervisor.store.rows import AgentAttemptRow, AgentRow, RegisteredAgent, RunRow
 from supervisor.store.tables import agents, ingested_batches, runs
 
 
@@ -156,6 +156,17 @@ def set_protected(conn: Connection, *, run_id: int, paths: list[str]) -> None:
     """The checkpoint paths the workers' retention must keep (every ingest reply carries
     them)."""
     conn.execute(update(runs).where(runs.c.id == run_id).values(protected=paths))
+
+
+def agents_off_attempt(conn: Connection, *, run_id: int, attempt: int) -> list[AgentAttemptRow]:
+    """The run's agents whose reports carry an attempt other than ``attempt`` (read every
+    tick inside the write transaction: only those rows, no JSON health columns)."""
+    a = agents.c
+    q = (select(a.id, a.node, a.attempt, a.state, a.last_seen_at)
+         .where(a.run_id == run_id, a.attempt.is_not(None), a.attempt != attempt)
+         .order_by(a.id))
+    return [{"id": int(i), "node": n, "attempt": int(at), "state": st, "last_seen_at": t}
+            for i, n, at, st, t in conn.execute(q)]
 
 
 def run_agents(conn: Connection, *, run_id: int) -> list[AgentRow]:

@@ -69,6 +69,16 @@ class AgentLiveness(TypedDict):
     disk_total_bytes: int | None
 
 
+class AgentAttemptRow(TypedDict):
+    """An agent that reports another attempt than its run's (``registry.agents_off_attempt``)."""
+
+    id: int
+    node: str
+    attempt: int
+    state: str | None
+    last_seen_at: float | None
+
+
 class CheckpointRow(TypedDict):
     id: int
     run_id: int

@@ -306,3 +306,46 @@ def test_a_run_that_ends_leaves_no_state_in_the_evaluator(
     evaluator.tick()  # the next observation no longer sees it
     assert get(client, "")["status"] == "completed"
     assert evaluator._runs == {}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_hang_judgment_reads_few_ranks_and_judges_as_on_every_rank(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator, db: Database,
+        seed: int) -> None:
+    """The hang judgment of a tick reads only the lagging ranks (a big run has thousands);
+    its findings are those of the same judgment on every rank's row."""
+    import random
+
+    from agent.core.hang import detect_hang
+    from supervisor import observe
+    from supervisor.store import registry
+
+    rng = random.Random(seed)
+    world = 24
+    last = {r: 59 - (rng.choice([1, 2, 5, 9, 20, 30]) if rng.random() < 0.3 else 0)
+            for r in range(world)}
+    last[rng.randrange(world)] = 20  # one rank silent for longer than the deadline
+    agent = register(client, node="n0")["agent_id"]
+    for seq, s in enumerate(range(60)):
+        clock.advance(0.5)
+        # the last rank reports a second after the others: the newest step's first rank
+        # does not hold the newest report time
+        items = [step(r, s, t=clock.now - (r < world - 1), world_size=world,
+                      compute_s=0.2, data_s=0.01) for r in range(world) if s <= last[r]]
+        ingest(client, agent, seq, items)
+    cfg = evaluator.detection
+    with db.read() as conn:
+        run = registry.get_run_by_name(conn, name="r1")
+        assert run is not None
+        started = observe.attempt_started_at(conn, run)
+        assert started is not None
+        verdicts = set()
+        for wait in [x / 10 for x in range(0, 400, 3)] + [600.0]:
+            now = clock.now + wait
+            full = detect_hang(observe.progress_window(
+                conn, run, started_at=started, observing_since=0.0, cfg=cfg), now, cfg.hang)
+            got = observe.hang_findings(conn, run, now=now, observing_since=0.0, cfg=cfg,
+                                        agents=[], started=started)
+            assert got == full, f"wait {wait}"
+            verdicts.update(f.kind for f in full)
+    assert verdicts == {"hang", "rank_stalled"}

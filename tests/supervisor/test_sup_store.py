@@ -215,3 +215,46 @@ def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -
     send(a1, 1, range(60, 90), 0.05)  # now the peers say it
     (f,) = findings()
     assert f.rank == 0 and f.details["signal"] == "peers", f
+
+
+def test_the_goodput_step_read_returns_every_row_exactly(db: Database) -> None:
+    """The rows come packed one result row per step (as text): every value comes back as
+    stored, None stays None, and the limit and the cursor cut at a row, not at a step."""
+    import random
+
+    from sqlalchemy import select
+
+    from supervisor.store import goodput
+    from supervisor.store.tables import rank_steps
+
+    rng = random.Random(5)
+    with db.write() as conn:
+        reg = registry.register_agent(conn, req=wire.RegisterRequest(run="packed", node="n"),
+                                      now=1.0)
+        rows = []
+        for s in range(7):
+            for r in range(13):
+                rows.append({
+                    "run_id": reg["run_id"], "attempt": s // 4, "step": s, "rank": r,
+                    "t": 1796187468.846339 + s + rng.random() / 3,
+                    "batch_index": s * 13 + r,
+                    "data_s": None if r == 3 else rng.random() / 7,
+                    "compute_s": None if r == 4 else 0.1 + 0.2,
+                    "step_s": None if s == 2 else rng.random() * 1e-9,
+                    "loss": 1.0, "loss_special": None, "grad_norm": 1.0,
+                    "grad_norm_special": None, "lr": 1e-3})
+        ingest.bulk_insert_rank_steps(conn, rows=rows)
+    c = rank_steps.c
+    with db.read() as conn:
+        plain = [tuple(x) for x in conn.execute(
+            select(c.id, c.attempt, c.step, c.rank, c.t, c.data_s, c.compute_s, c.step_s)
+            .where(c.run_id == reg["run_id"]).order_by(c.id))]
+        got = goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=0, limit=10_000)
+        assert got == plain
+        first = goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=0, limit=20)
+        assert first == plain[:20]
+        rest = goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=first[-1][0],
+                                        limit=10_000)
+        assert rest == plain[20:]
+        assert goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=plain[-1][0],
+                                        limit=10) == []
