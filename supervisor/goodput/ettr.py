@@ -48,7 +48,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 from supervisor.detect._stats import median
@@ -178,12 +178,20 @@ def gang_step(attempt: int, step: int, t: float, ranks: Iterable[RankTiming]) ->
     ``straggler_s``: max - median over ranks of ``data_s + compute_s`` (ranks missing either
     are left out; 0 with fewer than two).  Both are capped so that they never exceed the step:
     data wait + straggler <= max pre-collective time <= ``step_s``."""
-    rows = list(ranks)
-    steps = [x for x in (r.step_s for r in rows) if x is not None and _finite(x)]
-    datas = [x for x in (r.data_s for r in rows) if x is not None and _finite(x)]
-    pres = [r.data_s + r.compute_s for r in rows
-            if r.data_s is not None and r.compute_s is not None
-            and _finite(r.data_s) and _finite(r.compute_s)]
+    return gang_step_of(attempt, step, t, [(r.data_s, r.compute_s, r.step_s) for r in ranks])
+
+
+_INF = math.inf
+
+
+def gang_step_of(attempt: int, step: int, t: float,
+                 ranks: Sequence[tuple[float | None, float | None, float | None]]) -> StepDone:
+    """``gang_step`` of (data_s, compute_s, step_s) per rank: the live accounting's form, one
+    call per step of up to 16,384 ranks (``0 <= x < inf`` is ``_finite``: NaN fails it)."""
+    steps = [x for _, _, x in ranks if x is not None and 0 <= x < _INF]
+    datas = [x for x, _, _ in ranks if x is not None and 0 <= x < _INF]
+    pres = [d + k for d, k, _ in ranks
+            if d is not None and k is not None and 0 <= d < _INF and 0 <= k < _INF]
     step_s = max(steps) if steps else None
     data = median(datas) if datas else 0.0
     strag = (max(pres) - median(pres)) if len(pres) >= 2 else 0.0

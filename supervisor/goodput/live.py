@@ -36,12 +36,11 @@ from supervisor.goodput.ettr import (
     EttrAccumulator,
     Event,
     Incident,
-    RankTiming,
     RestartDecided,
     Resumed,
     RunEnded,
     event_time,
-    gang_step,
+    gang_step_of,
     window,
 )
 
@@ -78,7 +77,9 @@ class LiveGoodput:
     pending_actions: set[int] = field(default_factory=set)
     decided: set[int] = field(default_factory=set)
     ended: bool = False
-    _partial: dict[tuple[int, int], dict[int, tuple[float, RankTiming]]] = field(
+    # (attempt, step) -> rank -> (t, data_s, compute_s, step_s)
+    _partial: dict[tuple[int, int], dict[int, tuple[float, float | None, float | None,
+                                                    float | None]]] = field(
         default_factory=dict)
     _last_step_t: dict[int, float] = field(default_factory=dict)  # attempt -> newest step end
     # snapshots, one per SERIES_EVERY_S, for the series and the windowed ETTR
@@ -142,8 +143,7 @@ class LiveGoodput:
             got = partial.get(key)
             if got is None:
                 got = partial[key] = {}
-            got[rank] = (t, RankTiming(rank=rank, data_s=data_s, compute_s=compute_s,
-                                       step_s=step_s))
+            got[rank] = (t, data_s, compute_s, step_s)
             if len(got) >= world:
                 done.append(key)
         if rows:
@@ -162,9 +162,9 @@ class LiveGoodput:
 
     def _gang(self, key: tuple[int, int]) -> Event:
         got = self._partial.pop(key).values()
-        t = max(x for x, _ in got)
+        t = max(x[0] for x in got)
         self._last_step_t[key[0]] = max(t, self._last_step_t.get(key[0], t))
-        return gang_step(key[0], key[1], t, [r for _, r in got])
+        return gang_step_of(key[0], key[1], t, [x[1:] for x in got])
 
     def _action(self, a: Mapping[str, Any]) -> list[Event]:
         aid = int(a["id"])
