@@ -6,7 +6,7 @@ loss spike rolled back past its batches, and the run completes."""
 from __future__ import annotations
 
 import json
-import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +19,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
 
 
-@pytest.mark.skip(reason="failed twice in clean-clone CI runs with a correct run in its database "
-                  "(cause not yet read); passes locally: to be fixed, see the closing note")
 def test_the_demo_restarts_the_crash_rolls_back_the_spike_and_completes(tmp_path: Path) -> None:
     data = tmp_path / "demo-data"
     proc = subprocess.run([sys.executable, str(DEMO), "--exit-when-done", "--data-dir",
@@ -28,21 +26,40 @@ def test_the_demo_restarts_the_crash_rolls_back_the_spike_and_completes(tmp_path
                           text=True, timeout=540)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
-    assert "run demo: completed, attempt 2, step 2999, restarts 2" in out, out[-3000:]
-    # (incident numbers are not asserted: a straggler, named and never acted on, may come
-    # first on a busy machine)
-    assert re.search(r"incident #\d+ crash \(open\): worker on node node0 rank 1 killed by "
-                     r"signal 9", out), out[-3000:]
-    crash_resumed = re.search(r"action #1 restart resumed at step (\d+)", out)
-    assert crash_resumed and int(crash_resumed[1]) <= 1200, out[-3000:]
-    assert re.search(r"incident #\d+ loss_spike \(open\): loss spike: loss", out), out[-3000:]
-    plan = re.search(r"action #2 restart queued: loss spike at step 2000, detected at step "
-                     r"(\d+): roll back to step (\d+), skip batches (\d+)-(\d+), LR x0.5", out)
-    assert plan, out[-3000:]
-    detected, back, first, last = map(int, plan.groups())
+    assert "run demo: completed" in out, out[-3000:]
+    # What happened is read from the demo's database (what the dashboard shows), not from
+    # the lines the demo prints while it polls: a poll may miss a short-lived state.
+    db = sqlite3.connect(f"file:{data / 'trainwarden.db'}?mode=ro", uri=True)
+    db.row_factory = sqlite3.Row
+    (run,) = db.execute("SELECT id, status FROM runs WHERE name = 'demo'").fetchall()
+    assert run["status"] == "completed"
+    incidents = {i["kind"]: i for i in db.execute(
+        "SELECT * FROM incidents WHERE run_id = ? AND kind IN ('crash', 'loss_spike')",
+        (run["id"],))}
+    assert set(incidents) == {"crash", "loss_spike"}, list(incidents)
+    crash = incidents["crash"]
+    assert crash["rank"] == 1, dict(crash)
+    assert "killed by signal 9" in crash["cause"], crash["cause"]
+    spike = incidents["loss_spike"]
+    assert spike["step"] == 2000, dict(spike)
+
+    def restart_for(incident: sqlite3.Row) -> sqlite3.Row:
+        (act,) = db.execute("SELECT * FROM actions WHERE incident_id = ? AND kind = 'restart'",
+                            (incident["id"],)).fetchall()
+        assert act["status"] == "resumed", dict(act)
+        return act
+
+    crash_restart = restart_for(crash)
+    assert crash_restart["resumed_step"] <= crash["step"], dict(crash_restart)
+    rollback = restart_for(spike)
+    back = rollback["rollback_to_step"]
+    plan = json.loads(rollback["plan"])
+    ((first, last),) = plan["skip"]
     # The corrupted batches (2000-2019) are all skipped, from a checkpoint before them.
-    assert back <= 1990 and first <= 2000 and last >= 2019 and last == detected, plan[0]
-    assert f"action #2 restart resumed at step {back}" in out, out[-3000:]
+    assert back <= 1990, dict(rollback)
+    assert rollback["resumed_step"] == back, dict(rollback)
+    assert first <= 2000 and last >= 2019, plan["skip"]
+    assert plan["lr"]["scale"] == 0.5, plan["lr"]
     summary = json.loads((data / "summary.json").read_text())
     assert summary["final_step"] == 3000, summary
     assert summary["started_at_step"] == back, summary
