@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -18,6 +19,7 @@ from supervisor.api.deps import DB, AgentCredentials, StoredTokens
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
+from supervisor.delivery import DeliveryMonitor
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
@@ -68,8 +70,10 @@ def create_app(
     """Build the app.  Start-up (the lifespan) upgrades the schema and starts the evaluator
     thread when asked; tests pass their own ``db``/``clock`` and drive ``Evaluator.tick``."""
     database = db if db is not None else make_database(settings.db.database_url)
+    detection = settings.detection_config()
+    delivery = DeliveryMonitor(detection.overload)
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
-                          detection=settings.detection_config())
+                          detection=detection, delivery=delivery)
 
     writer = IngestWriter(database, clock, cfg=settings.ingest)
 
@@ -82,9 +86,11 @@ def create_app(
         stop = None
         if start_evaluator:
             _th, stop = evaluator.start(settings.evaluator.interval_s)
+        beat = asyncio.create_task(delivery.beat_forever())  # the event loop's lag
         try:
             yield
         finally:
+            beat.cancel()
             if stop is not None:
                 stop.set()
             writer.stop()
@@ -106,6 +112,7 @@ def create_app(
     app.state.db = database
     app.state.clock = clock
     app.state.evaluator = evaluator
+    app.state.delivery = delivery
     app.state.ingest_writer = writer
     app.state.agent_credentials = AgentCredentials()
     app.state.stored_tokens = StoredTokens()
@@ -130,6 +137,7 @@ def create_app(
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
-                    straggler=evaluator.detection.straggler, goodput=evaluator.goodput)
+                    straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
+                    overload=evaluator.overload_state)
     app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

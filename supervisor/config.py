@@ -56,6 +56,7 @@ from supervisor.detect import (
     ThroughputConfig,
 )
 from supervisor.detect.disk import DiskConfig
+from supervisor.detect.overload import OverloadConfig
 from supervisor.evaluator import EvaluatorConfig
 from supervisor.httpguard import HttpConfig
 from supervisor.observe import DetectionConfig
@@ -317,6 +318,7 @@ class SupervisorSettings(BaseSettings):
     straggler: StragglerConfig = _detector("straggler")
     loss: LossSpikeConfig = _detector("loss")
     throughput: ThroughputConfig = _detector("throughput")
+    overload: OverloadConfig = _detector("overload")
     # (built at import time: their types are not known to the type checker)
     detection: DetectionSection = Field(default_factory=DetectionSection)  # type: ignore[valid-type]
     restart: RestartSection = Field(default_factory=RestartSection)  # type: ignore[valid-type]

@@ -24,8 +24,10 @@ from typing import Any
 from agent import protocol
 from agent.core.findings import FindingKind, Severity
 from supervisor import actions, observe, policy
+from supervisor.delivery import DeliveryMonitor
 from supervisor.detect import Finding
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
+from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
 from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
@@ -91,8 +93,13 @@ class RunState:
 
 class Evaluator:
     def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
-                 detection: observe.DetectionConfig | None = None) -> None:
+                 detection: observe.DetectionConfig | None = None,
+                 delivery: DeliveryMonitor | None = None) -> None:
         self.db = db
+        self.delivery = delivery  # how late batches arrive (None: not watched)
+        self.overload: Overload | None = None  # the supervisor is behind (this tick's verdict)
+        self.overload_since: float | None = None
+        self._last_tick: float | None = None  # (monotonic) start of the previous tick
         self.cfg = cfg
         self.clock = clock
         self.detection = detection or observe.DetectionConfig()
@@ -109,8 +116,11 @@ class Evaluator:
     def tick(self) -> TickReport:
         now = self.clock()
         rep = TickReport()
+        started, ended = self._judge_overload(now)
         observed = self._observe_active(now)
         with self.db.write() as conn:
+            if started or ended is not None:
+                self._record_overload(conn, now, ended)
             self._exits(conn, now, rep)
             for action in rec.actions_in_progress(conn):
                 if actions.advance(conn, action=action, now=now) != action["status"]:
@@ -126,6 +136,50 @@ class Evaluator:
                 self._protect(conn, run)
                 self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
         return rep
+
+    # -- overload ----------------------------------------------------------------------------
+
+    def _judge_overload(self, now: float) -> tuple[bool, float | None]:
+        """This tick's overload verdict (``supervisor.detect.overload``); returns whether an
+        overload has just started, and the length of one that has just ended.  While
+        overloaded, the hang, node-lost and straggler verdicts are held back (``_observe``);
+        once it ends they are judged from then on, as after a supervisor restart: what
+        arrived late says nothing of when."""
+        mono = time.monotonic()
+        gap = None if self._last_tick is None else mono - self._last_tick
+        self._last_tick = mono
+        rep = (self.delivery.report(now, tick_gap_s=gap) if self.delivery is not None
+               else DeliveryReport(tick_gap_s=gap))
+        self.overload = judge_overload(rep, self.detection.overload)
+        if self.overload is not None:
+            if self.overload_since is None:
+                self.overload_since = now
+                log.warning("supervisor overloaded: %s; hang, node-lost and straggler "
+                            "verdicts are held back until it keeps up", self.overload.reason)
+                return True, None
+            return False, None
+        if self.overload_since is None:
+            return False, None
+        lasted = now - self.overload_since
+        self.overload_since = None
+        self.observing_since = max(self.observing_since, now)
+        log.warning("supervisor keeps up again after %.1f s overloaded; hang and node-lost "
+                    "deadlines count from now", lasted)
+        return False, lasted
+
+    def overload_state(self) -> tuple[bool, float | None]:
+        """(overloaded at the last tick, batch lateness now): what /metrics exports."""
+        rep = self.delivery.report(self.clock()) if self.delivery is not None else None
+        return self.overload is not None, rep.lateness_s if rep is not None else None
+
+    def _record_overload(self, conn: Connection, now: float, ended: float | None) -> None:
+        """One event per active run when an overload starts and when it ends."""
+        for run in registry.active_runs(conn):
+            decision = policy.on_overload(
+                reason=self.overload.reason if self.overload is not None else None,
+                lateness_s=self.overload.lateness_s if self.overload is not None else None,
+                ended_after_s=ended)
+            actions.apply(conn, run=run, decision=decision, now=now)
 
     # -- attempt mismatch --------------------------------------------------------------------
 
@@ -207,9 +261,9 @@ class Evaluator:
         g = state.goodput
         if g is None:
             g = state.goodput = LiveGoodput(start=float(run["created_at"]))
-        steps = goodput_store.rank_steps_after(conn, run_id=run_id, after_id=g.step_id,
-                                               limit=STEP_ROWS_PER_TICK)
-        if len(steps) == STEP_ROWS_PER_TICK:
+        upto, steps = goodput_store.rank_step_groups_after(
+            conn, run_id=run_id, after_id=g.step_id, limit=STEP_ROWS_PER_TICK)
+        if sum(len(x[3]) for x in steps) == STEP_ROWS_PER_TICK:
             ended_at = None  # still catching up: end it once every step is in
         world = goodput_store.rank_count(conn, run_id=run_id)
         ckpts = goodput_store.checkpoints_after(conn, run_id=run_id, after_id=g.checkpoint_id)
@@ -217,7 +271,7 @@ class Evaluator:
         acts = goodput_store.restart_actions_after(conn, run_id=run_id, after_id=g.action_id,
                                                    pending=g.pending_actions)
         with self._goodput_lock:
-            g.update(steps=steps, world=world, checkpoints=ckpts, incidents=incs,
+            g.update(steps=steps, steps_upto=upto, world=world, checkpoints=ckpts, incidents=incs,
                      actions=acts, ended_at=ended_at, now=now)
 
     def _goodput_ended(self, conn: Connection, run_id: int, state: RunState) -> None:
@@ -385,13 +439,15 @@ class Evaluator:
         since = max(self.observing_since, started)
         agents = windows.agent_liveness(conn, run_id=run["id"])
         findings: list[Finding] = []
-        findings += observe.hang_findings(conn, run, now=now,
-                                          observing_since=self.observing_since, cfg=cfg,
-                                          agents=agents, started=started)
-        findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
-                                               cfg=cfg, agents=agents)
+        held = self.overload is not None  # judged on late data: held back (_judge_overload)
+        if not held:
+            findings += observe.hang_findings(conn, run, now=now,
+                                              observing_since=self.observing_since, cfg=cfg,
+                                              agents=agents, started=started)
+            findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
+                                                   cfg=cfg, agents=agents)
         slow: dict[int | None, Finding] | None = None
-        if now - state.straggler_at >= max(cfg.straggler_interval_s,
+        if not held and now - state.straggler_at >= max(cfg.straggler_interval_s,
                                            cfg.straggler_cost_factor * state.straggler_cost_s):
             t0 = time.perf_counter()
             open_stragglers = {int(i["rank"]) for i in rec.incidents_of(

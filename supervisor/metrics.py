@@ -358,15 +358,41 @@ def route_template(scope: dict[str, Any], root_path: str = "") -> str:
     return fmt
 
 
+class OverloadCollector(Collector):
+    """Whether the supervisor is behind (the evaluator's verdict of its last tick) and how
+    late batches arrive (``supervisor.delivery``): in memory, no store read."""
+
+    def __init__(self, state: Callable[[], tuple[bool, float | None]]) -> None:
+        self.state = state  # () -> (overloaded, lateness at the configured quantile)
+
+    def collect(self) -> Iterator[Metric]:
+        overloaded, lateness = self.state()
+        g = GaugeMetricFamily(
+            "trainwarden_supervisor_overloaded",
+            "1 while the supervisor is behind (its hang, node-lost and straggler verdicts "
+            "are held back), else 0")
+        g.add_metric([], 1 if overloaded else 0)
+        yield g
+        late = GaugeMetricFamily(
+            "trainwarden_ingest_lateness_seconds",
+            "How much later than each agent's usual its batches arrived over the last "
+            "seconds (the overload detector's quantile; 0 with no recent batch)")
+        late.add_metric([], lateness or 0.0)
+        yield late
+
+
 def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.PolicyConfig,
             straggler: StragglerConfig, prefix: str = "",
-            goodput: Callable[[int], dict[str, Any] | None] | None = None
+            goodput: Callable[[int], dict[str, Any] | None] | None = None,
+            overload: Callable[[], tuple[bool, float | None]] | None = None
             ) -> CollectorRegistry:
     """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the policy's
     and the straggler detector's configuration are the ones the evaluator decides with."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler,
                                      goodput=goodput))
+    if overload is not None:
+        registry.register(OverloadCollector(overload))
     app.add_middleware(RequestMetrics, registry=registry)
     router = APIRouter(tags=["metrics"])
 

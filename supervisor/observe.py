@@ -37,6 +37,7 @@ from supervisor.detect import (
     straggler_scores,
 )
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
+from supervisor.detect.overload import OverloadConfig
 from supervisor.enums import ActionStatus
 from supervisor.store import reads, windows
 from supervisor.store import recovery as rec
@@ -57,6 +58,7 @@ class DetectionConfig:
     throughput: ThroughputConfig = field(default_factory=lambda: ThroughputConfig(
         unit="samples/s"))
     disk: DiskConfig = field(default_factory=DiskConfig)
+    overload: OverloadConfig = field(default_factory=OverloadConfig)
     straggler_table_steps: int = 100  # newest steps of per-rank timings read each time
     # Judging stragglers costs ranks x steps (57 ms for 4,096 ranks here) and competes with
     # ingest for the process: it runs at most every straggler_interval_s and never more

@@ -412,6 +412,27 @@ class RecordEvent:
 
 FindingDecision = Note | Restart | Stop | OpenIncident | RecordEvent
 
+EVENT_OVERLOADED = "supervisor_overloaded"
+EVENT_OVERLOAD_ENDED = "supervisor_overload_ended"
+
+
+def on_overload(*, reason: str | None, lateness_s: float | None,
+                ended_after_s: float | None) -> RecordEvent:
+    """What an overload of the supervisor means for each active run: an event, never an
+    incident or a restart (the supervisor's backlog is not the run's fault); the hang,
+    node-lost and straggler verdicts are held back meanwhile (``Evaluator._judge_overload``)."""
+    if ended_after_s is not None:
+        return RecordEvent(
+            name=EVENT_OVERLOAD_ENDED,
+            message=f"the supervisor keeps up again after {ended_after_s:.1f} s overloaded; "
+                    "hang and node-lost deadlines count from now",
+            details={"overloaded_s": round(ended_after_s, 3)})
+    return RecordEvent(
+        name=EVENT_OVERLOADED,
+        message=f"the supervisor is overloaded ({reason}): hang, node-lost and straggler "
+                "verdicts are held back until it keeps up; nothing is restarted for it",
+        details={"reason": reason or "", "lateness_s": lateness_s})
+
 
 @dataclass(frozen=True)
 class FindingFacts:

@@ -140,6 +140,8 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
     except ValidationError as e:
         return validation_error_response(e.errors(), prefix=("body",))
     creds.check(db, batch.agent_id, presented_credential(request))
+    # How late batches arrive tells an overloaded supervisor from lost nodes.
+    request.app.state.delivery.observe(batch.agent_id, batch.sent_at, clock())
 
     try:
         if db.is_sqlite:

@@ -178,27 +178,34 @@ def gang_step(attempt: int, step: int, t: float, ranks: Iterable[RankTiming]) ->
     ``straggler_s``: max - median over ranks of ``data_s + compute_s`` (ranks missing either
     are left out; 0 with fewer than two).  Both are capped so that they never exceed the step:
     data wait + straggler <= max pre-collective time <= ``step_s``."""
-    return gang_step_of(attempt, step, t, [(r.data_s, r.compute_s, r.step_s) for r in ranks])
+    rows = list(ranks)
+    return gang_step_values(
+        attempt, step, t, [r.step_s for r in rows if r.step_s is not None],
+        [r.data_s for r in rows if r.data_s is not None],
+        [r.data_s + r.compute_s for r in rows
+         if r.data_s is not None and r.compute_s is not None
+         and _finite(r.data_s) and _finite(r.compute_s)])
 
 
 _INF = math.inf
 
 
-def gang_step_of(attempt: int, step: int, t: float,
-                 ranks: Sequence[tuple[float | None, float | None, float | None]]) -> StepDone:
-    """``gang_step`` of (data_s, compute_s, step_s) per rank: the live accounting's form, one
-    call per step of up to 16,384 ranks (``0 <= x < inf`` is ``_finite``: NaN fails it)."""
-    steps = [x for _, _, x in ranks if x is not None and 0 <= x < _INF]
-    datas = [x for x, _, _ in ranks if x is not None and 0 <= x < _INF]
-    pres = [d + k for d, k, _ in ranks
-            if d is not None and k is not None and 0 <= d < _INF and 0 <= k < _INF]
-    step_s = max(steps) if steps else None
+def gang_step_values(attempt: int, step: int, t: float, step_s: Sequence[float],
+                     data_s: Sequence[float], pre_s: Sequence[float]) -> StepDone:
+    """``gang_step`` from the ranks' values of each phase (``pre_s``: data_s + compute_s of
+    the ranks that reported both); values that are not finite or negative are left out
+    (``0 <= x < inf`` is ``_finite``: NaN fails it).  The live accounting's form: one call
+    per step of up to 16,384 ranks, from lists read straight from the store."""
+    steps = [x for x in step_s if 0 <= x < _INF]
+    datas = [x for x in data_s if 0 <= x < _INF]
+    pres = [x for x in pre_s if 0 <= x < _INF]
+    top = max(steps) if steps else None
     data = median(datas) if datas else 0.0
     strag = (max(pres) - median(pres)) if len(pres) >= 2 else 0.0
-    if step_s is not None:
-        strag = min(strag, step_s)
-        data = min(data, step_s - strag)
-    return StepDone(attempt=attempt, step=step, t=t, step_s=step_s, data_s=data,
+    if top is not None:
+        strag = min(strag, top)
+        data = min(data, top - strag)
+    return StepDone(attempt=attempt, step=step, t=t, step_s=top, data_s=data,
                     straggler_s=strag)
 
 

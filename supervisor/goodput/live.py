@@ -40,7 +40,7 @@ from supervisor.goodput.ettr import (
     Resumed,
     RunEnded,
     event_time,
-    gang_step_of,
+    gang_step_values,
     window,
 )
 
@@ -58,7 +58,20 @@ NOT_MEASURED = {"idle": "the store keeps each agent's current state, not when ag
                         "phase the run was in (restart, else other)"}
 FINAL_ACTION = frozenset({"resumed", "failed", "superseded", "done"})
 
-StepRow = tuple[int, int, int, int, float, float | None, float | None, float | None]
+# (attempt, step, newest t, ranks, step_s values, data_s values, data_s + compute_s values):
+# one step's rows read since the last tick (``supervisor.store.goodput.rank_step_groups_after``)
+StepGroup = tuple[int, int, float, list[int], list[float], list[float], list[float]]
+
+
+@dataclass
+class _Partial:
+    """A step some rank of the run has not reported yet (what its reported ranks said)."""
+
+    t: float
+    ranks: set[int]
+    step_s: list[float]
+    data_s: list[float]
+    pre_s: list[float]
 
 SERIES_EVERY_S = 60.0  # one point of the goodput series per minute of wall time ...
 SERIES_POINTS = 1440  # ... over the last day
@@ -77,10 +90,7 @@ class LiveGoodput:
     pending_actions: set[int] = field(default_factory=set)
     decided: set[int] = field(default_factory=set)
     ended: bool = False
-    # (attempt, step) -> rank -> (t, data_s, compute_s, step_s)
-    _partial: dict[tuple[int, int], dict[int, tuple[float, float | None, float | None,
-                                                    float | None]]] = field(
-        default_factory=dict)
+    _partial: dict[tuple[int, int], _Partial] = field(default_factory=dict)
     _last_step_t: dict[int, float] = field(default_factory=dict)  # attempt -> newest step end
     # snapshots, one per SERIES_EVERY_S, for the series and the windowed ETTR
     history: deque[Breakdown] = field(default_factory=lambda: deque(maxlen=SERIES_POINTS))
@@ -90,22 +100,24 @@ class LiveGoodput:
 
     # -- feeding -------------------------------------------------------------------------
 
-    def update(self, *, steps: Sequence[StepRow], world: int,
+    def update(self, *, steps: Sequence[StepGroup], steps_upto: int = 0, world: int,
                checkpoints: Iterable[Mapping[str, Any]] = (),
                incidents: Iterable[Mapping[str, Any]] = (),
                actions: Iterable[Mapping[str, Any]] = (),
                ended_at: float | None = None, now: float | None = None) -> None:
-        """Feed the rows read since the last call (each kind after its cursor, id order);
-        ``now``: the time of the call, for the series (a point per ``SERIES_EVERY_S``)."""
+        """Feed the rows read since the last call (each kind after its cursor, id order;
+        ``steps_upto``: the id of the newest rank step row read); ``now``: the time of the
+        call, for the series (a point per ``SERIES_EVERY_S``)."""
         if self.ended:
             return
+        self.step_id = max(self.step_id, steps_upto)
         self._feed(steps, world, checkpoints, incidents, actions, ended_at)
         t = ended_at if ended_at is not None else now
         if t is not None and (ended_at is not None or not self.history
                               or t - self.history[-1].end >= SERIES_EVERY_S):
             self.history.append(self.acc.snapshot(t))
 
-    def _feed(self, steps: Sequence[StepRow], world: int,
+    def _feed(self, steps: Sequence[StepGroup], world: int,
               checkpoints: Iterable[Mapping[str, Any]],
               incidents: Iterable[Mapping[str, Any]],
               actions: Iterable[Mapping[str, Any]], ended_at: float | None) -> None:
@@ -133,21 +145,24 @@ class LiveGoodput:
             self.acc.feed(RunEnded(t=max(ended_at, self.acc.cursor)))
             self.ended = True
 
-    def _steps(self, rows: Sequence[StepRow], world: int) -> list[Event]:
-        # Each step keeps its ranks in a dict (a rank's newest row wins), so telling whether
-        # every rank is in costs O(1) per row: at 16,384 ranks a step has 16,384 rows.
+    def _steps(self, groups: Sequence[StepGroup], world: int) -> list[Event]:
+        # A step's ranks are a set, so telling whether every rank is in costs O(1) per row
+        # (a step of a 16,384-rank run has 16,384 rows, often read over two ticks).
         done: list[tuple[int, int]] = []
         partial = self._partial
-        for _id, attempt, step, rank, t, data_s, compute_s, step_s in rows:
+        for attempt, step, t, ranks, step_s, data_s, pre_s in groups:
             key = (attempt, step)
-            got = partial.get(key)
-            if got is None:
-                got = partial[key] = {}
-            got[rank] = (t, data_s, compute_s, step_s)
-            if len(got) >= world:
+            p = partial.get(key)
+            if p is None:
+                p = partial[key] = _Partial(t, set(ranks), step_s, data_s, pre_s)
+            else:
+                p.t = max(p.t, t)
+                p.ranks.update(ranks)
+                p.step_s += step_s
+                p.data_s += data_s
+                p.pre_s += pre_s
+            if len(p.ranks) >= world:
                 done.append(key)
-        if rows:
-            self.step_id = max(self.step_id, rows[-1][0])  # rows come in id order
         out: list[Event] = []
         for key in done:
             if key not in partial:
@@ -161,10 +176,9 @@ class LiveGoodput:
         return out
 
     def _gang(self, key: tuple[int, int]) -> Event:
-        got = self._partial.pop(key).values()
-        t = max(x[0] for x in got)
-        self._last_step_t[key[0]] = max(t, self._last_step_t.get(key[0], t))
-        return gang_step_of(key[0], key[1], t, [x[1:] for x in got])
+        p = self._partial.pop(key)
+        self._last_step_t[key[0]] = max(p.t, self._last_step_t.get(key[0], p.t))
+        return gang_step_values(key[0], key[1], p.t, p.step_s, p.data_s, p.pre_s)
 
     def _action(self, a: Mapping[str, Any]) -> list[Event]:
         aid = int(a["id"])

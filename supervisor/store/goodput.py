@@ -7,21 +7,24 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import Connection, Text, case, cast, func, literal, or_, select
+from sqlalchemy import Connection, Text, case, cast, func, or_, select
 
 from supervisor.enums import ActionKind
 from supervisor.store.tables import actions, checkpoints, exits, incidents, rank_steps, ranks
 
+StepGroup = tuple[int, int, float, list[int], list[float], list[float], list[float]]
 
-def rank_steps_after(conn: Connection, *, run_id: int, after_id: int, limit: int
-                     ) -> list[tuple[int, int, int, int, float, float | None, float | None,
-                                     float | None]]:
-    """(id, attempt, step, rank, t, data_s, compute_s, step_s) of the run's rank step rows
-    after ``after_id`` (at most ``limit``, the oldest), grouped by step.
 
-    They come packed, one result row per step: every row a query returns costs the reading
-    thread a hand-over of the interpreter lock (the driver releases it per row), and a tick
-    of a 16,384-rank run reads 16,384 rows a second, while ingest needs the lock."""
+def rank_step_groups_after(conn: Connection, *, run_id: int, after_id: int, limit: int
+                           ) -> tuple[int, list[StepGroup]]:
+    """The run's rank step rows after ``after_id`` (at most ``limit``, the oldest), one group
+    per step, and the id of the newest row read (``after_id`` when none).
+
+    A group: (attempt, step, newest t, the ranks, their finite-or-not step_s, data_s and
+    data_s + compute_s values, NULLs left out).  The values come packed as text, one result
+    row per step: every row a query returns costs the reading thread a hand-over of the
+    interpreter lock (the driver releases it per row), a tick of a 16,384-rank run reads
+    16,384 rows a second, and ingest needs the lock meanwhile."""
     c = rank_steps.c
     # ``run_id + 0``: no index on run_id may be used, so the planner walks the primary key
     # from the cursor (the rows after it only) instead of every row of the run through
@@ -30,34 +33,33 @@ def rank_steps_after(conn: Connection, *, run_id: int, after_id: int, limit: int
               .order_by(c.id).limit(limit).subquery())
     upto = conn.execute(select(func.max(newest.c.id))).scalar()
     if upto is None:
-        return []
-    fields = [c.id, c.rank, c.t, c.data_s, c.compute_s, c.step_s]
-    if conn.dialect.name == "postgresql":
-        packed = func.string_agg(func.concat_ws(
-            ":", *[func.coalesce(cast(f, Text), "") for f in fields]), ";")
-    else:  # printf %!.17g: the float's exact value as text (CAST and %.17g keep 15-16)
-        parts = [cast(c.id, Text), cast(c.rank, Text)] + [
-            case((f.is_(None), ""), else_=func.printf("%!.17g", f)) for f in fields[2:]]
-        packed = func.group_concat(_joined(parts), ";")
-    q = (select(c.attempt, c.step, packed)
+        return after_id, []
+    pg = conn.dialect.name == "postgresql"
+
+    def packed(x: Any) -> Any:  # NULLs are left out by both aggregates
+        if pg:
+            return func.string_agg(cast(x, Text), ",")
+        # printf %!.17g: the float's exact value (CAST and %.17g keep 15-16 digits)
+        return func.group_concat(case((x.is_(None), None), else_=func.printf("%!.17g", x)),
+                                 ",")
+
+    ranks_text = (func.string_agg(cast(c.rank, Text), ",") if pg
+                  else func.group_concat(c.rank, ","))
+    q = (select(c.attempt, c.step, func.max(c.t), ranks_text, packed(c.step_s),
+                packed(c.data_s), packed(c.data_s + c.compute_s))
          .where((c.run_id + 0) == run_id, c.id > after_id, c.id <= int(upto))
-         .group_by(c.attempt, c.step))
-    out = []
-    for attempt, step, text in conn.execute(q):
-        for one in str(text).split(";"):
-            i, r, t, d, k, ss = one.split(":")
-            out.append((int(i), int(attempt), int(step), int(r), float(t),
-                        float(d) if d else None, float(k) if k else None,
-                        float(ss) if ss else None))
-    out.sort()
-    return out
+         .group_by(c.attempt, c.step).order_by(c.attempt, c.step))
+    return int(upto), [
+        (int(a), int(s), float(t), _ints(r), _floats(ss), _floats(d), _floats(pre))
+        for a, s, t, r, ss, d, pre in conn.execute(q)]
 
 
-def _joined(parts: list[Any]) -> Any:
-    expr = parts[0]
-    for p in parts[1:]:
-        expr = expr.op("||")(literal(":")).op("||")(p)
-    return expr
+def _ints(text: str | None) -> list[int]:
+    return list(map(int, text.split(","))) if text else []
+
+
+def _floats(text: str | None) -> list[float]:
+    return list(map(float, text.split(","))) if text else []
 
 
 def rank_count(conn: Connection, *, run_id: int) -> int:

@@ -124,7 +124,7 @@ def test_the_step_read_walks_the_primary_key_from_its_cursor(db: Database) -> No
     with db.read() as conn:
         event.listen(db.engine, "before_cursor_execute", capture)
         try:
-            goodput_store.rank_steps_after(conn, run_id=1, after_id=5, limit=10)
+            goodput_store.rank_step_groups_after(conn, run_id=1, after_id=5, limit=10)
         finally:
             event.remove(db.engine, "before_cursor_execute", capture)
         (statement, params), = seen
@@ -194,7 +194,7 @@ def test_a_failing_goodput_read_does_not_stop_the_fault_handling(
     def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(goodput_store, "rank_steps_after", broken)
+    monkeypatch.setattr(goodput_store, "rank_step_groups_after", broken)
     clock.now = T0 + 32
     evaluator.tick()
     acts = client.get("/api/v1/runs/alpha/actions", headers=OPERATOR).json()["actions"]

@@ -63,6 +63,8 @@ CONTRACT = {
     "trainwarden_run_productive_seconds",
     "trainwarden_run_wall_seconds",
     "trainwarden_http_requests_total",
+    "trainwarden_supervisor_overloaded",
+    "trainwarden_ingest_lateness_seconds",
     # histogram: only its series are queryable
     "trainwarden_ingest_latency_seconds_bucket",
     "trainwarden_ingest_latency_seconds_sum",

@@ -83,8 +83,10 @@ def register(client: TestClient, run: str = "r1", node: str = "n0",
 def ingest(client: TestClient, agent_id: int, seq: int, items: list[dict[str, Any]],
            attempt: int = 0, expect: int = 200) -> dict[str, Any]:
     # json.dumps, not httpx's json=: the wire carries NaN tokens, which httpx refuses.
-    body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": 1.0, "attempt": attempt,
-                       "items": items})
+    # Stamped when sent, as the agent does (the supervisor judges its own lateness by it).
+    sent_at = client.app.state.clock()  # type: ignore[attr-defined]
+    body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": sent_at,
+                       "attempt": attempt, "items": items})
     r = client.post("/api/v1/ingest", content=body,
                     headers={**as_agent(client, agent_id), "content-type": "application/json"})
     assert r.status_code == expect, r.text

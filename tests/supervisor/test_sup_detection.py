@@ -3,6 +3,7 @@ and the policy's response (gang restart with stack collection, incident only, ev
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +11,16 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import OPERATOR, FakeClock, crash, ingest, make_settings, register, step
+from sup_helpers import (
+    OPERATOR,
+    FakeClock,
+    as_agent,
+    crash,
+    ingest,
+    make_settings,
+    register,
+    step,
+)
 
 from supervisor.app import create_app
 from supervisor.evaluator import Evaluator
@@ -349,3 +359,61 @@ def test_the_hang_judgment_reads_few_ranks_and_judges_as_on_every_rank(
             assert got == full, f"wait {wait}"
             verdicts.update(f.kind for f in full)
     assert verdicts == {"hang", "rank_stalled"}
+
+
+def test_an_overloaded_supervisor_holds_its_verdicts_and_restarts_nothing(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """Two healthy nodes; the supervisor falls 14 s behind (longer than the 10 s node-lost
+    deadline): node n0's batches arrive 14 s after they were sent, n1's not yet.  Judged
+    on receive times n1 is lost; the overload holds that back: no incident, no restart, an
+    event says why.  Once it keeps up again a node that really goes silent is lost."""
+    a0 = register(client, node="n0")["agent_id"]
+    a1 = register(client, node="n1")["agent_id"]
+    seq = {a0: 0, a1: 0}
+
+    def send(agent: int, rank: int, s: int, *, sent: float) -> None:
+        beat = {"type": "heartbeat", "t": sent, "attempt": 0, "state": "running"}
+        body = {"agent_id": agent, "seq": seq[agent], "sent_at": sent, "attempt": 0,
+                "items": [step(rank, s, t=sent, world_size=2, compute_s=0.2), beat]}
+        seq[agent] += 1
+        r = client.post("/api/v1/ingest", content=json.dumps(body),
+                        headers={**as_agent(client, agent), "content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+    s = 0
+    for _ in range(30):  # healthy, one step a second, delivered at once
+        clock.advance(1.0)
+        send(a0, 0, s, sent=clock.now)
+        send(a1, 1, s, sent=clock.now)
+        s += 1
+        evaluator.tick()
+    behind_from = clock.now
+    for _ in range(14):  # 14 s behind: n0's batches come late, n1's are still queued
+        clock.advance(1.0)
+        send(a0, 0, s, sent=clock.now - 14.0)
+        evaluator.tick()
+    assert evaluator.overload is not None
+    assert get(client, "/incidents")["incidents"] == []
+    assert get(client, "/actions")["actions"] == []
+    events = get(client, "/events")["events"]
+    assert [e["name"] for e in events if e["name"].startswith("supervisor_")] == \
+        ["supervisor_overloaded"], events
+    for k in range(14):  # the backlog drains: n1's queued batches arrive
+        send(a1, 1, s - 14 + k, sent=behind_from + k)
+    s += 1
+    for _ in range(12):  # keeping up again, then n1 goes silent for good
+        clock.advance(1.0)
+        send(a0, 0, s, sent=clock.now)
+        s += 1
+        evaluator.tick()
+    assert evaluator.overload is None
+    names = [e["name"] for e in get(client, "/events")["events"]]
+    assert "supervisor_overload_ended" in names, names
+    assert get(client, "/incidents")["incidents"] == []  # n1 silent only 12 s: deadline 10 s
+    for _ in range(15):  # counted from the recovery: past the deadline now
+        clock.advance(1.0)
+        send(a0, 0, s, sent=clock.now)
+        s += 1
+        evaluator.tick()
+    kinds = [i["kind"] for i in get(client, "/incidents")["incidents"]]
+    assert kinds == ["node_lost"], kinds

@@ -217,9 +217,11 @@ def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -
     assert f.rank == 0 and f.details["signal"] == "peers", f
 
 
-def test_the_goodput_step_read_returns_every_row_exactly(db: Database) -> None:
+def test_the_goodput_step_read_returns_every_value_exactly(db: Database) -> None:
     """The rows come packed one result row per step (as text): every value comes back as
-    stored, None stays None, and the limit and the cursor cut at a row, not at a step."""
+    stored, NULLs are left out, the limit and the cursor cut at a row (a step read in two
+    parts comes back in two groups)."""
+    import math
     import random
 
     from sqlalchemy import select
@@ -239,7 +241,7 @@ def test_the_goodput_step_read_returns_every_row_exactly(db: Database) -> None:
                     "t": 1796187468.846339 + s + rng.random() / 3,
                     "batch_index": s * 13 + r,
                     "data_s": None if r == 3 else rng.random() / 7,
-                    "compute_s": None if r == 4 else 0.1 + 0.2,
+                    "compute_s": None if r == 4 else (math.inf if r == 5 else 0.1 + 0.2),
                     "step_s": None if s == 2 else rng.random() * 1e-9,
                     "loss": 1.0, "loss_special": None, "grad_norm": 1.0,
                     "grad_norm_special": None, "lr": 1e-3})
@@ -249,12 +251,35 @@ def test_the_goodput_step_read_returns_every_row_exactly(db: Database) -> None:
         plain = [tuple(x) for x in conn.execute(
             select(c.id, c.attempt, c.step, c.rank, c.t, c.data_s, c.compute_s, c.step_s)
             .where(c.run_id == reg["run_id"]).order_by(c.id))]
-        got = goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=0, limit=10_000)
-        assert got == plain
-        first = goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=0, limit=20)
-        assert first == plain[:20]
-        rest = goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=first[-1][0],
-                                        limit=10_000)
-        assert rest == plain[20:]
-        assert goodput.rank_steps_after(conn, run_id=reg["run_id"], after_id=plain[-1][0],
-                                        limit=10) == []
+
+        def expected(part: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+            out = []
+            for key in sorted({(a, s) for _, a, s, *_ in part}):
+                mine = [x for x in part if (x[1], x[2]) == key]
+                out.append((*key, max(x[4] for x in mine), [x[3] for x in mine],
+                            [x[7] for x in mine if x[7] is not None],
+                            [x[5] for x in mine if x[5] is not None],
+                            [x[5] + x[6] for x in mine
+                             if x[5] is not None and x[6] is not None]))
+            return out
+
+        def read(after: int, limit: int) -> tuple[int, list[Any]]:
+            return goodput.rank_step_groups_after(conn, run_id=reg["run_id"], after_id=after,
+                                                  limit=limit)
+
+        upto, got = read(0, 10_000)
+        assert upto == plain[-1][0]
+        assert [g[:3] for g in got] == [e[:3] for e in expected(plain)]
+        for g, e in zip(got, expected(plain), strict=True):  # (the store's order per step)
+            assert sorted(g[3]) == sorted(e[3]), e[:2]
+            assert sorted(g[4]) == sorted(e[4]), e[:2]
+            assert sorted(g[5]) == sorted(e[5]), e[:2]
+            assert sorted(g[6]) == sorted(e[6]), e[:2]
+        upto, first = read(0, 20)
+        assert upto == plain[19][0]
+        assert [(g[0], g[1], sorted(g[3])) for g in first] == \
+            [(e[0], e[1], sorted(e[3])) for e in expected(plain[:20])]
+        upto2, rest = read(upto, 10_000)
+        assert [(g[0], g[1], sorted(g[3])) for g in rest] == \
+            [(e[0], e[1], sorted(e[3])) for e in expected(plain[20:])]
+        assert read(upto2, 10) == (upto2, [])
