@@ -10,6 +10,7 @@ from supervisor import metrics, observe
 from supervisor.detect.findings import LOSS_SPIKE_TRANSIENT
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ActionKind, IncidentKind, RestartCause
+from supervisor.goodput.mfu import mfu, mfu_factor
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
@@ -37,7 +38,7 @@ def run_row(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
         "loss": metrics.mean_loss(newest) if newest else None,
         "throughput": tp,
         "flops_declared": declared,
-        "mfu": metrics.mfu(declared, tp),
+        "mfu": mfu(declared, tp),
         "checkpoint": ckpt,
         "checkpoint_age": (now - ckpt["t"]) if ckpt else None,
         "open_incidents": reads.open_incident_counts(conn, run_id=run["id"]),
@@ -111,7 +112,7 @@ def mfu_feed(conn: Connection, run_id: int) -> dict[str, Any] | None:
     if newest is None:
         return None
     tp = reads.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
-    factor = metrics.mfu_factor(reads.flops_declaration(conn, run_id=run_id), tp["ranks"])
+    factor = mfu_factor(reads.flops_declaration(conn, run_id=run_id), tp["ranks"])
     return None if factor is None else {"unit": factor[0], "factor": factor[1]}
 
 

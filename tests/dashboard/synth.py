@@ -94,12 +94,46 @@ class SynthRun:
                 items.append(beat)
                 self.send(n, items, attempt=attempt)
 
-    def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float) -> None:
+    def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float,
+                      baseline_per_device: float | None = None) -> None:
         """What ``agent.worker.declare_flops`` sends (rank 0's event)."""
         self.send(0, [{"type": "event", "rank": 0, "name": "flops_declared",
                        "details": {"flops_per_sample": flops_per_sample,
                                    "flops_per_token": None,
-                                   "peak_flops_per_rank": peak_flops_per_rank}}])
+                                   "peak_flops_per_rank": peak_flops_per_rank,
+                                   "baseline_per_device": baseline_per_device}}])
+
+    def event(self, node: int, name: str, *, t: float, attempt: int, rank: int | None = None,
+              step: int | None = None, details: dict[str, Any] | None = None) -> None:
+        """One event as a worker (``rank``) or the node's agent (no rank) sends it."""
+        item: dict[str, Any] = {"type": "event", "name": name, "t": t, "attempt": attempt,
+                                "message": name, "details": details or {}}
+        if rank is not None:
+            item["rank"] = rank
+        if step is not None:
+            item["step"] = step
+        self.send(node, [item], attempt=attempt)
+
+    def restart_milestones(self, *, attempt: int, t_launch: float, t_rendezvous: float,
+                           t_resumed: float, resume_step: int) -> None:
+        """What a restart's new attempt sends before its first step: each agent's
+        ``torchrun_started`` (node n at ``t_launch + 0.5 n``), each rank's
+        ``worker_started`` (rank r at ``t_rendezvous - 0.25 (world - 1 - r)``: the last at
+        ``t_rendezvous``) and rank 0's ``resumed``."""
+        for n in range(self.nodes):
+            self.event(n, "torchrun_started", t=t_launch + 0.5 * n, attempt=attempt,
+                       details={"pid": 4000 + n})
+        for r in range(self.world):
+            self.event(r // self.ranks_per_node, "worker_started", attempt=attempt, rank=r,
+                       t=t_rendezvous - 0.25 * (self.world - 1 - r))
+        self.event(0, "resumed", t=t_resumed, attempt=attempt, rank=0, step=resume_step,
+                   details={"step": resume_step})
+
+    def stopped(self, node: int, attempt: int, t: float) -> None:
+        """The node's exit report after the supervisor stopped its workers (SIGTERM)."""
+        self.send(node, [{"type": "exit", "attempt": attempt, "t": t, "exit_code": None,
+                          "signal": 15, "outcome": "stopped", "failed_ranks": []}],
+                  attempt=attempt)
 
     def crash(self, node: int = 0, attempt: int = 0, rank: int = 0, t: float = 0.0) -> None:
         self.send(node, [{"type": "exit", "attempt": attempt, "t": t, "exit_code": 1,
