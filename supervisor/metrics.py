@@ -38,6 +38,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from supervisor import efficiency, observe, policy
 from supervisor.api.deps import ReadAuth
@@ -79,7 +80,8 @@ def restart_counts(restarts: Sequence[Mapping[str, Any]]
 
 def phase_buckets(xs: Sequence[float]) -> list[tuple[str, float]]:
     """Cumulative (le, count) buckets of ``PHASE_BUCKETS_S`` and +Inf over ``xs``."""
-    out = [(f"{le:g}", float(sum(1 for x in xs if x <= le))) for le in PHASE_BUCKETS_S]
+    out = [(floatToGoString(le), float(sum(1 for x in xs if x <= le)))
+           for le in PHASE_BUCKETS_S]
     return [*out, ("+Inf", float(len(xs)))]
 
 

@@ -6,10 +6,11 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor import metrics, observe
+from supervisor import efficiency, metrics, observe
 from supervisor.detect.findings import LOSS_SPIKE_TRANSIENT
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ActionKind, IncidentKind, RestartCause
+from supervisor.goodput.anatomy import PHASES
 from supervisor.goodput.mfu import mfu, mfu_factor
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
@@ -77,7 +78,12 @@ def run_tables(conn: Connection, run: RunRow, now: float,
                    for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
     return {
         "incidents": incidents,
-        "actions": reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT),
+        # each restart with its anatomy (the same seconds as the API's and the histogram's)
+        "actions": efficiency.with_anatomy(
+            conn, reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT)),
+        "advice": efficiency.interval_advice(conn, run, now),
+        "mfu_report": efficiency.mfu_report(conn, run),
+        "phase_names": PHASES,
         "checkpoints": checkpoints,
         "agents": [node_health(a) for a in registry.run_agents(conn, run_id=run_id)],
         "ranks": ranks[:RANKS_SHOWN],

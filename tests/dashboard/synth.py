@@ -144,6 +144,32 @@ class SynthRun:
                   attempt=attempt)
 
 
+def efficiency_script(client: httpx.Client, clock: Any, evaluator: Any, *,
+           milestones: bool = True, baseline: float | None = 8.0) -> SynthRun:
+    """The restart history of ``tests/supervisor/test_sup_efficiency.py``'s docstring
+    (seconds after ``clock.now``): a crash at 64, a restart decided at 66 whose milestones
+    are 67.5, 68.5, 71, 73 and 75 (the first step), read at 120; FLOPs declared with a
+    one-device baseline of ``baseline`` samples/s (None: none)."""
+    t0 = clock.now
+    run = SynthRun(client, "alpha").register()
+    run.declare_flops(flops_per_sample=2e9, peak_flops_per_rank=1e12,
+                      baseline_per_device=baseline)
+    run.train(range(30), t0=t0 + 5, dt=2.0, slow_rank=3, checkpoint_every=10)
+    run.crash(node=1, rank=3, t=t0 + 64)
+    clock.now = t0 + 66
+    evaluator.tick()  # the exit: an incident and a restart to attempt 1
+    run.stopped(node=0, attempt=0, t=t0 + 67.5)
+    clock.now = t0 + 70
+    if milestones:
+        run.restart_milestones(attempt=1, t_launch=t0 + 68, t_rendezvous=t0 + 71,
+                               t_resumed=t0 + 73, resume_step=20)
+    evaluator.tick()
+    run.train(range(20, 40), t0=t0 + 35, dt=2.0, attempt=1, slow_rank=3, checkpoint_every=10)
+    clock.now = t0 + 120.0
+    evaluator.tick()
+    return run
+
+
 def loss_at(step: int, rank: int, spike: tuple[int, int] | None, nan_at: int | None,
             spike_to: float | None = None) -> float:
     if nan_at is not None and step == nan_at:

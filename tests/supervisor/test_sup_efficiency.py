@@ -31,34 +31,13 @@ from supervisor.goodput.anatomy import MILESTONES, PHASES
 from supervisor.store import efficiency as eff
 from supervisor.store.db import Database
 from tests.dashboard.synth import OPERATOR, SynthRun
+from tests.dashboard.synth import efficiency_script as script
 
 MILESTONE_T = {"decided": 66.0, "workers_stopped": 67.5, "torchrun_started": 68.5,
                "rendezvous_done": 71.0, "checkpoint_loaded": 73.0, "first_step": 75.0}
 PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "load_checkpoint": 2.0,
            "first_step": 2.0}
 END = 120.0
-
-
-def script(client: TestClient, clock: FakeClock, evaluator: Evaluator, *,
-           milestones: bool = True, baseline: float | None = 8.0) -> SynthRun:
-    t0 = clock.now
-    run = SynthRun(client, "alpha").register()
-    run.declare_flops(flops_per_sample=2e9, peak_flops_per_rank=1e12,
-                      baseline_per_device=baseline)
-    run.train(range(30), t0=t0 + 5, dt=2.0, slow_rank=3, checkpoint_every=10)
-    run.crash(node=1, rank=3, t=t0 + 64)
-    clock.now = t0 + 66
-    evaluator.tick()  # the exit: an incident and a restart to attempt 1
-    run.stopped(node=0, attempt=0, t=t0 + 67.5)
-    clock.now = t0 + 70
-    if milestones:
-        run.restart_milestones(attempt=1, t_launch=t0 + 68, t_rendezvous=t0 + 71,
-                               t_resumed=t0 + 73, resume_step=20)
-    evaluator.tick()
-    run.train(range(20, 40), t0=t0 + 35, dt=2.0, attempt=1, slow_rank=3, checkpoint_every=10)
-    clock.now = t0 + END
-    evaluator.tick()
-    return run
 
 
 def _rel(times: dict[str, Any], t0: float) -> dict[str, Any]:
