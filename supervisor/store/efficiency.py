@@ -52,11 +52,13 @@ def restart_milestones(conn: Connection, *, run_id: int,
 
     Each is a per-run grouped read or a primary-key lookup per action."""
     ac = actions.c
+    # Every restart of the run, filtered here: a run has few, and a long list of ids would
+    # be an IN list of as many bound parameters.
     q = (select(ac.id, ac.attempt, ac.created_at, ac.progress)
          .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART).order_by(ac.id))
-    if action_ids is not None:
-        q = q.where(ac.id.in_(sorted(action_ids)))
-    acts = [dict(r._mapping) for r in conn.execute(q)]
+    wanted = None if action_ids is None else set(action_ids)
+    acts = [dict(r._mapping) for r in conn.execute(q)
+            if wanted is None or int(r.id) in wanted]
     if not acts:
         return {}
     ex = exits.c
@@ -71,7 +73,7 @@ def restart_milestones(conn: Connection, *, run_id: int,
     cm = commands.c
     done = {int(i): float(t) for i, t in conn.execute(
         select(cm.action_id, func.max(cm.updated_at))
-        .where(cm.run_id == run_id, cm.action_id.in_([a["id"] for a in acts]),
+        .where(cm.run_id == run_id, cm.action_id.is_not(None),
                cm.status == CommandStatus.DONE)
         .group_by(cm.action_id))}
     sa = step_aggregates.c
