@@ -11,6 +11,7 @@ primary-key lookup per restart action, one window of rank steps).
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -65,8 +66,21 @@ def with_anatomy(conn: Connection, rows: Iterable[Mapping[str, Any]]) -> list[di
 # checkpoint-interval advice
 
 
+def _finite(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _stall(save_s: Any) -> bool:
+    v = _finite(save_s)
+    return v is not None and v >= 0
+
+
 def _mean(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) if xs else None
+    """The mean of the finite values (None when there are none, or it overflows)."""
+    ok = [x for x in xs if math.isfinite(x)]
+    return _finite(statistics.fmean(ok)) if ok else None
 
 
 def interval_advice(conn: Connection, run: RunRow, now: float,
@@ -87,12 +101,13 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     missing in ``missing``."""
     run_id = int(run["id"])
     end = now if run["status"] in ACTIVE_STATUSES else float(run["updated_at"])
-    observed = max(0.0, end - float(run["created_at"]))
+    observed = max(0.0, _finite(end - float(run["created_at"])) or 0.0)
     nodes = max(1, eff.node_count(conn, run_id=run_id))
     failures = eff.failure_count(conn, run_id=run_id)
     ckpts = eff.complete_checkpoints(conn, run_id=run_id)
+    # (a negative save_s is finite, so the wire takes it, but no stall: left out)
     stalls = [0.0 if c["async_save"] else float(c["save_s"]) for c in ckpts
-              if c["async_save"] or c["save_s"] is not None]
+              if c["async_save"] or _stall(c["save_s"])]
     gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(ckpts)
             if a["attempt"] == b["attempt"] and b["t"] > a["t"]]
     faults = eff.restart_faults(conn, run_id=run_id)

@@ -98,7 +98,11 @@ def mfu(declared: Mapping[str, Any] | None, throughput: Mapping[str, Any]) -> fl
     if factor is None:
         return None
     rate = throughput.get("samples_per_s" if factor[0] == "samples" else "tokens_per_s")
-    return None if rate is None else float(rate) * factor[1]
+    if rate is None:
+        return None
+    out = float(rate) * factor[1]
+    # (a peak no hardware has, 5e-324 FLOP/s, makes it infinite: no MFU, not a band error)
+    return out if math.isfinite(out) and out >= 0 else None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ or scrape time, never by the evaluator's tick.  Keyword-only functions taking a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -90,7 +91,7 @@ def restart_milestones(conn: Connection, *, run_id: int,
             .order_by(sa.step).limit(1)).scalar()
         if first is None and isinstance(progress.get("resumed"), int | float):
             first = progress["resumed"]
-        out[aid] = {
+        times = {
             "decided": float(a["created_at"]),
             "workers_stopped": stopped[max(earlier)] if earlier else None,
             "torchrun_started": launched[1] if launched else done.get(aid),
@@ -98,6 +99,9 @@ def restart_milestones(conn: Connection, *, run_id: int,
             "checkpoint_loaded": resumed[0] if resumed else None,
             "first_step": None if first is None else float(first),
         }
+        # A time no clock gives (a row written around the ingest checks) is not recorded.
+        out[aid] = {k: v if v is not None and math.isfinite(v) else None
+                    for k, v in times.items()}
     return out
 
 
@@ -112,8 +116,12 @@ def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
     q = (select(ac.id, i.opened_at, exit_t.label("exit_t"))
          .select_from(actions.join(incidents, incidents.c.id == ac.incident_id))
          .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART))
-    return {int(aid): float(et if et is not None else opened)
-            for aid, opened, et in conn.execute(q)}
+    out = {}
+    for aid, opened, et in conn.execute(q):
+        t = float(et if et is not None else opened)
+        if math.isfinite(t):
+            out[int(aid)] = t
+    return out
 
 
 def failure_count(conn: Connection, *, run_id: int) -> int:
