@@ -4,7 +4,8 @@ own request metrics.
 The exported names and labels are a contract (``deploy/prometheus/alerts.yml`` and the
 Grafana dashboard are written against them); change them only together.
 
-Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes, 4 budgets),
+Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes, 4 budgets,
+and once the run restarted a histogram of 14 series for each of the 6 restart phases),
 per agent (node) six, per GPU four (at most ``GPUS_PER_NODE`` per node), and at most
 ``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs that are active, or
 whose status changed in the last ``RECENT_S`` seconds, are exported.
@@ -17,8 +18,10 @@ its budget; "operator" for an operator's action); ``restart_budget_remaining{cau
 ``restarts_without_progress_limit`` the setting it compares them with; the straggler
 ``score`` and ``slow`` of a rank are ``detect.straggler.straggler_scores`` over the steps every
 rank has delivered, and ``straggler_threshold`` the detector's threshold (see
-``deploy/prometheus/alerts.yml``); ``mfu_ratio`` is throughput x declared FLOPs per sample (or
-token) / (ranks x declared peak FLOP/s per rank), exported once the run declared them.
+``deploy/prometheus/alerts.yml``); ``mfu_ratio`` is ``goodput.mfu.mfu``: throughput x declared
+FLOPs per sample (or token) / (ranks x declared peak FLOP/s per rank), exported once the run
+declared them; ``restart_phase_seconds{phase}`` counts the known phases of
+``efficiency.restart_anatomies``, the seconds each restart action shows in the API.
 """
 
 from __future__ import annotations
