@@ -189,3 +189,21 @@ def test_the_api_and_the_pure_module_agree(client: TestClient, clock: FakeClock,
         run = registry.get_run_by_name(conn, name="alpha")
         assert run is not None
         assert efficiency.mfu_report(conn, run) == api["mfu"]
+
+
+def test_save_cost_counts_asynchronous_and_instant_saves_as_no_stall(
+        client: TestClient, clock: FakeClock, db: Database) -> None:
+    """An asynchronous save stalls training for its staging only (not reported): 0; a save
+    of 0 s is a save of no stall, not a missing one; a negative one is left out."""
+    run = SynthRun(client, "saves").register()
+    t0 = clock.now
+    run.send(0, [{"type": "checkpoint", "attempt": 0, "rank": 0, "t": t0 + 10 * i, "step": i,
+                  "path": f"/ckpt/saves/step-{i}", "bytes": 1, "lineage": "a0", **extra}
+                 for i, extra in enumerate([{"save_s": 3.0}, {"save_s": 0.0},
+                                            {"save_s": 9.0, "async_save": True},
+                                            {"save_s": -1.0}], start=1)])
+    clock.now = t0 + 60
+    adv = client.get("/api/v1/runs/saves", headers=OPERATOR).json()["checkpoint_interval"]
+    assert adv["inputs"]["save_stall_s"] == pytest.approx((3.0 + 0.0 + 0.0) / 3)
+    assert adv["measured"]["saves_timed"] == 3
+    assert adv["inputs"]["interval_s"] == pytest.approx(10.0)
