@@ -5,6 +5,7 @@ or scrape time, never by the evaluator's tick.  Keyword-only functions taking a
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Collection
 from typing import Any
@@ -40,8 +41,10 @@ def restart_milestones(conn: Connection, *, run_id: int,
     milestones, as ``supervisor.goodput.anatomy`` names them (None: not recorded).
 
     * decided: the action's creation;
-    * workers_stopped: the newest exit report of the newest earlier attempt with any (every
-      node's workers gone; a crash's may be gone before the decision);
+    * workers_stopped: the newest exit report of the newest attempt with any since the
+      previous restart's attempt (every node's workers gone; a crash's may be gone before
+      the decision; none when that attempt never ran, as for a restart that superseded
+      another before it launched);
     * torchrun_started: the newest ``torchrun_started`` event of the action's attempt (one
       per agent), else the newest time the supervisor received an agent's "done" for the
       action's commands;
@@ -58,8 +61,8 @@ def restart_milestones(conn: Connection, *, run_id: int,
     q = (select(ac.id, ac.attempt, ac.created_at, ac.progress)
          .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART).order_by(ac.id))
     wanted = None if action_ids is None else set(action_ids)
-    acts = [dict(r._mapping) for r in conn.execute(q)
-            if wanted is None or int(r.id) in wanted]
+    every = [dict(r._mapping) for r in conn.execute(q)]
+    acts = [a for a in every if wanted is None or int(a["id"]) in wanted]
     if not acts:
         return {}
     ex = exits.c
@@ -79,10 +82,15 @@ def restart_milestones(conn: Connection, *, run_id: int,
         .group_by(cm.action_id))}
     sa = step_aggregates.c
     out: dict[int, dict[str, float | None]] = {}
+    # The attempt of the restart before each one: the workers a restart stopped ran as an
+    # attempt since then (an older attempt's exits belong to an older restart).
+    chain = [0, *(int(a["attempt"]) for a in every)]
+    previous = {new: old for old, new in itertools.pairwise(chain)}
     for a in acts:
         aid, attempt = int(a["id"]), int(a["attempt"])
         progress = a["progress"] if isinstance(a["progress"], dict) else {}
-        earlier = [k for k in stopped if k < attempt]
+        since = previous.get(attempt, 0)
+        earlier = [k for k in stopped if since <= k < attempt]
         launched = marks.get((EVENT_TORCHRUN_STARTED, attempt))
         rdzv = marks.get((EVENT_STARTED, attempt))
         resumed = marks.get((EVENT_RESUMED, attempt))

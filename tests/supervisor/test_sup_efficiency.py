@@ -207,3 +207,19 @@ def test_save_cost_counts_asynchronous_and_instant_saves_as_no_stall(
     assert adv["inputs"]["save_stall_s"] == pytest.approx((3.0 + 0.0 + 0.0) / 3)
     assert adv["measured"]["saves_timed"] == 3
     assert adv["inputs"]["interval_s"] == pytest.approx(10.0)
+
+
+def test_a_second_restart_counts_the_exits_of_its_own_attempt_only(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator, db: Database) -> None:
+    """Attempt 1 crashes too (its rank 3 at 130, decided at 132): the second restart's
+    workers stopped at attempt 1's exit, the first's at attempt 0's."""
+    t0 = clock.now
+    run = script(client, clock, evaluator)
+    run.crash(node=1, rank=3, t=t0 + 130, attempt=1)
+    clock.now = t0 + 132
+    evaluator.tick()
+    with db.read() as conn:
+        first, second = (eff.restart_milestones(conn, run_id=1)[i] for i in (1, 2))
+    assert first["workers_stopped"] == pytest.approx(t0 + 67.5)
+    assert second["workers_stopped"] == pytest.approx(t0 + 130)
+    assert second["first_step"] is None  # attempt 2 has not started
