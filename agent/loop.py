@@ -350,6 +350,12 @@ class Agent:
         self.state = AgentState.STARTING
         self.watch.new_attempt(attempt, self.clock())
         self.launcher.start(attempt, plan_path)
+        # When torchrun was started: a restart's anatomy splits "launch" from "rendezvous"
+        # here (the workers' worker_started events mark the end of the rendezvous).
+        self._emit({"type": "event", "t": self.clock(), "attempt": attempt,
+                    "name": protocol.EVENT_TORCHRUN_STARTED,
+                    "message": f"torchrun started for attempt {attempt}",
+                    "details": {"pid": self.launcher.pid}})
 
     def finish(self) -> None:
         self.state = AgentState.STOPPED

@@ -99,6 +99,9 @@ EVENT_PIN_REFUSED = "checkpoint_pin_refused"
 # The agent found another run's state in its state dir (a reused run name) and archived it
 # before starting any worker; details: {"archived_to", "old_run_uuid"}.
 EVENT_STATE_ARCHIVED = "agent_state_archived"
+# The agent started torchrun for an attempt (its first start, a restart, a relaunch after
+# an agent restart); details: {"pid"}.  Marks the end of a restart's launch phase.
+EVENT_TORCHRUN_STARTED = "torchrun_started"
 
 
 class WorkerEvent(TypedDict, total=False):

@@ -42,6 +42,9 @@ U63 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 I32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 # 1 <= x <= 2^31-1.
 Positive31 = Annotated[int, Field(ge=1, le=INT32_MAX)]
+# A declared one-device throughput (samples or tokens per second, ``declare_flops``'s
+# ``baseline_per_device``): positive, at most this; anything else reads as not declared.
+BASELINE_PER_DEVICE_MAX = 1e12
 # Unix times and durations: finite (NaN and Infinity are refused).
 Finite = Annotated[float, Field(allow_inf_nan=False,
                                 description="a finite number (NaN and Infinity are refused)")]

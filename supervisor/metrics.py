@@ -4,7 +4,8 @@ own request metrics.
 The exported names and labels are a contract (``deploy/prometheus/alerts.yml`` and the
 Grafana dashboard are written against them); change them only together.
 
-Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes, 4 budgets),
+Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes, 4 budgets,
+and once the run restarted a histogram of 14 series for each of the 6 restart phases),
 per agent (node) six, per GPU four (at most ``GPUS_PER_NODE`` per node), and at most
 ``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs that are active, or
 whose status changed in the last ``RECENT_S`` seconds, are exported.
@@ -17,8 +18,10 @@ its budget; "operator" for an operator's action); ``restart_budget_remaining{cau
 ``restarts_without_progress_limit`` the setting it compares them with; the straggler
 ``score`` and ``slow`` of a rank are ``detect.straggler.straggler_scores`` over the steps every
 rank has delivered, and ``straggler_threshold`` the detector's threshold (see
-``deploy/prometheus/alerts.yml``); ``mfu_ratio`` is throughput x declared FLOPs per sample (or
-token) / (ranks x declared peak FLOP/s per rank), exported once the run declared them.
+``deploy/prometheus/alerts.yml``); ``mfu_ratio`` is ``goodput.mfu.mfu``: throughput x declared
+FLOPs per sample (or token) / (ranks x declared peak FLOP/s per rank), exported once the run
+declared them; ``restart_phase_seconds{phase}`` counts the known phases of
+``efficiency.restart_anatomies``, the seconds each restart action shows in the API.
 """
 
 from __future__ import annotations
@@ -30,19 +33,27 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-from supervisor import observe, policy
+from supervisor import efficiency, observe, policy
 from supervisor.api.deps import ReadAuth
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
 from supervisor.evaluator import Clock
+from supervisor.goodput.anatomy import PHASE_BUCKETS_S, PHASES
+from supervisor.goodput.mfu import mfu
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection, Database
-from supervisor.store.rows import AgentRow, RunRow, Throughput
+from supervisor.store.rows import AgentRow, RunRow
 
 RECENT_S = 24 * 3600.0
 INCIDENT_KINDS = tuple(IncidentKind)
@@ -70,28 +81,11 @@ def restart_counts(restarts: Sequence[Mapping[str, Any]]
     return every, automatic
 
 
-def mfu(declared: dict[str, Any] | None, throughput: Throughput) -> float | None:
-    """Model FLOPs utilisation from a ``flops_declared`` event's details and
-    ``reads.throughput``'s figures; None when not declared or not measurable yet."""
-    factor = mfu_factor(declared, throughput["ranks"])
-    if factor is None:
-        return None
-    rate = throughput["samples_per_s"] if factor[0] == "samples" else throughput["tokens_per_s"]
-    return None if rate is None else rate * factor[1]
-
-
-def mfu_factor(declared: dict[str, Any] | None, ranks: Any) -> tuple[str, float] | None:
-    """(unit, factor): MFU = throughput in ``unit`` per second x factor."""
-    if not declared or not isinstance(ranks, int) or ranks < 1:
-        return None
-    peak = declared.get("peak_flops_per_rank")
-    if not isinstance(peak, int | float) or peak <= 0:
-        return None
-    for unit, key in (("samples", "flops_per_sample"), ("tokens", "flops_per_token")):
-        flops = declared.get(key)
-        if isinstance(flops, int | float) and flops > 0:
-            return unit, float(flops) / (ranks * float(peak))
-    return None
+def phase_buckets(xs: Sequence[float]) -> list[tuple[str, float]]:
+    """Cumulative (le, count) buckets of ``PHASE_BUCKETS_S`` and +Inf over ``xs``."""
+    out = [(floatToGoString(le), float(sum(1 for x in xs if x <= le)))
+           for le in PHASE_BUCKETS_S]
+    return [*out, ("+Inf", float(len(xs)))]
 
 
 def mean_loss(agg: Mapping[str, Any]) -> float | None:
@@ -143,6 +137,12 @@ class _Families:
         self.badput = g("trainwarden_run_badput_seconds",
                         "Wall time since the run started not spent on productive steps, by "
                         "cause (causes not measured are left out)", labels=["run", "cause"])
+        self.restart_phase = HistogramMetricFamily(
+            "trainwarden_restart_phase_seconds",
+            "Seconds per phase of the run's restarts (decided -> workers stopped -> torchrun "
+            "started -> rendezvous done -> checkpoint loaded -> first step; phase total: "
+            "decided -> first step), over its restart actions whose phase is known",
+            labels=["run", "phase"])
         self.incidents = g("trainwarden_run_open_incidents", "Open incidents by kind",
                            labels=["run", "kind"])
         self.no_progress = g("trainwarden_run_restarts_without_progress",
@@ -186,7 +186,7 @@ class _Families:
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
-                self.goodput, self.productive, self.wall, self.badput,
+                self.goodput, self.productive, self.wall, self.badput, self.restart_phase,
                 self.incidents, self.no_progress, self.no_progress_limit, self.straggler,
                 self.straggler_slow, self.straggler_threshold, self.hb_age, self.disk,
                 self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util, self.gpu_mem,
@@ -251,6 +251,7 @@ class StoreCollector(Collector):
             for cause, secs in gp["badput_s"].items():
                 if secs is not None:
                     f.badput.add_metric([name, cause], secs)
+        self._restart_phases(conn, f, name, run_id)
         counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
@@ -268,6 +269,21 @@ class StoreCollector(Collector):
                 f.straggler_slow.add_metric(labels, 1 if sc.slow else 0)
         for ag in registry.run_agents(conn, run_id=run_id):
             self._agent(f, name, ag, now)
+
+    @staticmethod
+    def _restart_phases(conn: Connection, f: _Families, name: str, run_id: int) -> None:
+        """One histogram per phase over the run's restarts (``efficiency.restart_anatomies``:
+        the same seconds as each action's ``anatomy`` in the API); unknown phases are left
+        out, never counted as 0."""
+        seen: dict[str, list[float]] = {p: [] for p in (*PHASES, "total")}
+        for an in efficiency.restart_anatomies(conn, run_id).values():
+            for phase, secs in (*an.phases.items(), ("total", an.total_s)):
+                if secs is not None:
+                    seen[phase].append(secs)
+        for phase, xs in seen.items():
+            if xs:
+                f.restart_phase.add_metric([name, phase], buckets=phase_buckets(xs),
+                                           sum_value=sum(xs))
 
     @staticmethod
     def _agent(f: _Families, name: str, ag: AgentRow, now: float) -> None:

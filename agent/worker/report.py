@@ -402,21 +402,30 @@ def training_done(step: int | None = None, *, reporter: Reporter | None = None) 
 
 
 def declare_flops(*, peak_flops_per_rank: float, flops_per_sample: float | None = None,
-                  flops_per_token: float | None = None) -> None:
+                  flops_per_token: float | None = None,
+                  baseline_per_device: float | None = None) -> None:
     """Declare the model's training FLOPs per sample (or per token) and the peak FLOP/s of
     one rank's accelerator, so the supervisor can show model FLOPs utilisation (MFU):
     throughput x FLOPs per sample / (ranks x peak).  For a dense transformer a common
-    estimate is ``6 x parameters`` FLOPs per token (forward and backward).  Call once after
+    estimate is ``6 x parameters`` FLOPs per token (forward and backward).
+    ``baseline_per_device`` (optional): the throughput of the same training on one device
+    alone, in samples/s (with ``flops_per_sample``) or tokens/s (with ``flops_per_token``),
+    for the scaling efficiency: throughput / (ranks x baseline).  Call once after
     ``init_distributed``; bad numbers raise ``ValueError`` here, sending never raises."""
     given = [x for x in (flops_per_sample, flops_per_token) if x is not None]
     if len(given) != 1:
         raise ValueError("declare_flops: pass exactly one of flops_per_sample, flops_per_token")
-    for name, x in (("peak_flops_per_rank", peak_flops_per_rank), ("flops", given[0])):
+    checked = [("peak_flops_per_rank", peak_flops_per_rank), ("flops", given[0])]
+    if baseline_per_device is not None:
+        checked.append(("baseline_per_device", baseline_per_device))
+    for name, x in checked:
         if not isinstance(x, int | float) or not math.isfinite(x) or x <= 0:
             raise ValueError(f"declare_flops: {name} must be a positive number, got {x!r}")
     details = {"peak_flops_per_rank": float(peak_flops_per_rank),
                "flops_per_sample": None if flops_per_sample is None else float(flops_per_sample),
-               "flops_per_token": None if flops_per_token is None else float(flops_per_token)}
+               "flops_per_token": None if flops_per_token is None else float(flops_per_token),
+               "baseline_per_device": (None if baseline_per_device is None
+                                       else float(baseline_per_device))}
     with contextlib.suppress(Exception):
         get_reporter().event(EVENT_FLOPS_DECLARED, "FLOPs per sample/token and peak declared",
                              details=details)

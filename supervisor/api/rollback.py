@@ -3,20 +3,19 @@ lowered for a while; and the progress of any action."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from agent.protocol import LRSchedule, normalize_ranges
-from supervisor import actions, policy
+from supervisor import actions, efficiency, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
 from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.limits import U31, U63, RunName, Text, text
 from supervisor.store import reads, registry
-from supervisor.store.rows import ActionRow
 
 router = APIRouter(tags=["recovery"], responses=ERROR_RESPONSES)
 
@@ -91,10 +90,14 @@ def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: 
 
 
 @router.get("/actions/{action_id}", response_model=None)
-def get_action(action_id: Annotated[U31, Path()], db: DB, _auth: ReadAuth) -> ActionRow:
-    """One action with its progress: queued, delivered, restarted, resumed (first step)."""
+def get_action(action_id: Annotated[U31, Path()], db: DB, _auth: ReadAuth) -> dict[str, Any]:
+    """One action with its progress: queued, delivered, restarted, resumed (first step),
+    and for a restart its ``anatomy``: the milestones' times and the seconds of each phase
+    (stop_workers, launch, rendezvous, load_checkpoint, first_step; null where a milestone
+    is not recorded, never 0 for unknown), their ``total_s`` and ``notes``."""
     with db.read() as conn:
         a = reads.get_action(conn, action_id=action_id)
         if a is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown action {action_id}")
-        return a
+        (out,) = efficiency.with_anatomy(conn, [a])
+        return out

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from supervisor import actions, observe, policy
+from supervisor import actions, efficiency, observe, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
 from supervisor.api.errors import ERROR_RESPONSES
@@ -67,13 +67,30 @@ def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
 
 
 @router.get("/runs/{run}", response_model=None)
-def get_run(run: RunName, db: DB, request: Request, _auth: ReadAuth) -> dict[str, Any]:
-    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint, and
+def get_run(run: RunName, db: DB, request: Request, clock: ClockDep,
+            _auth: ReadAuth) -> dict[str, Any]:
+    """Status, attempt, newest step, throughput, restarts, newest complete checkpoint;
     ``goodput``: the live ETTR with the badput by cause in seconds (null before the
     evaluator accounted the run; a cause it cannot measure is null, with the reason in
-    ``not_measured``)."""
+    ``not_measured``); ``last_restart``: the newest restart action's id, attempt, status and
+    ``anatomy`` (seconds per phase, null where a milestone is missing; null before the first
+    restart); ``checkpoint_interval``: the recommended checkpoint interval, the current one,
+    the expected ETTR at each and the inputs used (``state`` "not_enough_data" with what is
+    ``missing``); ``mfu``: the run's MFU, its band and what it usually means, each rank's
+    shares of the step and MFU, and the scaling diagnosis (null before the first step)."""
     with db.read() as conn:
-        out = _summary(conn, _run_or_404(conn, run))
+        r = _run_or_404(conn, run)
+        out = _summary(conn, r)
+        restarts = reads.restart_actions(conn, run_id=r["id"])
+        last = restarts[-1] if restarts else None
+        an = (efficiency.restart_anatomies(conn, r["id"], [last["id"]]).get(last["id"])
+              if last is not None else None)
+        out["last_restart"] = ({"action_id": last["id"], "attempt": last["attempt"],
+                                "status": last["status"],
+                                "anatomy": an.as_dict() if an is not None else None}
+                               if last is not None else None)
+        out["checkpoint_interval"] = efficiency.interval_advice(conn, r, clock())
+        out["mfu"] = efficiency.mfu_report(conn, r)
     evaluator = getattr(request.app.state, "evaluator", None)
     out["goodput"] = evaluator.goodput(int(out["id"])) if evaluator is not None else None
     return out
@@ -156,7 +173,11 @@ def get_incidents(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) ->
 
 @router.get("/runs/{run}/actions", response_model=None)
 def get_actions(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
-    return _listing(db, run, "actions", reads.list_actions, limit)
+    """Newest first; each restart with its ``anatomy`` (as on ``/actions/{id}``)."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        return {"run": run, "actions": efficiency.with_anatomy(
+            conn, reads.list_actions(conn, run_id=r["id"], limit=limit))}
 
 
 @router.get("/runs/{run}/events", response_model=None)

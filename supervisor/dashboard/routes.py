@@ -94,12 +94,18 @@ def fmt_num(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def fmt_pct(x: float | None, digits: int = 1) -> str:
+    """A ratio as a percentage (0.42 -> "42.0 %"); not a finite number: "n/a"."""
+    v = _real(x)
+    return "n/a" if v is None else f"{v * 100:.{digits}f} %"
+
+
 def fmt_json(x: Any) -> str:
     return json.dumps(x, indent=2, sort_keys=True, default=str)
 
 
 templates.env.filters.update(age=fmt_age, ts=fmt_ts, bytes=fmt_bytes, num=fmt_num,
-                             pretty=fmt_json)
+                             pct=fmt_pct, pretty=fmt_json)
 
 
 # ---------------------------------------------------------------------------------------------

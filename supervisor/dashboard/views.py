@@ -6,10 +6,12 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from supervisor import metrics, observe
+from supervisor import efficiency, metrics, observe
 from supervisor.detect.findings import LOSS_SPIKE_TRANSIENT
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ActionKind, IncidentKind, RestartCause
+from supervisor.goodput.anatomy import PHASES
+from supervisor.goodput.mfu import mfu, mfu_factor
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
@@ -37,7 +39,7 @@ def run_row(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
         "loss": metrics.mean_loss(newest) if newest else None,
         "throughput": tp,
         "flops_declared": declared,
-        "mfu": metrics.mfu(declared, tp),
+        "mfu": mfu(declared, tp),
         "checkpoint": ckpt,
         "checkpoint_age": (now - ckpt["t"]) if ckpt else None,
         "open_incidents": reads.open_incident_counts(conn, run_id=run["id"]),
@@ -76,7 +78,12 @@ def run_tables(conn: Connection, run: RunRow, now: float,
                    for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
     return {
         "incidents": incidents,
-        "actions": reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT),
+        # each restart with its anatomy (the same seconds as the API's and the histogram's)
+        "actions": efficiency.with_anatomy(
+            conn, reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT)),
+        "advice": efficiency.interval_advice(conn, run, now),
+        "mfu_report": efficiency.mfu_report(conn, run),
+        "phase_names": PHASES,
         "checkpoints": checkpoints,
         "agents": [node_health(a) for a in registry.run_agents(conn, run_id=run_id)],
         "ranks": ranks[:RANKS_SHOWN],
@@ -111,7 +118,7 @@ def mfu_feed(conn: Connection, run_id: int) -> dict[str, Any] | None:
     if newest is None:
         return None
     tp = reads.throughput(conn, run_id=run_id, attempt=int(newest["attempt"]))
-    factor = metrics.mfu_factor(reads.flops_declaration(conn, run_id=run_id), tp["ranks"])
+    factor = mfu_factor(reads.flops_declaration(conn, run_id=run_id), tp["ranks"])
     return None if factor is None else {"unit": factor[0], "factor": factor[1]}
 
 

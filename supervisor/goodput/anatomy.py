@@ -5,14 +5,16 @@ Milestones, in order (``MILESTONES``), and what marks each in the store today:
 * ``decided``: the restart action was created (``actions.created_at``);
 * ``workers_stopped``: the old attempt's workers are gone on every node (the newest ``exits``
   row of the old attempt; a crash's workers may already be gone before the decision);
-* ``torchrun_started``: every agent relaunched torchrun (the agents' ``command_result``
-  "done" for the action's commands; ``actions.progress["restarted"]`` is the evaluator's
-  tick that saw the last one);
+* ``torchrun_started``: every agent relaunched torchrun (the newest of the agents'
+  ``torchrun_started`` events of the new attempt; from agents that do not send it, when the
+  supervisor received the last "done" ``command_result`` for the action's commands);
 * ``rendezvous_done``: every rank of the new attempt is in the process group (the newest
   ``worker_started`` event of the attempt: sent after ``init_process_group`` returns);
 * ``checkpoint_loaded``: rank 0 restored the checkpoint (the attempt's ``resumed`` event);
 * ``first_step``: the first step of the new attempt was reported (``step_aggregates.t_last``
   of the attempt's first step, or ``actions.progress["resumed"]``).
+
+``supervisor.store.efficiency.restart_milestones`` reads them.
 
 Phases are the spans between consecutive milestones (``PHASES``).  A milestone that is
 missing (an older agent, a dropped report) leaves the phases on both sides of it unknown

@@ -34,8 +34,9 @@ run's own phase times (thresholds in ``ScalingConfig``):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from supervisor.detect._stats import median, require
 
@@ -71,6 +72,37 @@ def band(mfu: float) -> Band:
     if not math.isfinite(mfu) or mfu < 0:
         raise ValueError(f"MFU must be a finite ratio >= 0, got {mfu}")
     return next(b for b in BANDS if b.low <= mfu < b.high)
+
+
+def mfu_factor(declared: Mapping[str, Any] | None, ranks: Any) -> tuple[str, float] | None:
+    """(unit, factor): MFU = throughput in ``unit`` ("samples" or "tokens") per second x
+    factor, from a ``flops_declared`` event's details and the ranks reporting; None when
+    not declared."""
+    if not declared or not isinstance(ranks, int) or ranks < 1:
+        return None
+    peak = declared.get("peak_flops_per_rank")
+    if not isinstance(peak, int | float) or peak <= 0:
+        return None
+    for unit, key in (("samples", "flops_per_sample"), ("tokens", "flops_per_token")):
+        flops = declared.get(key)
+        if isinstance(flops, int | float) and flops > 0:
+            return unit, float(flops) / (ranks * float(peak))
+    return None
+
+
+def mfu(declared: Mapping[str, Any] | None, throughput: Mapping[str, Any]) -> float | None:
+    """The run's model FLOPs utilisation: throughput x declared FLOPs per sample (or token)
+    / (ranks x declared peak FLOP/s per rank), from ``reads.throughput``'s figures; None
+    when not declared or not measurable yet."""
+    factor = mfu_factor(declared, throughput.get("ranks"))
+    if factor is None:
+        return None
+    rate = throughput.get("samples_per_s" if factor[0] == "samples" else "tokens_per_s")
+    if rate is None:
+        return None
+    out = float(rate) * factor[1]
+    # (a peak no hardware has, 5e-324 FLOP/s, makes it infinite: no MFU, not a band error)
+    return out if math.isfinite(out) and out >= 0 else None
 
 
 @dataclass(frozen=True)

@@ -467,6 +467,8 @@ def compare(plan: Plan, run: dict[str, Any]) -> tuple[CheckRow, ...]:
     rows = [CheckRow("step time s", plan.step_s, 1.0 / sps if sps else None,
                      "1 / steps per second over the newest steps every rank delivered")]
     mfu = run.get("mfu")
+    if isinstance(mfu, dict):  # the run's MFU diagnosis (``mfu.mfu`` is its MFU)
+        mfu = mfu.get("mfu")
     how = "the run's MFU (declared FLOPs)"
     if mfu is None and isinstance(ranks, int) and ranks > 0:
         tokens = tp.get("tokens_per_s")

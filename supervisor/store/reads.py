@@ -11,6 +11,7 @@ from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
 from agent.protocol import EVENT_FLOPS_DECLARED
 from supervisor.enums import ActionKind, IncidentStatus
+from supervisor.limits import BASELINE_PER_DEVICE_MAX
 from supervisor.store._health import number
 from supervisor.store._sql import row, with_specials
 from supervisor.store.rows import (
@@ -242,6 +243,11 @@ def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None
     if out["peak_flops_per_rank"] is None or (out["flops_per_sample"] is None
                                               and out["flops_per_token"] is None):
         return None
+    # Optional: one device's throughput alone (for scaling efficiency), in the unit of the
+    # FLOPs figure; out of bounds reads as not declared.
+    base = number(d.get("baseline_per_device"))
+    out["baseline_per_device"] = (base if base is not None
+                                  and 0 < base <= BASELINE_PER_DEVICE_MAX else None)
     return out
 
 

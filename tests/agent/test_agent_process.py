@@ -185,6 +185,12 @@ def test_crash_then_restart_command_relaunches_with_plan(fake_run: FakeRun,
     tick_until(agent, lambda: any(s["attempt"] == 1 for s in fake_supervisor.items("step")),
                what="steps of attempt 1")
     assert fake_supervisor.items("heartbeat")[-1]["attempt"] == 1
+    # Each start of torchrun is an event (the end of a restart's launch phase), with its pid.
+    started = [e for e in fake_supervisor.items("event")
+               if e["name"] == protocol.EVENT_TORCHRUN_STARTED]
+    assert [e["attempt"] for e in started] == [0, 1]
+    assert started[1]["details"]["pid"] == agent.launcher.pid
+    assert started[1]["t"] >= ex["t"]  # after the old attempt's workers were gone
 
 
 def test_restart_command_stops_running_group_first(fake_run: FakeRun,

@@ -94,12 +94,46 @@ class SynthRun:
                 items.append(beat)
                 self.send(n, items, attempt=attempt)
 
-    def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float) -> None:
+    def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float,
+                      baseline_per_device: float | None = None) -> None:
         """What ``agent.worker.declare_flops`` sends (rank 0's event)."""
         self.send(0, [{"type": "event", "rank": 0, "name": "flops_declared",
                        "details": {"flops_per_sample": flops_per_sample,
                                    "flops_per_token": None,
-                                   "peak_flops_per_rank": peak_flops_per_rank}}])
+                                   "peak_flops_per_rank": peak_flops_per_rank,
+                                   "baseline_per_device": baseline_per_device}}])
+
+    def event(self, node: int, name: str, *, t: float, attempt: int, rank: int | None = None,
+              step: int | None = None, details: dict[str, Any] | None = None) -> None:
+        """One event as a worker (``rank``) or the node's agent (no rank) sends it."""
+        item: dict[str, Any] = {"type": "event", "name": name, "t": t, "attempt": attempt,
+                                "message": name, "details": details or {}}
+        if rank is not None:
+            item["rank"] = rank
+        if step is not None:
+            item["step"] = step
+        self.send(node, [item], attempt=attempt)
+
+    def restart_milestones(self, *, attempt: int, t_launch: float, t_rendezvous: float,
+                           t_resumed: float, resume_step: int) -> None:
+        """What a restart's new attempt sends before its first step: each agent's
+        ``torchrun_started`` (node n at ``t_launch + 0.5 n``), each rank's
+        ``worker_started`` (rank r at ``t_rendezvous - 0.25 (world - 1 - r)``: the last at
+        ``t_rendezvous``) and rank 0's ``resumed``."""
+        for n in range(self.nodes):
+            self.event(n, "torchrun_started", t=t_launch + 0.5 * n, attempt=attempt,
+                       details={"pid": 4000 + n})
+        for r in range(self.world):
+            self.event(r // self.ranks_per_node, "worker_started", attempt=attempt, rank=r,
+                       t=t_rendezvous - 0.25 * (self.world - 1 - r))
+        self.event(0, "resumed", t=t_resumed, attempt=attempt, rank=0, step=resume_step,
+                   details={"step": resume_step})
+
+    def stopped(self, node: int, attempt: int, t: float) -> None:
+        """The node's exit report after the supervisor stopped its workers (SIGTERM)."""
+        self.send(node, [{"type": "exit", "attempt": attempt, "t": t, "exit_code": None,
+                          "signal": 15, "outcome": "stopped", "failed_ranks": []}],
+                  attempt=attempt)
 
     def crash(self, node: int = 0, attempt: int = 0, rank: int = 0, t: float = 0.0) -> None:
         self.send(node, [{"type": "exit", "attempt": attempt, "t": t, "exit_code": 1,
@@ -108,6 +142,32 @@ class SynthRun:
                                             "signal": None, "pid": 10,
                                             "message": "RuntimeError: boom"}]}],
                   attempt=attempt)
+
+
+def efficiency_script(client: httpx.Client, clock: Any, evaluator: Any, *,
+           milestones: bool = True, baseline: float | None = 8.0) -> SynthRun:
+    """The restart history of ``tests/supervisor/test_sup_efficiency.py``'s docstring
+    (seconds after ``clock.now``): a crash at 64, a restart decided at 66 whose milestones
+    are 67.5, 68.5, 71, 73 and 75 (the first step), read at 120; FLOPs declared with a
+    one-device baseline of ``baseline`` samples/s (None: none)."""
+    t0 = clock.now
+    run = SynthRun(client, "alpha").register()
+    run.declare_flops(flops_per_sample=2e9, peak_flops_per_rank=1e12,
+                      baseline_per_device=baseline)
+    run.train(range(30), t0=t0 + 5, dt=2.0, slow_rank=3, checkpoint_every=10)
+    run.crash(node=1, rank=3, t=t0 + 64)
+    clock.now = t0 + 66
+    evaluator.tick()  # the exit: an incident and a restart to attempt 1
+    run.stopped(node=0, attempt=0, t=t0 + 67.5)
+    clock.now = t0 + 70
+    if milestones:
+        run.restart_milestones(attempt=1, t_launch=t0 + 68, t_rendezvous=t0 + 71,
+                               t_resumed=t0 + 73, resume_step=20)
+    evaluator.tick()
+    run.train(range(20, 40), t0=t0 + 35, dt=2.0, attempt=1, slow_rank=3, checkpoint_every=10)
+    clock.now = t0 + 120.0
+    evaluator.tick()
+    return run
 
 
 def loss_at(step: int, rank: int, spike: tuple[int, int] | None, nan_at: int | None,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from supervisor.goodput.anatomy import PHASES
 from tests.e2e.system import Agent, Supervisor, ddp_script, free_port, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
 
@@ -67,6 +68,17 @@ def test_crash_on_rank_1_restarts_the_run_from_the_newest_checkpoint(
     assert act["plan"]["checkpoint"].endswith("/step_200")  # newest complete at the crash
     assert act["resumed_step"] == 200
     assert set(act["progress"]) >= {"queued", "delivered", "restarted", "resumed"}
+    # The restart's anatomy: every milestone recorded by the real agent and workers, so every
+    # phase is known; none negative (the crash's workers were gone before the decision: 0);
+    # together they are the decision -> first step time.
+    an = supervisor.get(f"/actions/{act['id']}")["anatomy"]
+    phases = an["phases_s"]
+    assert sorted(phases) == sorted(PHASES)
+    assert [p for p, v in phases.items() if v is None] == [], an
+    assert [p for p, v in phases.items() if v < 0] == [], an
+    assert an["total_s"] > 0, an
+    assert sum(phases.values()) == pytest.approx(an["total_s"]), an
+    assert act["anatomy"] == an  # the run's action list shows the same
     steps = {c["step"] for c in supervisor.get("/runs/crashy/checkpoints")["checkpoints"]}
     assert {200, 250, 300} <= steps
 

@@ -55,9 +55,10 @@ def test_flops_declaration_reaches_the_agent_and_bad_numbers_are_refused(
     r = Reporter(receiver.path, rank=0, local_rank=0, world_size=2)
     set_reporter(r)
     try:
-        declare_flops(flops_per_sample=6e6, peak_flops_per_rank=1e11)
+        declare_flops(flops_per_sample=6e6, peak_flops_per_rank=1e11, baseline_per_device=40.0)
         for bad in ({"flops_per_sample": 1.0, "flops_per_token": 1.0},
-                    {"flops_per_sample": -5.0}, {"flops_per_token": float("nan")}, {}):
+                    {"flops_per_sample": -5.0}, {"flops_per_token": float("nan")}, {},
+                    {"flops_per_sample": 1.0, "baseline_per_device": 0.0}):
             with pytest.raises(ValueError, match="declare_flops"):
                 declare_flops(peak_flops_per_rank=1e11, **bad)
         with pytest.raises(ValueError, match="peak_flops_per_rank"):
@@ -68,7 +69,7 @@ def test_flops_declaration_reaches_the_agent_and_bad_numbers_are_refused(
     (ev,) = receiver.messages
     assert ev["name"] == "flops_declared"
     assert ev["details"] == {"peak_flops_per_rank": 1e11, "flops_per_sample": 6e6,
-                             "flops_per_token": None}
+                             "flops_per_token": None, "baseline_per_device": 40.0}
 
 
 def test_full_agent_queue_drops_instead_of_blocking(tmp_path: Path) -> None:

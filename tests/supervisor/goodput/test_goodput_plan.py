@@ -174,3 +174,13 @@ def test_compare_says_what_is_missing() -> None:
     rows = compare(plan, {"throughput": {"steps_per_s": None, "ranks": None}, "agents": []})
     assert all(r.measured is None for r in rows)
     assert "no NVML reading" in rows[2].note
+
+
+def test_compare_reads_the_runs_declared_mfu_from_its_diagnosis() -> None:
+    """``GET /runs/{run}`` carries ``mfu`` as the diagnosis object; its ``mfu`` is the run's
+    MFU from the declared FLOPs, taken as it is."""
+    plan = make_plan(PlanInputs(params=1e9, seq_len=1000, devices=2, peak_tflops=100))
+    run = {"throughput": {"steps_per_s": 4.0, "tokens_per_s": 8000.0, "ranks": 2},
+           "mfu": {"mfu": 0.31, "band": {"name": "communication"}}, "agents": []}
+    rows = {r.quantity.split(" (")[0]: r for r in compare(plan, run)}
+    assert rows["MFU"].measured == pytest.approx(0.31)

@@ -1,0 +1,167 @@
+"""What the restart anatomy, the checkpoint-interval advice and the MFU diagnosis read
+(``supervisor.efficiency`` turns these rows into the pure modules' inputs).  Read at request
+or scrape time, never by the evaluator's tick.  Keyword-only functions taking a
+``Connection``."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Collection
+from typing import Any
+
+from sqlalchemy import Connection, func, select
+
+from agent.core.states import CommandStatus
+from agent.protocol import EVENT_RESUMED, EVENT_STARTED, EVENT_TORCHRUN_STARTED
+from supervisor.enums import ActionKind, IncidentKind
+from supervisor.store.tables import (
+    actions,
+    agents,
+    checkpoints,
+    commands,
+    events,
+    exits,
+    incidents,
+    rank_steps,
+    step_aggregates,
+)
+
+# The incidents that interrupt training (the run restarts): the failures of the failure rate.
+INTERRUPTING = (IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.NODE_LOST,
+                IncidentKind.COLLECTIVE_TIMEOUT)
+CHECKPOINTS_READ = 1000  # the newest complete checkpoints the save cost and interval read
+_MILESTONE_EVENTS = (EVENT_TORCHRUN_STARTED, EVENT_STARTED, EVENT_RESUMED)
+
+
+def restart_milestones(conn: Connection, *, run_id: int,
+                       action_ids: Collection[int] | None = None
+                       ) -> dict[int, dict[str, float | None]]:
+    """For each restart action of the run (or of ``action_ids``): the times of its
+    milestones, as ``supervisor.goodput.anatomy`` names them (None: not recorded).
+
+    * decided: the action's creation;
+    * workers_stopped: the newest exit report of the newest attempt with any since the
+      previous restart's attempt (every node's workers gone; a crash's may be gone before
+      the decision; none when that attempt never ran, as for a restart that superseded
+      another before it launched);
+    * torchrun_started: the newest ``torchrun_started`` event of the action's attempt (one
+      per agent), else the newest time the supervisor received an agent's "done" for the
+      action's commands;
+    * rendezvous_done: the newest ``worker_started`` event of the attempt (each rank sends
+      it once ``init_process_group`` returned);
+    * checkpoint_loaded: the attempt's first ``resumed`` event (rank 0, after the restore);
+    * first_step: the time the last rank reported the attempt's first step (its step
+      aggregate's ``t_last``), else ``progress["resumed"]``.
+
+    Each is a per-run grouped read or a primary-key lookup per action."""
+    ac = actions.c
+    # Every restart of the run, filtered here: a run has few, and a long list of ids would
+    # be an IN list of as many bound parameters.
+    q = (select(ac.id, ac.attempt, ac.created_at, ac.progress)
+         .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART).order_by(ac.id))
+    wanted = None if action_ids is None else set(action_ids)
+    every = [dict(r._mapping) for r in conn.execute(q)]
+    acts = [a for a in every if wanted is None or int(a["id"]) in wanted]
+    if not acts:
+        return {}
+    ex = exits.c
+    stopped = {int(a): float(t) for a, t in conn.execute(
+        select(ex.attempt, func.max(ex.t)).where(ex.run_id == run_id).group_by(ex.attempt))}
+    ev = events.c
+    marks: dict[tuple[str, int], tuple[float, float]] = {
+        (str(n), int(a)): (float(lo), float(hi)) for n, a, lo, hi in conn.execute(
+            select(ev.name, ev.attempt, func.min(ev.t), func.max(ev.t))
+            .where(ev.run_id == run_id, ev.name.in_(_MILESTONE_EVENTS))
+            .group_by(ev.name, ev.attempt))}
+    cm = commands.c
+    done = {int(i): float(t) for i, t in conn.execute(
+        select(cm.action_id, func.max(cm.updated_at))
+        .where(cm.run_id == run_id, cm.action_id.is_not(None),
+               cm.status == CommandStatus.DONE)
+        .group_by(cm.action_id))}
+    sa = step_aggregates.c
+    out: dict[int, dict[str, float | None]] = {}
+    # The attempt of the restart before each one: the workers a restart stopped ran as an
+    # attempt since then (an older attempt's exits belong to an older restart).
+    chain = [0, *(int(a["attempt"]) for a in every)]
+    previous = {new: old for old, new in itertools.pairwise(chain)}
+    for a in acts:
+        aid, attempt = int(a["id"]), int(a["attempt"])
+        progress = a["progress"] if isinstance(a["progress"], dict) else {}
+        since = previous.get(attempt, 0)
+        earlier = [k for k in stopped if since <= k < attempt]
+        launched = marks.get((EVENT_TORCHRUN_STARTED, attempt))
+        rdzv = marks.get((EVENT_STARTED, attempt))
+        resumed = marks.get((EVENT_RESUMED, attempt))
+        first = conn.execute(
+            select(sa.t_last).where(sa.run_id == run_id, sa.attempt == attempt)
+            .order_by(sa.step).limit(1)).scalar()
+        if first is None and isinstance(progress.get("resumed"), int | float):
+            first = progress["resumed"]
+        times = {
+            "decided": float(a["created_at"]),
+            "workers_stopped": stopped[max(earlier)] if earlier else None,
+            "torchrun_started": launched[1] if launched else done.get(aid),
+            "rendezvous_done": rdzv[1] if rdzv else None,
+            "checkpoint_loaded": resumed[0] if resumed else None,
+            "first_step": None if first is None else float(first),
+        }
+        # A time no clock gives (a row written around the ingest checks) is not recorded.
+        out[aid] = {k: v if v is not None and math.isfinite(v) else None
+                    for k, v in times.items()}
+    return out
+
+
+def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
+    """Restart action id -> when the fault behind it happened: the exit report of the
+    incident's agent and attempt, else the incident's opening (restarts without an
+    incident, an operator's, are left out)."""
+    ac, i, ex = actions.c, incidents.c, exits.c
+    exit_t = (select(func.min(ex.t))
+              .where(ex.run_id == i.run_id, ex.agent_id == i.agent_id, ex.attempt == i.attempt)
+              .scalar_subquery())
+    q = (select(ac.id, i.opened_at, exit_t.label("exit_t"))
+         .select_from(actions.join(incidents, incidents.c.id == ac.incident_id))
+         .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART))
+    out = {}
+    for aid, opened, et in conn.execute(q):
+        t = float(et if et is not None else opened)
+        if math.isfinite(t):
+            out[int(aid)] = t
+    return out
+
+
+def failure_count(conn: Connection, *, run_id: int) -> int:
+    """The run's incidents that interrupted training (``INTERRUPTING``)."""
+    i = incidents.c
+    return int(conn.execute(select(func.count()).select_from(incidents).where(
+        i.run_id == run_id, i.kind.in_(INTERRUPTING))).scalar_one())
+
+
+def node_count(conn: Connection, *, run_id: int) -> int:
+    return int(conn.execute(select(func.count()).select_from(agents)
+                            .where(agents.c.run_id == run_id)).scalar_one())
+
+
+def complete_checkpoints(conn: Connection, *, run_id: int, limit: int = CHECKPOINTS_READ
+                         ) -> list[dict[str, Any]]:
+    """{attempt, t, save_s, async_save} of the run's newest complete checkpoints, oldest
+    first (abandoned ones included: their saves stalled training all the same)."""
+    c = checkpoints.c
+    q = (select(c.attempt, c.t, c.save_s, c.async_save)
+         .where(c.run_id == run_id, c.complete.is_(True)).order_by(c.t.desc()).limit(limit))
+    return [dict(r._mapping) for r in reversed(conn.execute(q).all())]
+
+
+def rank_phase_means(conn: Connection, *, run_id: int, attempt: int, step_from: int,
+                     step_to: int) -> list[tuple[int, float | None, float | None, float | None]]:
+    """(rank, mean data_s, mean compute_s, mean step_s) per rank over the attempt's steps
+    ``step_from..step_to`` (each mean over the reports that carry it; None when none do)."""
+    c = rank_steps.c
+    q = (select(c.rank, func.avg(c.data_s), func.avg(c.compute_s), func.avg(c.step_s))
+         .where(c.run_id == run_id, c.attempt == attempt, c.step >= step_from,
+                c.step <= step_to)
+         .group_by(c.rank).order_by(c.rank))
+    return [(int(r), None if d is None else float(d), None if k is None else float(k),
+             None if s is None else float(s)) for r, d, k, s in conn.execute(q)]
