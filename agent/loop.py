@@ -425,7 +425,7 @@ class Agent:
             self.launcher.stop_step()
         if self.state == AgentState.STOPPING and self.stopped():
             self.state = AgentState.STOPPED  # e.g. a restart waiting for its not_before
-        if self.urgent or self.clock() - self.last_batch >= self.cfg.batch_interval_s:
+        if self.urgent or self.clock() - self.last_batch >= self.batch_interval_s():
             self.send_batch()
         if not self.threaded_uplink:
             self.uplink.pump()
@@ -541,6 +541,12 @@ class Agent:
             self._gpus_read_at = now
             hb["gpus"] = self.gpus.read()
         return hb
+
+    def batch_interval_s(self) -> float:
+        """Ours, or the longer one an overloaded supervisor asked for (events that cannot
+        wait, an exit, a crash, still go at once: ``urgent``)."""
+        advised = getattr(self.uplink, "advised_interval_s", None)
+        return max(self.cfg.batch_interval_s, advised or 0.0)
 
     def send_batch(self) -> None:
         items, self.pending = self.pending, []

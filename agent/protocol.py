@@ -425,3 +425,6 @@ class IngestReply(TypedDict, total=False):
     # incident, the target of a pending restart.  The agent pins exactly these (and the
     # target of the restart it applies); an older supervisor sends none.
     protect: list[str]
+    # While the supervisor is behind (and a while after): send a batch this often at most
+    # (seconds); absent: our own interval.
+    batch_interval_s: float

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -72,6 +73,16 @@ from agent.spool import Spool
 from agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
+
+MAX_ADVISED_INTERVAL_S = 60.0  # a supervisor's advice beyond this is capped
+
+
+def advised_interval(value: Any) -> float | None:
+    """The batch interval a reply asks for, if it is a sensible one (capped)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    return min(v, MAX_ADVISED_INTERVAL_S) if math.isfinite(v) and v > 0 else None
 
 REGISTER_PATH = "/api/v1/agents/register"
 INGEST_PATH = "/api/v1/ingest"
@@ -126,6 +137,9 @@ class Uplink:
         self.commands: queue.Queue[protocol.Command] = queue.Queue()
         # The checkpoints the supervisor's newest reply says to protect (None: no reply yet).
         self.protect: list[str] | None = None
+        # How often the supervisor's newest reply asks for a batch (None: our own interval):
+        # a supervisor that is behind asks for fewer, larger batches.
+        self.advised_interval_s: float | None = None
         self.registration: protocol.RegisterReply | None = None
         # The agent's test of a registration reply: False when the reply is another run's
         # than the local state's (then ``foreign`` holds it and nothing is sent).
@@ -461,6 +475,7 @@ class Uplink:
             protect = reply.get("protect")
             if isinstance(protect, list):
                 self.protect = [p for p in protect if isinstance(p, str)]
+            self.advised_interval_s = advised_interval(reply.get("batch_interval_s"))
         except (ValueError, AttributeError):
             commands = []
             log.error("ingest reply for seq %d unreadable: %s", seq, r.text[:500])

@@ -99,6 +99,7 @@ class Evaluator:
         self.delivery = delivery  # how late batches arrive (None: not watched)
         self.overload: Overload | None = None  # the supervisor is behind (this tick's verdict)
         self.overload_since: float | None = None
+        self.last_overloaded_at: float | None = None  # the newest tick that found it behind
         self._last_tick: float | None = None  # (monotonic) start of the previous tick
         self.cfg = cfg
         self.clock = clock
@@ -152,6 +153,7 @@ class Evaluator:
                else DeliveryReport(tick_gap_s=gap))
         self.overload = judge_overload(rep, self.detection.overload)
         if self.overload is not None:
+            self.last_overloaded_at = now
             if self.overload_since is None:
                 self.overload_since = now
                 log.warning("supervisor overloaded: %s; hang, node-lost and straggler "
@@ -166,6 +168,11 @@ class Evaluator:
         log.warning("supervisor keeps up again after %.1f s overloaded; hang and node-lost "
                     "deadlines count from now", lasted)
         return False, lasted
+
+    def advised_batch_interval(self) -> float | None:
+        """What the ingest reply asks agents to batch at (``policy.advised_batch_interval``)."""
+        return policy.advised_batch_interval(last_overloaded_at=self.last_overloaded_at,
+                                             now=self.clock(), cfg=self.detection.overload)
 
     def overload_state(self) -> tuple[bool, float | None]:
         """(overloaded at the last tick, batch lateness now): what /metrics exports."""
@@ -441,11 +448,15 @@ class Evaluator:
         findings: list[Finding] = []
         held = self.overload is not None  # judged on late data: held back (_judge_overload)
         if not held:
+            # agents told to batch less often deliver less often: the deadlines allow for it
+            every = self.advised_batch_interval()
             findings += observe.hang_findings(conn, run, now=now,
                                               observing_since=self.observing_since, cfg=cfg,
-                                              agents=agents, started=started)
+                                              agents=agents, started=started,
+                                              batch_interval_s=every)
             findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
-                                                   cfg=cfg, agents=agents)
+                                                   cfg=cfg, agents=agents,
+                                                   batch_interval_s=every)
         slow: dict[int | None, Finding] | None = None
         if not held and now - state.straggler_at >= max(cfg.straggler_interval_s,
                                            cfg.straggler_cost_factor * state.straggler_cost_s):

@@ -119,8 +119,10 @@ def progress_window(conn: Connection, run: RunRow, *, started_at: float,
 def hang_findings(conn: Connection, run: RunRow, *, now: float,
                   observing_since: float, cfg: DetectionConfig,
                   agents: list[AgentLiveness] | None = None,
-                  started: float | None = None) -> list[Finding]:
-    """``started``: the attempt's launch time when the caller has it (else it is read)."""
+                  started: float | None = None,
+                  batch_interval_s: float | None = None) -> list[Finding]:
+    """``started``: the attempt's launch time when the caller has it (else it is read);
+    ``batch_interval_s``: how often agents were told to send (None: their own, ~1 s)."""
     if started is None:
         started = attempt_started_at(conn, run)
     if started is None:
@@ -134,7 +136,7 @@ def hang_findings(conn: Connection, run: RunRow, *, now: float,
         agents = windows.agent_liveness(conn, run_id=run["id"])
     seen = [float(a["last_seen_at"]) for a in agents if a["state"] in LIVE_AGENT_STATES]
     if seen:
-        now = min(now, min(seen) + _DELIVERY_SLACK_S)
+        now = min(now, min(seen) + max(_DELIVERY_SLACK_S, batch_interval_s or 0.0))
     out = detect_hang(w, now, cfg.hang)
     if any(f.kind == FindingKind.HANG for f in out):
         w = progress_window(conn, run, started_at=started, observing_since=observing_since,
@@ -147,14 +149,23 @@ def hang_findings(conn: Connection, run: RunRow, *, now: float,
     return out
 
 
+# A node told to batch every N s is lost only after this many of its batches went missing
+# (and never sooner than the configured deadline).
+LOST_AFTER_BATCHES = 3
+
+
 def lost_node_findings(conn: Connection, run: RunRow, *, now: float,
                        observing_since: float, cfg: DetectionConfig,
-                       agents: list[AgentLiveness] | None = None) -> list[Finding]:
+                       agents: list[AgentLiveness] | None = None,
+                       batch_interval_s: float | None = None) -> list[Finding]:
     if agents is None:
         agents = windows.agent_liveness(conn, run_id=run["id"])
     beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents
              if a["state"] in LIVE_AGENT_STATES}
-    return detect_lost_nodes(beats, now, cfg.node_lost, observing_since=observing_since)
+    lost = cfg.node_lost
+    if batch_interval_s is not None and LOST_AFTER_BATCHES * batch_interval_s > lost.deadline_s:
+        lost = dataclasses.replace(lost, deadline_s=LOST_AFTER_BATCHES * batch_interval_s)
+    return detect_lost_nodes(beats, now, lost, observing_since=observing_since)
 
 
 class PhaseWindow:

@@ -27,6 +27,7 @@ from typing import Any
 from agent.core.findings import Severity
 from agent.core.states import CommandStatus, ExitOutcome
 from agent.protocol import LRSchedule, ResumePlan
+from supervisor.detect.overload import OverloadConfig
 from supervisor.enums import FINAL_STATUSES, Actor, IncidentKind, RestartCause, RunStatus
 
 
@@ -414,6 +415,17 @@ FindingDecision = Note | Restart | Stop | OpenIncident | RecordEvent
 
 EVENT_OVERLOADED = "supervisor_overloaded"
 EVENT_OVERLOAD_ENDED = "supervisor_overload_ended"
+
+
+def advised_batch_interval(*, last_overloaded_at: float | None, now: float,
+                           cfg: OverloadConfig) -> float | None:
+    """The batch interval the ingest reply asks agents to use: ``cfg.batch_interval_s``
+    while the supervisor is behind and ``cfg.backoff_hold_s`` after (so a recovery is not
+    undone at once by the load coming back); None (the agents' own) otherwise.  Fewer,
+    larger batches: the same rows, a fraction of the requests; nothing is dropped."""
+    if last_overloaded_at is None or now - last_overloaded_at > cfg.backoff_hold_s:
+        return None
+    return cfg.batch_interval_s
 
 
 def on_overload(*, reason: str | None, lateness_s: float | None,

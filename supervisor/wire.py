@@ -232,4 +232,7 @@ class IngestReply(BaseModel):
     commands: list[CommandOut]
     # Checkpoint paths the workers' retention must keep (the agent pins them).
     protect: list[str] = Field(default_factory=list)
+    # While the supervisor is behind (and a while after): send a batch this often, at most
+    # (seconds); absent or null: the agent's own interval.  Nothing is dropped, batches grow.
+    batch_interval_s: float | None = None
 

@@ -166,4 +166,7 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
                                 content={"detail": str(e), "next_seq": e.next_seq})
     reply = {"seq": batch.seq, "duplicate": res.duplicate, "attempt": res.attempt,
              "commands": res.commands, "protect": res.protect}
+    every = request.app.state.evaluator.advised_batch_interval()
+    if every is not None:  # backpressure: fewer, larger batches while it is behind
+        reply["batch_interval_s"] = every
     return Response(json.dumps(reply, separators=(",", ":")), media_type="application/json")

@@ -40,6 +40,8 @@ class OverloadConfig:
     min_batches: int = 3  # fewer recent batches than this: lateness not judged
     loop_lag_s: float = 2.0  # the event loop ran its timer this late, or not for this long
     tick_gap_s: float = 10.0  # seconds between two evaluator ticks beyond which it was stalled
+    batch_interval_s: float = 4.0  # agents are told to batch this often while it is behind
+    backoff_hold_s: float = 60.0  # ... and for this long after its last overloaded tick
 
     def __post_init__(self) -> None:
         require(self.lateness_s > 0,
@@ -53,6 +55,12 @@ class OverloadConfig:
                 f"OverloadConfig.min_batches must be >= 1 (got {self.min_batches}); try 3")
         require(self.loop_lag_s > 0,
                 f"OverloadConfig.loop_lag_s must be > 0 seconds (got {self.loop_lag_s}); try 2")
+        require(self.batch_interval_s > 0,
+                f"OverloadConfig.batch_interval_s must be > 0 seconds (got "
+                f"{self.batch_interval_s}); try 4")
+        require(self.backoff_hold_s >= 0,
+                f"OverloadConfig.backoff_hold_s must be >= 0 seconds (got "
+                f"{self.backoff_hold_s}); try 60")
         require(self.tick_gap_s > 0,
                 f"OverloadConfig.tick_gap_s must be > 0 seconds (got {self.tick_gap_s}); "
                 "try 10")

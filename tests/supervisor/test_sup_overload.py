@@ -33,6 +33,7 @@ def test_a_frozen_supervisor_restarts_nothing_and_says_it_was_overloaded(
          "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file)],
         cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT)
     stop = threading.Event()
+    advised: list[float] = []  # the batch intervals the supervisor's replies asked for
     senders: list[threading.Thread] = []
     errors: list[BaseException] = []
     try:
@@ -68,7 +69,10 @@ def test_a_frozen_supervisor_restarts_nothing_and_says_it_was_overloaded(
                                 stop.wait(0.5)
                         assert r.status_code == 200, r.text
                         seq, step = seq + 1, step + 1
-                        stop.wait(0.5)
+                        every = r.json().get("batch_interval_s")  # backpressure, as the agent
+                        if every is not None:
+                            advised.append(every)
+                        stop.wait(every or 0.5)
             except BaseException as e:  # reported by the test thread
                 errors.append(e)
 
@@ -94,8 +98,10 @@ def test_a_frozen_supervisor_restarts_nothing_and_says_it_was_overloaded(
 
         wait_for(lambda: "supervisor_overload_ended" in events(), 60,
                  "the supervisor to keep up again")
-        # and a node-lost deadline and more after it recovered, still healthy
-        wait_for(lambda: steps() >= thawed_at + 2 * NODE_LOST_S / 0.5, 60, "more steps")
+        # and twice the node-lost deadline after it recovered (the longer one for the
+        # longer batch interval it asked for: 3 batches), still healthy
+        assert advised and max(advised) == 4.0, advised
+        wait_for(lambda: steps() >= thawed_at + 6, 90, "six batches more of each node")
         assert not errors, errors
         incidents = httpx.get(f"{url}/runs/healthy/incidents", headers=op).json()["incidents"]
         assert incidents == []
