@@ -57,7 +57,10 @@ class Level:
     seconds: float
     sent: int = 0
     ok: int = 0
+    rows: int = 0  # rank-step rows acknowledged
     errors: int = 0
+    max_interval_s: float = 1.0  # the longest batch interval the supervisor asked for
+    incidents: int = -1  # opened on the (healthy) run during the level
     latencies_ms: list[float] | None = None
     rss_mb: float = 0.0
     cpu_s: float = 0.0
@@ -65,7 +68,7 @@ class Level:
 
     @property
     def rank_steps_per_s(self) -> float:
-        return self.ok * RANKS / self.wall_s if self.wall_s else 0.0
+        return self.rows / self.wall_s if self.wall_s else 0.0
 
     def pct(self, q: float) -> float:
         lat = sorted(self.latencies_ms or [0.0])
@@ -173,37 +176,49 @@ def heartbeat(now: float, node: int) -> dict[str, Any]:
 async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
                      credential: str, t0: float, level: Level, measure_from: float,
                      end: float) -> None:
+    """One node: a training step a second, a batch of the steps done so far every batch
+    interval (1 s, or what the supervisor's reply asks for while it is behind, as the agent
+    does).  Latency is from when the batch was due."""
     conn = Conn(port, credential)
     seq = seq0
-    k = 0
     offset = random.random()  # agents are not synchronised
-    while True:
-        scheduled = t0 + offset + k
-        if scheduled >= end:
-            break
-        delay = scheduled - time.monotonic()
+    interval = 1.0
+    step = 0  # the next step to report
+    due = t0 + offset
+    while due < end:
+        delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         now = time.time()
-        items = [*step_items(k, now, node=node, world=world), heartbeat(now, node)]
+        upto = int(due - (t0 + offset)) + 1  # steps done by now, one a second
+        items = [it for k in range(step, upto) for it in step_items(k, now, node=node,
+                                                                    world=world)]
+        items.append(heartbeat(now, node))
         body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": now, "attempt": 0,
                            "dropped": 0, "items": items}).encode()
         try:
-            status, _ = await conn.post("/api/v1/ingest", body)
+            status, reply = await conn.post("/api/v1/ingest", body)
         except (OSError, asyncio.IncompleteReadError):
-            status = 0
+            status, reply = 0, b""
             conn = Conn(port, credential)
-        done = time.monotonic()
-        if scheduled >= measure_from:
+        finished = time.monotonic()
+        if status == 200:
+            advised = json.loads(reply).get("batch_interval_s")
+            interval = float(advised) if advised else 1.0
+            level.max_interval_s = max(level.max_interval_s, interval)
+        if due >= measure_from:
             level.sent += 1
             if status == 200:
                 level.ok += 1
+                level.rows += (upto - step) * RANKS
                 assert level.latencies_ms is not None
-                level.latencies_ms.append((done - scheduled) * 1000)
+                level.latencies_ms.append((finished - due) * 1000)
             else:
                 level.errors += 1
+        if status == 200:
+            step = upto
         seq += 1
-        k += 1
+        due += interval
 
 
 def register_agents(port: int, run: str, n: int) -> list[tuple[int, int, str]]:
@@ -222,7 +237,8 @@ def register_agents(port: int, run: str, n: int) -> list[tuple[int, int, str]]:
 
 def run_level(sup: Supervisor, n_agents: int, seconds: float, warmup: float) -> Level:
     level = Level(agents=n_agents, seconds=seconds, latencies_ms=[])
-    agents = register_agents(sup.port, f"bench-{n_agents}-{uuid.uuid4().hex[:4]}", n_agents)
+    run = f"bench-{n_agents}-{uuid.uuid4().hex[:4]}"
+    agents = register_agents(sup.port, run, n_agents)
 
     async def main() -> None:
         t0 = time.monotonic() + 0.2
@@ -244,6 +260,9 @@ def run_level(sup: Supervisor, n_agents: int, seconds: float, warmup: float) -> 
         level.rss_mb = rss
 
     asyncio.run(main())
+    with httpx.Client(base_url=f"http://127.0.0.1:{sup.port}", timeout=30,
+                      headers={"Authorization": f"Bearer {OP_TOKEN}"}) as c:
+        level.incidents = len(c.get(f"/api/v1/runs/{run}/incidents").json()["incidents"])
     return level
 
 
@@ -304,7 +323,7 @@ def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels:
             finally:
                 sup.stop()
         with fresh_url(f"raw{n}") as url:
-            raw = raw_insert_cost_per_row(url, max(lvl.ok * RANKS, 1000))
+            raw = raw_insert_cost_per_row(url, max(lvl.rows, 1000))
         out.append((lvl, raw))
         print_row(name, lvl, raw)
         if stop_after_miss and (lvl.pct(0.99) > P99_TARGET_MS or lvl.errors):
@@ -317,17 +336,21 @@ def Supervisor_cmd(db_url: str) -> list[str]:
             "8765"]
 
 
-HEADER = (f"{'db':<9}{'agents':>7}{'ranks':>7}{'rank-steps/s':>14}{'ok':>7}{'err':>5}"
-          f"{'p50 ms':>9}{'p99 ms':>9}{'sup CPU%':>10}{'RSS MB':>8}{'x raw insert':>14}")
+HEADER = (f"{'db':<9}{'agents':>7}{'ranks':>7}{'rank-steps/s':>14}{'offered':>9}{'ok':>7}"
+          f"{'err':>5}{'p50 ms':>9}{'p99 ms':>9}{'sup CPU%':>10}{'RSS MB':>8}"
+          f"{'x raw insert':>14}{'batch s':>9}{'incidents':>11}")
 
 
 def print_row(name: str, lvl: Level, raw_s_per_row: float) -> None:
-    rows = lvl.ok * RANKS
-    cpu_per_row = lvl.cpu_s / rows if rows else float("nan")
+    """One level: ``offered`` is the rank-steps/s the simulated nodes train (one step a
+    second each); ``batch s`` the longest batch interval the supervisor asked for
+    (backpressure); ``incidents`` those opened on the healthy run (should be 0)."""
+    cpu_per_row = lvl.cpu_s / lvl.rows if lvl.rows else float("nan")
     ratio = cpu_per_row / raw_s_per_row if raw_s_per_row else float("nan")
     print(f"{name:<9}{lvl.agents:>7}{lvl.agents * RANKS:>7}{lvl.rank_steps_per_s:>14.0f}"
-          f"{lvl.ok:>7}{lvl.errors:>5}{lvl.pct(0.5):>9.1f}{lvl.pct(0.99):>9.1f}"
-          f"{100 * lvl.cpu_s / lvl.wall_s:>10.0f}{lvl.rss_mb:>8.0f}{ratio:>14.1f}", flush=True)
+          f"{lvl.agents * RANKS:>9}{lvl.ok:>7}{lvl.errors:>5}{lvl.pct(0.5):>9.1f}"
+          f"{lvl.pct(0.99):>9.1f}{100 * lvl.cpu_s / lvl.wall_s:>10.0f}{lvl.rss_mb:>8.0f}"
+          f"{ratio:>14.1f}{lvl.max_interval_s:>9.0f}{lvl.incidents:>11}", flush=True)
 
 
 def main() -> int:
