@@ -24,6 +24,7 @@ from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
 from supervisor.limits import BodySizeLimit
+from supervisor.observer import ObserverProcess, can_run_apart
 from supervisor.store import reads
 from supervisor.store.db import Database, make_database
 
@@ -83,16 +84,19 @@ def create_app(
             from supervisor import migrate
 
             migrate.upgrade(database.engine.url.render_as_string(hide_password=False))
-        stop = None
+        stop, th = None, None
         if start_evaluator:
-            _th, stop = evaluator.start(settings.evaluator.interval_s)
+            if settings.evaluator.observer == "process" and can_run_apart(database.url):
+                evaluator.observer = ObserverProcess(database.url, detection)
+            th, stop = evaluator.start(settings.evaluator.interval_s)
         beat = asyncio.create_task(delivery.beat_forever())  # the event loop's lag
         try:
             yield
         finally:
             beat.cancel()
-            if stop is not None:
+            if stop is not None and th is not None:
                 stop.set()
+                th.join(timeout=10)  # its last tick, and the observer process stopped
             writer.stop()
             if db is None:
                 database.dispose()

@@ -31,6 +31,7 @@ from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
 from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
+from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
 from supervisor.store import goodput as goodput_store
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
@@ -52,15 +53,6 @@ _EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
 
 
 @dataclass
-class Observation:
-    """What the detectors found for one run's attempt (read outside the write lock)."""
-
-    attempt: int
-    findings: list[Finding]
-    stragglers: dict[int | None, Finding] | None  # None: not looked at this tick
-
-
-@dataclass
 class TickReport:
     exits: int = 0
     decisions: int = 0
@@ -71,10 +63,16 @@ class TickReport:
 @dataclass(frozen=True)
 class EvaluatorConfig:
     interval_s: float = 0.5  # seconds between two ticks of the evaluation loop
+    # where the detectors run: "process" (a child process of their own, so their CPU never
+    # competes with ingest) or "thread" (the evaluator's own, in the supervisor's process)
+    observer: str = "process"
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ValueError(f"evaluator interval_s must be > 0 seconds (got {self.interval_s})")
+        if self.observer not in ("process", "thread"):
+            raise ValueError(f"evaluator observer must be 'process' or 'thread' (got "
+                             f"{self.observer!r})")
 
 
 @dataclass
@@ -82,10 +80,6 @@ class RunState:
     """What the evaluator keeps about one active run between ticks; it goes when the run
     stops being active (completed, failed, stopped)."""
 
-    window: observe.PhaseWindow  # per-rank pre-collective times, read incrementally
-    straggler_at: float = float("-inf")  # when its stragglers were last judged ...
-    straggler_cost_s: float = 0.0  # ... and how long that took
-    loss_seen: tuple[int, int] | None = None  # (attempt, newest step) of the last loss look
     # agent id -> (the other attempt it reports, since when): see ``_attempt_mismatches``
     mismatch: dict[int, tuple[int, float]] = field(default_factory=dict)
     goodput: LiveGoodput | None = None  # the live ETTR, fed with the rows new each tick
@@ -104,6 +98,8 @@ class Evaluator:
         self.cfg = cfg
         self.clock = clock
         self.detection = detection or observe.DetectionConfig()
+        # the detectors, in this thread; the app puts them in a process of their own
+        self.observer: Observer | ObserverProcess = Observer(self.detection)
         # Hangs and lost nodes are judged on what this process could observe: a supervisor
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
@@ -239,8 +235,8 @@ class Evaluator:
             del state.mismatch[gone]
 
     def _observe_active(self, now: float) -> dict[int, Observation]:
-        """Run the detectors on every active run (one read transaction); the state of runs
-        that are no longer active goes."""
+        """Feed the goodput accounting, then have the observer run the detectors on every
+        active run (reads only); the state of runs that are no longer active goes."""
         with self.db.read() as conn:
             active = registry.active_runs(conn)
             for gone in self._runs.keys() - {int(r["id"]) for r in active}:
@@ -254,8 +250,10 @@ class Evaluator:
                                   run["name"])
                     with self._goodput_lock:
                         state.goodput = None
-            return {int(run["id"]): obs for run in active
-                    if (obs := self._observe(conn, run, self._state(run), now)) is not None}
+        req = ObserveRequest(now=now, observing_since=self.observing_since,
+                             held=self.overload is not None,  # (_judge_overload)
+                             batch_interval_s=self.advised_batch_interval())
+        return self.observer.observe(self.db, req) or {}
 
     # -- goodput -----------------------------------------------------------------------------
 
@@ -313,8 +311,7 @@ class Evaluator:
     def _state(self, run: RunRow) -> RunState:
         state = self._runs.get(int(run["id"]))
         if state is None:
-            state = self._runs[int(run["id"])] = RunState(
-                observe.PhaseWindow(self.detection.straggler_table_steps))
+            state = self._runs[int(run["id"])] = RunState()
         return state
 
     # -- exits -------------------------------------------------------------------------------
@@ -436,51 +433,6 @@ class Evaluator:
         values = _name_culprit(inc, merged, windows.rank_nodes(conn, run_id=run["id"]))
         rec.update_incident(conn, incident_id=incident_id, updated_at=now, **values)
 
-    def _observe(self, conn: Connection, run: RunRow, state: RunState, now: float
-                 ) -> Observation | None:
-        """Run the detectors on the run's windows (reads only)."""
-        cfg = self.detection
-        started = observe.attempt_started_at(conn, run)
-        if started is None:
-            return None  # a restart is under way: judge the new attempt once it runs
-        since = max(self.observing_since, started)
-        agents = windows.agent_liveness(conn, run_id=run["id"])
-        findings: list[Finding] = []
-        held = self.overload is not None  # judged on late data: held back (_judge_overload)
-        if not held:
-            # agents told to batch less often deliver less often: the deadlines allow for it
-            every = self.advised_batch_interval()
-            findings += observe.hang_findings(conn, run, now=now,
-                                              observing_since=self.observing_since, cfg=cfg,
-                                              agents=agents, started=started,
-                                              batch_interval_s=every)
-            findings += observe.lost_node_findings(conn, run, now=now, observing_since=since,
-                                                   cfg=cfg, agents=agents,
-                                                   batch_interval_s=every)
-        slow: dict[int | None, Finding] | None = None
-        if not held and now - state.straggler_at >= max(cfg.straggler_interval_s,
-                                           cfg.straggler_cost_factor * state.straggler_cost_s):
-            t0 = time.perf_counter()
-            open_stragglers = {int(i["rank"]) for i in rec.incidents_of(
-                conn, run_id=run["id"], kinds=[IncidentKind.STRAGGLER],
-                status=IncidentStatus.OPEN)
-                if i["rank"] is not None}
-            stragglers = observe.straggler_findings(conn, run, cfg=cfg,
-                                                    open_ranks=open_stragglers,
-                                                    window=state.window)
-            findings += stragglers
-            slow = {f.rank: f for f in stragglers}
-            state.straggler_at, state.straggler_cost_s = now, time.perf_counter() - t0
-        seen = state.loss_seen
-        rows = observe.loss_rows(conn, run, cfg=cfg, seen_step=seen[1] if seen and
-                                 seen[0] == int(run["attempt"]) else None)
-        if rows:
-            state.loss_seen = (int(run["attempt"]), int(rows[-1]["step"]))
-        findings += observe.loss_findings(rows, cfg=cfg)
-        findings += observe.throughput_findings(rows, cfg=cfg)
-        findings += observe.disk_findings(conn, run, cfg=cfg, agents=agents)
-        return Observation(attempt=int(run["attempt"]), findings=findings, stragglers=slow)
-
     def _act_on(self, conn: Connection, run: RunRow, obs: Observation, now: float,
                 rep: TickReport) -> None:
         """Hand one run's findings to the policy and apply its decisions."""
@@ -546,11 +498,14 @@ class Evaluator:
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """Tick until ``stop`` is set; an error in one tick is logged, the loop goes on."""
-        while not stop.wait(interval_s):
-            try:
-                self.tick()
-            except Exception:
-                log.exception("evaluator tick failed")
+        try:
+            while not stop.wait(interval_s):
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("evaluator tick failed")
+        finally:
+            self.observer.close()
 
     def start(self, interval_s: float) -> tuple[threading.Thread, threading.Event]:
         stop = threading.Event()

@@ -24,6 +24,7 @@ from sup_helpers import (
 
 from supervisor.app import create_app
 from supervisor.evaluator import Evaluator
+from supervisor.observer import Observer
 from supervisor.store.db import Database
 
 
@@ -309,13 +310,17 @@ def test_a_run_that_ends_leaves_no_state_in_the_evaluator(
     run = Run(client, clock, evaluator)
     run.train(30)
     assert set(evaluator._runs) == {1}
-    assert evaluator._runs[1].loss_seen == (0, 29)
+    observer = evaluator.observer
+    assert isinstance(observer, Observer)  # (in the test's thread)
+    assert set(observer._runs) == {1}
+    assert observer._runs[1].loss_seen == (0, 29)
     run.send([{"type": "exit", "attempt": 0, "exit_code": 0, "outcome": "completed",
                "failed_ranks": []}])
     evaluator.tick()  # the exit completes the run
     evaluator.tick()  # the next observation no longer sees it
     assert get(client, "")["status"] == "completed"
     assert evaluator._runs == {}
+    assert observer._runs == {}
 
 
 @pytest.mark.parametrize("seed", range(8))
