@@ -2,15 +2,17 @@
 
 Each simulated agent is one node of 8 ranks of a single run: at a level of N agents, agent k
 reports ranks 8k..8k+7 of a world of 8N ranks, so the supervisor sees 8N distinct ranks, as it
-would from a real N-node job.  Each sends one batch per second (its 8 step reports and the
-heartbeat the node agent puts in every batch, with its 8 workers) over its own keep-alive
-HTTP connection.  Every level starts a fresh supervisor on a fresh database, with the
-evaluator ticking as it does in production.  For each level the table shows the sustained
-rank-steps/s, the p50/p99 ingest latency (from the scheduled send time, so a backlog
-counts), the supervisor's RSS and CPU (its detectors' process included), and the ratio of the supervisor's CPU per stored
-rank-step to a raw bulk insert of the same rows into a database of its own (measured after
-the level, with no supervisor running).  The largest level with p99 < 100 ms and no error
-is reported at the end.
+would from a real N-node job.  Each trains a step a second and sends a batch of the steps done
+so far (with the heartbeat the node agent puts in every batch, with its 8 workers) every
+second, or as often as the supervisor's replies ask (backpressure, as the agent does), over
+its own keep-alive HTTP connection.  Every level starts a fresh supervisor on a fresh
+database, with the evaluator ticking as it does in production.  For each level the table
+shows the sustained rank-steps/s against the offered load, the p50/p99 ingest latency (from
+when the batch was due, so a backlog counts), the supervisor's RSS and CPU (its detectors'
+process included), the ratio of its CPU per stored rank-step to a raw bulk insert of the
+same rows into a database of its own (measured after the level, with no supervisor
+running), the longest batch interval it asked for, and the incidents it opened on the
+healthy run.  The largest level with p99 < 100 ms and no error is reported at the end.
 
     .venv/bin/python benchmarks/ingest.py                      # SQLite, then Postgres if set
     .venv/bin/python benchmarks/ingest.py --db sqlite --agents 64,256,512,768 --seconds 10

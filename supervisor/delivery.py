@@ -25,6 +25,7 @@ class DeliveryMonitor:
         self.cfg = cfg or OverloadConfig()
         self._lock = threading.Lock()
         self._offset: dict[int, float] = {}  # agent id -> smallest receive - send seen
+        self._heard: dict[int, float] = {}  # agent id -> its newest batch's receive time
         self._recent: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
         self._beat_at: float | None = None  # (monotonic) when the loop last ran its timer
         self._beat_lag = 0.0
@@ -41,6 +42,9 @@ class DeliveryMonitor:
                     self._offset.pop(next(iter(self._offset)))
                 off = self._offset[agent_id] = raw
             self._recent.append((received_at, raw - off))
+            if agent_id not in self._heard and len(self._heard) >= MAX_AGENTS:
+                self._heard.pop(next(iter(self._heard)))
+            self._heard[agent_id] = received_at
 
     def loop_beat(self, lag_s: float, at: float | None = None) -> None:
         """The event loop ran its timer ``lag_s`` late (``at``: monotonic time, for tests)."""
@@ -57,12 +61,14 @@ class DeliveryMonitor:
             while self._recent and self._recent[0][0] < now - cfg.window_s:
                 self._recent.popleft()
             late = sorted(x for _, x in self._recent)
+            since = now - cfg.window_s
+            agents = sum(1 for t in self._heard.values() if t >= since)
             beat_at, beat_lag = self._beat_at, self._beat_lag
         q = None
         if late:
             q = late[min(len(late) - 1, max(0, math.ceil(cfg.lateness_quantile * len(late)) - 1))]
         return DeliveryReport(
-            batches=len(late), lateness_s=q,
+            batches=len(late), agents=agents, lateness_s=q,
             loop_lag_s=None if beat_at is None else beat_lag,
             loop_silent_s=None if beat_at is None else max(0.0, mono - beat_at),
             tick_gap_s=tick_gap_s)

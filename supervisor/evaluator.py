@@ -94,6 +94,7 @@ class Evaluator:
         self.overload: Overload | None = None  # the supervisor is behind (this tick's verdict)
         self.overload_since: float | None = None
         self.last_overloaded_at: float | None = None  # the newest tick that found it behind
+        self._advice: float | None = None  # the batch interval replies ask for (each tick)
         self._last_tick: float | None = None  # (monotonic) start of the previous tick
         self.cfg = cfg
         self.clock = clock
@@ -150,6 +151,10 @@ class Evaluator:
         self.overload = judge_overload(rep, self.detection.overload)
         if self.overload is not None:
             self.last_overloaded_at = now
+        self._advice = policy.advised_batch_interval(
+            last_overloaded_at=self.last_overloaded_at, now=now, sending_agents=rep.agents,
+            cfg=self.detection.overload)
+        if self.overload is not None:
             if self.overload_since is None:
                 self.overload_since = now
                 log.warning("supervisor overloaded: %s; hang, node-lost and straggler "
@@ -166,9 +171,9 @@ class Evaluator:
         return False, lasted
 
     def advised_batch_interval(self) -> float | None:
-        """What the ingest reply asks agents to batch at (``policy.advised_batch_interval``)."""
-        return policy.advised_batch_interval(last_overloaded_at=self.last_overloaded_at,
-                                             now=self.clock(), cfg=self.detection.overload)
+        """What the ingest reply asks agents to batch at (``policy.advised_batch_interval``,
+        decided at the last tick: ingest reads it for every batch)."""
+        return self._advice
 
     def overload_state(self) -> tuple[bool, float | None]:
         """(overloaded at the last tick, batch lateness now): what /metrics exports."""

@@ -418,14 +418,24 @@ EVENT_OVERLOAD_ENDED = "supervisor_overload_ended"
 
 
 def advised_batch_interval(*, last_overloaded_at: float | None, now: float,
-                           cfg: OverloadConfig) -> float | None:
-    """The batch interval the ingest reply asks agents to use: ``cfg.batch_interval_s``
-    while the supervisor is behind and ``cfg.backoff_hold_s`` after (so a recovery is not
-    undone at once by the load coming back); None (the agents' own) otherwise.  Fewer,
-    larger batches: the same rows, a fraction of the requests; nothing is dropped."""
-    if last_overloaded_at is None or now - last_overloaded_at > cfg.backoff_hold_s:
-        return None
-    return cfg.batch_interval_s
+                           sending_agents: int, cfg: OverloadConfig) -> float | None:
+    """The batch interval the ingest reply asks agents to use (None: their own, ~1 s).
+
+    * While the supervisor is behind, and ``cfg.backoff_hold_s`` after (so a recovery is not
+      undone at once by the load coming back): ``cfg.batch_interval_s``.
+    * Whenever more agents send than ``cfg.max_batches_per_s`` batches a second would
+      allow at one batch each a second: agents / that limit (2,048 agents at 500 a second:
+      every 4.1 s), so the request rate stays bounded however many nodes a run has.
+
+    Fewer, larger batches: the same rows in a fraction of the requests; nothing is dropped,
+    and urgent reports (an exit, a crash) still go at once."""
+    every = None
+    if last_overloaded_at is not None and now - last_overloaded_at <= cfg.backoff_hold_s:
+        every = cfg.batch_interval_s
+    if cfg.max_batches_per_s > 0 and sending_agents > cfg.max_batches_per_s:
+        share = math.ceil(10 * sending_agents / cfg.max_batches_per_s) / 10
+        every = max(every or 0.0, share)
+    return every
 
 
 def on_overload(*, reason: str | None, lateness_s: float | None,

@@ -42,6 +42,9 @@ class OverloadConfig:
     tick_gap_s: float = 10.0  # seconds between two evaluator ticks beyond which it was stalled
     batch_interval_s: float = 4.0  # agents are told to batch this often while it is behind
     backoff_hold_s: float = 60.0  # ... and for this long after its last overloaded tick
+    # batches a second the supervisor asks for at most: with more agents sending, each is
+    # told to batch every agents / this seconds (0: no limit)
+    max_batches_per_s: float = 500.0
 
     def __post_init__(self) -> None:
         require(self.lateness_s > 0,
@@ -61,6 +64,9 @@ class OverloadConfig:
         require(self.backoff_hold_s >= 0,
                 f"OverloadConfig.backoff_hold_s must be >= 0 seconds (got "
                 f"{self.backoff_hold_s}); try 60")
+        require(self.max_batches_per_s >= 0,
+                f"OverloadConfig.max_batches_per_s must be >= 0 (got "
+                f"{self.max_batches_per_s}); try 500, or 0 for no limit")
         require(self.tick_gap_s > 0,
                 f"OverloadConfig.tick_gap_s must be > 0 seconds (got {self.tick_gap_s}); "
                 "try 10")
@@ -71,6 +77,7 @@ class DeliveryReport:
     """What the supervisor observed of its own delivery, at one moment."""
 
     batches: int = 0  # batches received within the window
+    agents: int = 0  # agents that sent within the window
     lateness_s: float | None = None  # their lateness at the configured quantile
     loop_lag_s: float | None = None  # the event loop's newest timer lateness
     loop_silent_s: float | None = None  # seconds since the loop last ran its timer

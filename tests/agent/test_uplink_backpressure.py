@@ -76,7 +76,11 @@ def test_a_supervisor_that_is_behind_asks_the_agent_for_fewer_batches(
                     headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).json()
     assert run["step"] == 8
     clock.now += evaluator.detection.overload.backoff_hold_s + 1  # long after its last tick
-    _send(up, 9)
+    for s in range(9, 12):  # (stamped with the supervisor's clock again: on time)
+        up.clock = clock
+        _send(up, s)
+    evaluator.tick()
+    _send(up, 12)
     assert up.advised_interval_s is None  # back to the agent's own interval
 
 

@@ -79,3 +79,28 @@ def test_the_loop_beat_says_how_late_and_how_long_ago() -> None:
     rep = m.report(0.0, monotonic=16.0)
     assert rep.loop_lag_s == pytest.approx(0.3)
     assert rep.loop_silent_s == pytest.approx(6.0)
+
+
+def test_the_monitor_counts_the_agents_that_sent_in_the_window() -> None:
+    m = DeliveryMonitor()
+    for a in range(30):
+        m.observe(a, 100.0 + a, 100.0 + a)
+    assert m.report(129.5, monotonic=0.0).agents == 10  # heard within the last 10 s
+
+
+@pytest.mark.parametrize(("agents", "overloaded_ago", "want"), [
+    (100, None, None),  # few agents, keeping up: their own interval
+    (100, 30.0, 4.0),  # behind 30 s ago: still backing off
+    (100, 61.0, None),  # 61 s ago: over
+    (2048, None, 4.1),  # more agents than 500 batches a second allow at 1 s each
+    (1000, 5.0, 4.0),  # behind, and 2 s would do for the rate: the longer
+    (4000, 5.0, 8.0),
+])
+def test_the_advised_batch_interval(agents: int, overloaded_ago: float | None,
+                                    want: float | None) -> None:
+    from supervisor.policy import advised_batch_interval
+
+    got = advised_batch_interval(
+        last_overloaded_at=None if overloaded_ago is None else 1000.0 - overloaded_ago,
+        now=1000.0, sending_agents=agents, cfg=CFG)
+    assert got == want
