@@ -14,14 +14,16 @@ from fastapi.openapi.utils import get_openapi
 
 from supervisor import dashboard, metrics, wire
 from supervisor.api import agents, rollback, runs, tokens
-from supervisor.api.deps import DB, AgentCredentials, StoredTokens
+from supervisor.api.deps import DB, AgentCredentials, ReadAuth, StoredTokens
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
+from supervisor.leader import Leadership, LedEvaluator
 from supervisor.limits import BodySizeLimit
+from supervisor.store import lease as lease_store
 from supervisor.store import reads
 from supervisor.store.db import Database, make_database
 
@@ -72,6 +74,8 @@ def create_app(
                           detection=settings.detection_config())
 
     writer = IngestWriter(database, clock, cfg=settings.ingest)
+    # On Postgres, replicas share the store and one of them (the lease's holder) evaluates.
+    leadership = Leadership(database, settings.lease, clock=clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -79,14 +83,19 @@ def create_app(
             from supervisor import migrate
 
             migrate.upgrade(database.engine.url.render_as_string(hide_password=False))
-        stop = None
-        if start_evaluator:
+        stop = th = None
+        if start_evaluator and leadership.shared:
+            th, stop = LedEvaluator(evaluator, leadership, settings.evaluator.interval_s).start()
+        elif start_evaluator:
             _th, stop = evaluator.start(settings.evaluator.interval_s)
         try:
             yield
         finally:
             if stop is not None:
                 stop.set()
+            if th is not None:
+                # Its loop releases the lease on the way out: a standby leads at once.
+                th.join(timeout=10)
             writer.stop()
             if db is None:
                 database.dispose()
@@ -106,6 +115,7 @@ def create_app(
     app.state.db = database
     app.state.clock = clock
     app.state.evaluator = evaluator
+    app.state.leadership = leadership
     app.state.ingest_writer = writer
     app.state.agent_credentials = AgentCredentials()
     app.state.stored_tokens = StoredTokens()
@@ -124,12 +134,30 @@ def create_app(
             reads.ping(conn)
         return {"status": "ok"}
 
+    @app.get(API_PREFIX + "/evaluator", tags=["health"])
+    def evaluator_status(db: DB, _auth: ReadAuth) -> dict[str, Any]:
+        """Which replica runs the evaluator: this replica's id and whether it leads (with
+        the lease epoch it leads under), and the lease as the store holds it (``lease``:
+        null on SQLite, where the one process always leads)."""
+        out: dict[str, Any] = dict(leadership.status())
+        out["lease"] = None
+        if leadership.shared:
+            with db.read() as conn:
+                held = lease_store.current(conn)
+                now = lease_store.database_time(conn)
+            if held is not None and now is not None:
+                out["lease"] = {"holder": held["holder"], "epoch": int(held["epoch"]),
+                                "acquired_at": held["acquired_at"],
+                                "expires_in_s": round(held["expires_at"] - now, 3)}
+        return out
+
     app.add_middleware(JsonApiBodies)  # curl -d's default form type carries JSON too
     # Outside it: oversized bodies are refused before anything parses them.
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
     # Dashboard pages and static files; /metrics and its request metrics (outermost).
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
-                    straggler=evaluator.detection.straggler, goodput=evaluator.goodput)
+                    straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
+                    leader=leadership.status)
     app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

@@ -7,7 +7,8 @@ Each section is the config class of the component it configures, and holds its d
   idle clients (``httpguard.HttpConfig``);
 * ``db``: the store (``store.db.StoreConfig``); ``ingest``: what agent batches must satisfy
   (``store.ingest.IngestConfig``: the agent-clock rule); ``evaluator``: the loop
-  (``evaluator.EvaluatorConfig``);
+  (``evaluator.EvaluatorConfig``); ``lease``: which of several replicas on one Postgres runs
+  the evaluator (``leader.LeaseConfig``);
 * ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
   configs as ``observe.DetectionConfig`` holds them; ``detection``: its other fields (how
   much and how often the windows are read);
@@ -58,6 +59,7 @@ from supervisor.detect import (
 from supervisor.detect.disk import DiskConfig
 from supervisor.evaluator import EvaluatorConfig
 from supervisor.httpguard import HttpConfig
+from supervisor.leader import LeaseConfig
 from supervisor.observe import DetectionConfig
 from supervisor.policy import PolicyConfig
 from supervisor.store.db import StoreConfig
@@ -311,6 +313,7 @@ class SupervisorSettings(BaseSettings):
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+    lease: LeaseConfig = Field(default_factory=LeaseConfig)
     hang: HangConfig = _detector("hang")
     node_lost: NodeLostConfig = _detector("node_lost")
     disk: DiskConfig = _detector("disk")

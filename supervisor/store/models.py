@@ -438,4 +438,20 @@ class IngestedBatch(Base):
     digest: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
+class EvaluatorLease(Base):
+    """Who runs the evaluator among the supervisor replicas on one Postgres database (one
+    row per lease name).  ``epoch`` grows by one each time the lease changes hands (or its
+    holder takes it again after letting it expire): every decision the evaluator writes is
+    made in a transaction that checks the epoch is still its own (``store.lease``)."""
+
+    __tablename__ = "evaluator_lease"
+
+    name: Mapped[str] = mapped_column(String(50), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))  # host:pid:nonce of the replica
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[float] = mapped_column(Float)
+    renewed_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)  # the database's clock, unix seconds
+
+
 metadata = Base.metadata
