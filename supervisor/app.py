@@ -14,7 +14,13 @@ from fastapi.openapi.utils import get_openapi
 
 from supervisor import dashboard, metrics, wire
 from supervisor.api import agents, rollback, runs, tokens
-from supervisor.api.deps import DB, AgentCredentials, ReadAuth, StoredTokens
+from supervisor.api.deps import (
+    CREDENTIAL_REFRESH_S,
+    DB,
+    AgentCredentials,
+    ReadAuth,
+    StoredTokens,
+)
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
@@ -117,7 +123,10 @@ def create_app(
     app.state.evaluator = evaluator
     app.state.leadership = leadership
     app.state.ingest_writer = writer
-    app.state.agent_credentials = AgentCredentials()
+    # Replicas on one Postgres: a credential another replica replaced or revoked is
+    # refused here within CREDENTIAL_REFRESH_S.
+    app.state.agent_credentials = AgentCredentials(
+        refresh_s=None if database.is_sqlite else CREDENTIAL_REFRESH_S, clock=clock)
     app.state.stored_tokens = StoredTokens()
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

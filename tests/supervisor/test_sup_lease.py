@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import FakeClock, count_rows, crash, ingest, make_settings, register, step
+from sup_helpers import (
+    OPERATOR,
+    FakeClock,
+    count_rows,
+    crash,
+    ingest,
+    make_settings,
+    register,
+    step,
+)
 
 from supervisor.evaluator import Evaluator
 from supervisor.leader import Leadership, LeaseConfig, LedEvaluator
@@ -237,3 +246,27 @@ def test_a_new_leader_observes_from_when_it_took_the_lease(pg_db: Database,
     clock.advance(120.0)  # a standby for two minutes: then it takes the lease
     led.once(tick=False)
     assert ev.observing_since == T0 + 120.0
+
+
+# -- per-process caches across replicas ------------------------------------------------------
+
+
+def test_a_takeover_on_one_replica_is_refused_by_another_within_the_refresh(
+        pg_db: Database, clock: FakeClock, settings: Any) -> None:
+    """Two replicas (two apps on one Postgres store): agent a's batches go to replica B,
+    whose credential cache holds a's digest; an operator takes the node over on replica A.
+    Within ``CREDENTIAL_REFRESH_S`` replica B refuses a's credential too."""
+    from supervisor.api.deps import CREDENTIAL_REFRESH_S
+    from supervisor.app import create_app
+
+    apps = [create_app(settings, db=pg_db, clock=clock, upgrade_schema=False,
+                       start_evaluator=False) for _ in "AB"]
+    with TestClient(apps[0]) as on_a, TestClient(apps[1]) as on_b:
+        aid = register(on_a)["agent_id"]
+        on_b.__dict__["_tw_credentials"] = dict(on_a.__dict__["_tw_credentials"])
+        ingest(on_b, aid, 0, [step(0, 0)])  # B caches a's digest
+        r = on_a.post("/api/v1/runs/r1/nodes/n0/takeover", headers=OPERATOR)
+        assert r.status_code == 200, r.text
+        clock.advance(CREDENTIAL_REFRESH_S)
+        body = ingest(on_b, aid, 1, [step(0, 1)], expect=403)
+        assert "not agent" in body["detail"]
