@@ -77,7 +77,7 @@ def create_app(
     thread when asked; tests pass their own ``db``/``clock`` and drive ``Evaluator.tick``."""
     database = db if db is not None else make_database(settings.db.database_url)
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
-                          detection=settings.detection_config())
+                          detection=settings.detection_config(), retention=settings.retention)
 
     writer = IngestWriter(database, clock, cfg=settings.ingest)
     # On Postgres, replicas share the store and one of them (the lease's holder) evaluates.

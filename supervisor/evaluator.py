@@ -29,6 +29,7 @@ from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
+from supervisor.retention import Retention, RetentionConfig
 from supervisor.store import goodput as goodput_store
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
@@ -91,11 +92,13 @@ class RunState:
 
 class Evaluator:
     def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
-                 detection: observe.DetectionConfig | None = None) -> None:
+                 detection: observe.DetectionConfig | None = None,
+                 retention: RetentionConfig | None = None) -> None:
         self.db = db
         self.cfg = cfg
         self.clock = clock
         self.detection = detection or observe.DetectionConfig()
+        self.retention = Retention(retention, self.detection)  # old per-rank rows rolled up
         # Hangs and lost nodes are judged on what this process could observe: a supervisor
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
@@ -125,6 +128,7 @@ class Evaluator:
                 rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
                 self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
+        self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
 
     # -- attempt mismatch --------------------------------------------------------------------

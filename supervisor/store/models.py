@@ -248,6 +248,58 @@ class RankStep(Base):
     lr: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class RankRollup(Base):
+    """Per-rank summary of the ``rank_steps`` rows of one bucket of ``bucket_steps`` steps
+    (``bucket_start``: its first step, a multiple of ``bucket_steps``) that retention deleted
+    (``supervisor.retention``).
+    Merged additively: rows that arrive late for a bucket already rolled up add to it.  Each
+    measure has its own count of non-NULL values (``*_n``); ``loss_nonfinite`` counts the
+    NaN/Inf losses (not in the loss sums)."""
+
+    __tablename__ = "rank_rollups"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_steps: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    step_first: Mapped[int] = mapped_column(Integer)
+    step_last: Mapped[int] = mapped_column(Integer)
+    t_first: Mapped[float] = mapped_column(Float)
+    t_last: Mapped[float] = mapped_column(Float)
+    data_s_n: Mapped[int] = mapped_column(Integer)
+    data_s_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    data_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s_n: Mapped[int] = mapped_column(Integer)
+    compute_s_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_s_n: Mapped[int] = mapped_column(Integer)
+    step_s_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_n: Mapped[int] = mapped_column(Integer)
+    loss_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_nonfinite: Mapped[int] = mapped_column(Integer)
+
+
+class StepBatch(Base):
+    """Rank 0's global batch index of each step whose ``rank_steps`` rows retention deleted:
+    a rollback names the batches to skip from a checkpoint's step, however old."""
+
+    __tablename__ = "step_batches"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    batch_index: Mapped[int] = mapped_column(BigInteger)
+
+
 class StepAggregate(Base):
     """One row per (run, attempt, step), merged across ranks and agents as reports arrive.
 

@@ -1,0 +1,122 @@
+"""Retention of the per-rank rows: ``rank_steps`` holds every rank's timings of every step
+(16,384 ranks at a step a second are 1.4 billion rows a day), so only the newest
+``keep_steps`` steps of each run's newest attempt are kept; older rows, and every row of an
+attempt the run has left, are rolled up into per-rank summaries of ``bucket_steps`` steps
+(``rank_rollups``: count, sums, maxima of the phase times, the loss's too) and deleted.
+Rank 0's batch index of each rolled-up step is kept (``step_batches``): a rollback reads it
+at a checkpoint's step, however old.  The per-step aggregates (``step_aggregates``) are
+never rolled up.
+
+``Retention.tick`` does a bounded amount of that work (at most ``chunks_per_tick`` slices
+of about ``chunk_rows`` rows, each its own short write transaction, so an agent's ingest
+waits for one slice at most); the evaluator calls it at the end of each tick, so on
+Postgres only the replica that leads does it, under the lease's fence.
+
+The kept window serves every reader of per-rank rows, which ``required_steps`` names: the
+straggler detector's table, the dashboard's phase-time chart.  The live goodput reads the
+rows after its cursor, seconds behind ingest; after a supervisor restart it starts over
+from the kept rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from supervisor.observe import RANK_CHART_MAX_STEPS, DetectionConfig
+from supervisor.store import goodput as goodput_store
+from supervisor.store import retention as store
+from supervisor.store import windows
+from supervisor.store.db import Connection, Database
+
+log = logging.getLogger("trainwarden.retention")
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    enabled: bool = True  # roll up and delete per-rank rows beyond the kept window
+    keep_steps: int = 1000  # newest steps of per-rank rows kept (each run's newest attempt)
+    bucket_steps: int = 1000  # steps summarised by one per-rank rollup row
+    chunk_rows: int = 10_000  # per-rank rows deleted by one write transaction, about
+    chunks_per_tick: int = 4  # write transactions of rollup work per evaluator tick, at most
+
+    def __post_init__(self) -> None:
+        for name in ("keep_steps", "bucket_steps", "chunk_rows", "chunks_per_tick"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"retention {name} must be an integer >= 1 (got {v!r})")
+
+
+def required_steps(detection: DetectionConfig) -> dict[str, int]:
+    """The newest steps of per-rank rows each reader needs, by the setting that says so."""
+    return {
+        "detection.straggler_table_steps": detection.straggler_table_steps,
+        "straggler.window_steps": detection.straggler.window_steps,
+        "straggler.hold_steps": detection.straggler.hold_steps,
+        "the dashboard's per-rank chart": RANK_CHART_MAX_STEPS,
+    }
+
+
+def check(cfg: RetentionConfig, detection: DetectionConfig) -> None:
+    """Raise ValueError when the kept window is shorter than a reader needs."""
+    if not cfg.enabled:
+        return
+    need = required_steps(detection)
+    name, steps = max(need.items(), key=lambda kv: kv[1])
+    if cfg.keep_steps < steps:
+        raise ValueError(
+            f"retention keep_steps ({cfg.keep_steps}) is shorter than the {steps} newest steps "
+            f"of per-rank rows that {name} reads: raise retention.keep_steps "
+            f"(--retention-keep-steps) to {steps} or more")
+
+
+class Retention:
+    def __init__(self, cfg: RetentionConfig | None = None,
+                 detection: DetectionConfig | None = None) -> None:
+        self.cfg = cfg or RetentionConfig()
+        check(self.cfg, detection or DetectionConfig())
+        self.rolled_rows = 0  # rows rolled up by this process (the benchmark reads it)
+
+    def tick(self, db: Database) -> int:
+        """At most ``chunks_per_tick`` slices of rollup work over the runs; rows rolled up.
+        Each slice is planned in a read transaction and done in its own write transaction
+        (the plan stays right meanwhile: rows only grow older)."""
+        if not self.cfg.enabled:
+            return 0
+        with db.read() as conn:
+            run_ids = store.run_ids(conn)
+        done = chunks = 0
+        for run_id in run_ids:
+            while chunks < self.cfg.chunks_per_tick:
+                with db.read() as conn:
+                    plan = self._plan(conn, run_id)
+                if plan is None:
+                    break
+                with db.write() as conn:
+                    done += store.roll_up(conn, run_id=run_id, attempt=plan[0],
+                                          step_from=plan[1], step_to=plan[2],
+                                          bucket_steps=self.cfg.bucket_steps)
+                chunks += 1
+        self.rolled_rows += done
+        return done
+
+    def _plan(self, conn: Connection, run_id: int) -> tuple[int, int, int] | None:
+        """(attempt, first step, step after the last) of the next slice of the run's rows to
+        roll up: its oldest rows, about ``chunk_rows`` of them, none of the kept window."""
+        oldest = store.oldest_rows(conn, run_id=run_id)
+        if oldest is None:
+            return None
+        attempt, first = oldest
+        world = max(1, goodput_store.rank_count(conn, run_id=run_id))
+        upto = first + max(1, self.cfg.chunk_rows // world)
+        newest_attempt = store.newest_attempt(conn, run_id=run_id)
+        if newest_attempt is None or attempt >= newest_attempt:
+            span = windows.step_range(conn, run_id=run_id, attempt=attempt)
+            if span is None:
+                return None
+            cut = span[1] - self.cfg.keep_steps + 1  # the oldest step kept
+            if first >= cut:
+                return None
+            upto = min(upto, cut)
+        # else an attempt the run has left (the pages show the newest): all of it goes
+        return attempt, first, upto

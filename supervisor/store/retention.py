@@ -1,0 +1,152 @@
+"""The rollup of old per-rank rows (what ``supervisor.retention`` runs): ``rank_steps`` rows
+beyond the kept window are deleted in bounded slices, each slice's rows summarised per rank
+and bucket of steps into ``rank_rollups`` and rank 0's batch indexes kept in
+``step_batches``, in the same short write transaction.  Keyword-only functions taking a
+``Connection``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, delete, func, select
+
+from supervisor.store._sql import greatest, insert, least, nsum
+from supervisor.store.tables import rank_rollups, rank_steps, runs, step_aggregates, step_batches
+
+# (value column, the rollup's measures of it): sums and maxima of the phase times, the loss
+# with its minimum too.
+_MEASURES: dict[str, tuple[str, ...]] = {
+    "data_s": ("sum", "max"), "compute_s": ("sum", "max"), "step_s": ("sum", "max"),
+    "loss": ("sum", "min", "max"),
+}
+_KEY = ("run_id", "attempt", "rank", "bucket_start")
+
+
+def run_ids(conn: Connection) -> list[int]:
+    return [int(r[0]) for r in conn.execute(select(runs.c.id).order_by(runs.c.id))]
+
+
+def oldest_rows(conn: Connection, *, run_id: int) -> tuple[int, int] | None:
+    """(attempt, step) of the run's oldest per-rank rows: the lowest attempt that has rows,
+    and its lowest step (two lookups in ix_rank_steps_run_attempt_step)."""
+    c = rank_steps.c
+    attempt = conn.execute(select(func.min(c.attempt)).where(c.run_id == run_id)).scalar_one()
+    if attempt is None:
+        return None
+    step = conn.execute(select(func.min(c.step)).where(c.run_id == run_id,
+                                                       c.attempt == attempt)).scalar_one()
+    return None if step is None else (int(attempt), int(step))
+
+
+def newest_attempt(conn: Connection, *, run_id: int) -> int | None:
+    """The run's newest attempt with a step (what the pages' per-rank views show)."""
+    v = conn.execute(select(func.max(step_aggregates.c.attempt))
+                     .where(step_aggregates.c.run_id == run_id)).scalar_one()
+    return None if v is None else int(v)
+
+
+def roll_up(conn: Connection, *, run_id: int, attempt: int, step_from: int, step_to: int,
+            bucket_steps: int) -> int:
+    """Delete the run attempt's per-rank rows of steps ``step_from`` <= step < ``step_to``
+    and merge what they said into their rank's rollup of each bucket (and rank 0's batch
+    indexes into ``step_batches``); the number of rows deleted.  The summaries are built
+    from the rows the DELETE returned, so they hold exactly what was deleted, also when an
+    ingest commits a late row of these steps meanwhile (Postgres)."""
+    c = rank_steps.c
+    gone = conn.execute(
+        delete(rank_steps)
+        .where(c.run_id == run_id, c.attempt == attempt, c.step >= step_from, c.step < step_to)
+        .returning(c.rank, c.step, c.t, c.batch_index, c.data_s, c.compute_s, c.step_s, c.loss,
+                   c.loss_special)).all()
+    if not gone:
+        return 0
+    acc: dict[tuple[int, int], dict[str, Any]] = {}
+    batches: dict[int, int] = {}
+    for rank, step, t, bi, data_s, compute_s, step_s, loss, loss_special in gone:
+        start = step - step % bucket_steps
+        r = acc.get((rank, start))
+        if r is None:
+            r = acc[(rank, start)] = {
+                "run_id": run_id, "attempt": attempt, "rank": rank, "bucket_start": start,
+                "bucket_steps": bucket_steps, "rows": 0, "step_first": step, "step_last": step,
+                "t_first": t, "t_last": t, "loss_nonfinite": 0,
+                **{f"{m}_n": 0 for m in _MEASURES},
+                **{f"{m}_{k}": None for m, ks in _MEASURES.items() for k in ks}}
+        r["rows"] += 1
+        r["step_first"], r["step_last"] = min(r["step_first"], step), max(r["step_last"], step)
+        r["t_first"], r["t_last"] = min(r["t_first"], t), max(r["t_last"], t)
+        if loss_special is not None:
+            r["loss_nonfinite"] += 1
+        for m, v in (("data_s", data_s), ("compute_s", compute_s), ("step_s", step_s),
+                     ("loss", loss)):
+            if v is None:
+                continue
+            r[f"{m}_n"] += 1
+            r[f"{m}_sum"] = v if r[f"{m}_sum"] is None else r[f"{m}_sum"] + v
+            if r[f"{m}_max"] is None or v > r[f"{m}_max"]:
+                r[f"{m}_max"] = v
+            if m == "loss" and (r["loss_min"] is None or v < r["loss_min"]):
+                r["loss_min"] = v
+        if rank == 0 and bi is not None:
+            batches[step] = int(bi)
+    _merge_rollups(conn, list(acc.values()))
+    if batches:
+        ins = insert(conn, step_batches)
+        conn.execute(ins.on_conflict_do_nothing(index_elements=["run_id", "attempt", "step"]),
+                     [{"run_id": run_id, "attempt": attempt, "step": s, "batch_index": b}
+                      for s, b in sorted(batches.items())])
+    return len(gone)
+
+
+def _merge_rollups(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    """Insert each rollup, or add it to the one already stored for its key."""
+    ins = insert(conn, rank_rollups)
+    t, ex = rank_rollups.c, ins.excluded
+    merged: dict[str, Any] = {
+        "rows": t.rows + ex.rows, "step_first": least(t.step_first, ex.step_first),
+        "step_last": greatest(t.step_last, ex.step_last),
+        "t_first": least(t.t_first, ex.t_first), "t_last": greatest(t.t_last, ex.t_last),
+        "loss_nonfinite": t.loss_nonfinite + ex.loss_nonfinite,
+    }
+    fold = {"sum": nsum, "min": least, "max": greatest}
+    for m, ks in _MEASURES.items():
+        merged[f"{m}_n"] = t[f"{m}_n"] + ex[f"{m}_n"]
+        for k in ks:
+            merged[f"{m}_{k}"] = fold[k](t[f"{m}_{k}"], ex[f"{m}_{k}"])
+    conn.execute(ins.on_conflict_do_update(index_elements=list(_KEY), set_=merged), rows)
+
+
+def rollups(conn: Connection, *, run_id: int, attempt: int | None = None,
+            rank: int | None = None, limit: int = 10_000) -> list[dict[str, Any]]:
+    """The run's rollups (of one attempt, one rank), in (attempt, bucket, rank) order, each
+    with the means of its measures (``*_mean``: None without a value)."""
+    c = rank_rollups.c
+    q = select(rank_rollups).where(c.run_id == run_id)
+    if attempt is not None:
+        q = q.where(c.attempt == attempt)
+    if rank is not None:
+        q = q.where(c.rank == rank)
+    q = q.order_by(c.attempt, c.bucket_start, c.rank).limit(limit)
+    out = []
+    for r in conn.execute(q):
+        d = dict(r._mapping)
+        for m in _MEASURES:
+            d[f"{m}_mean"] = d[f"{m}_sum"] / d[f"{m}_n"] if d[f"{m}_n"] else None
+        out.append(d)
+    return out
+
+
+def kept_from_step(conn: Connection, *, run_id: int, attempt: int) -> int | None:
+    """The oldest step of the attempt whose per-rank rows are still kept (None: none kept)."""
+    c = rank_steps.c
+    v = conn.execute(select(func.min(c.step)).where(c.run_id == run_id,
+                                                    c.attempt == attempt)).scalar_one()
+    return None if v is None else int(v)
+
+
+def rolled_up_steps(conn: Connection, *, run_id: int, attempt: int) -> tuple[int, int] | None:
+    """(first, last) step of the attempt whose per-rank rows were rolled up, None if none."""
+    c = rank_rollups.c
+    lo, hi = conn.execute(select(func.min(c.step_first), func.max(c.step_last))
+                          .where(c.run_id == run_id, c.attempt == attempt)).one()
+    return None if lo is None else (int(lo), int(hi))
