@@ -5,7 +5,10 @@ attempt the run has left, are rolled up into per-rank summaries of ``bucket_step
 (``rank_rollups``: count, sums, maxima of the phase times, the loss's too) and deleted.
 Rank 0's batch index of each rolled-up step is kept (``step_batches``): a rollback reads it
 at a checkpoint's step, however old.  The per-step aggregates (``step_aggregates``) are
-never rolled up.
+never rolled up.  The keys of stored batches (``ingested_batches``, one per agent per second:
+what answers an agent's replay as a duplicate) are kept for each agent's newest
+``batch_keys_kept`` sequence numbers: an agent replays only the batches it has no answer for,
+the newest ones.
 
 ``Retention.tick`` does a bounded amount of that work (at most ``chunks_per_tick`` slices
 of about ``chunk_rows`` rows, each its own short write transaction, so an agent's ingest
@@ -39,9 +42,12 @@ class RetentionConfig:
     bucket_steps: int = 1000  # steps summarised by one per-rank rollup row
     chunk_rows: int = 10_000  # per-rank rows deleted by one write transaction, about
     chunks_per_tick: int = 4  # write transactions of rollup work per evaluator tick, at most
+    batch_keys_kept: int = 1000  # newest stored-batch keys kept per agent (replay detection)
+    agents_per_tick: int = 256  # agents whose older batch keys one tick deletes, at most
 
     def __post_init__(self) -> None:
-        for name in ("keep_steps", "bucket_steps", "chunk_rows", "chunks_per_tick"):
+        for name in ("keep_steps", "bucket_steps", "chunk_rows", "chunks_per_tick",
+                     "batch_keys_kept", "agents_per_tick"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"retention {name} must be an integer >= 1 (got {v!r})")
@@ -76,6 +82,7 @@ class Retention:
         self.cfg = cfg or RetentionConfig()
         check(self.cfg, detection or DetectionConfig())
         self.rolled_rows = 0  # rows rolled up by this process (the benchmark reads it)
+        self._agent_cursor = 0  # batch keys are pruned agent by agent, round robin
 
     def tick(self, db: Database) -> int:
         """At most ``chunks_per_tick`` slices of rollup work over the runs; rows rolled up.
@@ -98,7 +105,17 @@ class Retention:
                                           bucket_steps=self.cfg.bucket_steps)
                 chunks += 1
         self.rolled_rows += done
+        self._prune_batch_keys(db)
         return done
+
+    def _prune_batch_keys(self, db: Database) -> None:
+        with db.read() as conn:
+            ids = store.agents_after(conn, after_id=self._agent_cursor,
+                                     limit=self.cfg.agents_per_tick)
+        self._agent_cursor = ids[-1] if len(ids) == self.cfg.agents_per_tick else 0
+        if ids:
+            with db.write() as conn:
+                store.prune_batch_keys(conn, agent_ids=ids, keep=self.cfg.batch_keys_kept)
 
     def _plan(self, conn: Connection, run_id: int) -> tuple[int, int, int] | None:
         """(attempt, first step, step after the last) of the next slice of the run's rows to

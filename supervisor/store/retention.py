@@ -11,7 +11,15 @@ from typing import Any
 from sqlalchemy import Connection, delete, func, select
 
 from supervisor.store._sql import greatest, insert, least, nsum
-from supervisor.store.tables import rank_rollups, rank_steps, runs, step_aggregates, step_batches
+from supervisor.store.tables import (
+    agents,
+    ingested_batches,
+    rank_rollups,
+    rank_steps,
+    runs,
+    step_aggregates,
+    step_batches,
+)
 
 # (value column, the rollup's measures of it): sums and maxima of the phase times, the loss
 # with its minimum too.
@@ -150,3 +158,25 @@ def rolled_up_steps(conn: Connection, *, run_id: int, attempt: int) -> tuple[int
     lo, hi = conn.execute(select(func.min(c.step_first), func.max(c.step_last))
                           .where(c.run_id == run_id, c.attempt == attempt)).one()
     return None if lo is None else (int(lo), int(hi))
+
+
+def agents_after(conn: Connection, *, after_id: int, limit: int) -> list[int]:
+    """Ids of up to ``limit`` agents after ``after_id``, in id order."""
+    q = select(agents.c.id).where(agents.c.id > after_id).order_by(agents.c.id).limit(limit)
+    return [int(r[0]) for r in conn.execute(q)]
+
+
+def prune_batch_keys(conn: Connection, *, agent_ids: list[int], keep: int) -> int:
+    """Delete each agent's stored-batch keys but its newest ``keep`` sequence numbers (the
+    newest stays: the agent's next seq follows it); the keys deleted.  Each agent is two
+    lookups in the (agent_id, seq) key."""
+    ib = ingested_batches.c
+    gone = 0
+    for aid in agent_ids:
+        top = conn.execute(select(func.max(ib.seq)).where(ib.agent_id == aid)).scalar_one()
+        if top is None or top - keep < 0:
+            continue
+        r = conn.execute(delete(ingested_batches)
+                         .where(ib.agent_id == aid, ib.seq <= top - keep))
+        gone += int(r.rowcount or 0)
+    return gone

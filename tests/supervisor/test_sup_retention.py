@@ -202,3 +202,16 @@ def test_a_window_shorter_than_the_detectors_read_is_refused() -> None:
 def test_the_refusal_names_the_reader_that_needs_more() -> None:
     with pytest.raises(ValueError, match=r"detection\.straggler_table_steps"):
         make_settings(detection={"straggler_table_steps": 2000})
+
+
+def test_batch_keys_beyond_the_newest_are_pruned_and_replays_still_answered(
+        client: TestClient, db: Database) -> None:
+    agent = register(client)["agent_id"]
+    for seq in range(30):
+        ingest(client, agent, seq, [step(0, seq)])
+    with db.write() as conn:
+        gone = store.prune_batch_keys(conn, agent_ids=[agent], keep=10)
+    assert gone == 20
+    replay = ingest(client, agent, 25, [step(0, 25)])  # the reply was lost: sent again
+    assert replay["duplicate"] is True
+    assert register(client)["next_seq"] == 30
