@@ -18,8 +18,9 @@ SQLite's ``dbstat``) divided by its rows gives its bytes per row; the day at 16,
 * ``ingested_batches`` (the key of each stored batch): 2,048 x 86,400 without retention; with
   it a constant ``batch_keys_kept`` x 2,048 keys.
 
-The file's own growth over the second half of the retained slice (per step and per rank) is
-printed too: deleted pages are reused, so it follows the rollups, not the rows deleted.
+The file's own growth per step over the second half of the retained slice is printed too,
+beside what the tables that grow add per step: deleted pages are reused, so the file grows by
+the rollups and per-step rows, not by the rows deleted.
 
 RSS.  A real supervisor subprocess (SQLite, the evaluator ticking, retention on) is fed
 ``--rss-steps`` steps of one 8-rank agent by a load generator that sends ``--rss-batch``
@@ -188,10 +189,12 @@ def bytes_report(args: argparse.Namespace) -> tuple[float, float]:
     print(f"\nwith retention, constant (not per day): the kept window {cfg.keep_steps} steps x "
           f"{FULL_RANKS:,} ranks x {b_rank:.1f} B = {window / 1e9:.2f} GB; the batch keys "
           f"{cfg.batch_keys_kept} x {FULL_AGENTS:,} agents x {b_keys:.1f} B = {keys / 1e9:.2f} GB")
-    print(f"file growth over the second half of the slice: without retention "
-          f"{plain['growth_per_step'] / ranks:.1f} B per rank-step, with "
-          f"{kept['growth_per_step'] / ranks:.2f} B per rank-step (deleted pages reused); "
-          f"files at the end: {plain['file'] / 1e6:.1f} MB and {kept['file'] / 1e6:.1f} MB")
+    expect = b_agg + b_batch + ranks * b_roll / cfg.bucket_steps
+    print(f"file growth over the second half of the slice ({ranks} ranks): without retention "
+          f"{plain['growth_per_step']:.0f} B per step, with {kept['growth_per_step']:.0f} B per "
+          f"step (what the per-step aggregates, batch indexes and rollups add: {expect:.0f} B: "
+          f"the deleted rows' pages are reused); files at the end: {plain['file'] / 1e6:.1f} MB "
+          f"and {kept['file'] / 1e6:.1f} MB")
     return tot_plain / 1e9, tot_kept / 1e9
 
 

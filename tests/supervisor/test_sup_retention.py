@@ -188,6 +188,11 @@ def test_retention_keeps_the_window_the_detectors_and_pages_read(
     ranks = retained.get("/api/v1/runs/r1/ranks", headers=OPERATOR).json()["ranks"]
     assert [r["rank"] for r in ranks if r["slow"]] == [1]
     assert (ev.goodput(run_id) or {})["steps_final"] == 640
+    rolled = retained.get("/api/v1/runs/r1/rank-rollups", params={"rank": 1},
+                          headers=OPERATOR).json()
+    assert (rolled["kept_from_step"], rolled["rolled_up_steps"]) == (340, [0, 339])
+    assert [(b["bucket_start"], b["rows"]) for b in rolled["rollups"]] == [
+        (0, 100), (100, 100), (200, 100), (300, 40)]
     fresh = Evaluator(db, ev.cfg, clock=clock, detection=ev.detection,
                       retention=RetentionConfig(keep_steps=300))
     fresh.tick()  # a restarted supervisor's goodput starts over from the kept rows
