@@ -202,6 +202,8 @@ def rss_report(args: argparse.Namespace) -> float:
     import httpx
     import psutil
 
+    from supervisor.retention import RetentionConfig
+
     with tempfile.TemporaryDirectory(prefix="rollup-rss-") as tmp:
         port_file = Path(tmp) / "port"
         db_url = f"sqlite:///{tmp}/sup.db"
@@ -246,7 +248,19 @@ def rss_report(args: argparse.Namespace) -> float:
                     seq += 1
                     if seq % 50 == 0:
                         peak = max(peak, ps.memory_info().rss / 2**20)
-                time.sleep(2.0)  # a few evaluator ticks over the full store
+                # The evaluator ticks twice a second: wait until retention has caught up
+                # (the kept window starts keep_steps before the newest step), 60 s at most.
+                kept_from = None
+                want = args.rss_steps - RetentionConfig().keep_steps
+                until = time.monotonic() + 60
+                while time.monotonic() < until:
+                    got = c.get("/api/v1/runs/rss/rank-rollups", params={"rank": 0, "limit": 1},
+                                headers={"Authorization": f"Bearer {OP_TOKEN}"})
+                    got.raise_for_status()
+                    kept_from = got.json()["kept_from_step"]
+                    if kept_from is not None and kept_from >= want:
+                        break
+                    time.sleep(0.5)
                 rss = ps.memory_info().rss / 2**20
                 peak = max(peak, rss)
                 size = sum(p.stat().st_size for p in Path(tmp).glob("sup.db*"))
@@ -260,7 +274,8 @@ def rss_report(args: argparse.Namespace) -> float:
     print(f"\nsupervisor RSS after {args.rss_steps:,} steps of {RANKS_PER_AGENT} ranks "
           f"({args.rss_steps * RANKS_PER_AGENT:,} rank-steps, {args.rss_batch} steps a batch, "
           f"{wall:.0f} s, retention on): {rss:.0f} MB at the end, {peak:.0f} MB peak "
-          f"(goal < {GOAL_RSS_MB:.0f} MB); store at the end {size / 1e6:.1f} MB")
+          f"(goal < {GOAL_RSS_MB:.0f} MB); store at the end {size / 1e6:.1f} MB, per-rank "
+          f"rows kept from step {kept_from}")
     print("   supervisor command: TRAINWARDEN_AGENT_TOKEN=... " + shlex.join(cmd[1:]))
     return rss
 
