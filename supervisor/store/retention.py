@@ -46,6 +46,14 @@ def oldest_rows(conn: Connection, *, run_id: int) -> tuple[int, int] | None:
     return None if step is None else (int(attempt), int(step))
 
 
+def lowest_rank(conn: Connection, *, run_id: int, attempt: int, step: int) -> int | None:
+    """The lowest rank with a row at one step of a run attempt."""
+    c = rank_steps.c
+    v = conn.execute(select(func.min(c.rank)).where(c.run_id == run_id, c.attempt == attempt,
+                                                    c.step == step)).scalar_one()
+    return None if v is None else int(v)
+
+
 def newest_attempt(conn: Connection, *, run_id: int) -> int | None:
     """The run's newest attempt with a step (what the pages' per-rank views show)."""
     v = conn.execute(select(func.max(step_aggregates.c.attempt))
@@ -67,7 +75,8 @@ def _delete_statement(conn: Connection) -> tuple[str, tuple[str, ...]]:
         c = rank_steps.c
         stmt = (delete(rank_steps)
                 .where(c.run_id == bindparam("run_id"), c.attempt == bindparam("attempt"),
-                       c.step >= bindparam("step_from"), c.step < bindparam("step_to"))
+                       c.step >= bindparam("step_from"), c.step < bindparam("step_to"),
+                       c.rank >= bindparam("rank_from"), c.rank <= bindparam("rank_last"))
                 .returning(*(c[k] for k in _DELETE_COLS)))
         dialect: Any = conn.dialect
         cdialect = dialect if dialect.positional else type(dialect)(paramstyle="format")
@@ -78,14 +87,16 @@ def _delete_statement(conn: Connection) -> tuple[str, tuple[str, ...]]:
 
 
 def roll_up(conn: Connection, *, run_id: int, attempt: int, step_from: int, step_to: int,
-            bucket_steps: int) -> int:
+            bucket_steps: int, rank_from: int = 0, rank_last: int = 2**31 - 1) -> int:
     """Delete the run attempt's per-rank rows of steps ``step_from`` <= step < ``step_to``
-    and merge what they said into their rank's rollup of each bucket (and rank 0's batch
-    indexes into ``step_batches``); the number of rows deleted.  The summaries are built
-    from the rows the DELETE returned, so they hold exactly what was deleted, also when an
-    ingest commits a late row of these steps meanwhile (Postgres)."""
+    (of ranks ``rank_from`` <= rank <= ``rank_last``: a step of a big run is split), and merge
+    what they said into their rank's rollup of each bucket (and rank 0's batch indexes into
+    ``step_batches``); the number of rows deleted.  The summaries are built from the rows
+    the DELETE returned, so they hold exactly what was deleted, also when an ingest commits
+    a late row of these steps meanwhile (Postgres)."""
     sql, order = _delete_statement(conn)
-    params = {"run_id": run_id, "attempt": attempt, "step_from": step_from, "step_to": step_to}
+    params = {"run_id": run_id, "attempt": attempt, "step_from": step_from, "step_to": step_to,
+              "rank_from": rank_from, "rank_last": rank_last}
     cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
         cur.execute(sql, tuple(params[k] for k in order))

@@ -23,7 +23,7 @@ from sup_helpers import (
 from supervisor import observe
 from supervisor.app import create_app
 from supervisor.evaluator import Evaluator
-from supervisor.retention import RetentionConfig
+from supervisor.retention import Retention, RetentionConfig
 from supervisor.store import recovery as rec
 from supervisor.store import registry
 from supervisor.store import retention as store
@@ -220,3 +220,23 @@ def test_batch_keys_beyond_the_newest_are_pruned_and_replays_still_answered(
     replay = ingest(client, agent, 25, [step(0, 25)])  # the reply was lost: sent again
     assert replay["duplicate"] is True
     assert register(client)["next_seq"] == 30
+
+
+def test_a_step_of_more_ranks_than_a_slice_is_split_by_rank(client: TestClient, db: Database
+                                                            ) -> None:
+    agent = register(client)["agent_id"]
+    sent: list[dict[str, Any]] = []
+    _send_steps(client, agent, 0, range(0, 310), ranks=3, sent=sent)
+    job = Retention(RetentionConfig(keep_steps=300, bucket_steps=100, chunk_rows=2,
+                                    chunks_per_tick=1))
+    slices = []
+    while (n := job.tick(db)) and len(slices) < 100:
+        slices.append(n)
+    run_id = _run_id(db)
+    with db.read() as conn:
+        got = store.rollups(conn, run_id=run_id, attempt=0)
+        kept_from = store.kept_from_step(conn, run_id=run_id, attempt=0)
+    assert max(slices) == 2
+    assert sum(slices) == 30
+    assert kept_from == 10
+    _check_rollups(got, _expected([r for r in sent if r["step"] < 10], 100))
