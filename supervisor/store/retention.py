@@ -141,22 +141,29 @@ def roll_up(conn: Connection, *, run_id: int, attempt: int, step_from: int, step
     return len(gone)
 
 
+_merge_sql: dict[str, Any] = {}
+
+
 def _merge_rollups(conn: Connection, rows: list[dict[str, Any]]) -> None:
     """Insert each rollup, or add it to the one already stored for its key."""
-    ins = insert(conn, rank_rollups)
-    t, ex = rank_rollups.c, ins.excluded
-    merged: dict[str, Any] = {
-        "rows": t.rows + ex.rows, "step_first": least(t.step_first, ex.step_first),
-        "step_last": greatest(t.step_last, ex.step_last),
-        "t_first": least(t.t_first, ex.t_first), "t_last": greatest(t.t_last, ex.t_last),
-        "loss_nonfinite": t.loss_nonfinite + ex.loss_nonfinite,
-    }
-    fold = {"sum": nsum, "min": least, "max": greatest}
-    for m, ks in _MEASURES.items():
-        merged[f"{m}_n"] = t[f"{m}_n"] + ex[f"{m}_n"]
-        for k in ks:
-            merged[f"{m}_{k}"] = fold[k](t[f"{m}_{k}"], ex[f"{m}_{k}"])
-    conn.execute(ins.on_conflict_do_update(index_elements=list(_KEY), set_=merged), rows)
+    stmt = _merge_sql.get(conn.dialect.name)
+    if stmt is None:  # built once per dialect: building it costs more than running it
+        ins = insert(conn, rank_rollups)
+        t, ex = rank_rollups.c, ins.excluded
+        merged: dict[str, Any] = {
+            "rows": t.rows + ex.rows, "step_first": least(t.step_first, ex.step_first),
+            "step_last": greatest(t.step_last, ex.step_last),
+            "t_first": least(t.t_first, ex.t_first), "t_last": greatest(t.t_last, ex.t_last),
+            "loss_nonfinite": t.loss_nonfinite + ex.loss_nonfinite,
+        }
+        fold = {"sum": nsum, "min": least, "max": greatest}
+        for m, ks in _MEASURES.items():
+            merged[f"{m}_n"] = t[f"{m}_n"] + ex[f"{m}_n"]
+            for k in ks:
+                merged[f"{m}_{k}"] = fold[k](t[f"{m}_{k}"], ex[f"{m}_{k}"])
+        stmt = _merge_sql[conn.dialect.name] = ins.on_conflict_do_update(
+            index_elements=list(_KEY), set_=merged)
+    conn.execute(stmt, rows)
 
 
 def rollups(conn: Connection, *, run_id: int, attempt: int | None = None,
