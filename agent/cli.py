@@ -23,8 +23,11 @@ _HANG = HangConfig()  # the defaults of the local watchdog: the supervisor's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--supervisor", required=True, metavar="URL",
-                        help="supervisor base URL, e.g. http://head:8080")
+    parser.add_argument("--supervisor", required=True, metavar="URL[,URL...]",
+                        help="supervisor base URL, e.g. http://head:8080; or the "
+                             "comma-separated URLs of its replicas on one Postgres "
+                             "(http://a:8080,http://b:8080): the agent fails over to the "
+                             "next on a connection error or a 502/503/504")
     parser.add_argument("--run", required=True, metavar="NAME", help="training run name")
     parser.add_argument("--node", default=None, metavar="NAME",
                         help="this node's name in the run (default: host name)")

@@ -40,8 +40,15 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "_"
 
 
+def split_supervisor_urls(text: str) -> list[str]:
+    """``--supervisor``'s value as its addresses: one URL, or a comma-separated list of the
+    replicas of one supervisor (on a shared Postgres), each without a trailing slash."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
 @dataclass
 class AgentConfig:
+    # One URL, or the comma-separated URLs of a supervisor's replicas (failed over in order)
     supervisor_url: str
     run: str
     command: list[str]
@@ -81,11 +88,15 @@ class AgentConfig:
     gpu_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        self.supervisor_url = self.supervisor_url.rstrip("/")
-        if not self.supervisor_url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"--supervisor must be an http:// or https:// URL, got {self.supervisor_url!r}"
-            )
+        urls = split_supervisor_urls(self.supervisor_url)
+        if not urls:
+            raise ValueError("--supervisor must name at least one http:// or https:// URL")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"--supervisor must be an http:// or https:// URL (or a comma-separated "
+                    f"list of them, the replicas of one supervisor), got {url!r}")
+        self.supervisor_url = ",".join(urls)
         if not _RUN_NAME.match(self.run) or len(self.run) > 200:
             raise ValueError(
                 f"--run {self.run!r}: use letters, digits, '.', '_' and '-', starting with a "

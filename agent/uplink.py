@@ -8,7 +8,13 @@ first.  Outcomes per batch:
 - connection error, timeout, 502/503/504 (the supervisor or its proxy is down or full),
   401/403 (token trouble is not the batch's fault), 408, 429: the batch stays first in line
   and the sender backs off (0.5 s doubling to 10 s).  Nothing is set aside for these: a wrong
-  token or an outage must not throw away the run's data.
+  token or an outage must not throw away the run's data.  With several supervisor addresses
+  (the replicas of one supervisor on a shared Postgres), a connection error, timeout or
+  502/503/504 moves the sender to the next address at once, the same batch first in line
+  (registration, the credential and the sequence numbers are the shared store's, so nothing
+  else changes); the backoff applies once every address failed in a row.  A batch an
+  address stored but whose reply was lost is sent again to the next: the supervisor answers
+  it as a duplicate of its (agent, seq), so delivery stays at-least-once, stored once.
 - 404: the supervisor does not know this agent (its database was reset): register again.
 - 403 with ``X-Trainwarden-Credential: invalid``: the supervisor no longer takes this
   agent's credential (a newer registration of the node, an operator's takeover): register
@@ -61,7 +67,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +107,7 @@ class Uplink:
     def __init__(
         self,
         *,
-        supervisor_url: str,
+        supervisor_url: str | Sequence[str],
         token: str | None,
         state_dir: Path,
         register_request: protocol.RegisterRequest,
@@ -118,9 +124,18 @@ class Uplink:
         headers = {"User-Agent": "trainwarden-agent"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        # One address, or the replicas' (a comma-separated string or a list): see
+        # ``_unavailable`` for how the sender moves between them.
+        self.urls = [u.strip().rstrip("/") for u in (
+            supervisor_url.split(",") if isinstance(supervisor_url, str) else supervisor_url)
+            if u.strip()]
+        if not self.urls:
+            raise ValueError("no supervisor address")
+        self._url_i = 0
+        self._moved = 0  # addresses moved on since the last answer (backoff after a round)
         # Short timeouts: the agent must never stall on a slow supervisor.
         self.client = httpx.Client(
-            base_url=supervisor_url,
+            base_url=self.urls[0],
             headers=headers,
             timeout=httpx.Timeout(http_timeout_s, connect=min(http_timeout_s, 2.0)),
             transport=transport,
@@ -316,7 +331,33 @@ class Uplink:
         self._next_try = self.clock() + self._backoff
         self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
 
+    @property
+    def supervisor_url(self) -> str:
+        """The address the sender uses now."""
+        return self.urls[self._url_i]
+
+    def _unavailable(self, why: str) -> None:
+        """The supervisor at the current address is unreachable or unavailable: move to the
+        next address, at once while some address has not been tried since the last answer,
+        else with the backoff of ``_fail``."""
+        if len(self.urls) == 1:
+            self._fail(why)
+            return
+        old = self.supervisor_url
+        self._url_i = (self._url_i + 1) % len(self.urls)
+        self.client.base_url = httpx.URL(self.supervisor_url)
+        self._moved += 1
+        if self._moved < len(self.urls):
+            log.warning("supervisor %s unavailable (%s): failing over to %s, %d batch(es) "
+                        "waiting", old, why, self.supervisor_url, self.pending)
+            self.last_error = why
+            self._next_try = 0.0
+            return
+        self._moved = 0  # every address failed in a row: back off, then go round again
+        self._fail(f"{why} (every supervisor address)")
+
     def _ok(self) -> None:
+        self._moved = 0
         self.last_ok = self.clock()
         if self.last_error is not None:
             log.info("supervisor reachable again: replaying %d batch(es)", self.pending)
@@ -374,9 +415,12 @@ class Uplink:
             r = self.client.post(REGISTER_PATH, json=self.register_request,
                                  headers=self._credential_headers())
         except httpx.HTTPError as e:
-            self._fail(f"register: {type(e).__name__}: {e}")
+            self._unavailable(f"register: {type(e).__name__}: {e}")
             return False
         self._register_status = r.status_code
+        if r.status_code in _UNAVAILABLE:
+            self._unavailable(f"register: HTTP {r.status_code}")
+            return False
         if r.status_code == 409 and "retry-after" in r.headers:
             # Another agent holds the node and was heard from recently: wait it out.
             log.error("registration refused for now: %s", r.text[:1000])
@@ -436,7 +480,7 @@ class Uplink:
                                           **self._credential_headers()})
         except httpx.HTTPError as e:
             self.spool.release(seq)
-            self._fail(f"{type(e).__name__}: {e}")
+            self._unavailable(f"{type(e).__name__}: {e}")
             return False
         code = r.status_code
         if code < 300:
@@ -449,7 +493,11 @@ class Uplink:
             self.registration = None
             self._fail("HTTP 403 (credential)")
             return False
-        if code in _UNAVAILABLE or code in _RETRY_4XX:
+        if code in _UNAVAILABLE:
+            self.spool.release(seq)
+            self._unavailable(f"HTTP {code}")
+            return False
+        if code in _RETRY_4XX:
             self.spool.release(seq)
             if code in (401, 403):
                 log.error("supervisor refuses our token (HTTP %d): check --token / %s; "

@@ -10,6 +10,7 @@ from supervisor.store.db import make_engine
 from supervisor.store.models import metadata
 
 config = context.config
+_UPGRADE_LOCK = 0x7477_0001  # the advisory lock key of a schema upgrade ("tw", 1)
 target_metadata = metadata
 
 
@@ -40,6 +41,11 @@ def run_migrations_online() -> None:
                 render_as_batch=connection.dialect.name == "sqlite",
             )
             with context.begin_transaction():
+                if connection.dialect.name == "postgresql":
+                    # Replicas starting together on one database upgrade one at a time: the
+                    # others wait here, then find the schema at head (the revision is read
+                    # after the lock).
+                    connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_UPGRADE_LOCK})")
                 context.run_migrations()
     finally:
         engine.dispose()

@@ -15,7 +15,13 @@ from fastapi.openapi.utils import get_openapi
 
 from supervisor import dashboard, metrics, wire
 from supervisor.api import agents, rollback, runs, tokens
-from supervisor.api.deps import DB, AgentCredentials, StoredTokens
+from supervisor.api.deps import (
+    CREDENTIAL_REFRESH_S,
+    DB,
+    AgentCredentials,
+    ReadAuth,
+    StoredTokens,
+)
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
@@ -23,8 +29,10 @@ from supervisor.delivery import DeliveryMonitor
 from supervisor.evaluator import Clock, Evaluator
 from supervisor.headers import SecurityHeaders
 from supervisor.ingest import IngestWriter
+from supervisor.leader import Leadership, LedEvaluator
 from supervisor.limits import BodySizeLimit
 from supervisor.observer import ObserverProcess, can_run_apart
+from supervisor.store import lease as lease_store
 from supervisor.store import reads
 from supervisor.store.db import Database, make_database
 
@@ -74,9 +82,12 @@ def create_app(
     detection = settings.detection_config()
     delivery = DeliveryMonitor(detection.overload)
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
-                          detection=detection, delivery=delivery)
+                          detection=detection, delivery=delivery,
+                          retention=settings.retention)
 
     writer = IngestWriter(database, clock, cfg=settings.ingest)
+    # On Postgres, replicas share the store and one of them (the lease's holder) evaluates.
+    leadership = Leadership(database, settings.lease, clock=clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -84,11 +95,15 @@ def create_app(
             from supervisor import migrate
 
             migrate.upgrade(database.engine.url.render_as_string(hide_password=False))
-        stop, th = None, None
+        stop = th = None
         if start_evaluator:
             if settings.evaluator.observer == "process" and can_run_apart(database.url):
                 evaluator.observer = ObserverProcess(database.url, detection)
-            th, stop = evaluator.start(settings.evaluator.interval_s)
+            if leadership.shared:
+                th, stop = LedEvaluator(evaluator, leadership,
+                                        settings.evaluator.interval_s).start()
+            else:
+                th, stop = evaluator.start(settings.evaluator.interval_s)
         beat = asyncio.create_task(delivery.beat_forever())  # the event loop's lag
         try:
             yield
@@ -96,7 +111,9 @@ def create_app(
             beat.cancel()
             if stop is not None and th is not None:
                 stop.set()
-                th.join(timeout=10)  # its last tick, and the observer process stopped
+                # its last tick, the observer process stopped, and on Postgres the lease
+                # released on the way out: a standby leads at once
+                th.join(timeout=10)
             writer.stop()
             if db is None:
                 database.dispose()
@@ -117,8 +134,12 @@ def create_app(
     app.state.clock = clock
     app.state.evaluator = evaluator
     app.state.delivery = delivery
+    app.state.leadership = leadership
     app.state.ingest_writer = writer
-    app.state.agent_credentials = AgentCredentials()
+    # Replicas on one Postgres: a credential another replica replaced or revoked is
+    # refused here within CREDENTIAL_REFRESH_S.
+    app.state.agent_credentials = AgentCredentials(
+        refresh_s=None if database.is_sqlite else CREDENTIAL_REFRESH_S, clock=clock)
     app.state.stored_tokens = StoredTokens()
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -135,6 +156,23 @@ def create_app(
             reads.ping(conn)
         return {"status": "ok"}
 
+    @app.get(API_PREFIX + "/evaluator", tags=["health"])
+    def evaluator_status(db: DB, _auth: ReadAuth) -> dict[str, Any]:
+        """Which replica runs the evaluator: this replica's id and whether it leads (with
+        the lease epoch it leads under), and the lease as the store holds it (``lease``:
+        null on SQLite, where the one process always leads)."""
+        out: dict[str, Any] = dict(leadership.status())
+        out["lease"] = None
+        if leadership.shared:
+            with db.read() as conn:
+                held = lease_store.current(conn)
+                now = lease_store.database_time(conn)
+            if held is not None and now is not None:
+                out["lease"] = {"holder": held["holder"], "epoch": int(held["epoch"]),
+                                "acquired_at": held["acquired_at"],
+                                "expires_in_s": round(held["expires_at"] - now, 3)}
+        return out
+
     app.add_middleware(JsonApiBodies)  # curl -d's default form type carries JSON too
     # Outside it: oversized bodies are refused before anything parses them.
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_body_bytes)
@@ -142,6 +180,7 @@ def create_app(
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
                     straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
-                    overload=evaluator.overload_state)
+                    overload=evaluator.overload_state,
+                    leader=leadership.status)
     app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
     return app

@@ -29,7 +29,10 @@ DEFAULT_URL = "http://127.0.0.1:8765"
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--supervisor", default=os.environ.get(ENV_URL, DEFAULT_URL),
-                   metavar="URL", help=f"supervisor URL (default ${ENV_URL} or local)")
+                   metavar="URL[,URL...]",
+                   help=f"supervisor URL, or the comma-separated URLs of its replicas (the "
+                        f"next is tried when one cannot be reached; default ${ENV_URL} or "
+                        "local)")
     p.add_argument("--token", default=None, metavar="T",
                    help=f"operator token (default ${ENV_TOKEN})")
 
@@ -91,20 +94,34 @@ def connect(supervisor: str, token: str | None) -> httpx.Client:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the command against the first address that can be reached.  The next address is
+    tried only while no request has reached a supervisor yet (a connection refused or timed
+    out): a command is never sent twice (a rollback that went through and whose progress
+    then failed to come is not repeated on another replica)."""
     import httpx
 
     token = args.token or (os.environ.get(ENV_ADMIN_TOKEN) if args.cmd == "token" else None)
-    with connect(args.supervisor, token) as client:
-        try:
-            return _COMMANDS[args.cmd](client, args)
-        except httpx.HTTPStatusError as e:
-            print(f"trainwarden {args.cmd}: {e.response.status_code} "
-                  f"{printable(_detail(e.response))}", file=sys.stderr)
-            return 1
-        except httpx.HTTPError as e:
-            print(f"trainwarden {args.cmd}: cannot reach {args.supervisor}: {e}",
-                  file=sys.stderr)
-            return 1
+    urls = [u.strip() for u in str(args.supervisor).split(",") if u.strip()] or [DEFAULT_URL]
+    answered: list[str] = []  # the addresses that answered a request of this command
+    for i, url in enumerate(urls):
+        with connect(url, token) as client:
+            client.event_hooks["response"].append(lambda _r, u=url: answered.append(u))
+            try:
+                return _COMMANDS[args.cmd](client, args)
+            except httpx.HTTPStatusError as e:
+                print(f"trainwarden {args.cmd}: {e.response.status_code} "
+                      f"{printable(_detail(e.response))}", file=sys.stderr)
+                return 1
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if answered or i + 1 == len(urls):
+                    print(f"trainwarden {args.cmd}: cannot reach {url}: {e}", file=sys.stderr)
+                    return 1
+                print(f"trainwarden {args.cmd}: cannot reach {url} ({e}): trying {urls[i + 1]}",
+                      file=sys.stderr)
+            except httpx.HTTPError as e:
+                print(f"trainwarden {args.cmd}: cannot reach {url}: {e}", file=sys.stderr)
+                return 1
+    return 1
 
 
 def _detail(r: httpx.Response) -> str:

@@ -7,7 +7,9 @@ Each section is the config class of the component it configures, and holds its d
   idle clients (``httpguard.HttpConfig``);
 * ``db``: the store (``store.db.StoreConfig``); ``ingest``: what agent batches must satisfy
   (``store.ingest.IngestConfig``: the agent-clock rule); ``evaluator``: the loop
-  (``evaluator.EvaluatorConfig``);
+  (``evaluator.EvaluatorConfig``); ``lease``: which of several replicas on one Postgres runs
+  the evaluator (``leader.LeaseConfig``); ``retention``: how long per-rank rows are kept
+  before they are rolled up (``retention.RetentionConfig``);
 * ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
   configs as ``observe.DetectionConfig`` holds them; ``detection``: its other fields (how
   much and how often the windows are read);
@@ -59,8 +61,11 @@ from supervisor.detect.disk import DiskConfig
 from supervisor.detect.overload import OverloadConfig
 from supervisor.evaluator import EvaluatorConfig
 from supervisor.httpguard import HttpConfig
+from supervisor.leader import LeaseConfig
 from supervisor.observe import DetectionConfig
 from supervisor.policy import PolicyConfig
+from supervisor.retention import RetentionConfig
+from supervisor.retention import check as check_retention
 from supervisor.store.db import StoreConfig
 from supervisor.store.ingest import IngestConfig
 
@@ -312,6 +317,8 @@ class SupervisorSettings(BaseSettings):
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+    lease: LeaseConfig = Field(default_factory=LeaseConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
     hang: HangConfig = _detector("hang")
     node_lost: NodeLostConfig = _detector("node_lost")
     disk: DiskConfig = _detector("disk")
@@ -341,7 +348,7 @@ class SupervisorSettings(BaseSettings):
     @model_validator(mode="after")
     def _cross_section(self) -> SupervisorSettings:
         self.policy_config()  # its own rules (budgets, backoff, LR scale) raise ValueError
-        self.detection_config()
+        check_retention(self.retention, self.detection_config())  # the kept window's floor
         auth = self.auth
         if not auth.agent_token and not auth.operator_token and not auth.admin_token \
                 and not auth.insecure_no_auth:

@@ -32,6 +32,7 @@ from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
 from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
+from supervisor.retention import Retention, RetentionConfig
 from supervisor.store import goodput as goodput_store
 from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
@@ -88,7 +89,8 @@ class RunState:
 class Evaluator:
     def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
                  detection: observe.DetectionConfig | None = None,
-                 delivery: DeliveryMonitor | None = None) -> None:
+                 delivery: DeliveryMonitor | None = None,
+                 retention: RetentionConfig | None = None) -> None:
         self.db = db
         self.delivery = delivery  # how late batches arrive (None: not watched)
         self.overload: Overload | None = None  # the supervisor is behind (this tick's verdict)
@@ -101,6 +103,7 @@ class Evaluator:
         self.detection = detection or observe.DetectionConfig()
         # the detectors, in this thread; the app puts them in a process of their own
         self.observer: Observer | ObserverProcess = Observer(self.detection)
+        self.retention = Retention(retention, self.detection)  # old per-rank rows rolled up
         # Hangs and lost nodes are judged on what this process could observe: a supervisor
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
@@ -133,6 +136,7 @@ class Evaluator:
                 rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
                 self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
+        self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
 
     # -- overload ----------------------------------------------------------------------------
@@ -169,6 +173,12 @@ class Evaluator:
         log.warning("supervisor keeps up again after %.1f s overloaded; hang and node-lost "
                     "deadlines count from now", lasted)
         return False, lasted
+
+    def observe_from_now(self) -> None:
+        """Judge hangs and lost nodes from now on (a replica that has just become the
+        leader: the time no evaluator ran is no run's fault, nor an overload of this one)."""
+        self.observing_since = self.clock()
+        self._last_tick = None
 
     def advised_batch_interval(self) -> float | None:
         """What the ingest reply asks agents to batch at (``policy.advised_batch_interval``,

@@ -397,10 +397,33 @@ class OverloadCollector(Collector):
         yield late
 
 
+class LeaderCollector(Collector):
+    """Whether this replica runs the evaluator (``leader.Leadership.status``): one series
+    per replica, so the replicas' scrapes together show which one leads."""
+
+    def __init__(self, status: Callable[[], Mapping[str, Any]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.status()
+        lead = GaugeMetricFamily("trainwarden_evaluator_leader",
+                                 "1 while this replica holds the evaluator lease and runs the "
+                                 "evaluator (always 1 on SQLite)", labels=["replica"])
+        lead.add_metric([str(s["replica"])], 1 if s["leader"] else 0)
+        epoch = GaugeMetricFamily("trainwarden_evaluator_lease_epoch",
+                                  "The lease epoch this replica leads under (absent on a "
+                                  "standby)", labels=["replica"])
+        if s["epoch"] is not None:
+            epoch.add_metric([str(s["replica"])], float(s["epoch"]))
+        yield lead
+        yield epoch
+
+
 def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.PolicyConfig,
             straggler: StragglerConfig, prefix: str = "",
             goodput: Callable[[int], dict[str, Any] | None] | None = None,
-            overload: Callable[[], tuple[bool, float | None]] | None = None
+            overload: Callable[[], tuple[bool, float | None]] | None = None,
+            leader: Callable[[], Mapping[str, Any]] | None = None,
             ) -> CollectorRegistry:
     """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the policy's
     and the straggler detector's configuration are the ones the evaluator decides with."""
@@ -409,6 +432,8 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
                                      goodput=goodput))
     if overload is not None:
         registry.register(OverloadCollector(overload))
+    if leader is not None:
+        registry.register(LeaderCollector(leader))
     app.add_middleware(RequestMetrics, registry=registry)
     router = APIRouter(tags=["metrics"])
 

@@ -48,6 +48,9 @@ from supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateR
 # know what its workers did.
 _DELIVERY_SLACK_S = 1.0
 
+# The dashboard's per-rank phase-time chart shows at most this many newest steps.
+RANK_CHART_MAX_STEPS = 300
+
 
 @dataclass(frozen=True)
 class DetectionConfig:

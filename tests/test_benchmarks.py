@@ -25,3 +25,12 @@ def test_benchmark_starts(script: str) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_storage_benchmark_smoke() -> None:
+    """The storage benchmark end to end on a tiny slice (a real supervisor for the RSS)."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "storage.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "GB/day with" in proc.stdout, proc.stdout[-2000:]
+    assert "supervisor RSS after 2,000 steps" in proc.stdout, proc.stdout[-2000:]

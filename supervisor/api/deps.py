@@ -214,16 +214,41 @@ def _refused(why: str) -> HTTPException:
                          headers={CREDENTIAL_REFUSED_HEADER: "invalid"})
 
 
+# Replicas on one Postgres: how often each reads the credentials another replica changed
+# (the bound on a takeover there reaching this one), and how far back it reads them (a
+# margin for the replicas' clocks, which stamp the changes).
+CREDENTIAL_REFRESH_S = 2.0
+CREDENTIAL_REFRESH_WINDOW_S = 60.0
+
+
 class AgentCredentials:
     """The check that a batch comes from the agent it names: the digest of the presented
     credential against the agent's, cached per agent (one dict lookup and one SHA-256 per
     batch).  Registration and takeover update the cache in this process; a digest that does
-    not match the cached one is read again from the store before the batch is refused."""
+    not match the cached one is read again from the store before the batch is refused.
+
+    On a store replicas share (``refresh_s`` set: Postgres), another replica may replace or
+    revoke a credential: every ``refresh_s`` one query reads the credentials changed in the
+    last ``CREDENTIAL_REFRESH_WINDOW_S`` and the cached digests take their value, so a
+    takeover on one replica is refused by every other within ``refresh_s``."""
 
     _UNKNOWN = object()
 
-    def __init__(self) -> None:
+    def __init__(self, *, refresh_s: float | None = None, clock: Clock = time.time) -> None:
         self._digests: dict[int, str | None] = {}
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._refreshed_at = clock()
+        self._next_refresh = self._refreshed_at + (refresh_s or 0.0)
+
+    def _refresh(self, db: Database, now: float) -> None:
+        with db.read() as conn:
+            changed = credentials.changed_since(
+                conn, since=self._refreshed_at - CREDENTIAL_REFRESH_WINDOW_S)
+        for agent_id, digest in changed.items():
+            if agent_id in self._digests:
+                self._digests[agent_id] = digest
+        self._refreshed_at, self._next_refresh = now, now + (self.refresh_s or 0.0)
 
     def remember(self, agent_id: int, digest: str | None) -> None:
         self._digests[agent_id] = digest
@@ -231,6 +256,8 @@ class AgentCredentials:
     def check(self, db: Database, agent_id: int, presented: str | None) -> None:
         """Raise 403 unless ``presented`` is the agent's credential; an agent the store
         does not know passes (the ingest answers 404 then, and stores nothing)."""
+        if self.refresh_s is not None and (now := self.clock()) >= self._next_refresh:
+            self._refresh(db, now)
         digest = credentials.digest(presented) if presented is not None else None
         cached = self._digests.get(agent_id, self._UNKNOWN)
         if digest is not None and isinstance(cached, str) \

@@ -14,6 +14,7 @@ from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.limits import U31, RunName, Text, text
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
+from supervisor.store import retention as retention_store
 from supervisor.store.db import Connection
 from supervisor.store.rows import RunRow
 
@@ -150,6 +151,31 @@ def get_ranks(run: RunName, db: DB, straggler: Straggler, _auth: ReadAuth) -> di
                               "window_steps": straggler.window_steps,
                               "min_steps": straggler.min_steps,
                               "min_excess_s": straggler.min_excess_s}}
+
+
+@router.get("/runs/{run}/rank-rollups", response_model=None)
+def get_rank_rollups(
+    run: RunName,
+    db: DB,
+    _auth: ReadAuth,
+    attempt: Annotated[U31 | None, Query()] = None,
+    rank: Annotated[U31 | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> dict[str, Any]:
+    """The per-rank summaries of the steps whose per-rank rows retention rolled up (of the
+    run's current attempt unless ``attempt`` says; one rank with ``rank``), in (bucket, rank)
+    order: count, sums, maxima and means of the phase times, the loss's minimum too.
+    ``kept_from_step``: the oldest step whose per-rank rows are kept in full (null: none);
+    ``rolled_up_steps``: [first, last] step rolled up (null: nothing rolled up)."""
+    with db.read() as conn:
+        r = _run_or_404(conn, run)
+        a = int(r["attempt"]) if attempt is None else attempt
+        return {"run": run, "attempt": a,
+                "kept_from_step": retention_store.kept_from_step(conn, run_id=r["id"], attempt=a),
+                "rolled_up_steps": retention_store.rolled_up_steps(conn, run_id=r["id"],
+                                                                   attempt=a),
+                "rollups": retention_store.rollups(conn, run_id=r["id"], attempt=a, rank=rank,
+                                                   limit=limit)}
 
 
 def _listing(db: Any, run: str, key: str, fn: Any, limit: int) -> dict[str, Any]:

@@ -179,7 +179,8 @@ def rank_series(conn: Connection, run_id: int, straggler: StragglerConfig) -> di
         return {"attempt": None, "steps": [], "series": [], "median": []}
     nodes = windows.rank_nodes(conn, run_id=run_id)
     n_ranks = max(1, len(nodes))
-    window = max(straggler.window_steps, min(300, RANK_POINTS_BUDGET // n_ranks))
+    window = max(straggler.window_steps,
+                 min(observe.RANK_CHART_MAX_STEPS, RANK_POINTS_BUDGET // n_ranks))
     rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=int(newest["attempt"]),
                                 step_from=int(newest["step"]) - window + 1)
     by_step: dict[int, dict[int, float]] = {}

@@ -98,3 +98,11 @@ def record_takeover(conn: Connection, *, run_id: int, attempt: int, node: str,
         run_id=run_id, kind=TAKEOVER, reason=reason, actor=actor, status=ActionStatus.DONE,
         attempt=attempt, created_at=now, updated_at=now,
         progress={ActionStatus.DONE: now}).returning(actions.c.id)).scalar_one())
+
+
+def changed_since(conn: Connection, *, since: float) -> dict[int, str | None]:
+    """agent id -> its credential's digest (None: revoked), for the credentials issued,
+    replaced or revoked at ``since`` or later (what another replica may have changed)."""
+    q = (select(agent_credentials.c.agent_id, agent_credentials.c.secret_hash)
+         .where(agent_credentials.c.issued_at >= since))
+    return {int(r.agent_id): r.secret_hash for r in conn.execute(q)}

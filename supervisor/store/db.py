@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,25 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+    def fenced(self, check: Callable[[Connection], None]) -> Database:
+        """This database (same engine, same write lock) with ``check`` run first in every
+        ``write`` transaction: the evaluator lease's fence (``store.lease.check_epoch``),
+        whose refusal rolls the transaction back before anything is written."""
+        return _FencedDatabase(self, check)
+
+
+class _FencedDatabase(Database):
+    def __init__(self, inner: Database, check: Callable[[Connection], None]) -> None:
+        super().__init__(inner.engine)
+        self._write_lock = inner._write_lock
+        self._check = check
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        with self._write_lock, self.engine.begin() as conn:
+            self._check(conn)
+            yield conn
 
 
 class KeptConnection:

@@ -248,6 +248,58 @@ class RankStep(Base):
     lr: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class RankRollup(Base):
+    """Per-rank summary of the ``rank_steps`` rows of one bucket of ``bucket_steps`` steps
+    (``bucket_start``: its first step, a multiple of ``bucket_steps``) that retention deleted
+    (``supervisor.retention``).
+    Merged additively: rows that arrive late for a bucket already rolled up add to it.  Each
+    measure has its own count of non-NULL values (``*_n``); ``loss_nonfinite`` counts the
+    NaN/Inf losses (not in the loss sums)."""
+
+    __tablename__ = "rank_rollups"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_steps: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    step_first: Mapped[int] = mapped_column(Integer)
+    step_last: Mapped[int] = mapped_column(Integer)
+    t_first: Mapped[float] = mapped_column(Float)
+    t_last: Mapped[float] = mapped_column(Float)
+    data_s_n: Mapped[int] = mapped_column(Integer)
+    data_s_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    data_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s_n: Mapped[int] = mapped_column(Integer)
+    compute_s_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    compute_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_s_n: Mapped[int] = mapped_column(Integer)
+    step_s_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    step_s_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_n: Mapped[int] = mapped_column(Integer)
+    loss_sum: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_nonfinite: Mapped[int] = mapped_column(Integer)
+
+
+class StepBatch(Base):
+    """Rank 0's global batch index of each step whose ``rank_steps`` rows retention deleted:
+    a rollback names the batches to skip from a checkpoint's step, however old."""
+
+    __tablename__ = "step_batches"
+
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    batch_index: Mapped[int] = mapped_column(BigInteger)
+
+
 class StepAggregate(Base):
     """One row per (run, attempt, step), merged across ranks and agents as reports arrive.
 
@@ -436,6 +488,22 @@ class IngestedBatch(Base):
     # IngestBatch.content_digest: a replay with other content is refused (NULL: stored before
     # digests were kept; any replay of it reads as a duplicate).
     digest: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class EvaluatorLease(Base):
+    """Who runs the evaluator among the supervisor replicas on one Postgres database (one
+    row per lease name).  ``epoch`` grows by one each time the lease changes hands (or its
+    holder takes it again after letting it expire): every decision the evaluator writes is
+    made in a transaction that checks the epoch is still its own (``store.lease``)."""
+
+    __tablename__ = "evaluator_lease"
+
+    name: Mapped[str] = mapped_column(String(50), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))  # host:pid:nonce of the replica
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[float] = mapped_column(Float)
+    renewed_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float)  # the database's clock, unix seconds
 
 
 metadata = Base.metadata

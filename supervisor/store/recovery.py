@@ -29,6 +29,7 @@ from supervisor.store.tables import (
     incidents,
     rank_steps,
     step_aggregates,
+    step_batches,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -269,12 +270,15 @@ def checkpoint_by(conn: Connection, *, run_id: int, checkpoint_id: int | None = 
 
 
 def batch_indexes(conn: Connection, *, run_id: int, steps: Sequence[int]) -> dict[int, int]:
-    """step -> global batch index trained at that step (rank 0, the newest attempt)."""
+    """step -> global batch index trained at that step (rank 0, the newest attempt): from
+    rank 0's rows, or for a step retention rolled up, from ``step_batches``."""
     if not steps:
         return {}
-    c = rank_steps.c
-    q = (select(c.step, c.batch_index).where(c.run_id == run_id, c.rank == 0,
-                                             c.step.in_(list(steps)),
-                                             c.batch_index.is_not(None))
-         .order_by(c.attempt))
-    return {int(r[0]): int(r[1]) for r in conn.execute(q)}
+    c, b = rank_steps.c, step_batches.c
+    kept = (select(c.attempt, c.step, c.batch_index)
+            .where(c.run_id == run_id, c.rank == 0, c.step.in_(list(steps)),
+                   c.batch_index.is_not(None)))
+    rolled = select(b.attempt, b.step, b.batch_index).where(b.run_id == run_id,
+                                                            b.step.in_(list(steps)))
+    found = sorted([*conn.execute(kept), *conn.execute(rolled)], key=lambda r: int(r[0]))
+    return {int(r[1]): int(r[2]) for r in found}

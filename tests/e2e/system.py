@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,25 @@ def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.2) -> A
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def postgres_schema(base_url: str) -> Iterator[str]:
+    """A fresh, empty schema on the test Postgres, as the URL of a database whose search
+    path is that schema (replicas started with it share it); dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    name = f"tw_e2e_{uuid.uuid4().hex[:10]}"
+    eng = create_engine(base_url, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f"CREATE SCHEMA {name}"))
+    sep = "&" if "?" in base_url else "?"
+    try:
+        yield f"{base_url}{sep}options=-csearch_path%3D{name}"
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f"DROP SCHEMA {name} CASCADE"))
+        eng.dispose()
 
 
 class Supervisor:

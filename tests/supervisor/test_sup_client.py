@@ -83,3 +83,15 @@ def test_tables_print_no_terminal_control_characters(
         assert "\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\x08\\x0a\\u202etxt.exe" in out
     assert len(out.splitlines()) >= 3  # header, rule and at least one row: one line each
 
+
+
+def test_a_list_of_addresses_goes_on_to_the_next_when_one_cannot_be_reached(
+        supervisor: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.e2e.system import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert cli.main(["runs", "--supervisor", f"{dead},{supervisor}",
+                     "--token", OPERATOR_TOKEN]) == 0
+    out = capsys.readouterr()
+    assert "evil" in out.out
+    assert f"cannot reach {dead}" in out.err

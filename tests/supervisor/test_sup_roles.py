@@ -70,6 +70,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("DELETE", "/api/v1/tokens/{name}"): ADMIN_NEED,
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/api/v1/healthz"): PUBLIC,
+    ("GET", "/api/v1/evaluator"): READ,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     ("GET", "/login"): PUBLIC,
