@@ -12,9 +12,10 @@ Printed (and written as JSON with ``--json``):
   ``GET /api/v1/evaluator`` (polled every 0.1 s), with the lease epoch B leads under, and
   the agent's own failover (from its log: the first "failing over" line after the kill);
 * per fault: its incidents and its actions (each should be exactly one);
-* step records: per attempt, the steps stored, those stored with other than both ranks
-  (doubled, or lost: a rank SIGKILLed by the crash fault may die before its last report
-  leaves it; nothing else should be), and whether the final lineage covers every step;
+* step records: per attempt, the steps stored; the steps of the final lineage (each step's
+  last attempt) stored with other than both ranks (lost or doubled: should be none), and
+  whether that lineage covers every step; for information, the partial last steps of the
+  attempts the supervisor ended (their ranks are killed a moment apart);
 * the run's end status, and whether the final weights equal the clean run's.  A crash-only
   schedule resumes bit-identically; a spike is rolled back with the corrupted batches
   skipped, so its weights differ from a clean run's by design (then "n/a").
@@ -78,15 +79,21 @@ def step_records(points: list[dict[str, Any]], steps: int, world: int) -> dict[s
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     for p in points:
         by_attempt.setdefault(int(p["attempt"]), []).append(p)
-    final: dict[int, int] = {}  # step -> the last attempt that trained it
-    for a, ps in by_attempt.items():
-        for p in ps:
-            final[int(p["step_from"])] = max(final.get(int(p["step_from"]), -1), a)
+    final: dict[int, dict[str, Any]] = {}  # step -> the last attempt's record of it
+    for p in points:
+        s = int(p["step_from"])
+        if s not in final or p["attempt"] > final[s]["attempt"]:
+            final[s] = p
     return {
         "per_attempt": {a: len(ps) for a, ps in sorted(by_attempt.items())},
-        "not_all_ranks": [(int(p["attempt"]), int(p["step_from"]), int(p["ranks"]))
-                          for p in points if p["ranks"] != world],
+        # Lost or doubled records of the steps that made the final model: should be none.
+        "lineage_not_all_ranks": [s for s, p in sorted(final.items()) if p["ranks"] != world],
         "lineage_complete": sorted(final) == list(range(steps)),
+        # The last steps of an attempt the supervisor ended (its ranks killed a moment
+        # apart), for information.
+        "ended_partial": [(int(p["attempt"]), int(p["step_from"]), int(p["ranks"]))
+                          for p in points if p["ranks"] != world and final[int(p["step_from"])]
+                          is not p],
     }
 
 
@@ -196,10 +203,11 @@ def report(out: dict[str, Any]) -> str:
     rec = out["step_records"]
     lines += [f"- other incidents: {out['other_incidents'] or 'none'}; actions in all: "
               f"{out['actions']}; decisions refused by the fence: {out['refused_decisions']}",
-              f"- step records per attempt: {rec['per_attempt']}; (attempt, step, ranks) "
-              f"stored with other than both ranks: {rec['not_all_ranks'] or 'none'}; final "
-              f"lineage covers every step: "
-              f"{rec['lineage_complete']}",
+              f"- step records per attempt: {rec['per_attempt']}; steps of the final "
+              f"lineage stored with other than both ranks (lost or doubled): "
+              f"{rec['lineage_not_all_ranks'] or 'none'}; the final lineage covers every "
+              f"step: {rec['lineage_complete']}; partial last steps of ended attempts "
+              f"(attempt, step, ranks): {rec['ended_partial'] or 'none'}",
               f"- final weights equal the clean run's: {out['weights_equal_clean']}"]
     return "\n".join(lines)
 

@@ -270,3 +270,36 @@ def test_a_takeover_on_one_replica_is_refused_by_another_within_the_refresh(
         clock.advance(CREDENTIAL_REFRESH_S)
         body = ingest(on_b, aid, 1, [step(0, 1)], expect=403)
         assert "not agent" in body["detail"]
+
+
+# -- what an operator sees -------------------------------------------------------------------
+
+
+def test_the_api_and_metrics_show_which_replica_leads(pg_db: Database, clock: FakeClock,
+                                                      settings: Any) -> None:
+    from supervisor.app import create_app
+
+    apps = [create_app(settings, db=pg_db, clock=clock, upgrade_schema=False,
+                       start_evaluator=False) for _ in "AB"]
+    lead, standby = (app.state.leadership for app in apps)
+    assert lead.step() is True
+    assert standby.step() is False
+    with TestClient(apps[0]) as on_a, TestClient(apps[1]) as on_b:
+        a = on_a.get("/api/v1/evaluator", headers=OPERATOR).json()
+        b = on_b.get("/api/v1/evaluator", headers=OPERATOR).json()
+        assert (a["leader"], a["epoch"]) == (True, 1)
+        assert (b["leader"], b["epoch"]) == (False, None)
+        assert b["lease"]["holder"] == a["replica"]
+        assert 0 < b["lease"]["expires_in_s"] <= settings.lease.duration_s
+        text_a = on_a.get("/metrics", headers=OPERATOR).text
+        text_b = on_b.get("/metrics", headers=OPERATOR).text
+    assert f'trainwarden_evaluator_leader{{replica="{a["replica"]}"}} 1.0' in text_a
+    assert f'trainwarden_evaluator_leader{{replica="{b["replica"]}"}} 0.0' in text_b
+
+
+def test_on_sqlite_the_one_process_always_leads(db: Database, client: TestClient) -> None:
+    if not db.is_sqlite:
+        pytest.skip("the SQLite case")
+    body = client.get("/api/v1/evaluator", headers=OPERATOR).json()
+    assert (body["leader"], body["epoch"], body["lease"]) == (True, 0, None)
+    assert "trainwarden_evaluator_leader{" in client.get("/metrics", headers=OPERATOR).text
