@@ -125,6 +125,30 @@ def test_a_steal_waits_for_the_fenced_write_in_flight(pg_tables_url: str) -> Non
         db.dispose()
 
 
+@pytest.mark.postgres
+def test_a_writer_paused_inside_its_transaction_does_not_hold_the_lease(
+        pg_tables_url: str) -> None:
+    """A leader paused mid-transaction (its session idle in it): the server ends that session
+    after ``hold_s``, the standby's acquire goes through, and the paused decision is lost."""
+    db = make_database(pg_tables_url, pool_size=4)
+    try:
+        with db.write() as conn:
+            conn.exec_driver_sql("DELETE FROM evaluator_lease")
+        _acquire(db, "a", T0)
+        got: list[Any] = []
+        ended = r"idle-in-transaction|terminat|closed"
+        with pytest.raises(Exception, match=ended), db.write() as conn:
+            lease.check_epoch(conn, epoch=1, hold_s=0.3)
+            thief = threading.Thread(target=lambda: got.append(_acquire(db, "b", T0 + 9)))
+            thief.start()
+            thief.join(15)  # the paused writer: nothing sent in its transaction meanwhile
+            assert not thief.is_alive()
+            conn.exec_driver_sql("SELECT 1")
+        assert got and got[0] is not None and got[0]["epoch"] == 2
+    finally:
+        db.dispose()
+
+
 # -- leadership ------------------------------------------------------------------------------
 
 
