@@ -86,8 +86,9 @@ class Database:
 
     def fenced(self, check: Callable[[Connection], None]) -> Database:
         """This database (same engine, same write lock) with ``check`` run first in every
-        ``write`` transaction: the evaluator lease's fence (``store.lease.check_epoch``),
-        whose refusal rolls the transaction back before anything is written."""
+        write transaction (``write``, ``write_on``, ``kept``): the evaluator lease's fence
+        (``store.lease.check_epoch``), whose refusal rolls the transaction back before
+        anything is written."""
         return _FencedDatabase(self, check)
 
 
@@ -100,6 +101,13 @@ class _FencedDatabase(Database):
     @contextlib.contextmanager
     def write(self) -> Iterator[Connection]:
         with self._write_lock, self.engine.begin() as conn:
+            self._check(conn)
+            yield conn
+
+    @contextlib.contextmanager
+    def write_on(self, conn: Connection) -> Iterator[Connection]:
+        # (``kept()`` connections write through here: fenced too)
+        with self._write_lock, conn.begin():
             self._check(conn)
             yield conn
 

@@ -327,3 +327,19 @@ def test_on_sqlite_the_one_process_always_leads(db: Database, client: TestClient
     body = client.get("/api/v1/evaluator", headers=OPERATOR).json()
     assert (body["leader"], body["epoch"], body["lease"]) == (True, 0, None)
     assert "trainwarden_evaluator_leader{" in client.get("/metrics", headers=OPERATOR).text
+
+
+def test_every_write_path_of_a_fenced_database_is_checked(db: Database) -> None:
+    refused = RuntimeError("fenced")
+
+    def fence(_conn: Any) -> None:
+        raise refused
+
+    fenced = db.fenced(fence)
+    with pytest.raises(RuntimeError), fenced.write():
+        pass
+    kept = fenced.kept()
+    with pytest.raises(RuntimeError), kept.write():
+        pass
+    with fenced.read() as conn:  # reads are not fenced
+        assert count_rows(conn, "runs") == 0
