@@ -84,7 +84,9 @@ def test_the_standby_takes_over_from_a_killed_leader_and_handles_a_crash_once(
                          "replica b to take the evaluator lease", interval=0.1)
         takeover_s = time.monotonic() - killed
         print(f"takeover after SIGKILL: {takeover_s:.2f} s")
-        assert takeover_s <= LeaseConfig().takeover_bound_s + 1.0  # + the poll's own lag
+        # The lease's bound (7 s by default) with room for a loaded machine: the 10 s.
+        assert LeaseConfig().takeover_bound_s <= 7.0
+        assert takeover_s <= 10.0
         assert led["epoch"] == 2
         assert agent.wait(300) == 0, agent.tail()
     finally:
