@@ -6,7 +6,8 @@ writers are serialised by a Python lock instead of SQLite's busy handler, whose 
 backoff adds tens of milliseconds to a contended write (the ingest p99 target is 100 ms).
 
 Postgres (``postgresql+psycopg://``): a connection pool sized for the API thread pool; no
-process lock, row locks do the work.
+process lock, row locks do the work; a session idle inside a transaction for 15 s is ended
+(``POSTGRES_IDLE_IN_TRANSACTION_S``: replicas share the rows).
 """
 
 from __future__ import annotations
@@ -158,9 +159,26 @@ def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
         # unnecessary because writers are serialised by Database.write's lock).
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(
+    engine = create_engine(
         u, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
     )
+    event.listen(engine, "connect", _postgres_on_connect)
+    return engine
+
+
+# Postgres: a session left idle inside a transaction this long is ended by the server.  No
+# transaction of the supervisor waits between its statements; a replica that is paused (a
+# frozen VM, SIGSTOP) inside one would otherwise hold its row locks, and with them the other
+# replicas' writes of the same rows (an agent's batch resent to another replica), until it
+# wakes.  The evaluator's fenced transactions use the shorter lease duration.
+POSTGRES_IDLE_IN_TRANSACTION_S = 15
+
+
+def _postgres_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    with dbapi_conn.cursor() as cur:
+        cur.execute("SET idle_in_transaction_session_timeout = "
+                    f"{POSTGRES_IDLE_IN_TRANSACTION_S * 1000}")
+    dbapi_conn.commit()
 
 
 def _sqlite_begin(conn: Connection) -> None:

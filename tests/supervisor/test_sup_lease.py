@@ -343,3 +343,17 @@ def test_every_write_path_of_a_fenced_database_is_checked(db: Database) -> None:
         pass
     with fenced.read() as conn:  # reads are not fenced
         assert count_rows(conn, "runs") == 0
+
+
+@pytest.mark.postgres
+def test_a_session_idle_inside_a_transaction_is_ended_in_bounded_time(
+        pg_tables_url: str) -> None:
+    from supervisor.store.db import POSTGRES_IDLE_IN_TRANSACTION_S
+
+    db = make_database(pg_tables_url, pool_size=1)
+    try:
+        with db.read() as conn:
+            shown = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+        assert shown == f"{POSTGRES_IDLE_IN_TRANSACTION_S}s"
+    finally:
+        db.dispose()
