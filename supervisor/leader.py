@@ -155,7 +155,7 @@ class Leadership:
         if epoch is None:
             raise lease.Fenced(name=lease.EVALUATOR, epoch=-1, current=lease.current(conn))
         if self.shared:
-            lease.check_epoch(conn, epoch=epoch)
+            lease.check_epoch(conn, epoch=epoch, hold_s=self.cfg.duration_s)
 
     def release(self) -> None:
         """Hand the lease back (a clean shutdown): a standby takes it on its next try."""

@@ -9,9 +9,10 @@ from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import BaseModel, Field
 
 from supervisor.api.deps import DB, AdminAuth, ClockDep
+from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.store import tokens
 
-router = APIRouter(tags=["tokens"])
+router = APIRouter(tags=["tokens"], responses=ERROR_RESPONSES)
 
 RUN_SCOPE = r"^[A-Za-z0-9][A-Za-z0-9._\-]*\*?$"
 

@@ -6,7 +6,8 @@ writers are serialised by a Python lock instead of SQLite's busy handler, whose 
 backoff adds tens of milliseconds to a contended write (the ingest p99 target is 100 ms).
 
 Postgres (``postgresql+psycopg://``): a connection pool sized for the API thread pool; no
-process lock, row locks do the work.
+process lock, row locks do the work; a session idle inside a transaction for 15 s is ended
+(``POSTGRES_IDLE_IN_TRANSACTION_S``: replicas share the rows).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class Database:
 
     def fenced(self, check: Callable[[Connection], None]) -> Database:
         """This database (same engine, same write lock) with ``check`` run first in every
-        ``write`` transaction: the evaluator lease's fence (``store.lease.check_epoch``),
-        whose refusal rolls the transaction back before anything is written."""
+        write transaction (``write``, ``write_on``, ``kept``): the evaluator lease's fence
+        (``store.lease.check_epoch``), whose refusal rolls the transaction back before
+        anything is written."""
         return _FencedDatabase(self, check)
 
 
@@ -100,6 +102,13 @@ class _FencedDatabase(Database):
     @contextlib.contextmanager
     def write(self) -> Iterator[Connection]:
         with self._write_lock, self.engine.begin() as conn:
+            self._check(conn)
+            yield conn
+
+    @contextlib.contextmanager
+    def write_on(self, conn: Connection) -> Iterator[Connection]:
+        # (``kept()`` connections write through here: fenced too)
+        with self._write_lock, conn.begin():
             self._check(conn)
             yield conn
 
@@ -150,9 +159,26 @@ def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
         # unnecessary because writers are serialised by Database.write's lock).
         event.listen(engine, "begin", _sqlite_begin)
         return engine
-    return create_engine(
+    engine = create_engine(
         u, echo=echo, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
     )
+    event.listen(engine, "connect", _postgres_on_connect)
+    return engine
+
+
+# Postgres: a session left idle inside a transaction this long is ended by the server.  No
+# transaction of the supervisor waits between its statements; a replica that is paused (a
+# frozen VM, SIGSTOP) inside one would otherwise hold its row locks, and with them the other
+# replicas' writes of the same rows (an agent's batch resent to another replica), until it
+# wakes.  The evaluator's fenced transactions use the shorter lease duration.
+POSTGRES_IDLE_IN_TRANSACTION_S = 15
+
+
+def _postgres_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    with dbapi_conn.cursor() as cur:
+        cur.execute("SET idle_in_transaction_session_timeout = "
+                    f"{POSTGRES_IDLE_IN_TRANSACTION_S * 1000}")
+    dbapi_conn.commit()
 
 
 def _sqlite_begin(conn: Connection) -> None:

@@ -103,9 +103,17 @@ def release(conn: Connection, *, holder: str, epoch: int, now: float,
     return bool(r.rowcount)
 
 
-def check_epoch(conn: Connection, *, epoch: int, name: str = EVALUATOR) -> None:
+def check_epoch(conn: Connection, *, epoch: int, name: str = EVALUATOR,
+                hold_s: float | None = None) -> None:
     """The fence: raise ``Fenced`` unless the lease's epoch is ``epoch``.  Run first in the
-    write transaction it guards (the row lock it takes lasts until that transaction ends)."""
+    write transaction it guards (the row lock it takes lasts until that transaction ends).
+
+    ``hold_s`` (Postgres): the server ends the session if the writer leaves the transaction
+    idle for that long (a process paused mid-transaction), so a paused leader's row lock
+    cannot keep a standby from taking the lease; its decision is then rolled back."""
+    if hold_s is not None and conn.dialect.name == "postgresql":
+        ms = max(1, int(hold_s * 1000))
+        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
     c = evaluator_lease.c
     held = conn.execute(select(c.epoch).where(c.name == name).with_for_update(read=True)
                         ).scalar()

@@ -1,17 +1,24 @@
 """An agent that knows several supervisor addresses (issue 13, item 2): the real ``Uplink``
 against two real supervisor processes sharing one Postgres.  The first is killed; the batches
 spooled meanwhile go to the second, in order, under the same registration and credential,
-each stored once."""
+each stored once.  And against a real supervisor beside an address that answers 503 (moved
+on at once) or 500 (not moved on: that may be the batch's fault)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent.uplink import Uplink
+from supervisor.app import create_app
+from supervisor.config import SupervisorSettings
+from tests.dashboard.browser import serve_in_thread
 from tests.e2e.system import AGENT_TOKEN, Supervisor, postgres_schema, wait_until
 
 RUN = "failover"
@@ -90,5 +97,72 @@ def test_the_uplink_comes_back_to_the_first_address_when_the_second_fails(
         wait_until(lambda: _deliver(up), 30, "the batch to reach the other replica")
         assert up.supervisor_url == a.url
         assert _stored_steps(a) == [0, 1]
+    finally:
+        up.close()
+
+
+@pytest.fixture
+def real(tmp_path: Path) -> Iterator[str]:
+    """A real supervisor (uvicorn in a thread, SQLite)."""
+    settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token="operator-secret",
+                                  data_dir=tmp_path / "sup")
+    (tmp_path / "sup").mkdir()
+    with serve_in_thread(create_app(settings, start_evaluator=False)) as base:
+        yield base
+
+
+def _answering(code: int) -> Iterator[str]:
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def unavailable() -> Iterator[str]:
+    yield from _answering(503)
+
+
+@pytest.fixture
+def broken() -> Iterator[str]:
+    yield from _answering(500)
+
+
+def test_a_503_moves_the_uplink_to_the_next_address_at_once(
+        tmp_path: Path, real: str, unavailable: str) -> None:
+    up = Uplink(supervisor_url=[unavailable, real], token=AGENT_TOKEN, state_dir=tmp_path,
+                register_request={"run": RUN, "node": "n0", "hostname": "h0"})
+    try:
+        _enqueue(up, 0)
+        up.pump()  # the registration is answered 503: on to the next address, no backoff
+        assert up.supervisor_url == real
+        assert up._next_try == 0.0
+        assert _deliver(up)
+    finally:
+        up.close()
+
+
+def test_a_500_is_not_a_reason_to_leave_the_address(tmp_path: Path, real: str,
+                                                     broken: str) -> None:
+    up = Uplink(supervisor_url=[broken, real], token=AGENT_TOKEN, state_dir=tmp_path,
+                register_request={"run": RUN, "node": "n0", "hostname": "h0"})
+    try:
+        _enqueue(up, 0)
+        up.pump()  # answered 500: retried at this address with backoff
+        assert up.supervisor_url == broken
+        assert up.pending == 1
     finally:
         up.close()

@@ -99,8 +99,18 @@ class Supervisor:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process stays, silent (its connections accepted, never answered)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused one must be able to exit
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)

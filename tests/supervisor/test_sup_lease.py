@@ -125,6 +125,30 @@ def test_a_steal_waits_for_the_fenced_write_in_flight(pg_tables_url: str) -> Non
         db.dispose()
 
 
+@pytest.mark.postgres
+def test_a_writer_paused_inside_its_transaction_does_not_hold_the_lease(
+        pg_tables_url: str) -> None:
+    """A leader paused mid-transaction (its session idle in it): the server ends that session
+    after ``hold_s``, the standby's acquire goes through, and the paused decision is lost."""
+    db = make_database(pg_tables_url, pool_size=4)
+    try:
+        with db.write() as conn:
+            conn.exec_driver_sql("DELETE FROM evaluator_lease")
+        _acquire(db, "a", T0)
+        got: list[Any] = []
+        ended = r"idle-in-transaction|terminat|closed"
+        with pytest.raises(Exception, match=ended), db.write() as conn:
+            lease.check_epoch(conn, epoch=1, hold_s=0.3)
+            thief = threading.Thread(target=lambda: got.append(_acquire(db, "b", T0 + 9)))
+            thief.start()
+            thief.join(15)  # the paused writer: nothing sent in its transaction meanwhile
+            assert not thief.is_alive()
+            conn.exec_driver_sql("SELECT 1")
+        assert got and got[0] is not None and got[0]["epoch"] == 2
+    finally:
+        db.dispose()
+
+
 # -- leadership ------------------------------------------------------------------------------
 
 
@@ -270,3 +294,66 @@ def test_a_takeover_on_one_replica_is_refused_by_another_within_the_refresh(
         clock.advance(CREDENTIAL_REFRESH_S)
         body = ingest(on_b, aid, 1, [step(0, 1)], expect=403)
         assert "not agent" in body["detail"]
+
+
+# -- what an operator sees -------------------------------------------------------------------
+
+
+def test_the_api_and_metrics_show_which_replica_leads(pg_db: Database, clock: FakeClock,
+                                                      settings: Any) -> None:
+    from supervisor.app import create_app
+
+    apps = [create_app(settings, db=pg_db, clock=clock, upgrade_schema=False,
+                       start_evaluator=False) for _ in "AB"]
+    lead, standby = (app.state.leadership for app in apps)
+    assert lead.step() is True
+    assert standby.step() is False
+    with TestClient(apps[0]) as on_a, TestClient(apps[1]) as on_b:
+        a = on_a.get("/api/v1/evaluator", headers=OPERATOR).json()
+        b = on_b.get("/api/v1/evaluator", headers=OPERATOR).json()
+        assert (a["leader"], a["epoch"]) == (True, 1)
+        assert (b["leader"], b["epoch"]) == (False, None)
+        assert b["lease"]["holder"] == a["replica"]
+        assert 0 < b["lease"]["expires_in_s"] <= settings.lease.duration_s
+        text_a = on_a.get("/metrics", headers=OPERATOR).text
+        text_b = on_b.get("/metrics", headers=OPERATOR).text
+    assert f'trainwarden_evaluator_leader{{replica="{a["replica"]}"}} 1.0' in text_a
+    assert f'trainwarden_evaluator_leader{{replica="{b["replica"]}"}} 0.0' in text_b
+
+
+def test_on_sqlite_the_one_process_always_leads(db: Database, client: TestClient) -> None:
+    if not db.is_sqlite:
+        pytest.skip("the SQLite case")
+    body = client.get("/api/v1/evaluator", headers=OPERATOR).json()
+    assert (body["leader"], body["epoch"], body["lease"]) == (True, 0, None)
+    assert "trainwarden_evaluator_leader{" in client.get("/metrics", headers=OPERATOR).text
+
+
+def test_every_write_path_of_a_fenced_database_is_checked(db: Database) -> None:
+    refused = RuntimeError("fenced")
+
+    def fence(_conn: Any) -> None:
+        raise refused
+
+    fenced = db.fenced(fence)
+    with pytest.raises(RuntimeError), fenced.write():
+        pass
+    kept = fenced.kept()
+    with pytest.raises(RuntimeError), kept.write():
+        pass
+    with fenced.read() as conn:  # reads are not fenced
+        assert count_rows(conn, "runs") == 0
+
+
+@pytest.mark.postgres
+def test_a_session_idle_inside_a_transaction_is_ended_in_bounded_time(
+        pg_tables_url: str) -> None:
+    from supervisor.store.db import POSTGRES_IDLE_IN_TRANSACTION_S
+
+    db = make_database(pg_tables_url, pool_size=1)
+    try:
+        with db.read() as conn:
+            shown = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+        assert shown == f"{POSTGRES_IDLE_IN_TRANSACTION_S}s"
+    finally:
+        db.dispose()

@@ -74,3 +74,31 @@ def test_db_cli_runs_in_the_supervisors_environment(
     assert cli.main(["db", "upgrade", "--db", url]) == 0
     assert cli.main(["db", "current", "--db", url]) == 0
     assert capsys.readouterr().out.strip().endswith(f"{migrate.head()} (head)")
+
+
+@pytest.mark.postgres
+def test_replicas_upgrading_together_take_turns(postgres_url: str) -> None:
+    """Supervisor replicas starting at once on an empty Postgres (processes: Alembic's
+    context is one per process): one upgrades, the others wait for its advisory lock and
+    find the schema at head."""
+    import os
+    import subprocess
+    import sys
+
+    name = f"tw_mig_{uuid.uuid4().hex[:10]}"
+    eng = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with eng.connect() as c:
+        c.execute(text(f"CREATE SCHEMA {name}"))
+    url = schema_url(postgres_url, name)
+    code = "import sys; from supervisor import migrate; migrate.upgrade(sys.argv[1])"
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", code, url], env=dict(os.environ),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(3)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], outs
+        assert migrate.current(url) == migrate.head()
+    finally:
+        with eng.connect() as c:
+            c.execute(text(f"DROP SCHEMA {name} CASCADE"))
+        eng.dispose()
