@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_fakes import FakeRun, FakeSupervisor, _Handler
 
 from agent.loop import Agent
+
+AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
+
+
+class SupervisorClock:
+    """The real supervisor's clock, in the test's hands (starts at the real time)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def served_supervisor(tmp_path: Path) -> Iterator[tuple[str, SupervisorClock, Any]]:
+    """The real supervisor app (uvicorn on SQLite in a thread, evaluator not started: the
+    test ticks it): its base URL, its clock and the app."""
+    from supervisor.app import create_app
+    from supervisor.config import SupervisorSettings
+    from tests.dashboard.browser import serve_in_thread
+
+    settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token=OPERATOR_TOKEN,
+                                  data_dir=tmp_path / "sup")
+    (tmp_path / "sup").mkdir()
+    clock = SupervisorClock()
+    app = create_app(settings, clock=clock, start_evaluator=False)
+    with serve_in_thread(app) as base:
+        yield base, clock, app
 
 
 @pytest.fixture

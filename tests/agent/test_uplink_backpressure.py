@@ -7,40 +7,16 @@ agent's loop then batches that often (events that cannot wait still go at once).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
 
 from agent.config import AgentConfig
 from agent.loop import Agent
 from agent.uplink import MAX_ADVISED_INTERVAL_S, Uplink, advised_interval
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from tests.dashboard.browser import serve_in_thread
-
-AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def sup(tmp_path: Path) -> Iterator[tuple[str, Clock, Any]]:
-    settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token=OPERATOR_TOKEN,
-                                  data_dir=tmp_path / "sup")
-    (tmp_path / "sup").mkdir()
-    clock = Clock()
-    app = create_app(settings, clock=clock, start_evaluator=False)
-    with serve_in_thread(app) as base:
-        yield base, clock, app.state.evaluator
 
 
 def _send(up: Uplink, step: int) -> None:
@@ -53,8 +29,9 @@ def _send(up: Uplink, step: int) -> None:
 
 
 def test_a_supervisor_that_is_behind_asks_the_agent_for_fewer_batches(
-        sup: tuple[str, Clock, Any], tmp_path: Path) -> None:
-    base, clock, evaluator = sup
+        served_supervisor: tuple[str, SupervisorClock, Any], tmp_path: Path) -> None:
+    base, clock, app = served_supervisor
+    evaluator = app.state.evaluator
     (tmp_path / "agent").mkdir()
     up = Uplink(supervisor_url=base, token=AGENT_TOKEN, state_dir=tmp_path / "agent",
                 register_request={"run": "bp", "node": "n0", "hostname": "h0"})

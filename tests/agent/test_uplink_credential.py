@@ -7,38 +7,23 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
 
 from agent.uplink import Uplink
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from tests.dashboard.browser import serve_in_thread
 
-AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def sup(tmp_path: Path) -> Iterator[tuple[str, Clock]]:
-    settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token=OPERATOR_TOKEN,
-                                  data_dir=tmp_path / "sup")
-    (tmp_path / "sup").mkdir()
-    clock = Clock()
-    with serve_in_thread(create_app(settings, clock=clock, start_evaluator=False)) as base:
-        yield base, clock
+def sup(served_supervisor: tuple[str, SupervisorClock, Any]
+        ) -> tuple[str, SupervisorClock]:
+    base, clock, _app = served_supervisor
+    return base, clock
 
 
 def _uplink(base: str, state: Path, host: str = "h0") -> Uplink:
@@ -61,7 +46,7 @@ def _run(base: str) -> Any:
 
 
 def test_a_restarted_agent_keeps_its_node_with_the_credential_in_its_state(
-        tmp_path: Path, sup: tuple[str, Clock]) -> None:
+        tmp_path: Path, sup: tuple[str, SupervisorClock]) -> None:
     base, clock = sup
     first = _uplink(base, tmp_path / "a")
     _send(first, 0)
@@ -78,7 +63,7 @@ def test_a_restarted_agent_keeps_its_node_with_the_credential_in_its_state(
 
 
 def test_an_agent_with_a_lost_state_waits_for_its_old_incarnation_to_be_lost(
-        tmp_path: Path, sup: tuple[str, Clock]) -> None:
+        tmp_path: Path, sup: tuple[str, SupervisorClock]) -> None:
     base, clock = sup
     _send(_uplink(base, tmp_path / "a"), 0)
     fresh = _uplink(base, tmp_path / "b", host="h1")
@@ -93,7 +78,7 @@ def test_an_agent_with_a_lost_state_waits_for_its_old_incarnation_to_be_lost(
 
 
 def test_an_agent_taken_over_stops_sending_and_says_why(
-        tmp_path: Path, sup: tuple[str, Clock]) -> None:
+        tmp_path: Path, sup: tuple[str, SupervisorClock]) -> None:
     base, _clock = sup
     old = _uplink(base, tmp_path / "a")
     _send(old, 0)
