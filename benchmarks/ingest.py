@@ -63,6 +63,7 @@ class Level:
     errors: int = 0
     max_interval_s: float = 1.0  # the longest batch interval the supervisor asked for
     incidents: int = -1  # opened on the (healthy) run during the level
+    replicas: int = 1  # supervisor processes sharing the database
     latencies_ms: list[float] | None = None
     rss_mb: float = 0.0
     cpu_s: float = 0.0
@@ -238,46 +239,56 @@ async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
         due += interval
 
 
-def register_agents(port: int, run: str, n: int) -> list[tuple[int, int, str]]:
+def register_agents(ports: list[int], run: str, n: int) -> list[tuple[int, int, str]]:
     out = []
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+    clients = [httpx.Client(base_url=f"http://127.0.0.1:{p}", timeout=30,
+                            headers={"Authorization": f"Bearer {TOKEN}"}) for p in ports]
+    try:
         for i in range(n):
-            r = c.post("/api/v1/agents/register",
-                       json={"run": run, "node": f"node{i:04d}", "hostname": f"h{i}",
-                             "pid": 1, "command": ["torchrun"], "nproc_per_node": RANKS})
+            r = clients[i % len(clients)].post(
+                "/api/v1/agents/register",
+                json={"run": run, "node": f"node{i:04d}", "hostname": f"h{i}", "pid": 1,
+                      "command": ["torchrun"], "nproc_per_node": RANKS})
             r.raise_for_status()
             out.append((r.json()["agent_id"], r.json()["next_seq"],
                         str(r.json().get("credential", ""))))
+    finally:
+        for c in clients:
+            c.close()
     return out
 
 
-def run_level(sup: Supervisor, n_agents: int, seconds: float, warmup: float) -> Level:
-    level = Level(agents=n_agents, seconds=seconds, latencies_ms=[])
+def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: float) -> Level:
+    """One level against one supervisor, or against replicas of one (agent k sends to
+    replica k mod N, as a load balancer would spread them)."""
+    level = Level(agents=n_agents, seconds=seconds, latencies_ms=[], replicas=len(sups))
     run = f"bench-{n_agents}-{uuid.uuid4().hex[:4]}"
-    agents = register_agents(sup.port, run, n_agents)
+    agents = register_agents([s.port for s in sups], run, n_agents)
+
+    def cpu_s() -> float:
+        return sum(s.cpu_s() for s in sups)
 
     async def main() -> None:
         t0 = time.monotonic() + 0.2
         measure_from = t0 + warmup
         end = measure_from + seconds
         world = n_agents * RANKS
-        tasks = [asyncio.create_task(agent_loop(sup.port, node, world, aid, seq, cred, t0,
-                                                level, measure_from, end))
+        tasks = [asyncio.create_task(agent_loop(sups[node % len(sups)].port, node, world, aid,
+                                                seq, cred, t0, level, measure_from, end))
                  for node, (aid, seq, cred) in enumerate(agents)]
         await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
-        cpu0, w0 = sup.cpu_s(), time.monotonic()
+        cpu0, w0 = cpu_s(), time.monotonic()
         rss = 0.0
         while time.monotonic() < end:
             await asyncio.sleep(0.5)
-            rss = max(rss, sup.rss_mb())
+            rss = max(rss, sum(s.rss_mb() for s in sups))
         await asyncio.gather(*tasks)  # drain: a backlog shows as latency and lower rate
-        level.cpu_s = sup.cpu_s() - cpu0
+        level.cpu_s = cpu_s() - cpu0
         level.wall_s = max(seconds, time.monotonic() - w0)
         level.rss_mb = rss
 
     asyncio.run(main())
-    with httpx.Client(base_url=f"http://127.0.0.1:{sup.port}", timeout=30,
+    with httpx.Client(base_url=f"http://127.0.0.1:{sups[0].port}", timeout=30,
                       headers={"Authorization": f"Bearer {OP_TOKEN}"}) as c:
         level.incidents = len(c.get(f"/api/v1/runs/{run}/incidents").json()["incidents"])
     return level
@@ -325,20 +336,25 @@ def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
 
 
 def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels: list[int],
-             seconds: float, warmup: float, stop_after_miss: bool) -> list[tuple[Level, float]]:
-    """Each level on a fresh supervisor and database (``fresh_url(label)`` makes one and
-    drops it after), then the raw-insert baseline on another fresh database."""
+             seconds: float, warmup: float, stop_after_miss: bool, replicas: int = 1
+             ) -> list[tuple[Level, float]]:
+    """Each level on a fresh supervisor (``replicas`` of them on Postgres) and database
+    (``fresh_url(label)`` makes one and drops it after), then the raw-insert baseline on
+    another fresh database."""
     with fresh_url("cmd") as shown:
         print(f"\n== {name}: supervisor command:\n   TRAINWARDEN_AGENT_TOKEN=... "
               f"TRAINWARDEN_OPERATOR_TOKEN=... {shlex.join(Supervisor_cmd(shown))}", flush=True)
     out: list[tuple[Level, float]] = []
     for n in levels:
         with tempfile.TemporaryDirectory() as tmp, fresh_url(f"level{n}") as url:
-            sup = Supervisor(url, Path(tmp))
+            sups: list[Supervisor] = []
             try:
-                lvl = run_level(sup, n, seconds, warmup)
+                for _ in range(replicas):  # one after the other: the first one migrates
+                    sups.append(Supervisor(url, Path(tmp)))
+                lvl = run_level(sups, n, seconds, warmup)
             finally:
-                sup.stop()
+                for sup in sups:
+                    sup.stop()
         with fresh_url(f"raw{n}") as url:
             raw = raw_insert_cost_per_row(url, max(lvl.rows, 1000))
         out.append((lvl, raw))
@@ -353,8 +369,8 @@ def Supervisor_cmd(db_url: str) -> list[str]:
             "8765"]
 
 
-HEADER = (f"{'db':<9}{'agents':>7}{'ranks':>7}{'rank-steps/s':>14}{'offered':>9}{'ok':>7}"
-          f"{'err':>5}{'p50 ms':>9}{'p99 ms':>9}{'sup CPU%':>10}{'RSS MB':>8}"
+HEADER = (f"{'db':<9}{'repl':>5}{'agents':>7}{'ranks':>7}{'rank-steps/s':>14}{'offered':>9}"
+          f"{'ok':>7}{'err':>5}{'p50 ms':>9}{'p99 ms':>9}{'sup CPU%':>10}{'RSS MB':>8}"
           f"{'x raw insert':>14}{'batch s':>9}{'incidents':>11}")
 
 
@@ -364,8 +380,9 @@ def print_row(name: str, lvl: Level, raw_s_per_row: float) -> None:
     (backpressure); ``incidents`` those opened on the healthy run (should be 0)."""
     cpu_per_row = lvl.cpu_s / lvl.rows if lvl.rows else float("nan")
     ratio = cpu_per_row / raw_s_per_row if raw_s_per_row else float("nan")
-    print(f"{name:<9}{lvl.agents:>7}{lvl.agents * RANKS:>7}{lvl.rank_steps_per_s:>14.0f}"
-          f"{lvl.agents * RANKS:>9}{lvl.ok:>7}{lvl.errors:>5}{lvl.pct(0.5):>9.1f}"
+    print(f"{name:<9}{lvl.replicas:>5}{lvl.agents:>7}{lvl.agents * RANKS:>7}"
+          f"{lvl.rank_steps_per_s:>14.0f}{lvl.agents * RANKS:>9}{lvl.ok:>7}{lvl.errors:>5}"
+          f"{lvl.pct(0.5):>9.1f}"
           f"{lvl.pct(0.99):>9.1f}{100 * lvl.cpu_s / lvl.wall_s:>10.0f}{lvl.rss_mb:>8.0f}"
           f"{ratio:>14.1f}{lvl.max_interval_s:>9.0f}{lvl.incidents:>11}", flush=True)
 
@@ -378,6 +395,9 @@ def main() -> int:
                    help="comma-separated load levels (agents of 8 ranks each)")
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per level")
     p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--replicas", default="1",
+                   help="Postgres: comma-separated supervisor replica counts to measure "
+                        "(e.g. 1,2: the scaling from one replica to two)")
     p.add_argument("--all-levels", action="store_true",
                    help="keep going after a level misses the p99 target")
     args = p.parse_args()
@@ -392,13 +412,14 @@ def main() -> int:
         if not args.postgres_url:
             print("\n(no --postgres-url / TRAINWARDEN_TEST_POSTGRES_URL: Postgres skipped)")
         else:
-            results["postgres"] = bench_db(
-                "postgres", lambda label: postgres_url(args.postgres_url, label), levels,
-                args.seconds, args.warmup, not args.all_levels)
+            for n in [int(x) for x in args.replicas.split(",")]:
+                results[f"postgres x{n}" if n > 1 else "postgres"] = bench_db(
+                    "postgres", lambda label: postgres_url(args.postgres_url, label),
+                    levels, args.seconds, args.warmup, not args.all_levels, replicas=n)
     print("\n" + HEADER)
     for name, rows in results.items():
         for lvl, raw in rows:
-            print_row(name, lvl, raw)
+            print_row(name.split()[0], lvl, raw)  # (the replicas have a column)
     for name, rows in results.items():
         good = [lvl for lvl, _ in rows if lvl.pct(0.99) <= P99_TARGET_MS and not lvl.errors]
         best = max(good, key=lambda lv: lv.agents) if good else None
