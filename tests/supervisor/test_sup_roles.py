@@ -56,6 +56,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/api/v1/runs/{run}"): READ,
     ("GET", "/api/v1/runs/{run}/steps"): READ,
     ("GET", "/api/v1/runs/{run}/ranks"): READ,
+    ("GET", "/api/v1/runs/{run}/rank-rollups"): READ,
     ("GET", "/api/v1/runs/{run}/checkpoints"): READ,
     ("GET", "/api/v1/runs/{run}/incidents"): READ,
     ("GET", "/api/v1/runs/{run}/actions"): READ,
