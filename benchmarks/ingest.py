@@ -384,7 +384,7 @@ def print_row(name: str, lvl: Level, raw_s_per_row: float) -> None:
           f"{lvl.rank_steps_per_s:>14.0f}{lvl.agents * RANKS:>9}{lvl.ok:>7}{lvl.errors:>5}"
           f"{lvl.pct(0.5):>9.1f}"
           f"{lvl.pct(0.99):>9.1f}{100 * lvl.cpu_s / lvl.wall_s:>10.0f}{lvl.rss_mb:>8.0f}"
-          f"{ratio:>14.1f}{lvl.max_interval_s:>9.0f}{lvl.incidents:>11}", flush=True)
+          f"{ratio:>14.1f}{lvl.max_interval_s:>9.1f}{lvl.incidents:>11}", flush=True)
 
 
 def main() -> int:

@@ -205,6 +205,15 @@ class IngestBatch(_Wire):
     dropped: U31 = 0
     items: list[Item] = Field(default_factory=list)
 
+    def made_at(self) -> float | None:
+        """When the agent made the batch: its heartbeat's time (the agent puts one in every
+        batch as it spools it), else the send time.  A batch that waited in the agent's
+        spool behind a slow supervisor was made long before it was sent."""
+        for it in reversed(self.items):
+            if isinstance(it, HeartbeatItem) and it.t is not None:
+                return it.t
+        return self.sent_at
+
     def content_digest(self) -> str:
         """What the batch says, as a short hash: its attempt and items as understood (the
         fields that only say when and how it was sent, ``sent_at`` and ``dropped``, are left

@@ -140,8 +140,6 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
     except ValidationError as e:
         return validation_error_response(e.errors(), prefix=("body",))
     creds.check(db, batch.agent_id, presented_credential(request))
-    # How late batches arrive tells an overloaded supervisor from lost nodes.
-    request.app.state.delivery.observe(batch.agent_id, batch.sent_at, clock())
 
     try:
         if db.is_sqlite:
@@ -164,6 +162,9 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
         log.warning("refused batch: %s", e)
         return SafeJSONResponse(status_code=status.HTTP_409_CONFLICT,
                                 content={"detail": str(e), "next_seq": e.next_seq})
+    # How late a batch is stored (from when the agent made it: its wait in the agent's spool,
+    # the network, our queue and the store) tells an overloaded supervisor from lost nodes.
+    request.app.state.delivery.observe(batch.agent_id, batch.made_at(), clock())
     reply = {"seq": batch.seq, "duplicate": res.duplicate, "attempt": res.attempt,
              "commands": res.commands, "protect": res.protect}
     every = request.app.state.evaluator.advised_batch_interval()

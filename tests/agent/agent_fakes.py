@@ -203,3 +203,16 @@ class FakeRun:
                 os.kill(pid, signal.SIGKILL)
 
 
+
+
+AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"  # the served supervisor's
+
+
+class SupervisorClock:
+    """The real supervisor's clock, in the test's hands (starts at the real time)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now

@@ -15,23 +15,16 @@ import pytest
 # package named "agent" here would shadow the real one).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from agent_fakes import FakeRun, FakeSupervisor, _Handler
+from agent_fakes import (
+    AGENT_TOKEN,
+    OPERATOR_TOKEN,
+    FakeRun,
+    FakeSupervisor,
+    SupervisorClock,
+    _Handler,
+)
 
 from agent.loop import Agent
-
-AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
-
-
-class SupervisorClock:
-    """The real supervisor's clock, in the test's hands (starts at the real time)."""
-
-    def __init__(self) -> None:
-        import time
-
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

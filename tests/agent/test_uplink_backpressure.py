@@ -1,6 +1,6 @@
 """Backpressure: a supervisor that is behind asks for fewer, larger batches.  The real
 ``Uplink`` against the real supervisor (uvicorn on SQLite, the supervisor's clock in the
-test's hands): batches that arrive 20 s after the agent stamped them put the supervisor
+test's hands): batches that arrive 20 s after the agent made them put the supervisor
 behind, and its replies ask the agent to batch every ``overload.batch_interval_s``; the
 agent's loop then batches that often (events that cannot wait still go at once)."""
 
@@ -12,17 +12,19 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
+from agent_fakes import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
 
 from agent.config import AgentConfig
 from agent.loop import Agent
 from agent.uplink import MAX_ADVISED_INTERVAL_S, Uplink, advised_interval
 
 
-def _send(up: Uplink, step: int) -> None:
+def _send(up: Uplink, step: int, now: float | None = None) -> None:
+    """Spool and send a batch made at ``now`` (the agent's clock: the real time)."""
+    t = time.time() if now is None else now
     up.enqueue([{"type": "step", "attempt": 0, "rank": 0, "world_size": 1, "step": step,
-                 "t": time.time(), "loss": 1.0}],
-               {"type": "heartbeat", "t": time.time(), "attempt": 0, "state": "running"},
+                 "t": t, "loss": 1.0}],
+               {"type": "heartbeat", "t": t, "attempt": 0, "state": "running"},
                attempt=0)
     up._next_try = 0.0  # no backoff wait in tests
     up.pump()
@@ -53,11 +55,11 @@ def test_a_supervisor_that_is_behind_asks_the_agent_for_fewer_batches(
                     headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).json()
     assert run["step"] == 8
     clock.now += evaluator.detection.overload.backoff_hold_s + 1  # long after its last tick
-    for s in range(9, 12):  # (stamped with the supervisor's clock again: on time)
-        up.clock = clock
-        _send(up, s)
+    up.clock = clock  # (the agent's clock the supervisor's again: batches on time)
+    for s in range(9, 12):
+        _send(up, s, now=clock.now)
     evaluator.tick()
-    _send(up, 12)
+    _send(up, 12, now=clock.now)
     assert up.advised_interval_s is None  # back to the agent's own interval
 
 

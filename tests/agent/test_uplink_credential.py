@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
+from agent_fakes import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
 
 from agent.uplink import Uplink
 
