@@ -208,10 +208,11 @@ async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
         if delay > 0:
             await asyncio.sleep(delay)
         now = time.time()
+        made = now - (time.monotonic() - due)  # when it was due: the agent spools it then
         upto = int(due - (t0 + offset)) + 1  # steps done by now, one a second
-        items = [it for k in range(step, upto) for it in step_items(k, now, node=node,
+        items = [it for k in range(step, upto) for it in step_items(k, made, node=node,
                                                                     world=world)]
-        items.append(heartbeat(now, node))
+        items.append(heartbeat(made, node))
         body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": now, "attempt": 0,
                            "dropped": 0, "items": items}).encode()
         try:
