@@ -18,6 +18,7 @@ import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from supervisor.store.db import Connection, Database, make_database
 from supervisor.store.rows import RunRow
 
 log = logging.getLogger("trainwarden.observer")
+
+CHILD_NICE = 10  # the detectors' process yields the CPU to ingest when both want it
 
 @dataclass
 class Observation:
@@ -194,6 +197,10 @@ class ObserverProcess:
 
 def _child_main(conn: multiprocessing.connection.Connection, url: str,
                 detection: observe.DetectionConfig) -> None:
+    # Below ingest on a busy machine: a detector's verdict can wait milliseconds for a
+    # core, an agent's batch should not.
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
     db = make_database(url, pool_size=2)
     observer = Observer(detection)
     try:
