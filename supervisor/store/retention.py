@@ -213,12 +213,11 @@ def prune_batch_keys(conn: Connection, *, agent_ids: list[int], keep: int) -> in
     newest stays: the agent's next seq follows it); the keys deleted.  Each agent is two
     lookups in the (agent_id, seq) key."""
     ib = ingested_batches.c
+    top = (select(func.max(ib.seq)).where(ib.agent_id == bindparam("aid"))
+           .scalar_subquery())
+    # one statement per agent, compiled once
+    stmt = delete(ingested_batches).where(ib.agent_id == bindparam("aid"), ib.seq <= top - keep)
     gone = 0
     for aid in agent_ids:
-        top = conn.execute(select(func.max(ib.seq)).where(ib.agent_id == aid)).scalar_one()
-        if top is None or top - keep < 0:
-            continue
-        r = conn.execute(delete(ingested_batches)
-                         .where(ib.agent_id == aid, ib.seq <= top - keep))
-        gone += int(r.rowcount or 0)
+        gone += int(conn.execute(stmt, {"aid": aid}).rowcount or 0)
     return gone
