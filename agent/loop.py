@@ -545,8 +545,7 @@ class Agent:
     def batch_interval_s(self) -> float:
         """Ours, or the longer one an overloaded supervisor asked for (events that cannot
         wait, an exit, a crash, still go at once: ``urgent``)."""
-        advised = getattr(self.uplink, "advised_interval_s", None)
-        return max(self.cfg.batch_interval_s, advised or 0.0)
+        return max(self.cfg.batch_interval_s, self.uplink.advised_interval_s or 0.0)
 
     def send_batch(self) -> None:
         items, self.pending = self.pending, []
