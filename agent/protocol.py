@@ -131,6 +131,7 @@ class CheckpointReport(TypedDict, total=False):
     bytes: int
     save_s: float  # from the save call to complete
     async_save: bool
+    stall_s: float  # how long the save call blocked the training loop (staging, for async)
     lineage: str  # id of the chain of attempts that wrote it (see ResumePlan.lineage)
     # agent.worker reports a checkpoint once it is complete and leaves this out (true); a
     # reporter may send false for one it knows to be incomplete (never offered for a resume).

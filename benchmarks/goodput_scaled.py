@@ -19,10 +19,19 @@ What comes from where:
   Llama 3's interruptions were hardware failures, which surface as a dying process, network
   and NCCL trouble as hangs, loss spikes are rare.
 * The large run: 6 s per step (Llama 3 405B's 16M-token step at ~40% MFU on 16k H100s),
-  8 GPUs per node, a 5 s training stall per checkpoint save (assumed: an asynchronous,
-  sharded save's staging and planning), a checkpoint every 30 minutes as the current
-  interval, against the interval ``supervisor.goodput.interval`` recommends for the
-  schedule.
+  8 GPUs per node, a checkpoint every 30 minutes as the current interval, against the
+  interval ``supervisor.goodput.interval`` recommends for the schedule.
+* Checkpoint cost, measured: trainwarden's ``Checkpointer(async_save=True)`` (DCP
+  ``async_save`` on a group of its own) saving, on this machine, a model and AdamW state of
+  one GPU's shard of a 405B model (405e9 parameters x 14 bytes: bf16 weights, fp32 master
+  copy, two fp32 moments; / the GPUs) and a quarter of it: the ``stall_s`` each save reports
+  (how long it held the training loop: the staging into host memory and the planning),
+  fitted a + b x bytes and read at each scale's shard.  This machine stages from host
+  memory; a GPU stages over PCIe (an assumption that it is no slower).  The background write
+  is not this machine's disk: a node writes its 8 shards at an even share of Llama 3's
+  storage, 2 TB/s sustained over 2,048 nodes (Dubey et al. 2024), and a checkpoint is usable
+  only once written (``SimConfig.write_s``).  A second table keeps a 5 s stall per save
+  (``--stall-s``; a save that blocks on more than its staging) for comparison.
 
 Each row is ``supervisor.goodput.simulate`` feeding the event stream the supervisor would
 store (steps, checkpoints, incidents, restart decisions, resumes) to ``EttrAccumulator``;
@@ -53,7 +62,9 @@ MEASURED = {"crash": (0.9, 6.2), "hang": (25.3, 6.7), "loss_spike": (0.4, 5.2)}
 MEASURED_STEP_S = 0.025  # the measured runs' step (2000 steps, ~50 s of step time)
 MIX = {"crash": 0.80, "hang": 0.17, "loss_spike": 0.03}
 GPUS_PER_NODE = 8
-FAST_STALL_S = 0.5  # an in-memory checkpoint's stall (assumed)
+MODEL_PARAMS = 405e9  # Llama 3 405B
+BYTES_PER_PARAM = 14  # bf16 weights (2) + fp32 master copy (4) + Adam's two fp32 moments (8)
+NODE_WRITE_BPS = 2e12 / 2048  # Llama 3's storage, 2 TB/s sustained, shared by 2,048 nodes
 PUBLISHED = [
     ("Llama 3 405B (Dubey et al. 2024)", "16,384 GPUs, 54 days, 419 interruptions",
      "> 90% effective training time"),
@@ -98,6 +109,84 @@ def kinds(step_s: float, restart_s: float | None) -> tuple[FaultKind, ...]:
                       trains_until_detected=True))
 
 
+def shard_bytes(gpus: int) -> float:
+    """One GPU's share of the checkpoint (weights and optimizer state, fully sharded)."""
+    return MODEL_PARAMS * BYTES_PER_PARAM / gpus
+
+
+def write_seconds(gpus: int) -> float:
+    """A node's background write of its GPUs' shards at its share of the storage."""
+    return GPUS_PER_NODE * shard_bytes(gpus) / NODE_WRITE_BPS
+
+
+@dataclass(frozen=True)
+class SaveCost:
+    """Measured staging stalls: (bytes, stall_s) per save, and the fit a + b x bytes."""
+
+    samples: list[tuple[int, float]]
+    a: float
+    b: float
+    write_bps: float  # this machine's background write, for comparison (not used)
+
+    def stall_s(self, nbytes: float) -> float:
+        return max(0.0, self.a + self.b * nbytes)
+
+
+def measure_save_cost(saves: int = 4, target_bytes: float | None = None) -> SaveCost:
+    """``Checkpointer(async_save=True)`` on this machine: models whose saved state is the
+    16k-GPU shard and a quarter of it, ``saves`` saves each (the first, which builds DCP's
+    plan and the staging buffers, left out); a real one-rank gloo group."""
+    import shutil
+    import statistics
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from agent.worker import Checkpointer
+    from agent.worker.report import Reporter
+
+    class Recording(Reporter):
+        def __init__(self) -> None:
+            super().__init__("")
+            self.reports: list[dict[str, object]] = []
+
+        def checkpoint(self, **kw: object) -> bool:  # type: ignore[override]
+            self.reports.append(kw)
+            return True
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    target = target_bytes if target_bytes is not None else shard_bytes(16384)
+    samples: list[tuple[int, float]] = []
+    writes: list[float] = []
+    for frac in (0.25, 1.0):
+        params = int(target * frac / 12)  # fp32 weights + AdamW's two moments: 12 bytes
+        model = torch.nn.Linear(1024, max(1, params // 1024), bias=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+        rep = Recording()
+        root = tempfile.mkdtemp(prefix="tw-save-cost-")
+        try:
+            ck = Checkpointer(root, model, opt, async_save=True, reporter=rep, keep=1,
+                              retention_grace_s=0.0)
+            for step in range(1, saves + 1):
+                ck.save(step)
+                ck.wait()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        for r in rep.reports[1:]:
+            nbytes = int(r["nbytes"])  # type: ignore[call-overload]
+            stall, save = float(r["stall_s"]), float(r["save_s"])  # type: ignore[arg-type]
+            samples.append((nbytes, stall))
+            writes.append(nbytes / max(1e-9, save - stall))
+        del model, opt
+    xs, ys = [float(x) for x, _ in samples], [y for _, y in samples]
+    b, a = statistics.linear_regression(xs, ys)
+    return SaveCost(samples=samples, a=a, b=b, write_bps=statistics.median(writes))
+
+
 @dataclass
 class Row:
     gpus: int
@@ -118,26 +207,31 @@ class Row:
 
 
 def run_row(sc: Scenario, *, label: str, interval_s: float, step_s: float, stall_s: float,
-            restart_s: float | None, days: float, seed: int) -> Row:
+            restart_s: float | None, days: float, seed: int, write_s: float = 0.0) -> Row:
     cfg = SimConfig(mtbf_s=sc.mtbf_s, days=days, step_s=step_s, interval_s=interval_s,
-                    stall_s=stall_s, kinds=kinds(step_s, restart_s), startup_s=0.0, seed=seed)
+                    stall_s=stall_s, kinds=kinds(step_s, restart_s), startup_s=0.0, seed=seed,
+                    write_s=write_s)
     t0 = time.monotonic()
     r = simulate(cfg)
     b = r.breakdown
+    # (Meta's model knows no background write: a checkpoint usable write_s later loses
+    # write_s more per fault, so it is added to the restart overhead)
     model = max(0.0, iv.expected_ettr(nodes=1, rate_per_node_s=1 / sc.mtbf_s,
-                                      restart_s=cfg.restart_overhead_s, interval_s=interval_s,
-                                      save_stall_s=stall_s))
+                                      restart_s=cfg.restart_overhead_s + write_s,
+                                      interval_s=interval_s, save_stall_s=stall_s))
     return Row(sc.gpus, sc.schedule, iv.DAY_S / sc.mtbf_s, sc.mtbf_s, label, interval_s,
                sum(r.faults.values()), b.ettr, model, b.lost / b.wall_s,
                b.detection / b.wall_s, b.restart / b.wall_s, b.checkpoint / b.wall_s,
                sc.published, time.monotonic() - t0)
 
 
-def recommended(sc: Scenario, *, step_s: float, stall_s: float, restart_s: float | None
-                ) -> float:
+def recommended(sc: Scenario, *, step_s: float, stall_s: float, restart_s: float | None,
+                write_s: float = 0.0) -> float:
+    """The optimal interval for the stall, never shorter than a step or than the background
+    write (a save due before the last is written waits for it)."""
     u0 = sum(k.share * (k.detect_s + k.restart_s) for k in kinds(step_s, restart_s))
-    dt = iv.optimal_interval(mtbf_s=sc.mtbf_s, restart_s=u0, save_stall_s=stall_s)
-    return max(step_s, dt if dt is not None else step_s)
+    dt = iv.optimal_interval(mtbf_s=sc.mtbf_s, restart_s=u0 + write_s, save_stall_s=stall_s)
+    return max(step_s, write_s, dt if dt is not None else step_s)
 
 
 def _dur(s: float) -> str:
@@ -166,63 +260,76 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--days", type=float, default=54.0,
                    help="simulated run time (default 54, Llama 3's)")
     g.add_argument("--step-s", type=float, default=6.0, help="the large run's step (6 s)")
-    g.add_argument("--stall-s", type=float, default=5.0, help="training stall per save (5 s)")
+    g.add_argument("--stall-s", type=float, default=5.0,
+                   help="the comparison table's training stall per save (5 s)")
     g.add_argument("--current-interval-s", type=float, default=1800.0)
     g.add_argument("--seed", type=int, default=1)
 
 
 def main(args: argparse.Namespace, command: str) -> None:
-    common = {"step_s": args.step_s, "stall_s": args.stall_s}
     print(f"# command: {command}\n# {args.days:g} simulated days per row, step {args.step_s:g}"
-          f" s, save stall {args.stall_s:g} s, fault mix {MIX}; {os.cpu_count()} CPUs",
-          flush=True)
+          f" s, fault mix {MIX}; {os.cpu_count()} CPUs", flush=True)
     t0 = time.monotonic()
+    cost = measure_save_cost()
+    print("  save cost measured: " + ", ".join(f"{n / 1e6:.0f} MB {st:.3f} s"
+                                               for n, st in cost.samples), flush=True)
+    step = args.step_s
+
+    def async_row(sc: Scenario, label: str, interval: float | None,
+                  restart_s: float | None = None) -> Row:
+        stall, write = cost.stall_s(shard_bytes(sc.gpus)), write_seconds(sc.gpus)
+        dt = interval if interval is not None else recommended(
+            sc, step_s=step, stall_s=stall, restart_s=restart_s, write_s=write)
+        return run_row(sc, label=label, interval_s=dt, step_s=step, stall_s=stall,
+                       restart_s=restart_s, days=args.days, seed=args.seed, write_s=write)
+
     rows: list[Row] = []
     for sc in scenarios():
-        rec = recommended(sc, restart_s=None, **common)
-        for label, dt in (("current", args.current_interval_s), ("recommended", rec)):
-            rows.append(run_row(sc, label=label, interval_s=dt, restart_s=None,
-                                days=args.days, seed=args.seed, **common))
-            print(f"  {sc.gpus} GPUs, {sc.schedule}, {label} {_dur(dt)}: "
+        for label, dt in (("current", args.current_interval_s), ("recommended", None)):
+            rows.append(async_row(sc, label, dt))
+            print(f"  {sc.gpus} GPUs, {sc.schedule}, {label} {_dur(rows[-1].interval_s)}: "
                   f"{_pct(rows[-1].ettr)} ({rows[-1].seconds:.1f} s)", flush=True)
-    slow: list[Row] = []
-    for sc in scenarios()[:4]:
-        rec = recommended(sc, restart_s=300.0, **common)
-        slow.append(run_row(sc, label="recommended", interval_s=rec, restart_s=300.0,
-                            days=args.days, seed=args.seed, **common))
-    fast: list[Row] = []  # what the stress goals would take: in-memory checkpoints
-    for sc in scenarios()[4:]:
-        fast_common = {**common, "stall_s": FAST_STALL_S}
-        rec = recommended(sc, restart_s=None, **fast_common)
-        fast.append(run_row(sc, label="recommended", interval_s=rec, restart_s=None,
-                            days=args.days, seed=args.seed, **fast_common))
+    slow = [async_row(sc, "recommended", None, restart_s=300.0) for sc in scenarios()[:4]]
+    blocking: list[Row] = []  # a save that holds the loop for --stall-s
+    for sc in scenarios():
+        rec = recommended(sc, step_s=step, stall_s=args.stall_s, restart_s=None)
+        blocking.append(run_row(sc, label="recommended", interval_s=rec, step_s=step,
+                                stall_s=args.stall_s, restart_s=None, days=args.days,
+                                seed=args.seed))
     elapsed = time.monotonic() - t0
-    u0 = sum(k.share * (k.detect_s + k.restart_s) for k in kinds(args.step_s, None))
+    u0 = sum(k.share * (k.detect_s + k.restart_s) for k in kinds(step, None))
+    shards = ", ".join(f"{g:,} GPUs {shard_bytes(g) / 1e6:,.0f} MB -> stall "
+                       f"{cost.stall_s(shard_bytes(g)):.2f} s, node write "
+                       f"{write_seconds(g):.1f} s" for g in (1024, 4096, 16384))
     out = [f"## Goodput at scale ({args.days:g} simulated days per row)", "",
            f"Command: `{command}`", "",
            "Detection and restart measured on this machine (scaled by the detectors' rules to "
-           f"a {args.step_s:g} s step): "
+           f"a {step:g} s step): "
            + ", ".join(f"{k.name} {k.detect_s:.1f} s + {k.restart_s:.1f} s"
-                       for k in kinds(args.step_s, None))
-           + f"; mean fault-to-training {u0:.1f} s.", "", *table(rows), "",
-           "Same rows at the recommended interval with an assumed 5-minute restart (a large "
+                       for k in kinds(step, None))
+           + f"; mean fault-to-training {u0:.1f} s.", "",
+           "Save cost measured on this machine (`Checkpointer(async_save=True)`, the stall "
+           "each save reported): "
+           + ", ".join(f"{n / 1e6:.0f} MB {st:.3f} s" for n, st in cost.samples)
+           + f"; fit {cost.a:.3f} s + {cost.b * 1e9:.3f} s/GB (this machine's background "
+           f"write: {cost.write_bps / 1e6:.0f} MB/s, not used). Per scale: {shards}.", "",
+           "Asynchronous saves at the measured stall:", "", *table(rows), "",
+           "Same, at the recommended interval with an assumed 5-minute restart (a large "
            "job's rendezvous and checkpoint load; not measured here):", "", *table(slow), "",
-           f"The stress rows with a {FAST_STALL_S:g} s save stall (in-memory checkpoints, as "
-           "Gemini's replicas; assumed) at their recommended interval:", "", *table(fast), "",
+           f"A save that holds the training loop {args.stall_s:g} s (`--stall-s`), at its "
+           "recommended interval:", "", *table(blocking), "",
            "| published | scale | figure |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in PUBLISHED]
     gains = [(a, b) for a, b in zip(rows[::2], rows[1::2], strict=True)]
     out += ["", "Recommended against current interval (ETTR points): "
             + "; ".join(f"{a.gpus:,} {a.schedule}: {_pct((b.ettr or 0) - (a.ettr or 0))}"
                         for a, b in gains) + ".",
-            f"Simulated in {elapsed:.0f} s."]
+            f"Measured and simulated in {elapsed:.0f} s."]
     print()
     print("\n".join(out))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"command": command, "rows": [asdict(r) for r in rows],
-             "slow_restart": [asdict(r) for r in slow],
-             "fast_checkpoint": [asdict(r) for r in fast],
-             "kinds": [asdict(k) for k in kinds(args.step_s, None)]}, indent=1,
-            default=str))
-
+            {"command": command, "save_cost": asdict(cost),
+             "rows": [asdict(r) for r in rows], "slow_restart": [asdict(r) for r in slow],
+             "blocking_save": [asdict(r) for r in blocking],
+             "kinds": [asdict(k) for k in kinds(step, None)]}, indent=1, default=str))

@@ -19,6 +19,7 @@ from typing import Any
 from supervisor.enums import ACTIVE_STATUSES, ActionKind
 from supervisor.goodput import interval as iv
 from supervisor.goodput.anatomy import Anatomy, anatomy
+from supervisor.goodput.ettr import save_stall_s
 from supervisor.goodput.mfu import (
     RankPhases,
     ScalingConfig,
@@ -72,11 +73,6 @@ def _finite(x: Any) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def _stall(save_s: Any) -> bool:
-    v = _finite(save_s)
-    return v is not None and v >= 0
-
-
 def _mean(xs: list[float]) -> float | None:
     """The mean of the finite values (None when there are none, or it overflows)."""
     ok = [x for x in xs if math.isfinite(x)]
@@ -89,9 +85,9 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
 
     * failures: the run's interrupting incidents (``store.efficiency.INTERRUPTING``) over its
       wall time (creation to now, or to its end) on its nodes (the agents it registered);
-    * save cost: the mean stall of its complete checkpoints (a synchronous save's
-      ``save_s``; an asynchronous one stalls training for its staging only, not reported,
-      so 0), the newest ``store.efficiency.CHECKPOINTS_READ``;
+    * save cost: the mean stall of its complete checkpoints (``ettr.save_stall_s``: what the
+      worker measured the save call to block, an asynchronous save's staging included), the
+      newest ``store.efficiency.CHECKPOINTS_READ``;
     * current interval: the mean time between two consecutive complete checkpoints of the
       same attempt;
     * restart cost: the mean fault-to-first-step time of its restarts (the fault: the exit
@@ -105,9 +101,9 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     nodes = max(1, eff.node_count(conn, run_id=run_id))
     failures = eff.failure_count(conn, run_id=run_id)
     ckpts = eff.complete_checkpoints(conn, run_id=run_id)
-    # (a negative save_s is finite, so the wire takes it, but no stall: left out)
-    stalls = [0.0 if c["async_save"] else float(c["save_s"]) for c in ckpts
-              if c["async_save"] or _stall(c["save_s"])]
+    stalls = [s for c in ckpts if (s := save_stall_s(
+        stall_s=c.get("stall_s"), save_s=c["save_s"], async_save=bool(c["async_save"])))
+        is not None]
     gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(ckpts)
             if a["attempt"] == b["attempt"] and b["t"] > a["t"]]
     faults = eff.restart_faults(conn, run_id=run_id)

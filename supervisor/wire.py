@@ -144,6 +144,7 @@ class CheckpointItem(_Wire):
     bytes: U63 | None = None
     save_s: Finite | None = None
     async_save: bool = False
+    stall_s: Finite | None = None  # how long the save blocked the training loop
     lineage: Line | None = line(None, max_length=200)
     complete: bool = True  # protocol: sent once the checkpoint is complete on disk
 

@@ -375,7 +375,8 @@ class RunSession:
         save_s = time.monotonic() - started
         log.info("trainwarden: checkpoint %s complete (%d bytes, %.2fs)", path, nbytes, save_s)
         self.reporter.checkpoint(step=step, path=str(path.resolve()), nbytes=nbytes,
-                                 save_s=save_s, async_save=False, lineage=self.lineage)
+                                 save_s=save_s, async_save=False, lineage=self.lineage,
+                                 stall_s=save_s)
         if surplus is not None:
             self.retention.apply(surplus())
 

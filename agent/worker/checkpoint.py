@@ -201,6 +201,10 @@ class _PendingSave:
     started: float
     meta: dict[str, Any]
     future: Future[Any] | None = None
+    # How long ``save`` blocked the training loop: waiting on the previous save, the barrier,
+    # the state dict and, for an asynchronous save, its staging (set when ``save`` returns;
+    # a synchronous save's is taken when it completes, inside ``save``).
+    stall_s: float | None = None
 
 
 @dataclass
@@ -298,6 +302,7 @@ class Checkpointer:
     # ---- save ---------------------------------------------------------------------------
     def save(self, step: int, *, loss: float | None = None) -> None:
         """Save the state after ``step`` steps into ``step_<step>``.  Collective: every rank."""
+        entered = time.monotonic()
         self.wait()  # one save in flight at a time
         if loss is not None:
             self.last_loss = float(loss)
@@ -311,7 +316,7 @@ class Checkpointer:
             self.reporter.event(EVENT_CHECKPOINT_STARTED, f"saving step_{step}", step=step)
         meta = self._meta(step)
         state = self._state_dict(meta)
-        pending = _PendingSave(step, partial, final, time.monotonic(), meta)
+        pending = _PendingSave(step, partial, final, entered, meta)
         self._last_save = self.clock()
         try:
             if self.async_save:
@@ -319,6 +324,7 @@ class Checkpointer:
                                           process_group=self._group)
                 # Newer DCP may answer with an AsyncSaveResponse holding the upload future.
                 pending.future = getattr(response, "upload_completion", response)  # type: ignore[arg-type]
+                pending.stall_s = time.monotonic() - entered
                 self._pending = pending
             else:
                 dcp.save(state, checkpoint_id=str(partial))
@@ -371,11 +377,12 @@ class Checkpointer:
         os.replace(p.partial, p.final)
         _fsync_dir(self.root)
         save_s = time.monotonic() - p.started
+        stall_s = p.stall_s if p.stall_s is not None else save_s  # (synchronous: all of it)
         log.info("trainwarden: checkpoint step_%d complete (%d bytes, %.2fs)", p.step, v.nbytes,
                  save_s)
         self.reporter.checkpoint(step=p.step, path=str(p.final.resolve()), nbytes=v.nbytes,
                                  save_s=save_s, async_save=self.async_save,
-                                 lineage=self.lineage)
+                                 lineage=self.lineage, stall_s=stall_s)
         self.apply_retention()
 
     def _meta(self, step: int) -> dict[str, Any]:

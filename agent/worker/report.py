@@ -253,12 +253,16 @@ class Reporter:
         return True
 
     def checkpoint(self, *, step: int, path: str, nbytes: int, save_s: float,
-                   async_save: bool, lineage: str) -> bool:
+                   async_save: bool, lineage: str, stall_s: float | None = None) -> bool:
+        """``stall_s``: how long the save blocked the training loop (None: as ``save_s``
+        for a synchronous save; not known for an asynchronous one)."""
         msg = {
             "type": "checkpoint", "v": PROTOCOL_VERSION, "attempt": self.attempt,
             "rank": self.rank, "t": time.time(), "step": step, "path": path, "bytes": nbytes,
             "save_s": save_s, "async_save": async_save, "lineage": lineage,
         }
+        if stall_s is not None:
+            msg["stall_s"] = stall_s
         return self.enqueue(msg)
 
 

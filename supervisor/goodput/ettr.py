@@ -88,13 +88,30 @@ class StepDone:
 @dataclass(frozen=True)
 class CheckpointSaved:
     """A checkpoint of ``step`` steps done (resuming from it continues at step index ``step``)
-    is complete; ``stall_s``: how long the training loop was blocked by it, in the gap before
-    the next step (a synchronous save: its ``save_s``; an asynchronous one: its staging only,
-    0 when unknown)."""
+    is complete; ``stall_s``: how long the training loop was blocked by it (a synchronous
+    save: all of it; an asynchronous one: its staging).  ``released_at``: when the save call
+    gave the loop back, for an asynchronous save that completes later, at ``t``: its stall is
+    the gap before the step after ``released_at``, already attributed (to ``other``) by the
+    time the save completes, so it is moved from there.  None: at ``t`` (a synchronous save,
+    whose stall is the gap before the next step)."""
 
     t: float
     step: int
     stall_s: float = 0.0
+    released_at: float | None = None
+
+
+def save_stall_s(*, stall_s: object, save_s: object, async_save: bool) -> float | None:
+    """How long one save blocked the training loop, from its checkpoint row: the stall its
+    worker measured (``stall_s``: the save call, an asynchronous save's staging included);
+    from a reporter that does not send it, a synchronous save's ``save_s`` and 0 for an
+    asynchronous one (its staging unknown).  None: nothing usable (a sync save without a
+    finite, non-negative ``save_s``)."""
+    for v in (stall_s, None if async_save else save_s):
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) \
+                and v >= 0:
+            return float(v)
+    return 0.0 if async_save else None
 
 
 @dataclass(frozen=True)
@@ -464,7 +481,13 @@ class EttrAccumulator:
         if isinstance(e, StepDone):
             self._step(e)
         elif isinstance(e, CheckpointSaved):
-            if _finite(e.stall_s):
+            if not _finite(e.stall_s):
+                pass
+            elif e.released_at is not None and e.released_at <= self._cursor:
+                moved = min(e.stall_s, self._totals["other"])
+                self._totals["other"] -= moved
+                self._totals["checkpoint"] += moved
+            else:
                 self._credit += e.stall_s
             if self._head is not None:
                 cum = (self._cum if e.step == self._head else self._ring.get(e.step))

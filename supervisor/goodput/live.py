@@ -10,8 +10,8 @@ What becomes which event:
 * rank step rows -> ``StepDone`` once every rank of the run reported the step (``gang_step``:
   the slowest rank's ``step_s``, the median rank's data wait, the straggler slowdown); a step
   some rank never reported is taken as done once that attempt completes a later step;
-* complete checkpoints -> ``CheckpointSaved`` (stall: ``save_s`` of a synchronous save; an
-  asynchronous save's staging is not reported, so 0);
+* complete checkpoints -> ``CheckpointSaved`` (stall: ``ettr.save_stall_s``, the time the
+  save call blocked the training loop as the worker measured it);
 * incidents -> ``Incident`` (fault time: the exit report of the incident's agent and attempt,
   else the end of that attempt's newest step: when progress stopped);
 * restart actions -> ``RestartDecided`` at creation (a rollback's target as the resume step)
@@ -25,6 +25,7 @@ counted in the phase the run was in (a restart's time, else ``other``).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from supervisor.goodput.ettr import (
     RunEnded,
     event_time,
     gang_step_values,
+    save_stall_s,
     window,
 )
 
@@ -126,9 +128,11 @@ class LiveGoodput:
         for c in checkpoints:
             self.checkpoint_id = max(self.checkpoint_id, int(c["id"]))
             if c["complete"]:
-                stall = 0.0 if c["async_save"] or c["save_s"] is None else float(c["save_s"])
+                stall = save_stall_s(stall_s=c.get("stall_s"), save_s=c["save_s"],
+                                     async_save=bool(c["async_save"]))
                 events.append(CheckpointSaved(t=float(c["t"]), step=int(c["step"]),
-                                              stall_s=stall))
+                                              stall_s=stall or 0.0,
+                                              released_at=_released_at(c, stall)))
         for inc in incidents:
             self.incident_id = max(self.incident_id, int(inc["id"]))
             fault = inc.get("exit_t")
@@ -219,6 +223,16 @@ class LiveGoodput:
             else current
         return {"current": breakdown_dict(current), "window": breakdown_dict(win),
                 "points": [breakdown_dict(b) for b in self.history]}
+
+
+def _released_at(c: Mapping[str, Any], stall: float | None) -> float | None:
+    """When an asynchronous save gave the training loop back: its completion less the
+    background part (``save_s`` - stall); None for a synchronous save (at its completion)."""
+    save_s = c["save_s"]
+    if not c["async_save"] or stall is None or not isinstance(save_s, int | float) \
+            or not math.isfinite(save_s) or save_s < stall:
+        return None
+    return float(c["t"]) - (float(save_s) - stall)
 
 
 def breakdown_dict(b: Breakdown) -> dict[str, Any]:

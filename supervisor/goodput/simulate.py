@@ -9,7 +9,11 @@ new attempt's first step beginning ``restart_s`` after the detection.  A crash o
 rolls back to the newest complete checkpoint; a loss spike keeps training until it is
 detected (those steps are thrown away) and rolls back to the newest checkpoint saved before
 it began (the step in flight at the detection still ends, and is lost).  A fault during a
-save loses that save.  Deterministic for a seed.
+save loses that save.  With ``write_s`` the save is asynchronous: training stalls ``stall_s``
+(the staging), the checkpoint is written in the background and complete ``write_s`` later (a
+fault before then loses it, the restore takes the one before), and a save that falls due
+while the previous one is still being written waits for it (the wait is stall too).
+Deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ class SimConfig:
     kinds: tuple[FaultKind, ...]
     startup_s: float = 0.0
     seed: int = 0
+    write_s: float = 0.0  # an asynchronous save's background write (0: a synchronous save)
 
     def __post_init__(self) -> None:
         if not self.mtbf_s > 0 or not self.days > 0 or not self.step_s > 0:
             raise ValueError("SimConfig: mtbf_s, days and step_s must be > 0")
-        if not self.interval_s > 0 or self.stall_s < 0:
-            raise ValueError("SimConfig: interval_s must be > 0 and stall_s >= 0")
+        if not self.interval_s > 0 or self.stall_s < 0 or self.write_s < 0:
+            raise ValueError("SimConfig: interval_s must be > 0, stall_s and write_s >= 0")
         if not self.kinds or abs(sum(k.share for k in self.kinds) - 1.0) > 1e-6:
             raise ValueError("SimConfig.kinds: the shares must add up to 1")
 
@@ -85,13 +90,23 @@ def events(cfg: SimConfig) -> list[Event]:
     out: list[Event] = []
     t, attempt, step = cfg.startup_s, 0, 0
     saves: list[tuple[float, int]] = [(0.0, 0)]  # (completed at, step): newest last
+    writing: CheckpointSaved | None = None  # the asynchronous save being written
     last_save = t
     fault = next_fault(t)
+
+    def written(upto: float) -> None:  # the save being written completes before ``upto``
+        nonlocal writing
+        if writing is not None and writing.t <= upto:
+            out.append(writing)
+            writing = None
+
     while t < horizon:
         if fault < t + cfg.step_s:  # it hits the step in flight (or the save before it)
+            written(fault)
+            writing = None  # a save still being written is lost
             kind = rng.choices(names, weights)[0]
             detected = fault + kind.detect_s
-            target = saves[-1][1]
+            target = max(s for at, s in saves if at <= fault)
             if kind.trains_until_detected:
                 while t + cfg.step_s <= detected:
                     t += cfg.step_s
@@ -109,13 +124,22 @@ def events(cfg: SimConfig) -> list[Event]:
             saves = [(at, s) for at, s in saves if s <= target][-2:]
             fault = next_fault(t)
             continue
+        written(t + cfg.step_s)
         t += cfg.step_s
         out.append(StepDone(attempt, step, t, cfg.step_s))
         step += 1
-        if t - last_save >= cfg.interval_s and fault >= t + cfg.stall_s:
-            t += cfg.stall_s
-            out.append(CheckpointSaved(t, step, cfg.stall_s))
-            saves = [*saves[-1:], (t, step)]
+        if t - last_save >= cfg.interval_s:
+            wait = 0.0 if writing is None else writing.t - t  # one save in flight at a time
+            if fault < t + wait + cfg.stall_s:
+                continue  # the fault hits first (the next round of the loop meets it)
+            written(t + wait)
+            stall = wait + cfg.stall_s
+            t += stall
+            if cfg.write_s > 0:
+                writing = CheckpointSaved(t + cfg.write_s, step, stall, released_at=t)
+            else:
+                out.append(CheckpointSaved(t, step, stall))
+            saves = [*saves[-2:], (t + cfg.write_s, step)]
             last_save = t
     return out
 

@@ -146,10 +146,10 @@ def node_count(conn: Connection, *, run_id: int) -> int:
 
 def complete_checkpoints(conn: Connection, *, run_id: int, limit: int = CHECKPOINTS_READ
                          ) -> list[dict[str, Any]]:
-    """{attempt, t, save_s, async_save} of the run's newest complete checkpoints, oldest
+    """{attempt, t, save_s, async_save, stall_s} of the run's newest complete checkpoints, oldest
     first (abandoned ones included: their saves stalled training all the same)."""
     c = checkpoints.c
-    q = (select(c.attempt, c.t, c.save_s, c.async_save)
+    q = (select(c.attempt, c.t, c.save_s, c.async_save, c.stall_s)
          .where(c.run_id == run_id, c.complete.is_(True)).order_by(c.t.desc()).limit(limit))
     return [dict(r._mapping) for r in reversed(conn.execute(q).all())]
 

@@ -70,7 +70,8 @@ def rank_count(conn: Connection, *, run_id: int) -> int:
 
 def checkpoints_after(conn: Connection, *, run_id: int, after_id: int) -> list[dict[str, Any]]:
     c = checkpoints.c
-    q = (select(c.id, c.attempt, c.step, c.t, c.complete, c.save_s, c.async_save)
+    q = (select(c.id, c.attempt, c.step, c.t, c.complete, c.save_s, c.async_save,
+                c.stall_s)
          .where((c.run_id + 0) == run_id, c.id > after_id).order_by(c.id))  # (as above)
     return [dict(r._mapping) for r in conn.execute(q)]
 

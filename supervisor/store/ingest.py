@@ -498,7 +498,8 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
                 "step": it.step, "path": next(checked), "bytes": it.bytes,
                 "lineage": it.lineage,
                 "complete": it.complete, "save_s": finite(it.save_s),
-                "async_save": it.async_save, "t": clk.t(it.t, t0, "checkpoint"),
+                "async_save": it.async_save, "stall_s": finite(it.stall_s),
+                "t": clk.t(it.t, t0, "checkpoint"),
             })
         elif isinstance(it, wire.HeartbeatItem):
             clk.t(it.t, t0, "heartbeat")  # (not stored: checked to be counted)

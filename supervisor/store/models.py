@@ -343,6 +343,8 @@ class Checkpoint(Base):
     complete: Mapped[bool] = mapped_column(Boolean, default=True)
     save_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     async_save: Mapped[bool] = mapped_column(Boolean, default=False)
+    # How long the save blocked the training loop (None: a reporter that does not say).
+    stall_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     t: Mapped[float] = mapped_column(Float)
     # On a branch a rollback abandoned: never offered as the newest checkpoint again.
     abandoned: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

@@ -29,6 +29,7 @@ from supervisor.evaluator import Evaluator
 from supervisor.goodput import interval as iv
 from supervisor.goodput.anatomy import MILESTONES, PHASES
 from supervisor.store import efficiency as eff
+from supervisor.store import goodput as goodput_store
 from supervisor.store.db import Database
 from tests.dashboard.synth import OPERATOR, SynthRun
 from tests.dashboard.synth import efficiency_script as script
@@ -207,6 +208,25 @@ def test_save_cost_counts_asynchronous_and_instant_saves_as_no_stall(
     assert adv["inputs"]["save_stall_s"] == pytest.approx((3.0 + 0.0 + 0.0) / 3)
     assert adv["measured"]["saves_timed"] == 3
     assert adv["inputs"]["interval_s"] == pytest.approx(10.0)
+
+
+def test_save_cost_is_the_stall_the_worker_measured(
+        client: TestClient, clock: FakeClock, db: Database) -> None:
+    """A save that says how long it blocked the loop (``stall_s``: an asynchronous save's
+    staging) costs that in the interval advice, and the store keeps it for the goodput."""
+    run = SynthRun(client, "staged").register()
+    t0 = clock.now
+    run.send(0, [{"type": "checkpoint", "attempt": 0, "rank": 0, "t": t0 + 10 * i, "step": i,
+                  "path": f"/ckpt/staged/step-{i}", "bytes": 1, "lineage": "a0", **extra}
+                 for i, extra in enumerate([
+                     {"save_s": 9.0, "async_save": True, "stall_s": 0.4},
+                     {"save_s": 3.0, "stall_s": 3.5}], start=1)])
+    clock.now = t0 + 60
+    adv = client.get("/api/v1/runs/staged", headers=OPERATOR).json()["checkpoint_interval"]
+    assert adv["inputs"]["save_stall_s"] == pytest.approx((0.4 + 3.5) / 2)
+    with db.read() as conn:
+        rows = goodput_store.checkpoints_after(conn, run_id=1, after_id=0)
+    assert [r["stall_s"] for r in rows] == [pytest.approx(0.4), pytest.approx(3.5)]
 
 
 def test_a_second_restart_counts_the_exits_of_its_own_attempt_only(

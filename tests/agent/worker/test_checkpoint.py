@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,9 @@ def make(root: Path, *, keep: int = 3, **kw):  # type: ignore[no-untyped-def]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
     loader = ResumableLoader(data, batch_size=4, rank=0, world_size=1, seed=1)
+    kw.setdefault("reporter", Reporter(""))
     ckpt = Checkpointer(root, model, opt, loader=loader, keep=keep, seed=1,
-                        config={"lr": 1e-2}, reporter=Reporter(""), **kw)
+                        config={"lr": 1e-2}, **kw)
     return model, opt, loader, ckpt
 
 
@@ -313,3 +315,38 @@ def test_a_plan_left_by_an_earlier_run_of_the_name_never_loads_its_checkpoint(
             ckpt.resume()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert ckpt.resumed_from is None
+
+
+class RecordingReporter(Reporter):
+    """The checkpoint reports the worker would send, as they were made."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+        self.checkpoints: list[dict[str, object]] = []
+
+    def checkpoint(self, **kw: object) -> bool:  # type: ignore[override]
+        self.checkpoints.append(kw)
+        return True
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_reports_how_long_it_blocked_the_training_loop(tmp_path: Path,
+                                                              async_save: bool) -> None:
+    """``stall_s`` is the time ``save`` held the loop: all of a synchronous save, the
+    staging of an asynchronous one (never more than the whole save)."""
+    rep = RecordingReporter()
+    model, opt, loader, ckpt = make(tmp_path, async_save=async_save, reporter=rep)
+    train(model, opt, iter(loader), 2)
+    t0 = time.monotonic()
+    ckpt.save(2)
+    held = time.monotonic() - t0
+    ckpt.wait()
+    [report] = rep.checkpoints
+    stall, save = report["stall_s"], report["save_s"]
+    assert isinstance(stall, float) and isinstance(save, float)
+    assert report["async_save"] is async_save
+    assert 0 < stall <= held
+    if async_save:
+        assert stall <= save
+    else:
+        assert stall == save

@@ -23,6 +23,7 @@ from supervisor.goodput.ettr import (
     StepDone,
     event_time,
     gang_step,
+    save_stall_s,
     window,
 )
 
@@ -261,3 +262,33 @@ def test_state_stays_small_over_a_long_run() -> None:
     assert len(acc._ring) == 64
     assert len(acc._marks) == 8
     assert acc.snapshot(now=20_001.0).steps_final == 20_000
+
+
+@pytest.mark.parametrize("row,want", [
+    ({"stall_s": 0.4, "save_s": 9.0, "async_save": True}, 0.4),  # what the worker measured
+    ({"stall_s": 3.5, "save_s": 3.0, "async_save": False}, 3.5),
+    ({"stall_s": None, "save_s": 3.0, "async_save": False}, 3.0),  # older reporters
+    ({"stall_s": None, "save_s": 9.0, "async_save": True}, 0.0),  # staging unknown
+    ({"stall_s": None, "save_s": None, "async_save": False}, None),
+    ({"stall_s": None, "save_s": -1.0, "async_save": False}, None),
+    ({"stall_s": -1.0, "save_s": 2.0, "async_save": False}, 2.0),  # a bad stall: save_s
+    ({"stall_s": float("nan"), "save_s": 9.0, "async_save": True}, 0.0),
+])
+def test_save_stall_of_a_checkpoint_row(row: dict[str, object], want: float | None) -> None:
+    got = save_stall_s(**row)  # type: ignore[arg-type]
+    assert got == (None if want is None else pytest.approx(want))
+
+
+def test_an_asynchronous_save_moves_its_staging_from_other_to_checkpoint() -> None:
+    """Steps of 1 s end at 1, 2, 3.5, 4.5 (a 0.5 s staging after step 2); the save completes
+    at 4.2 and is fed after step 4.5: its 0.5 s stall was the gap before step 3.5."""
+    acc = EttrAccumulator(start=0.0)
+    for step, t in enumerate((1.0, 2.0, 3.5, 4.5)):
+        acc.feed(StepDone(0, step, t, 1.0))
+    before = acc.snapshot(4.5)
+    assert before.other == pytest.approx(0.5)
+    acc.feed(CheckpointSaved(t=4.2, step=2, stall_s=0.5, released_at=2.5))
+    b = acc.snapshot(4.5)
+    assert b.checkpoint == pytest.approx(0.5)
+    assert b.other == pytest.approx(0.0)
+    assert sum(b.parts().values()) == pytest.approx(b.wall_s)

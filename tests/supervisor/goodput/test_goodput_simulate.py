@@ -3,10 +3,12 @@ Meta's expected-ETTR model, and each fault kind lands in its part."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from supervisor.goodput.ettr import CheckpointSaved, Incident, Resumed
 from supervisor.goodput.interval import expected_ettr
 from supervisor.goodput.simulate import FaultKind, SimConfig, events, simulate
 
@@ -61,3 +63,42 @@ def test_shares_must_add_up() -> None:
     with pytest.raises(ValueError, match="shares"):
         SimConfig(mtbf_s=1.0, days=1, step_s=1.0, interval_s=1.0, stall_s=0.0,
                   kinds=(FaultKind("crash", 0.5, 1.0, 1.0),))
+
+
+def test_an_asynchronous_save_costs_its_staging_and_is_usable_once_written() -> None:
+    """Staging 0.5 s, written 30 s later: with no faults only the staging is checkpoint time
+    (accounted when the save completes); a fault inside the write restores the save before."""
+    clean = SimConfig(mtbf_s=math.inf, days=0.25, step_s=1.0, interval_s=100.0, stall_s=0.5,
+                      write_s=30.0, kinds=(CRASH,))
+    b = simulate(clean).breakdown
+    saves = [e for e in events(clean) if isinstance(e, CheckpointSaved)]
+    assert b.checkpoint == pytest.approx(len(saves) * 0.5)
+    assert b.other == pytest.approx(0.0, abs=1e-6)
+    assert all(e.released_at == pytest.approx(e.t - 30.0) for e in saves)
+    faulty = dataclasses.replace(clean, mtbf_s=900.0, seed=4)
+    evs = events(faulty)
+    done: list[CheckpointSaved] = []
+    restores = 0
+    for e in evs:
+        if isinstance(e, CheckpointSaved):
+            done.append(e)
+        elif isinstance(e, Incident):
+            fault = e.t_fault or e.t_detected
+            target = max((s.step for s in done if s.t <= fault), default=0)
+            resumed = next(x for x in evs if isinstance(x, Resumed) and x.t >= e.t_detected)
+            assert resumed.step == target
+            restores += 1
+    assert restores > 5
+
+
+def test_a_save_due_while_the_last_is_still_written_waits_for_it() -> None:
+    cfg = SimConfig(mtbf_s=math.inf, days=0.05, step_s=1.0, interval_s=10.0, stall_s=0.5,
+                    write_s=25.0, kinds=(CRASH,))
+    saves = [e for e in events(cfg) if isinstance(e, CheckpointSaved)]
+    assert len(saves) > 10
+    # after the first, each waits out the rest of the previous write: 25 s apart, stalled
+    # 25 - 10 - 1 (the interval, the step) + 0.5 s
+    gaps = [b.t - a.t for a, b in zip(saves, saves[1:], strict=False)]
+    assert gaps[1:] == [pytest.approx(gaps[1])] * len(gaps[1:])
+    assert all(s.stall_s > 0.5 for s in saves[1:])
+    assert simulate(cfg).breakdown.checkpoint == pytest.approx(sum(s.stall_s for s in saves))
