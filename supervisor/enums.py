@@ -79,3 +79,18 @@ class RestartCause(StrEnum):
     NODE_LOST = "node_lost"
     SPIKE = "spike"  # loss spikes and NaN/Inf: the rollback budget
     OPERATOR = "operator"
+
+
+class PresenceEvent(StrEnum):
+    """The supervisor's events of when a run's agents ran (its idle time is read from them).
+
+    * ``agent_registered``: an agent process registered (its first start, a restart of the
+      agent, a return after the supervisor refused it); details: node, hostname, pid;
+    * ``agents_down``: no agent of the run has sent a heartbeat for the node-lost deadline;
+      details: ``since``, the newest heartbeat's time (from then on nothing ran);
+    * ``agents_up``: after ``agents_down``, a heartbeat came without a registration (the
+      agents ran all along, out of reach); details: ``at``, that heartbeat's time."""
+
+    AGENT_REGISTERED = "agent_registered"
+    AGENTS_DOWN = "agents_down"
+    AGENTS_UP = "agents_up"

@@ -27,6 +27,7 @@ from supervisor import actions, observe, policy
 from supervisor.delivery import DeliveryMonitor
 from supervisor.detect import Finding
 from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
+from supervisor.detect.node_lost import agents_gone
 from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
 from supervisor.detect.stacks import hang_culprit
 from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
@@ -84,6 +85,7 @@ class RunState:
     # agent id -> (the other attempt it reports, since when): see ``_attempt_mismatches``
     mismatch: dict[int, tuple[int, float]] = field(default_factory=dict)
     goodput: LiveGoodput | None = None  # the live ETTR, fed with the rows new each tick
+    newest_heartbeat: float | None = None  # of any of its agents, as read this tick
 
 
 class Evaluator:
@@ -136,6 +138,7 @@ class Evaluator:
                 rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
                 self._protect(conn, run)
                 self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
+                self._presence(conn, run, now)
         self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
 
@@ -198,6 +201,26 @@ class Evaluator:
                 lateness_s=self.overload.lateness_s if self.overload is not None else None,
                 ended_after_s=ended)
             actions.apply(conn, run=run, decision=decision, now=now)
+
+    # -- presence (the goodput's idle time) ---------------------------------------------------
+
+    def _presence(self, conn: Connection, run: RunRow, now: float) -> None:
+        """Record when no agent of the run runs any more (``agents_down``: silent for the
+        node-lost deadline) and, without a registration to end it, when one is heard from
+        again (``agents_up``).  Not while overloaded: late batches are not absent agents."""
+        state = self._runs.get(int(run["id"]))
+        g = state.goodput if state is not None else None
+        if state is None or g is None or self.overload is not None:
+            return
+        beat = state.newest_heartbeat
+        if g.down_since is None:
+            lost = observe.lost_deadline(self.detection, self.advised_batch_interval())
+            if beat is not None and agents_gone(beat, now, lost,
+                                                observing_since=self.observing_since):
+                actions.apply(conn, run=run, now=now, decision=policy.on_agents_gone(
+                    since=beat, deadline_s=lost.deadline_s))
+        elif beat is not None and beat > g.down_since:
+            actions.apply(conn, run=run, now=now, decision=policy.on_agents_back(at=beat))
 
     # -- attempt mismatch --------------------------------------------------------------------
 
@@ -290,9 +313,13 @@ class Evaluator:
         incs = goodput_store.incidents_after(conn, run_id=run_id, after_id=g.incident_id)
         acts = goodput_store.restart_actions_after(conn, run_id=run_id, after_id=g.action_id,
                                                    pending=g.pending_actions)
+        presence_upto, presence = goodput_store.presence_events_after(
+            conn, run_id=run_id, after_id=g.event_id)
+        state.newest_heartbeat = goodput_store.newest_heartbeat(conn, run_id=run_id)
         with self._goodput_lock:
             g.update(steps=steps, steps_upto=upto, world=world, checkpoints=ckpts, incidents=incs,
-                     actions=acts, ended_at=ended_at, now=now)
+                     actions=acts, presence=presence, presence_upto=presence_upto,
+                     ended_at=ended_at, now=now)
 
     def _goodput_ended(self, conn: Connection, run_id: int, state: RunState) -> None:
         run = registry.get_run(conn, run_id=run_id)

@@ -165,10 +165,17 @@ def lost_node_findings(conn: Connection, run: RunRow, *, now: float,
         agents = windows.agent_liveness(conn, run_id=run["id"])
     beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents
              if a["state"] in LIVE_AGENT_STATES}
+    return detect_lost_nodes(beats, now, lost_deadline(cfg, batch_interval_s),
+                             observing_since=observing_since)
+
+
+def lost_deadline(cfg: DetectionConfig, batch_interval_s: float | None) -> NodeLostConfig:
+    """The node-lost deadline at the batch interval the agents were asked for (never
+    shorter than ``LOST_AFTER_BATCHES`` of their batches)."""
     lost = cfg.node_lost
     if batch_interval_s is not None and LOST_AFTER_BATCHES * batch_interval_s > lost.deadline_s:
         lost = dataclasses.replace(lost, deadline_s=LOST_AFTER_BATCHES * batch_interval_s)
-    return detect_lost_nodes(beats, now, lost, observing_since=observing_since)
+    return lost
 
 
 class PhaseWindow:

@@ -28,7 +28,14 @@ from agent.core.findings import Severity
 from agent.core.states import CommandStatus, ExitOutcome
 from agent.protocol import LRSchedule, ResumePlan
 from supervisor.detect.overload import OverloadConfig
-from supervisor.enums import FINAL_STATUSES, Actor, IncidentKind, RestartCause, RunStatus
+from supervisor.enums import (
+    FINAL_STATUSES,
+    Actor,
+    IncidentKind,
+    PresenceEvent,
+    RestartCause,
+    RunStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -415,6 +422,26 @@ FindingDecision = Note | Restart | Stop | OpenIncident | RecordEvent
 
 EVENT_OVERLOADED = "supervisor_overloaded"
 EVENT_OVERLOAD_ENDED = "supervisor_overload_ended"
+
+
+def on_agents_gone(*, since: float, deadline_s: float) -> RecordEvent:
+    """No agent of the run has sent a heartbeat for the node-lost deadline: from ``since``
+    (the newest heartbeat) nothing ran, which the goodput counts as idle until an agent
+    registers or is heard from again.  An event only: what to do about the lost nodes is
+    the node-lost incident's business."""
+    return RecordEvent(
+        name=PresenceEvent.AGENTS_DOWN,
+        message=f"no agent of the run has sent a heartbeat for {deadline_s:g} s: nothing "
+                "runs until one is back (idle time)",
+        details={"since": since, "deadline_s": deadline_s})
+
+
+def on_agents_back(*, at: float) -> RecordEvent:
+    """After ``on_agents_gone``, a heartbeat came without a registration (the agents ran
+    all along, out of the supervisor's reach): the idle time ends ``at`` it."""
+    return RecordEvent(name=PresenceEvent.AGENTS_UP,
+                       message="an agent of the run is heard from again",
+                       details={"at": at})
 
 
 def advised_batch_interval(*, last_overloaded_at: float | None, now: float,

@@ -56,3 +56,16 @@ def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,
                                                   "deadline_s": cfg.deadline_s,
                                                   "ranks": list(on or [])}))
     return out
+
+
+def agents_gone(newest_heartbeat: float | None, now: float, cfg: NodeLostConfig | None = None,
+                *, observing_since: float | None = None) -> bool:
+    """No agent of a run has run for the deadline: its newest heartbeat (of any agent, as
+    the supervisor received it) is older than ``deadline_s``, and the supervisor has been
+    watching that long itself (``observing_since``, as above).  A run with no agent: False."""
+    cfg = cfg or NodeLostConfig()
+    if newest_heartbeat is None:
+        return False
+    since = newest_heartbeat if observing_since is None else max(newest_heartbeat,
+                                                                 observing_since)
+    return now - since > cfg.deadline_s

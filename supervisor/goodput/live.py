@@ -16,11 +16,13 @@ What becomes which event:
   else the end of that attempt's newest step: when progress stopped);
 * restart actions -> ``RestartDecided`` at creation (a rollback's target as the resume step)
   and ``Resumed`` when it resumed;
+* the run's ``PresenceEvent`` rows -> ``AgentsDown`` at an ``agents_down``'s ``since`` (the
+  newest heartbeat before the agents went silent for the node-lost deadline), ``AgentsUp`` at
+  the first ``agent_registered`` after it (an agent process started) or an ``agents_up``;
+  so ``idle`` is the time no agent ran, less the detection of the fault that stopped them
+  (a node lost is detected first).  An agent back within the node-lost deadline leaves no
+  idle time: that gap counts in the phase the run was in (a restart, else ``other``);
 * the run leaving the active statuses -> ``RunEnded``.
-
-Not fed, so not measured: ``AgentsDown``/``AgentsUp`` (the store keeps each agent's current
-state, not its history), so ``idle`` reads as not measured; time with no agent running is
-counted in the phase the run was in (a restart's time, else ``other``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from supervisor.enums import PresenceEvent
 from supervisor.goodput.ettr import (
+    AgentsDown,
+    AgentsUp,
     Breakdown,
     CheckpointSaved,
     EttrAccumulator,
@@ -55,9 +60,7 @@ MAX_PARTIAL_STEPS = 4096  # steps waiting for their last rank, oldest dropped be
 CAUSES = {"lost_progress": "lost", "detection": "detection", "restart": "restart",
           "startup": "startup", "checkpoint": "checkpoint", "data_wait": "data_wait",
           "straggler": "straggler", "idle": "idle", "other": "other"}
-NOT_MEASURED = {"idle": "the store keeps each agent's current state, not when agents went "
-                        "down or came back; time with no agent running is counted in the "
-                        "phase the run was in (restart, else other)"}
+NOT_MEASURED: dict[str, str] = {}  # causes not measured (null in the API), with the reason
 FINAL_ACTION = frozenset({"resumed", "failed", "superseded", "done"})
 
 # (attempt, step, newest t, ranks, step_s values, data_s values, data_s + compute_s values):
@@ -89,6 +92,8 @@ class LiveGoodput:
     checkpoint_id: int = 0
     incident_id: int = 0
     action_id: int = 0
+    event_id: int = 0  # of the presence events (the newest event id read, of any run)
+    down_since: float | None = None  # no agent has run since (an open ``agents_down``)
     pending_actions: set[int] = field(default_factory=set)
     decided: set[int] = field(default_factory=set)
     ended: bool = False
@@ -106,14 +111,17 @@ class LiveGoodput:
                checkpoints: Iterable[Mapping[str, Any]] = (),
                incidents: Iterable[Mapping[str, Any]] = (),
                actions: Iterable[Mapping[str, Any]] = (),
+               presence: Iterable[Mapping[str, Any]] = (), presence_upto: int = 0,
                ended_at: float | None = None, now: float | None = None) -> None:
         """Feed the rows read since the last call (each kind after its cursor, id order;
-        ``steps_upto``: the id of the newest rank step row read); ``now``: the time of the
-        call, for the series (a point per ``SERIES_EVERY_S``)."""
+        ``steps_upto``: the id of the newest rank step row read, ``presence_upto`` of the
+        newest event); ``now``: the time of the call, for the series (a point per
+        ``SERIES_EVERY_S``)."""
         if self.ended:
             return
         self.step_id = max(self.step_id, steps_upto)
-        self._feed(steps, world, checkpoints, incidents, actions, ended_at)
+        self.event_id = max(self.event_id, presence_upto)
+        self._feed(steps, world, checkpoints, incidents, actions, presence, ended_at)
         t = ended_at if ended_at is not None else now
         if t is not None and (ended_at is not None or not self.history
                               or t - self.history[-1].end >= SERIES_EVERY_S):
@@ -122,7 +130,8 @@ class LiveGoodput:
     def _feed(self, steps: Sequence[StepGroup], world: int,
               checkpoints: Iterable[Mapping[str, Any]],
               incidents: Iterable[Mapping[str, Any]],
-              actions: Iterable[Mapping[str, Any]], ended_at: float | None) -> None:
+              actions: Iterable[Mapping[str, Any]], presence: Iterable[Mapping[str, Any]],
+              ended_at: float | None) -> None:
         events: list[Event] = []
         events.extend(self._steps(steps, max(1, world)))
         for c in checkpoints:
@@ -142,6 +151,8 @@ class LiveGoodput:
                                    t_fault=None if fault is None else float(fault)))
         for a in actions:
             events.extend(self._action(a))
+        for p in presence:
+            events.extend(self._presence(p))
         events.sort(key=event_time)
         for e in events:
             self.acc.feed(e)
@@ -205,6 +216,20 @@ class LiveGoodput:
             self.pending_actions.add(aid)
         return out
 
+    def _presence(self, p: Mapping[str, Any]) -> list[Event]:
+        name, details = p["name"], p.get("details") or {}
+        if name == PresenceEvent.AGENTS_DOWN and self.down_since is None:
+            since = _number(details.get("since"), float(p["t"]))
+            self.down_since = since
+            return [AgentsDown(t=since)]
+        if self.down_since is not None and name in (PresenceEvent.AGENT_REGISTERED,
+                                                    PresenceEvent.AGENTS_UP):
+            at = _number(details.get("at"), float(p["t"]))
+            at = max(at, self.down_since)
+            self.down_since = None
+            return [AgentsUp(t=at)]
+        return []
+
     # -- reading -------------------------------------------------------------------------
 
     def as_dict(self, now: float) -> dict[str, Any]:
@@ -223,6 +248,11 @@ class LiveGoodput:
             else current
         return {"current": breakdown_dict(current), "window": breakdown_dict(win),
                 "points": [breakdown_dict(b) for b in self.history]}
+
+
+def _number(v: Any, default: float) -> float:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return float(v) if ok else default
 
 
 def _released_at(c: Mapping[str, Any], stall: float | None) -> float | None:

@@ -9,8 +9,17 @@ from typing import Any
 
 from sqlalchemy import Connection, Text, case, cast, func, or_, select
 
-from supervisor.enums import ActionKind
-from supervisor.store.tables import actions, checkpoints, exits, incidents, rank_steps, ranks
+from supervisor.enums import ActionKind, PresenceEvent
+from supervisor.store.tables import (
+    actions,
+    agents,
+    checkpoints,
+    events,
+    exits,
+    incidents,
+    rank_steps,
+    ranks,
+)
 
 StepGroup = tuple[int, int, float, list[int], list[float], list[float], list[float]]
 
@@ -101,3 +110,27 @@ def restart_actions_after(conn: Connection, *, run_id: int, after_id: int,
                 c.progress, c.plan)
          .where(c.run_id == run_id, c.kind == ActionKind.RESTART, cond).order_by(c.id))
     return [dict(r._mapping) for r in conn.execute(q)]
+
+
+def presence_events_after(conn: Connection, *, run_id: int, after_id: int
+                          ) -> tuple[int, list[dict[str, Any]]]:
+    """(the newest event id of any run, {id, name, t, details} of the run's
+    ``PresenceEvent`` rows after ``after_id`` up to it): the next read starts after the
+    former, so a tick reads only the events new since the last, whichever run they are of
+    (the primary key is walked: a run's own events are not indexed by id)."""
+    c = events.c
+    upto = conn.execute(select(func.max(c.id))).scalar_one()
+    if upto is None or upto <= after_id:
+        return after_id, []
+    q = (select(c.id, c.name, c.t, c.details)
+         .where(c.id > after_id, c.id <= upto, (c.run_id + 0) == run_id,
+                c.name.in_(list(PresenceEvent)))
+         .order_by(c.id))
+    return int(upto), [dict(r._mapping) for r in conn.execute(q)]
+
+
+def newest_heartbeat(conn: Connection, *, run_id: int) -> float | None:
+    """When the supervisor last heard from any agent of the run (None: it has none)."""
+    v = conn.execute(select(func.max(agents.c.last_seen_at))
+                     .where(agents.c.run_id == run_id)).scalar_one()
+    return None if v is None else float(v)

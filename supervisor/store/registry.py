@@ -11,13 +11,13 @@ from sqlalchemy import Connection, func, or_, select, update
 
 from agent.core.states import AgentState
 from supervisor import wire
-from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, RunStatus
+from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
 from supervisor.store import credentials
 from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import insert, row
 from supervisor.store.credentials import NodeHolder
 from supervisor.store.rows import AgentAttemptRow, AgentRow, RegisteredAgent, RunRow
-from supervisor.store.tables import agents, ingested_batches, runs
+from supervisor.store.tables import agents, events, ingested_batches, runs
 
 
 class RunFinished(Exception):
@@ -80,6 +80,12 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     agent_id = conn.execute(
         select(agents.c.id).where(agents.c.run_id == run.id, agents.c.node == req.node)
     ).scalar_one()
+    # When the run's agents ran is read from these (``PresenceEvent``): its idle time.
+    conn.execute(events.insert().values(
+        run_id=run.id, agent_id=agent_id, attempt=run.attempt, rank=None, t=now,
+        name=PresenceEvent.AGENT_REGISTERED, step=None,
+        message=f"agent on {req.node} registered ({req.hostname}, pid {req.pid})",
+        details={"node": req.node, "hostname": req.hostname, "pid": req.pid}))
     secret = None if claim == "proven" else credentials.issue(conn, agent_id=agent_id, now=now)
     max_seq = conn.execute(
         select(func.max(ingested_batches.c.seq)).where(ingested_batches.c.agent_id == agent_id)

@@ -61,10 +61,12 @@ class SynthRun:
               spike: tuple[int, int] | None = None, spike_to: float | None = None,
               nan_at: int | None = None, slow_rank: int | None = None, checkpoint_every: int = 0,
               disk_free: int = 50 * 2**30, disk_total: int | None = 100 * 2**30,
-              gpus: dict[str, Any] | None = None, nodes: range | None = None) -> None:
+              gpus: dict[str, Any] | None = None, nodes: range | None = None,
+              clock: Any = None) -> None:
         """Report ``steps`` from every rank of ``nodes`` (all of them unless given; one batch
         per node per 10 steps).  ``spike_to``: the loss inside ``spike`` (default: 6 above
-        the curve)."""
+        the curve).  ``clock`` (a ``FakeClock``): each batch is received when its heartbeat
+        was made (the clock moves forward to it), as a live agent's are."""
         for chunk_start in range(steps.start, steps.stop, 10):
             chunk = range(chunk_start, min(chunk_start + 10, steps.stop))
             for n in nodes if nodes is not None else range(self.nodes):
@@ -92,6 +94,8 @@ class SynthRun:
                 if gpus is not None:
                     beat["gpus"] = gpus
                 items.append(beat)
+                if clock is not None:
+                    clock.now = max(clock.now, beat["t"])
                 self.send(n, items, attempt=attempt)
 
     def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float,

@@ -41,19 +41,21 @@ EXPECTED = {
     "data_wait": 40 * DATA_S,  # 40 steps on the final lineage: 0..19 and 20..39
     "straggler": 40 * STRAGGLER_S,
     "other": (29 + 19 - 4) * GAP_S + (END - (40 + 2 * 39)),  # the other gaps, the open tail
+    "idle": 0.0,  # an agent ran all along
 }
 PRODUCTIVE = 40 * (STEP_S - DATA_S - STRAGGLER_S)
 
 
 def script(client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
     run = SynthRun(client, "alpha").register()
-    run.train(A0_STEPS, t0=T0 + 5, dt=2.0, slow_rank=3, checkpoint_every=10)
+    run.train(A0_STEPS, t0=T0 + 5, dt=2.0, slow_rank=3, checkpoint_every=10, clock=clock)
     run.crash(node=1, rank=3, t=T0 + 64)
     clock.now = T0 + 66
     evaluator.tick()  # the exit: an incident and a restart to attempt 1
     clock.now = T0 + 70
     evaluator.tick()
-    run.train(A1_STEPS, t0=T0 + 40, dt=2.0, attempt=1, slow_rank=3, checkpoint_every=10)
+    run.train(A1_STEPS, t0=T0 + 40, dt=2.0, attempt=1, slow_rank=3, checkpoint_every=10,
+              clock=clock)
     clock.now = T0 + END
     evaluator.tick()
 
@@ -69,9 +71,9 @@ def test_goodput_parts_of_a_scripted_run(client: TestClient, clock: FakeClock,
     assert g["ettr"] == pytest.approx(PRODUCTIVE / END)
     for cause, secs in EXPECTED.items():
         assert g["badput_s"][cause] == pytest.approx(secs, abs=1e-4), cause
-    assert g["badput_s"]["idle"] is None and "idle" in g["not_measured"]
-    measured = sum(v for v in g["badput_s"].values() if v is not None)
-    assert measured + g["productive_s"] == pytest.approx(g["wall_s"])
+    assert g["badput_s"]["idle"] == 0.0  # an agent ran all along
+    assert g["not_measured"] == {}
+    assert sum(g["badput_s"].values()) + g["productive_s"] == pytest.approx(g["wall_s"])
     assert g["steps_final"] == 40
     assert g["steps_lost"] == 10
 
@@ -204,3 +206,71 @@ def test_a_failing_goodput_read_does_not_stop_the_fault_handling(
     evaluator.tick()  # it starts over from the run's start
     g = client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["goodput"]
     assert g is not None and g["steps_final"] == 10
+
+
+def _silent_run(client: TestClient, clock: FakeClock, evaluator: Evaluator) -> SynthRun:
+    """Both agents train steps 0..29 (the last ends at 63, its batch received then), then go
+    silent; at 95 (past the 30 s node-lost deadline) the evaluator finds no agent running."""
+    run = SynthRun(client, "idle").register()
+    run.train(A0_STEPS, t0=T0 + 5, dt=2.0, checkpoint_every=10, clock=clock)
+    evaluator.tick()
+    clock.now = T0 + 95
+    evaluator.tick()
+    return run
+
+
+def _presence(db: Database) -> list[tuple[str, float, dict[str, Any]]]:
+    with db.read() as conn:
+        _, rows = goodput_store.presence_events_after(conn, run_id=1, after_id=0)
+    return [(r["name"], r["t"], r["details"]) for r in rows]
+
+
+def test_idle_is_the_time_no_agent_ran_until_one_registers(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator, db: Database) -> None:
+    """From the newest heartbeat (63) nothing runs; the node-lost detection (until 95)
+    comes first, then idle until an agent registers again (200)."""
+    run = _silent_run(client, clock, evaluator)
+    clock.now = T0 + 100
+    evaluator.tick()  # (one agents_down, not one a tick)
+    clock.now = T0 + 200
+    run.register()  # the agents are started again (a requeued job)
+    clock.now = T0 + 210
+    evaluator.tick()
+    names = [n for n, _, _ in _presence(db)]
+    assert names == ["agent_registered"] * 2 + ["agents_down"] + ["agent_registered"] * 2
+    down = next(d for n, _, d in _presence(db) if n == "agents_down")
+    assert down["since"] == pytest.approx(T0 + 63)
+    g = client.get("/api/v1/runs/idle", headers=OPERATOR).json()["goodput"]
+    assert g["badput_s"]["idle"] == pytest.approx(200 - 95, abs=1e-4)
+    assert g["badput_s"]["detection"] == pytest.approx(95 - 63, abs=1e-4)
+    assert "idle" not in g["not_measured"]
+    assert sum(g["badput_s"].values()) + g["productive_s"] == pytest.approx(g["wall_s"])
+
+
+def test_idle_ends_when_an_agent_is_heard_from_without_registering(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator, db: Database) -> None:
+    """Agents out of reach (a network split, their workers waiting) that come back: the
+    idle time ends at the heartbeat the evaluator sees (150)."""
+    run = _silent_run(client, clock, evaluator)
+    clock.now = T0 + 150
+    for node in range(run.nodes):
+        run.send(node, [{"type": "heartbeat", "t": clock.now, "attempt": 0,
+                         "state": "running"}])
+    clock.now = T0 + 151
+    evaluator.tick()
+    evaluator.tick()  # (read back)
+    assert [n for n, _, _ in _presence(db)][-2:] == ["agents_down", "agents_up"]
+    assert _presence(db)[-1][2]["at"] == pytest.approx(T0 + 150)
+    g = client.get("/api/v1/runs/idle", headers=OPERATOR).json()["goodput"]
+    assert g["badput_s"]["idle"] == pytest.approx(150 - 95, abs=1e-4)
+
+
+def test_a_supervisor_that_just_started_calls_no_agent_gone(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator, db: Database) -> None:
+    """The agents' heartbeats are old because the supervisor was away, not the agents."""
+    run = SynthRun(client, "idle").register()
+    run.train(A0_STEPS, t0=T0 + 5, dt=2.0, clock=clock)
+    clock.now = T0 + 95
+    evaluator.observe_from_now()
+    evaluator.tick()
+    assert "agents_down" not in [n for n, _, _ in _presence(db)]
