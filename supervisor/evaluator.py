@@ -105,6 +105,8 @@ class Evaluator:
         self.detection = detection or observe.DetectionConfig()
         # the detectors, in this thread; the app puts them in a process of their own
         self.observer: Observer | ObserverProcess = Observer(self.detection)
+        # Called while the tick waits on the observer process (a leader renews its lease).
+        self.keepalive: Callable[[], object] | None = None
         self.retention = Retention(retention, self.detection)  # old per-rank rows rolled up
         # Hangs and lost nodes are judged on what this process could observe: a supervisor
         # that was down must not call a hang on data it could not receive.
@@ -291,7 +293,7 @@ class Evaluator:
         req = ObserveRequest(now=now, observing_since=self.observing_since,
                              held=self.overload is not None,  # (_judge_overload)
                              batch_interval_s=self.advised_batch_interval())
-        return self.observer.observe(self.db, req) or {}
+        return self.observer.observe(self.db, req, keepalive=self.keepalive) or {}
 
     # -- goodput -----------------------------------------------------------------------------
 

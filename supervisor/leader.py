@@ -182,6 +182,9 @@ class LedEvaluator:
         self.interval_s = interval_s
         # Every write transaction of the tick checks the lease epoch first.
         evaluator.db = evaluator.db.fenced(leadership.fence)
+        # The lease is renewed while a tick waits on the observer process too (a child
+        # starting up takes seconds on a busy machine, more than the lease lasts).
+        evaluator.keepalive = leadership.step
         self._led_epoch: int | None = None
         self.fenced = 0  # decisions the store refused (a deposed leader's)
 

@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,9 @@ class Observer:
     detection: observe.DetectionConfig
     _runs: dict[int, _RunState] = field(default_factory=dict)
 
-    def observe(self, db: Database, req: ObserveRequest) -> dict[int, Observation]:
+    def observe(self, db: Database, req: ObserveRequest,
+                keepalive: Callable[[], object] | None = None) -> dict[int, Observation]:
+        """The detectors' verdicts (``keepalive``: unused here, see ``ObserverProcess``)."""
         with db.read() as conn:
             return self.observe_on(conn, req)
 
@@ -143,6 +146,9 @@ def can_run_apart(url: str) -> bool:
                                                 or ":memory:" in url or "mode=memory" in url))
 
 
+KEEPALIVE_S = 0.2  # while waiting for the child's answer, the waiter's keepalive this often
+
+
 class ObserverProcess:
     """An ``Observer`` in a child process (spawned: no state inherited), asked once a tick.
 
@@ -165,12 +171,21 @@ class ObserverProcess:
         self._conn = parent
         return parent
 
-    def observe(self, _db: Database, req: ObserveRequest) -> dict[int, Observation] | None:
+    def observe(self, _db: Database, req: ObserveRequest,
+                keepalive: Callable[[], object] | None = None
+                ) -> dict[int, Observation] | None:
+        """The child's verdicts; ``keepalive`` is called every ``KEEPALIVE_S`` while waiting
+        for them (a leader renews its lease there: a child starting up, seconds on a busy
+        machine, must not hand the evaluator to a standby)."""
         conn = self._conn if self._conn is not None else self._start()
         try:
             conn.send(req)
-            if not conn.poll(self.timeout_s):
-                raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+            deadline = time.monotonic() + self.timeout_s
+            while not conn.poll(max(0.0, min(KEEPALIVE_S, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+                if keepalive is not None:
+                    keepalive()
             reply = conn.recv()
         except (OSError, EOFError, TimeoutError) as e:
             log.error("observer process failed (%s); a new one starts at the next tick", e)

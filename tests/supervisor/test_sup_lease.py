@@ -22,6 +22,7 @@ from sup_helpers import (
 
 from supervisor.evaluator import Evaluator
 from supervisor.leader import Leadership, LeaseConfig, LedEvaluator
+from supervisor.observer import ObserverProcess
 from supervisor.store import lease
 from supervisor.store.db import Database, make_database
 
@@ -270,6 +271,41 @@ def test_a_new_leader_observes_from_when_it_took_the_lease(pg_db: Database,
     clock.advance(120.0)  # a standby for two minutes: then it takes the lease
     led.once(tick=False)
     assert ev.observing_since == T0 + 120.0
+
+
+def test_a_leader_waiting_on_its_observer_process_keeps_the_lease(
+        pg_db: Database, settings: Any) -> None:
+    """The first tick starts the detectors' process (seconds: a Python start and imports),
+    longer than this lease lasts (0.3 s); the leader renews while it waits, so a standby
+    trying all along never takes the lease."""
+    short = LeaseConfig(duration_s=0.3, renew_s=0.1)
+    ev = Evaluator(pg_db, settings.policy_config(), detection=settings.detection_config())
+    ev.observer = ObserverProcess(pg_db.url, settings.detection_config())
+    la, lb = Leadership(pg_db, short, holder="a"), Leadership(pg_db, short, holder="b")
+    led_a = LedEvaluator(ev, la, 0.5)
+    stop, took = threading.Event(), []
+
+    def standby() -> None:
+        while not stop.is_set():
+            if lb.step():
+                took.append(lb.epoch)
+            stop.wait(0.02)
+
+    th = threading.Thread(target=standby)
+    try:
+        assert la.step() is True
+        th.start()
+        t0 = time.monotonic()
+        report = led_a.once(tick=True)
+        waited = time.monotonic() - t0
+    finally:
+        stop.set()
+        th.join()
+        ev.observer.close()
+    assert waited > 2 * short.duration_s  # (the case in question: a tick outlasting the lease)
+    assert report is not None
+    assert took == []
+    assert la.leading and la.epoch == 1
 
 
 # -- per-process caches across replicas ------------------------------------------------------
