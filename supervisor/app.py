@@ -23,6 +23,7 @@ from supervisor.api.deps import (
     StoredTokens,
 )
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
+from supervisor.api.ingest_path import IngestPath
 from supervisor.api.json_bodies import JsonApiBodies
 from supervisor.config import SupervisorSettings
 from supervisor.delivery import DeliveryMonitor
@@ -182,5 +183,9 @@ def create_app(
                     straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
                     overload=evaluator.overload_state,
                     leader=leadership.status)
-    app.add_middleware(SecurityHeaders)  # outermost: on every response, 413s and /metrics too
+    app.add_middleware(SecurityHeaders)  # on every response, 413s and /metrics too
+    # Outermost: the ingest route, answered without the stack (it does what the stack's
+    # layers would do for it itself).
+    app.add_middleware(IngestPath, max_bytes=settings.server.max_body_bytes,
+                       counters=app.state.request_counters)
     return app

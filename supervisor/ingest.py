@@ -1,12 +1,19 @@
 """The ingest writer: group commit for agent batches.
 
-Requests hand their validated batch to one writer thread and await the result.  The thread
-takes everything that queued up while it wrote the previous group and stores it in ONE
-transaction (``store.ingest.ingest_batches``): at low load a group is one batch (latency is one
-transaction), at high load hundreds (the per-batch cost falls).  Why a single writer: SQLite
-has one writer anyway, and on Postgres concurrent ingest transactions of one run all update the
-same per-step aggregate row, so they would queue on its row lock (while competing for the GIL
-between their statements and their commit).
+Requests hand their validated batch to the writer and await the result; the writer stores
+everything that queued up meanwhile in ONE transaction (``store.ingest.ingest_batches``): at
+low load a group is one batch (latency is one transaction), at high load many (the per-batch
+cost falls: one commit, one multi-row statement per table).  Why a single writer: SQLite has
+one writer anyway, and on Postgres concurrent ingest transactions of one run all update the
+same per-step aggregate row, so they would queue on its row lock.
+
+Where the group is written depends on the store:
+
+* SQLite (``inline``): on the event loop itself, in the loop iteration after the requests
+  that queued: their handlers all reach their ``await`` first, so a group is every batch the
+  loop read in one iteration.  SQLite's writes are CPU-bound and serialised; a thread hop
+  measured slower (the GIL hand-offs cost more than the grouping saves).
+* Postgres: in a writer thread, which waits on the network while the loop goes on.
 
 A group that fails is retried batch by batch, so one bad batch cannot fail its neighbours.
 """
@@ -43,7 +50,10 @@ class IngestWriter:
         self._q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self._kept = db.kept()  # one connection across groups, used by the thread only
+        self.inline = db.is_sqlite
+        # one connection across groups, used by the writer only (the thread, or the loop)
+        self._kept = db.kept()
+        self._due: list[tuple[wire.IngestBatch, asyncio.Future[Any]]] = []  # inline only
         self.groups = 0  # counters for tests and benchmarks
         self.batches = 0
 
@@ -51,8 +61,13 @@ class IngestWriter:
         """Store ``batch``; raises ``UnknownAgent`` (or a store error) as ``ingest_batch``."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._ensure_started()
-        self._q.put((batch, fut, loop))
+        if self.inline:
+            if not self._due:
+                loop.call_soon(self._write_due)
+            self._due.append((batch, fut))
+        else:
+            self._ensure_started()
+            self._q.put((batch, fut, loop))
         res = await fut
         if isinstance(res, BaseException):
             raise res
@@ -72,6 +87,14 @@ class IngestWriter:
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout)
+        elif self.inline:
+            self._kept.close()
+
+    def _write_due(self) -> None:
+        """The inline writer (on the event loop): every batch queued since the last group."""
+        group, self._due = self._due, []
+        for (_batch, fut), res in zip(group, self._store([b for b, _ in group]), strict=True):
+            _resolve(fut, res)
 
     def _run(self) -> None:
         try:
@@ -99,21 +122,21 @@ class IngestWriter:
             if stop:
                 return
 
-    def _write(self, group: list[_Item]) -> None:
+    def _store(self, batches: list[wire.IngestBatch]) -> list[Any]:
+        """One group in one transaction; each batch's outcome (or the exception it raised)."""
         now = self.clock()
         results: list[Any]
         try:
             # A failed group drops the kept connection (it may be broken); the next group
             # takes a fresh one.
             with self._kept.write() as conn:
-                results = list(ingest_batches(conn, batches=[g[0] for g in group], now=now,
-                                              cfg=self.cfg))
+                results = list(ingest_batches(conn, batches=batches, now=now, cfg=self.cfg))
         except Exception:
-            if len(group) > 1:
-                log.warning("ingest group of %d failed; retrying batch by batch", len(group),
+            if len(batches) > 1:
+                log.warning("ingest group of %d failed; retrying batch by batch", len(batches),
                             exc_info=True)
             results = []
-            for batch, _fut, _loop in group:
+            for batch in batches:
                 try:
                     with self.db.write() as conn:
                         results.append(ingest_batches(conn, batches=[batch], now=now,
@@ -122,7 +145,11 @@ class IngestWriter:
                     log.exception("ingest of agent %s seq %s failed", batch.agent_id, batch.seq)
                     results.append(e)
         self.groups += 1
-        self.batches += len(group)
+        self.batches += len(batches)
+        return results
+
+    def _write(self, group: list[_Item]) -> None:
+        results = self._store([g[0] for g in group])
         for (_batch, fut, loop), res in zip(group, results, strict=True):
             # RuntimeError: the request's event loop is gone (shutdown).
             with contextlib.suppress(RuntimeError):

@@ -145,10 +145,10 @@ class BodySizeLimit:
                 try:
                     declared = int(value)
                 except ValueError:
-                    await self._refuse(send, 400, "Content-Length is not a number")
+                    await refuse_body(send, 400, "Content-Length is not a number")
                     return
                 if declared > self.max_bytes:
-                    await self._refuse(send, 413, self._msg(declared))
+                    await refuse_body(send, 413, body_too_large(declared, self.max_bytes))
                     return
                 break
         seen = 0
@@ -160,7 +160,7 @@ class BodySizeLimit:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
-                    raise BodyTooLarge(self._msg(seen))
+                    raise BodyTooLarge(body_too_large(seen, self.max_bytes))
             return msg
 
         async def tracking_send(msg: Message) -> None:
@@ -173,15 +173,18 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(send, 413, self._msg(seen))
+                await refuse_body(send, 413, body_too_large(seen, self.max_bytes))
 
-    def _msg(self, n: int) -> str:
-        return f"request body of {n} bytes is over the limit of {self.max_bytes} bytes"
 
-    @staticmethod
-    async def _refuse(send: Any, code: int, detail: str) -> None:
-        body = json.dumps({"detail": detail}).encode()
-        await send({"type": "http.response.start", "status": code,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+
+def body_too_large(n: int, max_bytes: int) -> str:
+    return f"request body of {n} bytes is over the limit of {max_bytes} bytes"
+
+
+async def refuse_body(send: Any, code: int, detail: str) -> None:
+    """Answer ``code`` with ``{"detail": ...}`` (the body was not read, or not all of it)."""
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": code,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

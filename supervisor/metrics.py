@@ -318,16 +318,38 @@ class StoreCollector(Collector):
 # request metrics (a pure ASGI middleware) and the /metrics route
 
 
-class RequestMetrics:
-    """Counts requests by method, route template and status; times the ingest route."""
+class RequestCounters:
+    """The request counter (by method, route template and status) and the ingest latency
+    histogram, shared by ``RequestMetrics`` and the ingest route's own path
+    (``supervisor.api.ingest_path``)."""
 
-    def __init__(self, app: Any, *, registry: CollectorRegistry) -> None:
-        self.app = app
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("trainwarden_http_requests", "HTTP requests",
                                 ["method", "route", "status"], registry=registry)
         self.ingest = Histogram("trainwarden_ingest_latency_seconds",
                                 "Time to answer an ingest request", buckets=INGEST_BUCKETS,
                                 registry=registry)
+        self._children: dict[tuple[str, str, int], Any] = {}
+
+    def count(self, method: str, route: str, status: int) -> None:
+        key = (method, route, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self.requests.labels(method, route, str(status))
+            if len(self._children) < 10_000:  # (route templates: a bounded set)
+                self._children[key] = child
+        child.inc()
+
+    def ingest_latency(self, seconds: float) -> None:
+        self.ingest.observe(seconds)
+
+
+class RequestMetrics:
+    """Counts requests by method, route template and status; times the ingest route."""
+
+    def __init__(self, app: Any, *, counters: RequestCounters) -> None:
+        self.app = app
+        self.counters = counters
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -346,10 +368,9 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.requests.labels(scope.get("method", ""), route_template(scope, root),
-                                 str(status)).inc()
+            self.counters.count(scope.get("method", ""), route_template(scope, root), status)
             if scope.get("path") == INGEST_PATH:
-                self.ingest.observe(time.perf_counter() - t0)
+                self.counters.ingest_latency(time.perf_counter() - t0)
 
 
 def route_template(scope: dict[str, Any], root_path: str = "") -> str:
@@ -434,7 +455,9 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
         registry.register(OverloadCollector(overload))
     if leader is not None:
         registry.register(LeaderCollector(leader))
-    app.add_middleware(RequestMetrics, registry=registry)
+    counters = RequestCounters(registry)
+    app.add_middleware(RequestMetrics, counters=counters)
+    app.state.request_counters = counters
     router = APIRouter(tags=["metrics"])
 
     @router.get("/metrics", response_class=Response, include_in_schema=True)

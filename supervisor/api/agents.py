@@ -17,7 +17,6 @@ from supervisor.api.deps import (
     Credentials,
     OperatorAuth,
     Settings,
-    Writer,
     judge_registration,
     presented_credential,
 )
@@ -27,16 +26,10 @@ from supervisor.api.errors import (
     SeqConflictBody,
     validation_error_response,
 )
+from supervisor.ingest import IngestWriter
 from supervisor.store import credentials, registry
 from supervisor.store.db import Database
-from supervisor.store.ingest import (
-    CheckpointRefused,
-    IngestConfig,
-    IngestResult,
-    SeqConflict,
-    UnknownAgent,
-    ingest_batch,
-)
+from supervisor.store.ingest import CheckpointRefused, SeqConflict, UnknownAgent
 
 log = logging.getLogger("trainwarden.ingest")
 
@@ -109,17 +102,10 @@ INGEST_BODY = {
 }
 
 
-def _ingest_inline(db: Database, batch: wire.IngestBatch, now: float, cfg: IngestConfig
-                   ) -> IngestResult:
-    with db.write() as conn:
-        return ingest_batch(conn, batch=batch, now=now, cfg=cfg)
-
-
 @router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY,
              responses={409: {"model": SeqConflictBody,
                               "description": "The seq was already used for different content"}})
-async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
-                 creds: Credentials, _auth: AgentAuth) -> Response:
+async def ingest(request: Request, _auth: AgentAuth) -> Response:
     """Store one batch of the agent whose credential comes in the
     ``X-Trainwarden-Agent-Credential`` header (another agent's, a revoked or a missing one:
     403, nothing stored; the ``X-Trainwarden-Credential: invalid`` header says to register
@@ -130,26 +116,28 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
     carries the agent's unacknowledged commands and the checkpoints its workers' retention
     must keep (``protect``).
 
-    The hot path, kept lean on purpose: the body is validated straight from its bytes by
-    pydantic (NaN/Infinity tokens accepted), the store work runs inline (SQLite) or in the
-    ingest writer's group commit (Postgres, see ``supervisor.ingest``), and the reply is
-    rendered here; FastAPI's body parameter and response model would each add per-request
-    work."""
+    The hot path, kept lean on purpose: it is answered ahead of the middleware stack
+    (``supervisor.api.ingest_path``), the body is validated straight from its bytes by
+    pydantic (NaN/Infinity tokens accepted), batches are stored by the ingest writer's group
+    commit (``supervisor.ingest``), and the reply is rendered here."""
+    return await store_batch(request, await request.body())
+
+
+async def store_batch(request: Request, body: bytes) -> Response:
+    """The ingest route's work once its token is checked: validate ``body``, check the
+    agent's credential, store the batch and render the reply.  ``supervisor.api.ingest_path``
+    calls it ahead of the middleware stack; the route above is the same for a caller that
+    reaches the router.  Raises ``HTTPException`` (403, 404) as a route does."""
+    state = request.app.state
+    db: Database = state.db
     try:
-        batch = wire.IngestBatch.model_validate_json(await request.body())
+        batch = wire.IngestBatch.model_validate_json(body)
     except ValidationError as e:
         return validation_error_response(e.errors(), prefix=("body",))
-    creds.check(db, batch.agent_id, presented_credential(request))
-
+    state.agent_credentials.check(db, batch.agent_id, presented_credential(request))
+    writer: IngestWriter = state.ingest_writer
     try:
-        if db.is_sqlite:
-            # SQLite: inline on the event loop, one transaction per batch.  Its writes are
-            # CPU-bound and serialised, and a thread hop per request (or per group) measured
-            # slower: the GIL hand-offs cost more than the grouping saves.
-            res = _ingest_inline(db, batch, clock(), writer.cfg)
-        else:
-            # Postgres: group commit through the ingest writer thread.
-            res = await writer.submit(batch)
+        res = await writer.submit(batch)
     except CheckpointRefused as e:
         # Nothing of the batch is stored; the agent sets it aside (a 4xx is final).
         return validation_error_response(e.errors, prefix=("body",))
@@ -162,12 +150,13 @@ async def ingest(request: Request, db: DB, clock: ClockDep, writer: Writer,
         log.warning("refused batch: %s", e)
         return SafeJSONResponse(status_code=status.HTTP_409_CONFLICT,
                                 content={"detail": str(e), "next_seq": e.next_seq})
+    now = state.clock()
     # How late a batch is stored (from when the agent made it: its wait in the agent's spool,
     # the network, our queue and the store) tells an overloaded supervisor from lost nodes.
-    request.app.state.delivery.observe(batch.agent_id, batch.made_at(), clock())
+    state.delivery.observe(batch.agent_id, batch.made_at(), now)
     reply = {"seq": batch.seq, "duplicate": res.duplicate, "attempt": res.attempt,
              "commands": res.commands, "protect": res.protect}
-    every = request.app.state.evaluator.advised_batch_interval()
+    every = state.evaluator.advised_batch_interval()
     if every is not None:  # backpressure: fewer, larger batches while it is behind
         reply["batch_interval_s"] = every
     return Response(json.dumps(reply, separators=(",", ":")), media_type="application/json")

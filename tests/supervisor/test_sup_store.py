@@ -127,9 +127,47 @@ def test_ingest_writer_groups_and_answers_each_batch(db: Database) -> None:
     assert isinstance(out[-1], ingest.UnknownAgent)
     assert all(isinstance(r, ingest.IngestResult) and not r.duplicate for r in out[:-1])
     assert writer.batches == 16 and 1 <= writer.groups <= 16
+    if db.is_sqlite:  # written on the loop: every batch submitted in one iteration, one group
+        assert writer.inline
+        assert writer.groups == 1
     with db.read() as c:
         assert count_rows(c, "rank_steps") == 15
         assert count_rows(c, "step_aggregates") == 5
+
+
+def test_ingest_writer_retries_a_failed_group_batch_by_batch(
+        db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One batch that breaks its group's transaction fails alone: its neighbours are stored
+    and answered."""
+    import asyncio
+
+    import supervisor.ingest as writer_mod
+    from supervisor.ingest import IngestWriter
+
+    real = writer_mod.ingest_batches
+
+    def breaks_on_seq_7(conn: Any, *, batches: Any, **kw: Any) -> Any:
+        if any(b.seq == 7 for b in batches):
+            raise RuntimeError("broken batch")
+        return real(conn, batches=batches, **kw)
+
+    monkeypatch.setattr(writer_mod, "ingest_batches", breaks_on_seq_7)
+    ids = agents(db, 3)
+    writer = IngestWriter(db, clock=lambda: 50.0)
+
+    async def main() -> list[Any]:
+        subs = [writer.submit(batch(a, 0, [step(i, 0)])) for i, a in enumerate(ids)]
+        subs.append(writer.submit(batch(ids[0], 7, [step(0, 1)])))
+        return await asyncio.gather(*subs, return_exceptions=True)
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        writer.stop()
+    assert all(isinstance(r, ingest.IngestResult) for r in out[:3]), out
+    assert isinstance(out[3], RuntimeError)
+    with db.read() as c:
+        assert count_rows(c, "rank_steps") == 3
 
 
 def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> None:

@@ -1,0 +1,109 @@
+"""``IngestPath``: ``POST /api/v1/ingest`` answered ahead of the middleware stack.
+
+Every node agent posts a batch a second: at thousands of agents the ingest route is nearly
+all of the supervisor's requests, and each layer of the stack (body limits, JSON bodies,
+cookies, ETags, request metrics, security headers, routing, dependency resolution) costs it
+time per request that none of them needs to spend on it.  This middleware sits outermost
+among the app's own and does for the ingest route what those layers would, once:
+
+* the body limit (``server.max_body_bytes``): 413 from the declared length or the bytes read;
+* the token check (``TokenCheck("agent")``, the route's dependency): 401/403 as the route;
+* the route's work (``agents.store_batch``), its errors rendered as FastAPI renders them;
+* the security headers (``supervisor.headers``) on every answer;
+* the request counter and the ingest latency histogram (``supervisor.metrics``).
+
+Any other request, and any other method on the path, goes down the stack as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from supervisor.api.agents import store_batch
+from supervisor.api.deps import TokenCheck
+from supervisor.headers import HEADERS
+from supervisor.limits import body_too_large, refuse_body
+from supervisor.metrics import INGEST_PATH, RequestCounters
+
+log = logging.getLogger("trainwarden.ingest")
+
+_AGENT = TokenCheck("agent")
+
+
+class _Disconnected(Exception):
+    pass
+
+
+class IngestPath:
+    def __init__(self, app: Any, *, max_bytes: int, counters: RequestCounters) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.counters = counters
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or scope.get("path") != INGEST_PATH
+                or scope.get("method") != "POST"):
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+
+        async def secured_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers = list(message.get("headers") or [])
+                have = {k.lower() for k, _ in headers}
+                headers += [(k, v) for k, v in HEADERS if k not in have]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self._answer(scope, receive, secured_send)
+        except _Disconnected:
+            status = 499  # the client went away before its body arrived: nothing stored
+        finally:
+            self.counters.count("POST", INGEST_PATH, status)
+            self.counters.ingest_latency(time.perf_counter() - t0)
+
+    async def _answer(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    await refuse_body(send, 400, "Content-Length is not a number")
+                    return
+                if declared > self.max_bytes:
+                    await refuse_body(send, 413, body_too_large(declared, self.max_bytes))
+                    return
+                break
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                await refuse_body(send, 413, body_too_large(seen, self.max_bytes))
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        request = Request(scope)
+        response: Response
+        try:
+            await _AGENT(request)
+            response = await store_batch(request, b"".join(chunks))
+        except HTTPException as e:  # as FastAPI's handler renders it
+            response = JSONResponse({"detail": e.detail}, status_code=e.status_code,
+                                    headers=e.headers)
+        await response(scope, receive, send)
