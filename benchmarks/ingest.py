@@ -153,6 +153,48 @@ def step_items(step: int, now: float, attempt: int = 0, node: int = 0,
     return out
 
 
+# Pre-formatted random values: the load generator shares the supervisor's 2 cores, and
+# formatting ~500 random floats a batch with json.dumps cost it most of a core at 2,048
+# agents (a real agent sends from its own node).  The values vary as step_items' do.
+_POOL = 1024
+_POOL_DATA = [repr(0.002 + random.random() * 0.003) for _ in range(_POOL)]
+_POOL_COMPUTE = [repr(0.12 + random.random() * 0.02) for _ in range(_POOL)]
+_POOL_STEP_S = [repr(0.95 + random.random() * 0.03) for _ in range(_POOL)]
+_POOL_LOSS = [repr(random.random() * 0.05) for _ in range(_POOL)]
+_POOL_GRAD = [repr(0.8 + random.random()) for _ in range(_POOL)]
+_POOL_CPU = [repr(99.0 + random.random()) for _ in range(_POOL)]
+
+
+def encode_batch(agent_id: int, seq: int, sent_at: float, made: float, steps: range,
+                 node: int, world: int) -> bytes:
+    """The JSON body ``json.dumps`` would make of the batch of ``steps`` (``step_items``
+    each) and the heartbeat, built from pre-formatted values."""
+    t = repr(made)
+    out = []
+    pick = random.randrange
+    for k in steps:
+        for local in range(RANKS):
+            r = node * RANKS + local
+            loss = repr(2.5 - k * 1e-4 + float(_POOL_LOSS[pick(_POOL)]))
+            out.append(
+                f'{{"type": "step", "v": 1, "attempt": 0, "rank": {r}, "local_rank": {local}, '
+                f'"world_size": {world}, "pid": {1000 + local}, "step": {k}, "t": {t}, '
+                f'"batch_index": {k * world + r}, "loss": {loss}, "samples": 32, '
+                f'"tokens": 65536, "lr": 0.0003, "grad_norm": {_POOL_GRAD[pick(_POOL)]}, '
+                f'"data_s": {_POOL_DATA[pick(_POOL)]}, '
+                f'"compute_s": {_POOL_COMPUTE[pick(_POOL)]}, '
+                f'"step_s": {_POOL_STEP_S[pick(_POOL)]}, "dropped": 0}}')
+    workers = ", ".join(
+        f'{{"rank": {node * RANKS + i}, "local_rank": {i}, "pid": {1000 + i}, '
+        f'"cpu_percent": {_POOL_CPU[pick(_POOL)]}, "rss_bytes": {6 * 2**30}}}'
+        for i in range(RANKS))
+    out.append(f'{{"type": "heartbeat", "t": {t}, "attempt": 0, "state": "running", '
+               f'"workers": [{workers}], "disk_free_bytes": {10**12}, '
+               f'"disk_total_bytes": {2 * 10**12}}}')
+    return (f'{{"agent_id": {agent_id}, "seq": {seq}, "sent_at": {sent_at!r}, "attempt": 0, '
+            f'"dropped": 0, "items": [{", ".join(out)}]}}').encode()
+
+
 class Conn:
     """Minimal HTTP/1.1 keep-alive client (POST JSON, read a Content-Length response)."""
 
@@ -210,11 +252,7 @@ async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
         now = time.time()
         made = now - (time.monotonic() - due)  # when it was due: the agent spools it then
         upto = int(due - (t0 + offset)) + 1  # steps done by now, one a second
-        items = [it for k in range(step, upto) for it in step_items(k, made, node=node,
-                                                                    world=world)]
-        items.append(heartbeat(made, node))
-        body = json.dumps({"agent_id": agent_id, "seq": seq, "sent_at": now, "attempt": 0,
-                           "dropped": 0, "items": items}).encode()
+        body = encode_batch(agent_id, seq, now, made, range(step, upto), node, world)
         try:
             status, reply = await conn.post("/api/v1/ingest", body)
         except (OSError, asyncio.IncompleteReadError):

@@ -321,3 +321,33 @@ def test_the_goodput_step_read_returns_every_value_exactly(db: Database) -> None
         assert [(g[0], g[1], sorted(g[3])) for g in rest] == \
             [(e[0], e[1], sorted(e[3])) for e in expected(plain[20:])]
         assert read(upto2, 10) == (upto2, [])
+
+
+def test_numbered_placeholders_for_the_raw_cursor() -> None:
+    """Postgres multi-row statements go unparsed on a raw cursor: each %s becomes the next
+    $n and an escaped %% a literal percent sign."""
+    from supervisor.store.ingest import _numbered
+
+    assert _numbered("INSERT INTO t (a, b) VALUES (%s, %s), (%s, %s)") == (
+        "INSERT INTO t (a, b) VALUES ($1, $2), ($3, $4)")
+    assert _numbered("SELECT %s WHERE x LIKE 'a%%' AND y = %s") == (
+        "SELECT $1 WHERE x LIKE 'a%' AND y = $2")
+
+
+def test_a_group_of_many_batches_is_stored_whole(db: Database) -> None:
+    """A group large enough for multi-row statements of hundreds of rows (the raw-cursor
+    path on Postgres) stores every row once and answers every batch."""
+    ids = agents(db, 4)
+    batches = [batch(a, s, [step(r, s) for r in range(8 * i, 8 * i + 8)])
+               for s in range(40) for i, a in enumerate(ids)]
+    with db.write() as c:
+        out = ingest.ingest_batches(c, batches=batches, now=50.0)
+    assert all(isinstance(r, ingest.IngestResult) and not r.duplicate for r in out)
+    with db.read() as c:
+        assert count_rows(c, "rank_steps") == 4 * 8 * 40
+        assert count_rows(c, "step_aggregates") == 40
+    with db.write() as c:  # the same group again: all duplicates, nothing more stored
+        again = ingest.ingest_batches(c, batches=batches, now=51.0)
+    assert all(isinstance(r, ingest.IngestResult) and r.duplicate for r in again)
+    with db.read() as c:
+        assert count_rows(c, "rank_steps") == 4 * 8 * 40
