@@ -204,14 +204,25 @@ class Conn:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        assert self.reader is not None
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
                 f"X-Trainwarden-Agent-Credential: {self.credential}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-        self.writer.write(head.encode() + body)
-        status_line = await self.reader.readline()
+        for _ in range(2):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection("127.0.0.1",
+                                                                         self.port)
+            assert self.reader is not None
+            self.writer.write(head.encode() + body)
+            status_line = await self.reader.readline()
+            if status_line:
+                break
+            # The server closed the idle keep-alive connection (its keep-alive timeout is
+            # shorter than a backed-off batch interval): send again on a new one, as an
+            # HTTP client does.
+            self.writer.close()
+            self.writer = None
+        if not status_line:
+            raise ConnectionResetError("the supervisor closed the connection")
         length = 0
         while True:
             line = await self.reader.readline()
