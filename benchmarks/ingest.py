@@ -5,7 +5,8 @@ reports ranks 8k..8k+7 of a world of 8N ranks, so the supervisor sees 8N distinc
 would from a real N-node job.  Each trains a step a second and sends a batch of the steps done
 so far (with the heartbeat the node agent puts in every batch, with its 8 workers) every
 second, or as often as the supervisor's replies ask (backpressure, as the agent does), over
-its own keep-alive HTTP connection.  Every level starts a fresh supervisor on a fresh
+its own keep-alive HTTP connection; it registers first and starts right after, as a node
+agent does (the measured seconds begin once every agent has registered and warmed up).  Every level starts a fresh supervisor on a fresh
 database, with the evaluator ticking as it does in production.  For each level the table
 shows the sustained rank-steps/s against the offered load, the p50/p99 ingest latency (from
 when the batch was due, so a backlog counts), the supervisor's RSS and CPU (its detectors'
@@ -208,12 +209,12 @@ class Conn:
                 f"X-Trainwarden-Agent-Credential: {self.credential}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
         for _ in range(2):
-            if self.writer is None:
+            if self.writer is None or self.reader is None:
                 self.reader, self.writer = await asyncio.open_connection("127.0.0.1",
                                                                          self.port)
-            assert self.reader is not None
+            reader = self.reader
             self.writer.write(head.encode() + body)
-            status_line = await self.reader.readline()
+            status_line = await reader.readline()
             if status_line:
                 break
             # The server closed the idle keep-alive connection (its keep-alive timeout is
@@ -225,13 +226,13 @@ class Conn:
             raise ConnectionResetError("the supervisor closed the connection")
         length = 0
         while True:
-            line = await self.reader.readline()
+            line = await reader.readline()
             if line in (b"\r\n", b""):
                 break
             k, _, v = line.decode().partition(":")
             if k.lower() == "content-length":
                 length = int(v)
-        payload = await self.reader.readexactly(length)
+        payload = await reader.readexactly(length)
         return int(status_line.split()[1]), payload
 
 
@@ -244,19 +245,39 @@ def heartbeat(now: float, node: int) -> dict[str, Any]:
             "disk_free_bytes": 10**12, "disk_total_bytes": 2 * 10**12}
 
 
-async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
-                     credential: str, t0: float, level: Level, measure_from: float,
-                     end: float) -> None:
-    """One node: a training step a second, a batch of the steps done so far every batch
-    interval (1 s, or what the supervisor's reply asks for while it is behind, as the agent
-    does).  Latency is from when the batch was due."""
-    conn = Conn(port, credential)
-    seq = seq0
+@dataclass
+class Window:
+    """The measured part of a level: set once every agent has registered."""
+
+    measure_from: float = float("inf")
+    end: float = float("inf")
+
+
+async def agent_loop(port: int, node: int, world: int, run: str, level: Level,
+                     window: Window, registered: list[int]) -> None:
+    """One node: it registers, then trains a step a second and sends a batch of the steps
+    done so far every batch interval (1 s, or what the supervisor's reply asks for while it
+    is behind, as the agent does).  Latency is from when the batch was due.
+
+    Each agent starts right after its own registration, as a node agent does: registered
+    all at once ahead of the load, the first nodes would be silent for as long as the last
+    ones take to register (33 s at 2,048 agents on Postgres), and rightly lost."""
+    conn = Conn(port)
+    status, reply = await conn.post("/api/v1/agents/register", json.dumps(
+        {"run": run, "node": f"node{node:04d}", "hostname": f"h{node}", "pid": 1,
+         "command": ["torchrun"], "nproc_per_node": RANKS}).encode())
+    if status != 200:
+        raise RuntimeError(f"registration of node {node} failed: {status} {reply[:200]!r}")
+    reg = json.loads(reply)
+    agent_id, seq, credential = reg["agent_id"], reg["next_seq"], str(reg.get("credential", ""))
+    conn.credential = credential
+    registered.append(agent_id)
+    t0 = time.monotonic()
     offset = random.random()  # agents are not synchronised
     interval = 1.0
     step = 0  # the next step to report
     due = t0 + offset
-    while due < end:
+    while due < window.end:
         delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -274,7 +295,7 @@ async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
             advised = json.loads(reply).get("batch_interval_s")
             interval = float(advised) if advised else 1.0
             level.max_interval_s = max(level.max_interval_s, interval)
-        if due >= measure_from:
+        if due >= window.measure_from:
             level.sent += 1
             if status == 200:
                 level.ok += 1
@@ -289,47 +310,40 @@ async def agent_loop(port: int, node: int, world: int, agent_id: int, seq0: int,
         due += interval
 
 
-def register_agents(ports: list[int], run: str, n: int) -> list[tuple[int, int, str]]:
-    out = []
-    clients = [httpx.Client(base_url=f"http://127.0.0.1:{p}", timeout=30,
-                            headers={"Authorization": f"Bearer {TOKEN}"}) for p in ports]
-    try:
-        for i in range(n):
-            r = clients[i % len(clients)].post(
-                "/api/v1/agents/register",
-                json={"run": run, "node": f"node{i:04d}", "hostname": f"h{i}", "pid": 1,
-                      "command": ["torchrun"], "nproc_per_node": RANKS})
-            r.raise_for_status()
-            out.append((r.json()["agent_id"], r.json()["next_seq"],
-                        str(r.json().get("credential", ""))))
-    finally:
-        for c in clients:
-            c.close()
-    return out
-
-
 def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: float) -> Level:
     """One level against one supervisor, or against replicas of one (agent k sends to
     replica k mod N, as a load balancer would spread them)."""
     level = Level(agents=n_agents, seconds=seconds, latencies_ms=[], replicas=len(sups))
     run = f"bench-{n_agents}-{uuid.uuid4().hex[:4]}"
-    agents = register_agents([s.port for s in sups], run, n_agents)
 
     def cpu_s() -> float:
         return sum(s.cpu_s() for s in sups)
 
     async def main() -> None:
-        t0 = time.monotonic() + 0.2
-        measure_from = t0 + warmup
-        end = measure_from + seconds
         world = n_agents * RANKS
-        tasks = [asyncio.create_task(agent_loop(sups[node % len(sups)].port, node, world, aid,
-                                                seq, cred, t0, level, measure_from, end))
-                 for node, (aid, seq, cred) in enumerate(agents)]
-        await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
+        window = Window()
+        registered: list[int] = []
+        reg0 = time.monotonic()
+        tasks = [asyncio.create_task(agent_loop(sups[node % len(sups)].port, node, world, run,
+                                                level, window, registered))
+                 for node in range(n_agents)]
+        deadline = reg0 + 300
+        while len(registered) < n_agents:  # the warmup counts from the last registration
+            failed = [t for t in tasks if t.done() and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(registered)} of {n_agents} agents registered in "
+                                   "300 s")
+            await asyncio.sleep(0.1)
+        print(f"   {n_agents} agents registered in {time.monotonic() - reg0:.1f} s",
+              flush=True)
+        window.measure_from = time.monotonic() + warmup
+        window.end = window.measure_from + seconds
+        await asyncio.sleep(warmup)
         cpu0, w0 = cpu_s(), time.monotonic()
         rss = 0.0
-        while time.monotonic() < end:
+        while time.monotonic() < window.end:
             await asyncio.sleep(0.5)
             rss = max(rss, sum(s.rss_mb() for s in sups))
         await asyncio.gather(*tasks)  # drain: a backlog shows as latency and lower rate
@@ -340,7 +354,11 @@ def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: flo
     asyncio.run(main())
     with httpx.Client(base_url=f"http://127.0.0.1:{sups[0].port}", timeout=30,
                       headers={"Authorization": f"Bearer {OP_TOKEN}"}) as c:
-        level.incidents = len(c.get(f"/api/v1/runs/{run}/incidents").json()["incidents"])
+        opened = c.get(f"/api/v1/runs/{run}/incidents").json()["incidents"]
+    level.incidents = len(opened)
+    for inc in opened:  # (there should be none: say what they were)
+        print(f"   incident on the healthy run: {inc.get('kind')}: {inc.get('summary')} "
+              f"{inc.get('details')}"[:600], flush=True)
     return level
 
 
