@@ -140,17 +140,8 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await refuse_body(send, 400, "Content-Length is not a number")
-                    return
-                if declared > self.max_bytes:
-                    await refuse_body(send, 413, body_too_large(declared, self.max_bytes))
-                    return
-                break
+        if await refused_declared_length(scope, send, self.max_bytes):
+            return
         seen = 0
         started = False
 
@@ -175,6 +166,22 @@ class BodySizeLimit:
             if not started:
                 await refuse_body(send, 413, body_too_large(seen, self.max_bytes))
 
+
+async def refused_declared_length(scope: Any, send: Any, max_bytes: int) -> bool:
+    """Answer 400 (a Content-Length that is not a number) or 413 (one over ``max_bytes``)
+    before the body is read; whether it did."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                await refuse_body(send, 400, "Content-Length is not a number")
+                return True
+            if declared > max_bytes:
+                await refuse_body(send, 413, body_too_large(declared, max_bytes))
+                return True
+            break
+    return False
 
 
 def body_too_large(n: int, max_bytes: int) -> str:

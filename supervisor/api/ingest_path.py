@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from supervisor.api.agents import store_batch
 from supervisor.api.deps import TokenCheck
 from supervisor.headers import HEADERS
-from supervisor.limits import body_too_large, refuse_body
+from supervisor.limits import body_too_large, refuse_body, refused_declared_length
 from supervisor.metrics import INGEST_PATH, RequestCounters
 
 log = logging.getLogger("trainwarden.ingest")
@@ -73,17 +73,8 @@ class IngestPath:
             self.counters.ingest_latency(time.perf_counter() - t0)
 
     async def _answer(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await refuse_body(send, 400, "Content-Length is not a number")
-                    return
-                if declared > self.max_bytes:
-                    await refuse_body(send, 413, body_too_large(declared, self.max_bytes))
-                    return
-                break
+        if await refused_declared_length(scope, send, self.max_bytes):
+            return
         chunks: list[bytes] = []
         seen = 0
         while True:
