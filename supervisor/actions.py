@@ -47,10 +47,19 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
     for h in history:
         cause = h["cause"] or RestartCause.CRASH
         by_cause[cause] = by_cause.get(cause, 0) + 1
-    wanted = sorted({*(steps or []), *(s for s, _ in ckpts)})
+    # A checkpoint's step: its batch in the newest attempt that trained it.  A step the
+    # decision names (a spike's start, where it was detected): its batch in the run's
+    # current attempt only.  An earlier attempt trained that step on another batch where a
+    # rollback skipped some, and rank 0's row of the step may not be stored yet when another
+    # rank's already showed the spike: then the policy counts on from the start's batch.
+    named = sorted(set(steps or []))
+    batch_index = rec.batch_indexes(conn, run_id=run_id,
+                                    steps=sorted({s for s, _ in ckpts} - set(named)))
+    batch_index.update(rec.batch_indexes(conn, run_id=run_id, steps=named,
+                                         attempt=int(run["attempt"])))
     return policy.RecoveryFacts(
         checkpoints=tuple(ckpts),
-        batch_index=rec.batch_indexes(conn, run_id=run_id, steps=wanted),
+        batch_index=batch_index,
         restarts_by_cause=by_cause,
         high_step=_high_step(conn, run_id),
         high_at_restarts=tuple(h["high_step"] for h in history),

@@ -269,9 +269,11 @@ def checkpoint_by(conn: Connection, *, run_id: int, checkpoint_id: int | None = 
     return cast(CheckpointRow, row(r)) if r else None
 
 
-def batch_indexes(conn: Connection, *, run_id: int, steps: Sequence[int]) -> dict[int, int]:
-    """step -> global batch index trained at that step (rank 0, the newest attempt): from
-    rank 0's rows, or for a step retention rolled up, from ``step_batches``."""
+def batch_indexes(conn: Connection, *, run_id: int, steps: Sequence[int],
+                  attempt: int | None = None) -> dict[int, int]:
+    """step -> global batch index trained at that step (rank 0, the newest attempt, or only
+    ``attempt``): from rank 0's rows, or for a step retention rolled up, from
+    ``step_batches``."""
     if not steps:
         return {}
     c, b = rank_steps.c, step_batches.c
@@ -280,5 +282,8 @@ def batch_indexes(conn: Connection, *, run_id: int, steps: Sequence[int]) -> dic
                    c.batch_index.is_not(None)))
     rolled = select(b.attempt, b.step, b.batch_index).where(b.run_id == run_id,
                                                             b.step.in_(list(steps)))
+    if attempt is not None:
+        kept = kept.where(c.attempt == attempt)
+        rolled = rolled.where(b.attempt == attempt)
     found = sorted([*conn.execute(kept), *conn.execute(rolled)], key=lambda r: int(r[0]))
     return {int(r[1]): int(r[2]) for r in found}

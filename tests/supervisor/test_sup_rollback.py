@@ -246,3 +246,37 @@ def test_rollback_body_sent_as_curl_sends_it_is_read_as_json(
     assert r.status_code == 202, r.text
     act = client.get(f"/api/v1/actions/{r.json()['action_id']}", headers=OPERATOR).json()
     assert act["reason"] == "by curl"
+
+
+def test_a_recurring_spike_is_sized_on_the_current_attempts_batches(
+        client: TestClient, db: Database) -> None:
+    """After a rollback that skipped batches, attempt 1 trains step s on another batch than
+    attempt 0 did.  When the spike comes back, the steps the decision names (its start, where
+    it was detected) are looked up in attempt 1 only: rank 0's row of the detection step may
+    not be stored yet (rank 1's showed the spike), and attempt 0's batch for that step would
+    shrink the widened skip to nothing (a CI run skipped batches 241-242 instead of 241-362)."""
+    from sup_helpers import register
+
+    from supervisor import actions
+    from supervisor.store import registry
+    from supervisor.store.tables import runs
+
+    a = register(client)["agent_id"]
+    seq = 0
+    for s in (150, 190, 240):  # attempt 0: batch = step
+        ingest(client, a, seq, [step(r, s, batch_index=s) for r in (0, 1)])
+        seq += 1
+    with db.write() as conn:
+        run_id = registry.get_run_by_name(conn, name="r1")["id"]
+        conn.execute(runs.update().where(runs.c.id == run_id).values(attempt=1))
+    # attempt 1 resumed at 150 skipping batches 190-250: step 190 trains batch 251
+    ingest(client, a, seq, [step(r, 190, attempt=1, batch_index=251) for r in (0, 1)],
+           attempt=1)
+    ingest(client, a, seq + 1, [step(1, 240, attempt=1, batch_index=301)], attempt=1)
+    with db.read() as conn:
+        run = registry.get_run_by_name(conn, name="r1")
+        facts = actions.recovery(conn, run, [190, 240])
+    assert facts.batch_index[190] == 251
+    assert 240 not in facts.batch_index  # rank 0 has not reported it in attempt 1
+    skip, _ = policy.rollback_plan(190, 240, 150, facts, DEFAULT, done=1)
+    assert skip == ((241, 362),)  # 10 before batch 251 through 301 (= 251 + 50), doubled
