@@ -1,9 +1,9 @@
 """The agent: ``tick()`` is one iteration, ``run()`` a thin loop around it.
 
 One tick: echo torchrun's output, drain the worker socket, notice torchrun's exit, apply
-commands, and spool a batch when one is due (every ``batch_interval_s``, at once when an
-event, checkpoint, exit or command result is waiting).  The network is the uplink thread's
-business; a tick never waits on it.
+commands, and spool a batch when one is due (every ``batch_interval_s``, at the agent's own
+phase of it: ``agent.schedule``; at once when an event, checkpoint, exit or command result is
+waiting).  The network is the uplink thread's business; a tick never waits on it.
 
 Before launching, the agent registers (for at most ``register_wait_s``): the reply names the
 run, by the uuid the supervisor gave it at creation, and the local state must belong to that
@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -37,6 +38,7 @@ from agent.executor import Executor
 from agent.launcher import ExitInfo, Launcher, PopenFactory
 from agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
 from agent.pins import CheckpointPins
+from agent.schedule import batch_due
 from agent.statefile import load_json, save_json
 from agent.uplink import Uplink
 from agent.version import version
@@ -97,6 +99,7 @@ class Agent:
         threaded_uplink: bool = True,
         echo: bool = True,
         gpu_module: Any = None,
+        batch_phase: float | None = None,
     ) -> None:
         self.cfg = config
         self.clock = clock
@@ -121,6 +124,9 @@ class Agent:
         self.exit_reported = False
         self.result: int | None = None  # set when the agent should end, with its exit code
         self.last_batch = float("-inf")
+        # This agent's phase of the batch interval (``agent.schedule``): drawn per agent so
+        # the nodes of a run spread their batches evenly, whatever interval they are asked for.
+        self.batch_phase = random.random() if batch_phase is None else batch_phase
         self._signal: int | None = None
         self._registered_attempt_checked = False
         self.started_at = clock()
@@ -425,7 +431,7 @@ class Agent:
             self.launcher.stop_step()
         if self.state == AgentState.STOPPING and self.stopped():
             self.state = AgentState.STOPPED  # e.g. a restart waiting for its not_before
-        if self.urgent or self.clock() - self.last_batch >= self.batch_interval_s():
+        if self.urgent or self.batch_due():
             self.send_batch()
         if not self.threaded_uplink:
             self.uplink.pump()
@@ -546,6 +552,12 @@ class Agent:
         """Ours, or the longer one an overloaded supervisor asked for (events that cannot
         wait, an exit, a crash, still go at once: ``urgent``)."""
         return max(self.cfg.batch_interval_s, self.uplink.advised_interval_s or 0.0)
+
+    def batch_due(self) -> bool:
+        """Whether this agent's next regular batch is due: at its own phase of the
+        current batch interval (``agent.schedule``)."""
+        return batch_due(now=self.clock(), last=self.last_batch,
+                         interval_s=self.batch_interval_s(), phase=self.batch_phase)
 
     def send_batch(self) -> None:
         items, self.pending = self.pending, []

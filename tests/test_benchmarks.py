@@ -42,11 +42,7 @@ def test_ingest_load_generator_sends_what_step_items_describe() -> None:
     supervisor's schema accepts them."""
     import json
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import ingest as bench
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = _ingest_bench()
     from supervisor import wire
 
     body = bench.encode_batch(7, 3, 1000.5, 999.25, range(4, 6), node=2, world=64)
@@ -67,3 +63,70 @@ def test_ingest_load_generator_sends_what_step_items_describe() -> None:
     assert [w["rank"] for w in got["items"][-1]["workers"]] == list(range(16, 24))
     assert len({s["loss"] for s in steps}) > 1  # the values vary
     wire.IngestBatch.model_validate_json(body)
+
+
+def _ingest_bench():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import ingest as bench
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return bench
+
+
+def test_ingest_load_generator_batches_at_each_nodes_phase_of_the_interval() -> None:
+    """Nodes that read a longer interval in the same second keep spread over all of it (as
+    the agent does): their next batches land at their phases, not one interval after the
+    last one, all in the same second."""
+    bench = _ingest_bench()
+    n, interval = 400, 4.0
+    nxt = [bench.next_slot(100.0 + i / n, interval, (i * 0.6180339887) % 1.0)
+           for i in range(n)]
+    assert all(100.0 < t <= 101.0 + interval for t in nxt)
+    per_second = [sum(1 for t in nxt if s <= t - 100.0 < s + 1) for s in range(5)]
+    assert max(per_second) <= 1.5 * n / interval, per_second
+    assert bench.next_slot(103.0, interval, 0.25) == 107.0  # boundaries (k - 0.25) x 4
+
+
+def test_ingest_benchmark_checks_every_acknowledged_row_against_the_store(
+        tmp_path: Path) -> None:
+    """``check_stored`` counts an acknowledged row missing from the store and a row stored
+    twice (a level with either has not met its target)."""
+    bench = _ingest_bench()
+    from supervisor import migrate
+    from supervisor.store import ingest, registry
+    from supervisor.store.db import make_database
+    from supervisor.wire import RegisterRequest
+
+    url = f"sqlite:///{tmp_path}/b.db"
+    migrate.upgrade(url)
+    db = make_database(url, pool_size=1)
+    try:
+        with db.write() as conn:
+            reg = registry.register_agent(conn, req=RegisterRequest(run="r", node="n"),
+                                          now=1000.0)
+            rows = [{"run_id": reg["run_id"], "attempt": 0, "step": st, "rank": rank,
+                     "t": 1000.0 + st} for rank in range(bench.RANKS) for st in range(3)]
+            ingest.bulk_insert_rank_steps(conn, rows=rows)
+    finally:
+        db.dispose()
+    assert bench.check_stored(url, "r", {0: 3}) == (0, 0)
+    assert bench.check_stored(url, "r", {0: 4}) == (bench.RANKS, 0)  # step 3 never stored
+    db = make_database(url, pool_size=1)
+    try:
+        with db.write() as conn:
+            ingest.bulk_insert_rank_steps(conn, rows=rows[:1])
+    finally:
+        db.dispose()
+    assert bench.check_stored(url, "r", {0: 3}) == (0, 1)
+
+
+def test_ingest_benchmark_smoke() -> None:
+    """A tiny level end to end: a real supervisor, every acknowledged row stored once."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "ingest.py"), "--db", "sqlite",
+                           "--agents", "8", "--seconds", "3", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = [ln for ln in proc.stdout.splitlines() if ln.startswith("sqlite ")][-1].split()
+    assert row[-1] == "0/0", proc.stdout[-2000:]  # lost / doubled
+    assert "largest cluster with p99 < 100 ms: 8 agents" in proc.stdout, proc.stdout[-2000:]
