@@ -56,6 +56,7 @@ TOKEN = "bench-agent-token"
 OP_TOKEN = "bench-operator-token"
 RANKS = 8
 P99_TARGET_MS = 100.0
+SCHEDULES = ("phase", "after-last")
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Level:
     lost: int = -1  # acknowledged (rank, step) rows missing from the store
     doubled: int = -1  # (rank, step) rows stored more than once
     replicas: int = 1  # supervisor processes sharing the database
+    schedule: str = "phase"  # when a node's next batch goes (SCHEDULES)
     latencies_ms: list[float] | None = None
     rss_mb: float = 0.0
     cpu_s: float = 0.0
@@ -332,7 +334,8 @@ async def agent_loop(port: int, node: int, world: int, run: str, level: Level,
             unsent = None
         else:
             unsent = (body, upto)
-        due = next_slot(due, interval, phase)
+        due = (next_slot(due, interval, phase) if level.schedule == "phase"
+               else due + interval)
 
 
 def next_slot(after: float, interval: float, phase: float) -> float:
@@ -341,13 +344,17 @@ def next_slot(after: float, interval: float, phase: float) -> float:
     when the supervisor asks every node for a longer interval at once their batches stay
     spread over it (one interval after the previous batch, they would all arrive within the
     second in which they read the advice)."""
-    return (math.floor(after / interval + phase) + 1 - phase) * interval
+    t = (math.floor(after / interval + phase) + 1 - phase) * interval
+    # (``after`` on a boundary can round to the slot before it: never the same time again)
+    return t if t > after else t + interval
 
 
-def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: float) -> Level:
+def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: float,
+              schedule: str = "phase") -> Level:
     """One level against one supervisor, or against replicas of one (agent k sends to
     replica k mod N, as a load balancer would spread them)."""
-    level = Level(agents=n_agents, seconds=seconds, latencies_ms=[], replicas=len(sups))
+    level = Level(agents=n_agents, seconds=seconds, latencies_ms=[], replicas=len(sups),
+                  schedule=schedule)
     run = f"bench-{n_agents}-{uuid.uuid4().hex[:4]}"
 
     def cpu_s() -> float:
@@ -459,8 +466,8 @@ def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
 
 
 def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels: list[int],
-             seconds: float, warmup: float, stop_after_miss: bool, replicas: int = 1
-             ) -> list[tuple[Level, float]]:
+             seconds: float, warmup: float, stop_after_miss: bool, replicas: int = 1,
+             schedule: str = "phase") -> list[tuple[Level, float]]:
     """Each level on a fresh supervisor (``replicas`` of them on Postgres) and database
     (``fresh_url(label)`` makes one and drops it after), then the raw-insert baseline on
     another fresh database."""
@@ -474,7 +481,7 @@ def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels:
             try:
                 for _ in range(replicas):  # one after the other: the first one migrates
                     sups.append(Supervisor(url, Path(tmp)))
-                lvl = run_level(sups, n, seconds, warmup)
+                lvl = run_level(sups, n, seconds, warmup, schedule)
             finally:
                 for sup in sups:
                     sup.stop()
@@ -524,16 +531,22 @@ def main() -> int:
     p.add_argument("--replicas", default="1",
                    help="Postgres: comma-separated supervisor replica counts to measure "
                         "(e.g. 1,2: the scaling from one replica to two)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="phase",
+                   help="when a simulated node sends its next batch: 'phase' at its own phase "
+                        "of the interval, as the agent does; 'after-last' one interval after "
+                        "its previous batch, for comparison (nodes told to batch less often "
+                        "in the same second then stay bunched in that second)")
     p.add_argument("--all-levels", action="store_true",
                    help="keep going after a level misses the p99 target")
     args = p.parse_args()
     levels = [int(x) for x in args.agents.split(",")]
     print("command:", shlex.join([sys.executable, *sys.argv]))
-    print(f"machine: {os.cpu_count()} CPUs; {RANKS} ranks per agent, 1 batch/agent/s")
+    print(f"machine: {os.cpu_count()} CPUs; {RANKS} ranks per agent, 1 batch/agent/s; "
+          f"batch schedule: {args.schedule}")
     results: dict[str, list[tuple[Level, float]]] = {}
     if args.db in ("sqlite", "both"):
         results["sqlite"] = bench_db("sqlite", sqlite_url, levels, args.seconds, args.warmup,
-                                     not args.all_levels)
+                                     not args.all_levels, schedule=args.schedule)
     if args.db in ("postgres", "both"):
         if not args.postgres_url:
             print("\n(no --postgres-url / TRAINWARDEN_TEST_POSTGRES_URL: Postgres skipped)")
@@ -541,7 +554,8 @@ def main() -> int:
             for n in [int(x) for x in args.replicas.split(",")]:
                 results[f"postgres x{n}" if n > 1 else "postgres"] = bench_db(
                     "postgres", lambda label: postgres_url(args.postgres_url, label),
-                    levels, args.seconds, args.warmup, not args.all_levels, replicas=n)
+                    levels, args.seconds, args.warmup, not args.all_levels, replicas=n,
+                    schedule=args.schedule)
     print("\n" + HEADER)
     for name, rows in results.items():
         for lvl, raw in rows:

@@ -86,6 +86,14 @@ def test_ingest_load_generator_batches_at_each_nodes_phase_of_the_interval() -> 
     per_second = [sum(1 for t in nxt if s <= t - 100.0 < s + 1) for s in range(5)]
     assert max(per_second) <= 1.5 * n / interval, per_second
     assert bench.next_slot(103.0, interval, 0.25) == 107.0  # boundaries (k - 0.25) x 4
+    # from a boundary, the next one: never the same time again (a node that sent at a
+    # boundary which rounds to the slot before it would send again at once, forever)
+    import random
+    rng = random.Random(7)
+    for _ in range(20_000):
+        every, phase = rng.choice([1.0, 2.1, 4.0, 4.1]), rng.random()
+        t = bench.next_slot(rng.uniform(1e5, 1e6), every, phase)
+        assert bench.next_slot(t, every, phase) == pytest.approx(t + every), (t, every, phase)
 
 
 def test_ingest_benchmark_checks_every_acknowledged_row_against_the_store(
