@@ -3,6 +3,7 @@ the fence a deposed leader's decision meets, and the leadership of replicas on o
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from typing import Any
@@ -273,22 +274,50 @@ def test_a_new_leader_observes_from_when_it_took_the_lease(pg_db: Database,
     assert ev.observing_since == T0 + 120.0
 
 
+class _StartingObserver(ObserverProcess):
+    """The detectors' process as the leader sees it while the child still starts up: the
+    request is taken, and the answer comes only once ``answer`` is set (the real child takes
+    a Python start and its imports, half a second on a fast day, seconds on a busy one: too
+    variable to outlast a lease for sure).  The leader's side, waiting on the pipe with its
+    keepalive, is the real one."""
+
+    def __init__(self, *args: Any, answer: threading.Event, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answer = answer
+
+    def _start(self) -> Any:
+        parent, child = multiprocessing.Pipe()
+
+        def child_side() -> None:
+            child.recv()
+            self.answer.wait(30)
+            child.send({})  # (no run to observe)
+
+        threading.Thread(target=child_side, daemon=True).start()
+        self._conn = parent
+        return parent
+
+
 def test_a_leader_waiting_on_its_observer_process_keeps_the_lease(
         pg_db: Database, settings: Any) -> None:
-    """The first tick starts the detectors' process (seconds: a Python start and imports),
-    longer than this lease lasts (0.3 s); the leader renews while it waits, so a standby
-    trying all along never takes the lease."""
+    """The first tick waits on the detectors' process (starting up) for longer than twice
+    this lease lasts (0.3 s); the leader renews while it waits, so a standby trying all along
+    never takes the lease."""
     short = LeaseConfig(duration_s=0.3, renew_s=0.1)
+    answer = threading.Event()
     ev = Evaluator(pg_db, settings.policy_config(), detection=settings.detection_config())
-    ev.observer = ObserverProcess(pg_db.url, settings.detection_config())
+    ev.observer = _StartingObserver(pg_db.url, settings.detection_config(), answer=answer)
     la, lb = Leadership(pg_db, short, holder="a"), Leadership(pg_db, short, holder="b")
     led_a = LedEvaluator(ev, la, 0.5)
     stop, took = threading.Event(), []
 
     def standby() -> None:
+        first = time.monotonic()
         while not stop.is_set():
             if lb.step():
                 took.append(lb.epoch)
+            if time.monotonic() - first > 3 * short.duration_s:
+                answer.set()  # the standby has tried for three leases: the child answers
             stop.wait(0.02)
 
     th = threading.Thread(target=standby)
