@@ -19,7 +19,9 @@ import math
 def batch_due(*, now: float, last: float, interval_s: float, phase: float) -> bool:
     """True when a slot boundary of ``interval_s`` (shifted by ``phase`` of it) lies in
     ``(last, now]``: a batch is due.  ``last`` is when the previous batch went (``-inf``:
-    none yet, due at once)."""
-    if math.isinf(last):
+    none yet, due at once).  A clock that stepped back behind ``last`` (NTP correcting a
+    wall clock) makes a batch due at once too: waiting for the clock to pass ``last`` again
+    would silence the node's heartbeats for as long as the step, and a silent node is lost."""
+    if math.isinf(last) or now < last:
         return True
     return math.floor(now / interval_s + phase) > math.floor(last / interval_s + phase)

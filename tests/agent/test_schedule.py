@@ -50,3 +50,13 @@ def test_a_longer_interval_takes_effect_within_one_new_interval() -> None:
     for phase in (0.0, 0.3, 0.6, 0.9):
         nxt = _sends(100.05, 110.0, 0.05, 4.0, phase, last=100.0)[0]
         assert 100.0 < nxt <= 104.05, (phase, nxt)
+
+
+def test_a_clock_stepped_back_does_not_silence_the_agent() -> None:
+    # a batch at 1000.0, then the wall clock is set back an hour: the next batch goes at
+    # once (the heartbeat in it keeps the node from being called lost), then the cadence
+    # resumes on the new clock
+    assert batch_due(now=1000.0 - 3600.0, last=1000.0, interval_s=4.0, phase=0.5)
+    sends = _sends(-2600.0, -2560.0, 0.125, 4.0, 0.5, last=1000.0)
+    assert sends[0] == -2600.0
+    assert all(abs(b - a - 4.0) <= 0.125 for a, b in itertools.pairwise(sends[1:])), sends
