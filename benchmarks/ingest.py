@@ -56,6 +56,9 @@ TOKEN = "bench-agent-token"
 OP_TOKEN = "bench-operator-token"
 RANKS = 8
 P99_TARGET_MS = 100.0
+# When a simulated node sends its next batch (the first is the default).  The load generator
+# is written apart from the agent's code, so ``next_slot`` says again what ``agent.schedule``
+# does, in its own words.
 SCHEDULES = ("phase", "after-last")
 
 
@@ -75,7 +78,7 @@ class Level:
     lost: int = -1  # acknowledged (rank, step) rows missing from the store
     doubled: int = -1  # (rank, step) rows stored more than once
     replicas: int = 1  # supervisor processes sharing the database
-    schedule: str = "phase"  # when a node's next batch goes (SCHEDULES)
+    schedule: str = SCHEDULES[0]  # when a node's next batch goes
     latencies_ms: list[float] | None = None
     rss_mb: float = 0.0
     cpu_s: float = 0.0
@@ -349,8 +352,8 @@ def next_slot(after: float, interval: float, phase: float) -> float:
     return t if t > after else t + interval
 
 
-def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: float,
-              schedule: str = "phase") -> Level:
+def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: float, *,
+              schedule: str) -> Level:
     """One level against one supervisor, or against replicas of one (agent k sends to
     replica k mod N, as a load balancer would spread them)."""
     level = Level(agents=n_agents, seconds=seconds, latencies_ms=[], replicas=len(sups),
@@ -466,8 +469,8 @@ def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
 
 
 def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels: list[int],
-             seconds: float, warmup: float, stop_after_miss: bool, replicas: int = 1,
-             schedule: str = "phase") -> list[tuple[Level, float]]:
+             seconds: float, warmup: float, stop_after_miss: bool, *, schedule: str,
+             replicas: int = 1) -> list[tuple[Level, float]]:
     """Each level on a fresh supervisor (``replicas`` of them on Postgres) and database
     (``fresh_url(label)`` makes one and drops it after), then the raw-insert baseline on
     another fresh database."""
@@ -481,7 +484,7 @@ def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels:
             try:
                 for _ in range(replicas):  # one after the other: the first one migrates
                     sups.append(Supervisor(url, Path(tmp)))
-                lvl = run_level(sups, n, seconds, warmup, schedule)
+                lvl = run_level(sups, n, seconds, warmup, schedule=schedule)
             finally:
                 for sup in sups:
                     sup.stop()
@@ -531,7 +534,7 @@ def main() -> int:
     p.add_argument("--replicas", default="1",
                    help="Postgres: comma-separated supervisor replica counts to measure "
                         "(e.g. 1,2: the scaling from one replica to two)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="phase",
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0],
                    help="when a simulated node sends its next batch: 'phase' at its own phase "
                         "of the interval, as the agent does; 'after-last' one interval after "
                         "its previous batch, for comparison (nodes told to batch less often "
