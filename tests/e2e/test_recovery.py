@@ -137,8 +137,11 @@ def test_spike_is_rolled_back_skipped_and_the_run_ends_as_well_as_a_clean_one(
 
 def test_nan_is_rolled_back_and_the_run_ends_finite(supervisor: Supervisor,
                                                     tmp_path: Path) -> None:
+    # Paced (30 ms a step, 5 s of training after the NaN): unpaced, a fast machine trained
+    # all 400 steps in 1.1 s, and the run ended on its NaN weights before the rollback the
+    # supervisor had decided could reach the agent.
     agent = under_trainwarden(supervisor, tmp_path, "nan", "--steps", "400",
-                              "--inject", "nan@220")
+                              "--step-sleep", "0.03", "--inject", "nan@220")
     finish(agent)
     run = ended(supervisor, "nan")
     assert run["status"] == "completed" and run["restarts"] == 1, run
