@@ -103,7 +103,12 @@ def test_batches_carry_steps_heartbeats_and_worker_stats(fake_run: FakeRun,
         hbs = fake_supervisor.items("heartbeat")
         return any(sorted(w["rank"] for w in hb["workers"]) == [0, 1] for hb in hbs)
 
+    def both_ranks_stepped() -> bool:
+        return {s["rank"] for s in fake_supervisor.items("step")} == {0, 1}
+
     tick_until(agent, both_ranks_seen, what="heartbeat with both workers")
+    # A slow machine may start rank 1 a few batches after rank 0: wait for its steps too.
+    tick_until(agent, both_ranks_stepped, what="steps of both ranks")
     tick_until(agent, lambda: len(fake_supervisor.seqs()) >= 3, what="3 batches")
     seqs = fake_supervisor.seqs()
     assert seqs == list(range(len(seqs)))
