@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import math
 import os
@@ -382,6 +383,10 @@ def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: flo
             await asyncio.sleep(0.1)
         print(f"   {n_agents} agents registered in {time.monotonic() - reg0:.1f} s",
               flush=True)
+        # The generator's own collector must not pause 2,048 nodes at once (its pauses
+        # would count as the supervisor's latency): what the setup made is frozen.
+        gc.collect()
+        gc.freeze()
         window.measure_from = time.monotonic() + warmup
         window.end = window.measure_from + seconds
         await asyncio.sleep(warmup)
@@ -391,6 +396,7 @@ def run_level(sups: list[Supervisor], n_agents: int, seconds: float, warmup: flo
             await asyncio.sleep(0.5)
             rss = max(rss, sum(s.rss_mb() for s in sups))
         await asyncio.gather(*tasks)  # drain: a backlog shows as latency and lower rate
+        gc.unfreeze()
         level.cpu_s = cpu_s() - cpu0
         level.wall_s = max(seconds, time.monotonic() - w0)
         level.rss_mb = rss

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor import observe
+from supervisor import heap, observe
 from supervisor.detect import Finding
 from supervisor.enums import IncidentKind, IncidentStatus
 from supervisor.store import recovery as rec
@@ -218,6 +218,7 @@ def _child_main(conn: multiprocessing.connection.Connection, url: str,
         os.nice(CHILD_NICE)
     db = make_database(url, pool_size=2)
     observer = Observer(detection)
+    heap.settle()  # its windows are long-lived too: see supervisor.heap
     try:
         while True:
             try:

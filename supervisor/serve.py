@@ -10,6 +10,7 @@ from typing import Any
 
 import uvicorn
 
+from supervisor import heap
 from supervisor.app import create_app
 from supervisor.config import SupervisorSettings
 from supervisor.httpguard import guarded_protocol
@@ -69,6 +70,7 @@ def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
             port = server.servers[0].sockets[0].getsockname()[1]
             log.info("trainwarden supervisor on http://%s:%s (db %s)", server_cfg.host, port,
                      settings.db.database_url.split("@")[-1])
+            log.info("heap settled: %d objects of the startup frozen", heap.settle())
             if port_file:
                 tmp = Path(port_file + ".tmp")
                 tmp.write_text(str(port))
