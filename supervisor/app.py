@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -69,6 +70,22 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+class SupervisorApp(FastAPI):
+    """FastAPI with a ``front``: an ASGI app that every request meets first, ahead of
+    FastAPI's own layers (error pages, telemetry, its body limit), and that passes on what
+    it does not answer itself to the app as usual."""
+
+    front: Any = None
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any
+                       ) -> None:
+        if self.front is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self  # (what Starlette sets: the front's requests reach app.state)
+        await self.front(scope, receive, send)
+
+
 def create_app(
     settings: SupervisorSettings,
     *,
@@ -119,7 +136,7 @@ def create_app(
             if db is None:
                 database.dispose()
 
-    app = FastAPI(
+    app = SupervisorApp(
         title="trainwarden supervisor",
         version="1",
         # /docs is the dashboard's own page (vendored Swagger UI, see dashboard.routes);
@@ -184,8 +201,10 @@ def create_app(
                     overload=evaluator.overload_state,
                     leader=leadership.status)
     app.add_middleware(SecurityHeaders)  # on every response, 413s and /metrics too
-    # Outermost: the ingest route, answered without the stack (it does what the stack's
-    # layers would do for it itself).
-    app.add_middleware(IngestPath, max_bytes=settings.server.max_body_bytes,
-                       counters=app.state.request_counters)
+    # Ahead of everything, FastAPI's own layers too: the ingest route, answered without the
+    # stack (it does what the stack's layers would do for it itself).
+    app.front = IngestPath(functools.partial(FastAPI.__call__, app),
+                           max_bytes=settings.server.max_body_bytes,
+                           counters=app.state.request_counters)
     return app
+

@@ -26,8 +26,20 @@ def worker_stats(workers: Any) -> list[dict[str, Any]]:
     """The workers list as stored: dicts of the known keys with finite numbers only."""
     if not isinstance(workers, list):
         return []
-    return [{k: v for k in WORKER_KEYS if (v := number(w.get(k))) is not None}
-            for w in workers if isinstance(w, dict)]
+    out = []
+    isfinite = math.isfinite
+    for w in workers:  # (in every heartbeat: the plain int and float take the short branch)
+        if not isinstance(w, dict):
+            continue
+        kept: dict[str, Any] = {}
+        for k in WORKER_KEYS:
+            v = w.get(k)
+            if not (type(v) is int or (type(v) is float and isfinite(v))):
+                v = None if v is None else number(v)
+            if v is not None:
+                kept[k] = v
+        out.append(kept)
+    return out
 
 
 def gpu_health(gpus: Any) -> dict[str, Any] | None:

@@ -475,7 +475,10 @@ class _Acc:
     """Rows of a group of batches, merged where a key repeats."""
 
     step_rows: list[dict[str, Any]] = field(default_factory=list)
-    latest_rank: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    # (run id, rank) -> the newest step row of the rank and its agent (the ranks upsert's
+    # row is built from it once, at the flush: a batch holds several steps of each rank)
+    latest_rank: dict[tuple[int, int], tuple[dict[str, Any], int, wire.StepItem]] = field(
+        default_factory=dict)
     aggs: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -494,12 +497,24 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
     clk = _ClockCheck(now, cfg)
     t0 = clk.t(batch.sent_at, now, "sent_at")
     heartbeat: wire.HeartbeatItem | None = None
+    # The step rows are nearly all of a batch: their loop is written out for speed (the
+    # common values, finite and within the clock's bounds, take the short branch).
+    lo, hi, isfinite = clk.lo, clk.hi, math.isfinite
+    step_rows, latest = acc.step_rows, acc.latest_rank
     for it in batch.items:
         if isinstance(it, wire.StepItem):
             attempt = it.attempt if it.attempt is not None else batch.attempt
-            t = clk.t(it.t, t0, "step")
-            loss, loss_sp = split_float(it.loss)
-            gn, gn_sp = split_float(it.grad_norm)
+            t = it.t
+            if t is None:
+                t = t0
+            elif not lo <= t <= hi:  # (also NaN)
+                t = clk.t(t, t0, "step")
+            loss, loss_sp = it.loss, None
+            if loss is not None and not isfinite(loss):
+                loss, loss_sp = split_float(loss)
+            gn, gn_sp = it.grad_norm, None
+            if gn is not None and not isfinite(gn):
+                gn, gn_sp = split_float(gn)
             row = {
                 "run_id": run_id, "attempt": attempt, "step": it.step, "rank": it.rank, "t": t,
                 "batch_index": it.batch_index, "data_s": finite(it.data_s),
@@ -507,16 +522,11 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
                 "loss": loss, "loss_special": loss_sp, "grad_norm": gn,
                 "grad_norm_special": gn_sp, "lr": finite(it.lr),
             }
-            acc.step_rows.append(row)
-            prev = acc.latest_rank.get((run_id, it.rank))
-            if prev is None or (attempt, it.step) >= (prev["attempt"], prev["step"]):
-                acc.latest_rank[(run_id, it.rank)] = {
-                    "run_id": run_id, "rank": it.rank, "agent_id": agent_id,
-                    "local_rank": it.local_rank, "pid": it.pid, "attempt": attempt,
-                    "step": it.step, "t": t, "data_s": row["data_s"],
-                    "compute_s": row["compute_s"], "step_s": row["step_s"], "loss": loss,
-                    "loss_special": loss_sp, "grad_norm": gn, "grad_norm_special": gn_sp,
-                }
+            step_rows.append(row)
+            key = (run_id, it.rank)
+            prev = latest.get(key)
+            if prev is None or (attempt, it.step) >= (prev[0]["attempt"], prev[0]["step"]):
+                latest[key] = (row, agent_id, it)
             _merge_agg(acc.aggs, run_id, attempt, it, row)
         elif isinstance(it, wire.EventItem):
             acc.events.append({
@@ -564,6 +574,18 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
     })
 
 
+def _rank_row(row: dict[str, Any], agent_id: int, it: wire.StepItem) -> dict[str, Any]:
+    """The ranks upsert's row of a rank's newest step row."""
+    return {
+        "run_id": row["run_id"], "rank": row["rank"], "agent_id": agent_id,
+        "local_rank": it.local_rank, "pid": it.pid, "attempt": row["attempt"],
+        "step": row["step"], "t": row["t"], "data_s": row["data_s"],
+        "compute_s": row["compute_s"], "step_s": row["step_s"], "loss": row["loss"],
+        "loss_special": row["loss_special"], "grad_norm": row["grad_norm"],
+        "grad_norm_special": row["grad_norm_special"],
+    }
+
+
 def _worker_stats(workers: list[dict[str, Any]]) -> str:
     """The heartbeat's worker list as stored: the known keys with finite numbers only."""
     return json.dumps(worker_stats(workers), separators=(",", ":"))
@@ -589,7 +611,8 @@ def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
         _count_clock_skew(conn, run_id=run_id, agent_id=agent_id, attempt=attempt, clk=clk,
                           now=now)
     if acc.latest_rank:
-        hot.insert_rows(cur, "ranks", [acc.latest_rank[k] for k in sorted(acc.latest_rank)])
+        hot.insert_rows(cur, "ranks", [_rank_row(*acc.latest_rank[k])
+                                       for k in sorted(acc.latest_rank)])
     return [acc.aggs[k] for k in sorted(acc.aggs)]
 
 
@@ -644,31 +667,42 @@ def _merge_agg(
 ) -> None:
     key = (run_id, attempt, it.step)
     a = aggs.get(key)
+    t = row["t"]
     if a is None:
         a = aggs[key] = {
             "run_id": run_id, "attempt": attempt, "step": it.step, "ranks": 0,
             "loss_sum": None, "loss_count": 0, "loss_min": None, "loss_max": None,
             "loss_nonfinite": 0, "grad_norm_nonfinite": 0, "samples": 0, "tokens": 0,
-            "step_s_max": None, "t_first": row["t"], "t_last": row["t"],
+            "step_s_max": None, "t_first": t, "t_last": t,
         }
     a["ranks"] += 1
+    # (comparisons, not min/max: this runs for every rank-step row)
     loss = row["loss"]
     if loss is not None:
-        a["loss_sum"] = loss if a["loss_sum"] is None else a["loss_sum"] + loss
+        if a["loss_count"]:
+            a["loss_sum"] += loss
+            if loss < a["loss_min"]:
+                a["loss_min"] = loss
+            if loss > a["loss_max"]:
+                a["loss_max"] = loss
+        else:
+            a["loss_sum"] = a["loss_min"] = a["loss_max"] = loss
         a["loss_count"] += 1
-        a["loss_min"] = loss if a["loss_min"] is None else min(a["loss_min"], loss)
-        a["loss_max"] = loss if a["loss_max"] is None else max(a["loss_max"], loss)
     if row["loss_special"] is not None:
         a["loss_nonfinite"] += 1
     if row["grad_norm_special"] is not None:
         a["grad_norm_nonfinite"] += 1
-    a["samples"] += it.samples or 0
-    a["tokens"] += it.tokens or 0
+    if it.samples:
+        a["samples"] += it.samples
+    if it.tokens:
+        a["tokens"] += it.tokens
     s = row["step_s"]
     if s is not None and (a["step_s_max"] is None or s > a["step_s_max"]):
         a["step_s_max"] = s
-    a["t_first"] = min(a["t_first"], row["t"])
-    a["t_last"] = max(a["t_last"], row["t"])
+    if t < a["t_first"]:
+        a["t_first"] = t
+    elif t > a["t_last"]:
+        a["t_last"] = t
 
 
 @functools.cache

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from sup_helpers import count_rows, step
 
 from supervisor import wire
-from supervisor.store import ingest, reads, registry, windows
+from supervisor.store import ingest, reads, registry, tables, windows
 from supervisor.store._sql import join_float, split_float
 from supervisor.store.db import Database
 
@@ -88,6 +90,61 @@ def test_group_ingest_merges_and_isolates(db: Database) -> None:
     assert all(getattr(r, "duplicate", True) for r in again)
     with db.read() as c:
         assert count_rows(c, "rank_steps") == 4
+
+
+def test_step_aggregates_and_latest_ranks_equal_a_plain_computation(db: Database) -> None:
+    """The ingest loop's per-step aggregates and each rank's newest row, over steps out of
+    order and times out of order, NaN, infinite and missing values, in one group and across
+    groups, equal what a plain computation over the rows gives."""
+    rng = random.Random(7)
+    a0, a1 = agents(db, 2)
+    specials = [None, float("nan"), float("inf"), float("-inf")]
+    rows: list[dict[str, Any]] = []
+    for _ in range(120):
+        rank, st = rng.randrange(4), rng.randrange(6)
+        loss = rng.choice([*specials, *(rng.uniform(0, 5) for _ in range(6))])
+        rows.append(step(rank, st, loss=loss, t=rng.uniform(50, 150),
+                         grad_norm=rng.choice([1.0, float("nan")]),
+                         samples=rng.choice([None, 0, 8]), tokens=rng.choice([None, 512]),
+                         step_s=rng.choice([None, rng.uniform(0.1, 0.9)])))
+    seq = {a0: 0, a1: 0}
+    for lo in range(0, len(rows), 30):  # four groups of several batches each
+        group = []
+        for i in range(lo, lo + 30, 10):
+            a = a0 if rows[i]["rank"] < 2 else a1
+            group.append(batch(a, seq[a], [r for r in rows[i:i + 10]]))
+            seq[a] += 1
+        with db.write() as c:
+            ingest.ingest_batches(c, batches=group, now=200.0)
+    with db.read() as c:
+        stored = {r["step"]: r for r in c.execute(
+            select(tables.step_aggregates)).mappings()}
+        latest = {r["rank"]: r for r in c.execute(select(tables.ranks)).mappings()}
+    for st in sorted({r["step"] for r in rows}):
+        mine = [r for r in rows if r["step"] == st]
+        finite_losses = [r["loss"] for r in mine
+                         if r["loss"] is not None and math.isfinite(r["loss"])]
+        got = stored[st]
+        assert got["ranks"] == len(mine), st
+        assert got["loss_count"] == len(finite_losses), st
+        assert got["loss_sum"] == pytest.approx(sum(finite_losses) if finite_losses else None)
+        assert got["loss_min"] == (min(finite_losses) if finite_losses else None), st
+        assert got["loss_max"] == (max(finite_losses) if finite_losses else None), st
+        assert got["loss_nonfinite"] == sum(r["loss"] is not None and not math.isfinite(
+            r["loss"]) for r in mine), st
+        assert got["grad_norm_nonfinite"] == sum(math.isnan(r["grad_norm"]) for r in mine)
+        assert got["samples"] == sum(r["samples"] or 0 for r in mine), st
+        assert got["tokens"] == sum(r["tokens"] or 0 for r in mine), st
+        step_s = [r["step_s"] for r in mine if r["step_s"] is not None]
+        assert got["step_s_max"] == (max(step_s) if step_s else None), st
+        assert got["t_first"] == min(r["t"] for r in mine), st
+        assert got["t_last"] == max(r["t"] for r in mine), st
+    for rank in range(4):
+        mine = [r for r in rows if r["rank"] == rank]
+        newest = max(r["step"] for r in mine)
+        # of the rows of its newest step, the last one sent
+        want = [r for r in mine if r["step"] == newest][-1]
+        assert (latest[rank]["step"], latest[rank]["t"]) == (newest, want["t"]), rank
 
 
 def test_large_group_is_split_into_statements(db: Database) -> None:
