@@ -9,6 +9,7 @@ held only until the commit.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -336,6 +337,7 @@ STEP_KEYS = ("run_id", "attempt", "step", "rank", "t", "batch_index", "data_s", 
 RANK_KEYS = ("run_id", "rank", "agent_id", "local_rank", "pid", "attempt", "step", "t",
              "data_s", "compute_s", "step_s", "loss", "loss_special", "grad_norm",
              "grad_norm_special")
+_ATTEMPT, _STEP = STEP_KEYS.index("attempt"), STEP_KEYS.index("step")
 AGG_KEYS = ("run_id", "attempt", "step", "ranks", "loss_sum", "loss_count", "loss_min",
             "loss_max", "loss_nonfinite", "grad_norm_nonfinite", "samples", "tokens",
             "step_s_max", "t_first", "t_last")
@@ -378,6 +380,8 @@ class _HotSQL:
         for name, (stmt, keys) in stmts.items():
             c = stmt.compile(dialect=cdialect, column_keys=list(keys) if keys else None)
             self.sql[name] = (c.string, tuple(c.positiontup or ()))
+        if self.sql["rank_steps"][1] != STEP_KEYS:  # (the step loop builds rows in this order)
+            raise RuntimeError(f"rank_steps binds {self.sql['rank_steps'][1]}, not STEP_KEYS")
         self._multi: dict[tuple[str, int], str] = {}
         # Postgres: psycopg parses a statement's %s placeholders in Python on every execute,
         # and caches that only for statements under 4 KiB and 50 parameters: a multi-row
@@ -398,6 +402,13 @@ class _HotSQL:
                     fetch: bool = False) -> list[Any]:
         """Rows in multi-row statements (keys must be unique for an upsert); with ``fetch``,
         the RETURNING rows."""
+        order = self.sql[name][1]
+        return self.insert_tuples(cur, name, [tuple(row[k] for k in order) for row in rows],
+                                  fetch=fetch)
+
+    def insert_tuples(self, cur: Any, name: str, rows: list[tuple[Any, ...]], *,
+                      fetch: bool = False) -> list[Any]:
+        """``insert_rows`` of rows given as tuples in the statement's column order."""
         sql, order = self.sql[name]
         per = max(1, min(MAX_ROWS_PER_STATEMENT, MAX_PARAMS // max(1, len(order))))
         out: list[Any] = []
@@ -408,7 +419,7 @@ class _HotSQL:
             if multi is None:
                 multi = _repeat_values(sql, len(chunk))
                 self._multi[key] = multi = _numbered(multi) if self.raw else multi
-            params = tuple(row[k] for row in chunk for k in order)
+            params = tuple(itertools.chain.from_iterable(chunk))
             if self.raw:
                 with psycopg.RawCursor(cur.connection) as raw:
                     raw.execute(multi, params)
@@ -474,10 +485,11 @@ def _hot(conn: Connection) -> _HotSQL:
 class _Acc:
     """Rows of a group of batches, merged where a key repeats."""
 
-    step_rows: list[dict[str, Any]] = field(default_factory=list)
+    # rank_steps rows as tuples in STEP_KEYS order (what the multi-row statement binds)
+    step_rows: list[tuple[Any, ...]] = field(default_factory=list)
     # (run id, rank) -> the newest step row of the rank and its agent (the ranks upsert's
     # row is built from it once, at the flush: a batch holds several steps of each rank)
-    latest_rank: dict[tuple[int, int], tuple[dict[str, Any], int, wire.StepItem]] = field(
+    latest_rank: dict[tuple[int, int], tuple[tuple[Any, ...], int, wire.StepItem]] = field(
         default_factory=dict)
     aggs: dict[tuple[int, int, int], dict[str, Any]] = field(default_factory=dict)
     seen: list[dict[str, Any]] = field(default_factory=list)
@@ -515,19 +527,16 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
             gn, gn_sp = it.grad_norm, None
             if gn is not None and not isfinite(gn):
                 gn, gn_sp = split_float(gn)
-            row = {
-                "run_id": run_id, "attempt": attempt, "step": it.step, "rank": it.rank, "t": t,
-                "batch_index": it.batch_index, "data_s": finite(it.data_s),
-                "compute_s": finite(it.compute_s), "step_s": finite(it.step_s),
-                "loss": loss, "loss_special": loss_sp, "grad_norm": gn,
-                "grad_norm_special": gn_sp, "lr": finite(it.lr),
-            }
+            step_s = finite(it.step_s)
+            row = (run_id, attempt, it.step, it.rank, t, it.batch_index, finite(it.data_s),
+                   finite(it.compute_s), step_s, loss, loss_sp, gn, gn_sp, finite(it.lr))
             step_rows.append(row)
             key = (run_id, it.rank)
             prev = latest.get(key)
-            if prev is None or (attempt, it.step) >= (prev[0]["attempt"], prev[0]["step"]):
+            if prev is None or (attempt, it.step) >= (prev[0][_ATTEMPT], prev[0][_STEP]):
                 latest[key] = (row, agent_id, it)
-            _merge_agg(acc.aggs, run_id, attempt, it, row)
+            _merge_agg(acc.aggs, run_id, attempt, it, t=t, loss=loss, loss_special=loss_sp,
+                       grad_norm_special=gn_sp, step_s=step_s)
         elif isinstance(it, wire.EventItem):
             acc.events.append({
                 "run_id": run_id, "agent_id": agent_id,
@@ -574,8 +583,9 @@ def _collect(acc: _Acc, batch: wire.IngestBatch, *, run_id: int, now: float,
     })
 
 
-def _rank_row(row: dict[str, Any], agent_id: int, it: wire.StepItem) -> dict[str, Any]:
+def _rank_row(step_row: tuple[Any, ...], agent_id: int, it: wire.StepItem) -> dict[str, Any]:
     """The ranks upsert's row of a rank's newest step row."""
+    row = dict(zip(STEP_KEYS, step_row, strict=True))
     return {
         "run_id": row["run_id"], "rank": row["rank"], "agent_id": agent_id,
         "local_rank": it.local_rank, "pid": it.pid, "attempt": row["attempt"],
@@ -597,7 +607,7 @@ def _flush(conn: Connection, hot: _HotSQL, cur: Any, acc: _Acc, *, now: float
     if acc.seen:
         hot.executemany(cur, "agent_seen", acc.seen)
     if acc.step_rows:
-        hot.insert_rows(cur, "rank_steps", acc.step_rows)
+        hot.insert_tuples(cur, "rank_steps", acc.step_rows)
     # Rare items: plain Core statements.
     if acc.events:
         conn.execute(events.insert(), acc.events)
@@ -663,11 +673,16 @@ def _merge_agg(
     run_id: int,
     attempt: int,
     it: wire.StepItem,
-    row: dict[str, Any],
+    *,
+    t: float,
+    loss: float | None,
+    loss_special: str | None,
+    grad_norm_special: str | None,
+    step_s: float | None,
 ) -> None:
+    """Add one rank-step row (its values as stored) to its step's aggregate."""
     key = (run_id, attempt, it.step)
     a = aggs.get(key)
-    t = row["t"]
     if a is None:
         a = aggs[key] = {
             "run_id": run_id, "attempt": attempt, "step": it.step, "ranks": 0,
@@ -677,7 +692,6 @@ def _merge_agg(
         }
     a["ranks"] += 1
     # (comparisons, not min/max: this runs for every rank-step row)
-    loss = row["loss"]
     if loss is not None:
         if a["loss_count"]:
             a["loss_sum"] += loss
@@ -688,17 +702,16 @@ def _merge_agg(
         else:
             a["loss_sum"] = a["loss_min"] = a["loss_max"] = loss
         a["loss_count"] += 1
-    if row["loss_special"] is not None:
+    if loss_special is not None:
         a["loss_nonfinite"] += 1
-    if row["grad_norm_special"] is not None:
+    if grad_norm_special is not None:
         a["grad_norm_nonfinite"] += 1
     if it.samples:
         a["samples"] += it.samples
     if it.tokens:
         a["tokens"] += it.tokens
-    s = row["step_s"]
-    if s is not None and (a["step_s_max"] is None or s > a["step_s_max"]):
-        a["step_s_max"] = s
+    if step_s is not None and (a["step_s_max"] is None or step_s > a["step_s_max"]):
+        a["step_s_max"] = step_s
     if t < a["t_first"]:
         a["t_first"] = t
     elif t > a["t_last"]:

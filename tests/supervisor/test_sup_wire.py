@@ -5,6 +5,9 @@ a compatible type, so the two cannot drift apart unnoticed."""
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
+import random
 import types
 import typing
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -114,3 +117,77 @@ def test_the_check_sees_a_drift() -> None:
 def test_what_an_agent_may_report_about_a_command_is_what_the_supervisor_accepts() -> None:
     accepted = get_args(wire.CommandResultItem.model_fields["status"].annotation)
     assert set(accepted) == set(COMMAND_RESULTS)
+
+
+# -- the content digest -----------------------------------------------------------------------
+
+
+def _reference_digest(batch: wire.IngestBatch) -> str:
+    """The digest's definition (what every stored ``ingested_batches.digest`` was made of)."""
+    data = batch.model_dump_json(include={"attempt", "items"}, exclude_defaults=True)
+    return hashlib.blake2b(data.encode(), digest_size=16).hexdigest()
+
+
+def _random_items(rng: random.Random) -> list[dict[str, Any]]:
+    num = [0.0, -0.0, 1.5, 1e-7, 1e300, float("nan"), float("inf"), float("-inf"), None]
+    out: list[dict[str, Any]] = []
+    for _ in range(rng.randrange(0, 12)):
+        kind = rng.choice(["step", "step", "event", "checkpoint", "heartbeat", "exit",
+                           "command_result"])
+        if kind == "step":
+            it: dict[str, Any] = {"type": "step", "rank": rng.randrange(9), "step": rng.randrange(
+                99), "loss": rng.choice(num), "grad_norm": rng.choice(num),
+                "samples": rng.choice([None, 0, 8]), "t": rng.choice([None, 1.25, 1e9])}
+            if rng.random() < 0.5:
+                it.update(attempt=rng.choice([None, 0, 2]), v=1, data_s=0.01, dropped=0,
+                          world_size=8, batch_index=2**40)
+        elif kind == "event":
+            it = {"type": "event", "name": rng.choice(["started", "ünïcode ✓"]),
+                  "message": rng.choice(["", "a \"quoted\" line\\"]),
+                  "details": rng.choice([{}, {"x": [1, 2.5, None, "s"], "y": {"z": True}}])}
+        elif kind == "checkpoint":
+            it = {"type": "checkpoint", "step": 3, "path": "ckpt/step-3",
+                  "async_save": rng.random() < 0.5, "complete": rng.random() < 0.5,
+                  "lineage": rng.choice([None, "main"]), "save_s": rng.choice([None, 2.0])}
+        elif kind == "heartbeat":
+            it = {"type": "heartbeat", "state": rng.choice(["running", "idle"]),
+                  "workers": rng.choice([[], [{"rank": 0, "cpu_percent": 99.5}]]),
+                  "gpus": rng.choice([None, {"available": False, "reason": "no nvml"}])}
+        elif kind == "exit":
+            it = {"type": "exit", "outcome": "crashed", "exit_code": rng.choice([None, 1]),
+                  "failed_ranks": rng.choice([[], [{"rank": 1, "message": "boom",
+                                                     "extra_key": [1, {"k": "v"}]}]])}
+        else:
+            it = {"type": "command_result", "command_id": 4,
+                  "status": rng.choice(["delivered", "done"]), "detail": rng.choice(["", "ok"])}
+        out.append(it)
+    return out
+
+
+def test_the_content_digest_is_its_definition_for_every_kind_of_batch() -> None:
+    """The digest is assembled item by item for speed; it must hash exactly the text of its
+    definition, or a replay of a batch stored by an earlier version would be refused as a
+    conflict (409) instead of answered as a duplicate."""
+    rng = random.Random(11)
+    kinds: set[str] = set()
+    for _ in range(400):
+        body = {"agent_id": 1, "seq": rng.randrange(5), "attempt": rng.choice([0, 0, 3]),
+                "sent_at": rng.choice([None, 2.5]), "dropped": rng.choice([0, 4]),
+                "items": _random_items(rng)}
+        if rng.random() < 0.2:
+            del body["items"]
+        batch = wire.IngestBatch.model_validate_json(json.dumps(body))
+        kinds.update(it.type for it in batch.items)
+        assert batch.content_digest() == _reference_digest(batch), body
+    assert kinds == {"step", "event", "checkpoint", "heartbeat", "exit", "command_result"}
+
+
+def test_the_content_digest_ignores_when_and_how_a_batch_was_sent() -> None:
+    items = [{"type": "step", "rank": 0, "step": 1, "loss": float("nan")}]
+    one = wire.IngestBatch.model_validate({"agent_id": 1, "seq": 0, "items": items})
+    later = wire.IngestBatch.model_validate({"agent_id": 1, "seq": 0, "items": items,
+                                             "sent_at": 99.0, "dropped": 3})
+    other = wire.IngestBatch.model_validate({"agent_id": 1, "seq": 0, "items": [
+        {**items[0], "loss": None}]})
+    assert one.content_digest() == later.content_digest()
+    assert one.content_digest() != other.content_digest()  # a NaN loss is not a missing one
