@@ -207,4 +207,3 @@ def create_app(
                            max_bytes=settings.server.max_body_bytes,
                            counters=app.state.request_counters)
     return app
-
