@@ -198,7 +198,7 @@ def create_app(
     dashboard.mount(app)
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
                     straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
-                    overload=evaluator.overload_state,
+                    judge_failures=evaluator.run_failures, overload=evaluator.overload_state,
                     leader=leadership.status)
     app.add_middleware(SecurityHeaders)  # on every response, 413s and /metrics too
     # Ahead of everything, FastAPI's own layers too: the ingest route, answered without the

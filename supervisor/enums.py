@@ -94,3 +94,27 @@ class PresenceEvent(StrEnum):
     AGENT_REGISTERED = "agent_registered"
     AGENTS_DOWN = "agents_down"
     AGENTS_UP = "agents_up"
+
+
+class JudgeStage(StrEnum):
+    """The shares of an evaluator tick that are judged run by run (a failure in one is that
+    run's alone): its exit reports, its actions under way, its workers' failure events, the
+    detectors' findings, and the upkeep (checkpoints to protect, attempts, presence)."""
+
+    EXITS = "exits"
+    ACTIONS = "actions"
+    EVENTS = "events"
+    FINDINGS = "findings"
+    UPKEEP = "upkeep"
+
+
+class SupervisorEvent(StrEnum):
+    """Events the supervisor records about its own handling of a run.
+
+    * ``judge_failed``: a tick failed to judge the run (details: ``stage``, ``error``); the
+      run is retried on every tick, every other run is judged as usual; counted in
+      ``trainwarden_evaluator_run_failures_total``;
+    * ``judge_recovered``: the first tick that judged it again (details: ``failed_since``)."""
+
+    JUDGE_FAILED = "judge_failed"
+    JUDGE_RECOVERED = "judge_recovered"

@@ -14,14 +14,16 @@ one tick at a chosen time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent import protocol
+from agent.core import text as untrusted
 from agent.core.findings import FindingKind, Severity
 from supervisor import actions, observe, policy
 from supervisor.delivery import DeliveryMonitor
@@ -30,7 +32,14 @@ from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.detect.node_lost import agents_gone
 from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
 from supervisor.detect.stacks import hang_culprit
-from supervisor.enums import ActionKind, ActionStatus, IncidentKind, IncidentStatus
+from supervisor.enums import (
+    ActionKind,
+    ActionStatus,
+    IncidentKind,
+    IncidentStatus,
+    JudgeStage,
+    SupervisorEvent,
+)
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
 from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
 from supervisor.retention import Retention, RetentionConfig
@@ -117,32 +126,95 @@ class Evaluator:
         # The goodput of runs that ended while this process watched them (newest kept).
         self._ended_goodput: dict[int, LiveGoodput] = {}
         self._goodput_lock = threading.Lock()  # the API reads what the loop feeds
+        # Runs the tick failed to judge: run id -> how many times (``/metrics``), and the
+        # runs failing now -> since when (one event per episode).
+        self.run_failures: dict[int, int] = {}
+        self._failing: dict[int, float] = {}
+        self._failed_this_tick: set[int] = set()
+        self._retry_events: list[NodeEventRow] = []  # failure events a failed tick left
 
     def tick(self) -> TickReport:
         now = self.clock()
         rep = TickReport()
         started, ended = self._judge_overload(now)
         observed = self._observe_active(now)
+        self._failed_this_tick = set()
         with self.db.write() as conn:
             if started or ended is not None:
                 self._record_overload(conn, now, ended)
             self._exits(conn, now, rep)
             for action in rec.actions_in_progress(conn):
-                if actions.advance(conn, action=action, now=now) != action["status"]:
-                    rep.advanced += 1
+                with self._contained(conn, int(action["run_id"]), JudgeStage.ACTIONS, now):
+                    if actions.advance(conn, action=action, now=now) != action["status"]:
+                        rep.advanced += 1
             self._worker_events(conn, now, rep)
             for run in registry.active_runs(conn):
                 obs = observed.get(int(run["id"]))
                 if obs is not None and obs.attempt == int(run["attempt"]):
-                    self._act_on(conn, run, obs, now, rep)
+                    with self._contained(conn, int(run["id"]), JudgeStage.FINDINGS, now):
+                        self._act_on(conn, run, obs, now, rep)
             busy = {int(a["run_id"]) for a in rec.actions_in_progress(conn)}
             for run in registry.active_runs(conn):
-                rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
-                self._protect(conn, run)
-                self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
-                self._presence(conn, run, now)
+                with self._contained(conn, int(run["id"]), JudgeStage.UPKEEP, now):
+                    rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
+                    self._protect(conn, run)
+                    self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
+                    self._presence(conn, run, now)
+            self._recovered(conn, now)
         self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
+
+    # -- one run's failure stays that run's ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _contained(self, conn: Connection, run_id: int, stage: JudgeStage, now: float
+                   ) -> Iterator[None]:
+        """Run one run's share of the tick in a savepoint of its own: an error there (a row
+        the store refuses, a bug met by one run's data) is rolled back to the savepoint,
+        recorded against that run (``_judge_failed``) and retried on the next tick, while
+        every other run is judged on this one."""
+        try:
+            with conn.begin_nested():
+                yield
+        except Exception as e:
+            self._judge_failed(conn, run_id, stage, e, now)
+
+    def _judge_failed(self, conn: Connection, run_id: int, stage: JudgeStage, error: Exception,
+                      now: float) -> None:
+        self._failed_this_tick.add(run_id)
+        self.run_failures[run_id] = self.run_failures.get(run_id, 0) + 1
+        if run_id in self._failing:  # (logged and recorded once per episode)
+            return
+        self._failing[run_id] = now
+        log.exception("run %s: judging it failed at %s (retried next tick; other runs are "
+                      "judged as usual)", run_id, stage)
+        what = untrusted.clean(f"{type(error).__name__}: {error}", 2000)
+        try:
+            with conn.begin_nested():
+                attempt = registry.get_run(conn, run_id=run_id)["attempt"]
+                rec.insert_event(
+                    conn, run_id=run_id, agent_id=None, attempt=attempt, rank=None, t=now,
+                    name=SupervisorEvent.JUDGE_FAILED, step=None,
+                    message=f"the supervisor failed to judge this run ({stage}): {what}; it "
+                            "retries on every tick, and other runs are judged as usual",
+                    details={"stage": str(stage), "error": what})
+        except Exception:
+            log.exception("run %s: recording the failure failed too", run_id)
+
+    def _recovered(self, conn: Connection, now: float) -> None:
+        """Runs whose failing episode ended this tick: an event says so."""
+        for run_id in [r for r in self._failing if r not in self._failed_this_tick]:
+            since = self._failing.pop(run_id)
+            try:
+                with conn.begin_nested():
+                    attempt = registry.get_run(conn, run_id=run_id)["attempt"]
+                    rec.insert_event(
+                        conn, run_id=run_id, agent_id=None, attempt=attempt, rank=None, t=now,
+                        name=SupervisorEvent.JUDGE_RECOVERED, step=None,
+                        message=f"the supervisor judges this run again (it failed for "
+                                f"{now - since:.1f} s)", details={"failed_since": since})
+            except Exception:
+                log.exception("run %s: recording the recovery failed", run_id)
 
     # -- overload ----------------------------------------------------------------------------
 
@@ -363,18 +435,22 @@ class Evaluator:
     def _exits(self, conn: Connection, now: float, rep: TickReport) -> None:
         """Every agent exit report not handled yet, in the order they arrived."""
         for ex in rec.unhandled_exits(conn):
+            run_id = int(ex["run_id"])
+            if run_id in self._failed_this_tick:
+                continue  # a run's exits are judged in order: its later ones wait
             rep.exits += 1
-            # Fresh run state each time: an earlier exit in this tick may have moved it.
-            run = registry.get_run(conn, run_id=ex["run_id"])
-            decision = self._on_exit(conn, run, ex, now)
-            if not isinstance(decision, policy.Note):
-                rep.decisions += 1
-                log.info("run %s: %s", run["name"], decision)
-            actions.apply(conn, run=run, decision=decision, now=now)
-            verdict = decision.verdict if isinstance(decision, policy.Note) else (
-                "completed" if isinstance(decision, policy.Complete) else "failure"
-            )
-            rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
+            with self._contained(conn, run_id, JudgeStage.EXITS, now):
+                # Fresh run state each time: an earlier exit in this tick may have moved it.
+                run = registry.get_run(conn, run_id=run_id)
+                decision = self._on_exit(conn, run, ex, now)
+                if not isinstance(decision, policy.Note):
+                    rep.decisions += 1
+                    log.info("run %s: %s", run["name"], decision)
+                actions.apply(conn, run=run, decision=decision, now=now)
+                verdict = decision.verdict if isinstance(decision, policy.Note) else (
+                    "completed" if isinstance(decision, policy.Complete) else "failure"
+                )
+                rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
 
     def _on_exit(self, conn: Connection, run: RunRow, ex: ExitRow, now: float
                  ) -> policy.Decision:
@@ -429,30 +505,43 @@ class Evaluator:
         for ev in retry:
             if now - float(ev["t"]) < 300:  # an incident that never comes: give up in time
                 self._attach_stacks(conn, registry.get_run(conn, run_id=ev["run_id"]), ev, now)
-        for ev in windows.events_after(conn, after_id=self._event_cursor, names=names):
+        failed, self._retry_events = self._retry_events, []
+        fresh = windows.events_after(conn, after_id=self._event_cursor, names=names)
+        for ev in [*(e for e in failed if now - float(e["t"]) < 300), *fresh]:
             self._event_cursor = max(self._event_cursor, int(ev["id"]))
-            run = registry.get_run(conn, run_id=ev["run_id"])
-            if ev["name"] == _STACKS_EVENT:
-                self._attach_stacks(conn, run, ev, now)
+            run_id = int(ev["run_id"])
+            if run_id in self._failed_this_tick:
+                self._retry_events.append(ev)  # in order, after the one that failed
                 continue
-            details = dict(ev.get("details") or {})
-            collective = details.get("collective", "unknown")
-            rank = ev["rank"]
-            if ev["step"] is None and rank is not None:
-                # The step it was stuck in: the one after the last its rank reported.
-                last = {int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
-                    conn, run_id=run["id"], attempt=int(ev["attempt"]))}.get(rank)
-                ev = {**ev, "step": None if last is None else last + 1}
-            where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
-            finding = policy.FindingFacts(
-                kind=_FAILURE_EVENTS[ev["name"]], severity=Severity.INCIDENT,
-                message=f"{ev['name'].replace('_', ' ')} in {collective} on {where}: "
-                        f"{ev['message']}",
-                attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
-                node=ev.get("node"), details={"collective": collective, "event_id": ev["id"],
-                                              **details})
-            rep.findings += 1
-            self._decide(conn, run, finding, now, rep)
+            with self._contained(conn, run_id, JudgeStage.EVENTS, now):
+                self._worker_event(conn, ev, now, rep)
+            if run_id in self._failed_this_tick:
+                self._retry_events.append(ev)
+
+    def _worker_event(self, conn: Connection, ev: NodeEventRow, now: float,
+                      rep: TickReport) -> None:
+        run = registry.get_run(conn, run_id=ev["run_id"])
+        if ev["name"] == _STACKS_EVENT:
+            self._attach_stacks(conn, run, ev, now)
+            return
+        details = dict(ev.get("details") or {})
+        collective = details.get("collective", "unknown")
+        rank = ev["rank"]
+        if ev["step"] is None and rank is not None:
+            # The step it was stuck in: the one after the last its rank reported.
+            last = {int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
+                conn, run_id=run["id"], attempt=int(ev["attempt"]))}.get(rank)
+            ev = {**ev, "step": None if last is None else last + 1}
+        where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
+        finding = policy.FindingFacts(
+            kind=_FAILURE_EVENTS[ev["name"]], severity=Severity.INCIDENT,
+            message=f"{ev['name'].replace('_', ' ')} in {collective} on {where}: "
+                    f"{ev['message']}",
+            attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
+            node=ev.get("node"), details={"collective": collective, "event_id": ev["id"],
+                                          **details})
+        rep.findings += 1
+        self._decide(conn, run, finding, now, rep)
 
     def _attach_stacks(self, conn: Connection, run: RunRow, ev: NodeEventRow, now: float) -> None:
         details = ev.get("details") or {}

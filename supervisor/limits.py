@@ -20,11 +20,13 @@ streams in.
 from __future__ import annotations
 
 import json
-import re
+from re import Pattern
 from typing import Annotated, Any
 
 from fastapi import HTTPException, Path
 from pydantic import AfterValidator, Field
+
+from agent.core import text as untrusted
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -65,13 +67,13 @@ LINE_REFUSES = "control characters (U+0000-U+001F, U+007F-U+009F) are refused"
 TEXT_REFUSES = ("control characters (U+0000-U+001F except tab, newline and carriage return; "
                 "U+007F-U+009F) are refused")
 MAX_PATH = 4096  # PATH_MAX
-MAX_TEXT = 16_384  # a message, a reason, a command's result (the agent cuts at 4000)
+MAX_TEXT = untrusted.MAX_TEXT  # a message, a reason, a command's result
 
-_LINE_BAD = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_TEXT_BAD = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_LINE_BAD = untrusted.LINE_CONTROLS
+_TEXT_BAD = untrusted.TEXT_CONTROLS
 
 
-def _checker(bad: re.Pattern[str], what: str) -> Any:
+def _checker(bad: Pattern[str], what: str) -> Any:
     def check(v: str) -> str:
         m = bad.search(v)
         if m is not None:
@@ -109,6 +111,18 @@ def _describe(what: str, bounds: str) -> str:
     return f"{what} ({bounds})" if what else bounds[0].upper() + bounds[1:]
 
 
+# Free text an agent sends (a worker's last words, an event's message, a command's result):
+# kept, made harmless by the one rule for untrusted text (``agent.core.text.clean``:
+# controls shown escaped, lone surrogates replaced, cut at MAX_TEXT characters with a marker).
+# A crash report is evidence: refusing it for what the dying worker wrote would lose it.
+AGENT_TEXT_RULE = (f"control characters are kept as visible escapes (\\x00), longer text is "
+                   f"cut at {untrusted.MAX_TEXT} characters with a marker")
+AgentText = Annotated[str, AfterValidator(untrusted.clean), Field(description=AGENT_TEXT_RULE)]
+# A JSON object an agent sends (an event's details): every string in it (keys included)
+# cleaned by the same rule, nesting bounded.
+AgentJSON = Annotated[dict[str, Any], AfterValidator(untrusted.clean_json),
+                      Field(description="a JSON object; every string in it: " + AGENT_TEXT_RULE)]
+
 # One argument of a command line (tabs and newlines may be part of one).
 Arg = Annotated[str, TEXT, Field(max_length=MAX_PATH, json_schema_extra={"pattern": TEXT_PATTERN})]
 
@@ -119,6 +133,15 @@ RUN_NAME_MAX = 200
 # other means than registration is still addressable), never a NUL (Postgres text has none).
 RunName = Annotated[str, Path(max_length=RUN_NAME_MAX, pattern=r"^[^\x00]+$",
                               description="the run's name (a NUL is refused)")]
+
+# A node's name in a path (``/runs/{run}/nodes/{node}/...``): any name registration accepts,
+# slashes included (``rack1/n0``), never a NUL.
+NodeName = Annotated[str, Path(max_length=200, pattern=r"^[^\x00]+$",
+                               description="the node's name as its agent registered it "
+                                           "(slashes allowed; a NUL is refused)")]
+# A stored token's name in a path: never a NUL (no token has one).
+TokenName = Annotated[str, Path(max_length=100, pattern=r"^[^\x00]+$",
+                                description="the token's name (a NUL is refused)")]
 
 # ---- the request body ----------------------------------------------------------------------
 

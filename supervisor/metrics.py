@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Response
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Response, status
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -44,7 +44,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from supervisor import efficiency, observe, policy
-from supervisor.api.deps import ReadAuth
+from supervisor.api.deps import ReadAuth, reads_are_public
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
 from supervisor.evaluator import Clock
@@ -53,6 +53,7 @@ from supervisor.goodput.mfu import mfu
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection, Database
+from supervisor.store.health import workers_total
 from supervisor.store.rows import AgentRow, RunRow
 
 RECENT_S = 24 * 3600.0
@@ -145,6 +146,11 @@ class _Families:
             labels=["run", "phase"])
         self.incidents = g("trainwarden_run_open_incidents", "Open incidents by kind",
                            labels=["run", "kind"])
+        self.judge_failures = CounterMetricFamily(
+            "trainwarden_evaluator_run_failures",
+            "Evaluator ticks that failed to judge the run (each retried on the next tick; "
+            "other runs are judged as usual), since this supervisor started",
+            labels=["run"])
         self.no_progress = g("trainwarden_run_restarts_without_progress",
                              "Automatic restarts in a row since which the run has not passed "
                              "its highest step", labels=["run"])
@@ -187,10 +193,10 @@ class _Families:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
                 self.goodput, self.productive, self.wall, self.badput, self.restart_phase,
-                self.incidents, self.no_progress, self.no_progress_limit, self.straggler,
-                self.straggler_slow, self.straggler_threshold, self.hb_age, self.disk,
-                self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util, self.gpu_mem,
-                self.gpu_temp, self.gpu_ecc]
+                self.incidents, self.judge_failures, self.no_progress, self.no_progress_limit,
+                self.straggler, self.straggler_slow, self.straggler_threshold, self.hb_age,
+                self.disk, self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util,
+                self.gpu_mem, self.gpu_temp, self.gpu_ecc]
 
 
 class StoreCollector(Collector):
@@ -199,8 +205,10 @@ class StoreCollector(Collector):
     def __init__(self, db: Database, clock: Clock = time.time, *,
                  policy_cfg: policy.PolicyConfig | None = None,
                  straggler: StragglerConfig | None = None,
-                 goodput: Callable[[int], dict[str, Any] | None] | None = None) -> None:
+                 goodput: Callable[[int], dict[str, Any] | None] | None = None,
+                 judge_failures: Mapping[int, int] | None = None) -> None:
         self.db = db
+        self.judge_failures = judge_failures  # run id -> failed ticks (Evaluator.run_failures)
         self.goodput = goodput  # run id -> the evaluator's live ETTR (Evaluator.goodput)
         self.clock = clock
         self.policy_cfg = policy_cfg or policy.PolicyConfig()
@@ -219,6 +227,8 @@ class StoreCollector(Collector):
         f.info.add_metric([name, str(run["status"])], 1)
         f.active.add_metric([name], 1 if run["status"] in ACTIVE_STATUSES else 0)
         f.attempt.add_metric([name], run["attempt"])
+        if self.judge_failures is not None:
+            f.judge_failures.add_metric([name], self.judge_failures.get(run_id, 0))
         newest = reads.newest_step(conn, run_id=run_id)
         if newest is not None:
             f.step.add_metric([name], newest["step"])
@@ -296,9 +306,9 @@ class StoreCollector(Collector):
                 f.disk_ratio.add_metric([name, node], free / total)
         workers = ag.get("workers")
         if isinstance(workers, list) and workers:
-            f.cpu.add_metric([name, node], sum(float(w.get("cpu_percent") or 0.0)
-                                               for w in workers))
-            f.rss.add_metric([name, node], sum(float(w.get("rss_bytes") or 0) for w in workers))
+            for family, key in ((f.cpu, "cpu_percent"), (f.rss, "rss_bytes")):
+                if (summed := workers_total(workers, key)) is not None:
+                    family.add_metric([name, node], summed)
         gpus = ag.get("gpus")
         if not isinstance(gpus, dict):
             return
@@ -443,6 +453,7 @@ class LeaderCollector(Collector):
 def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.PolicyConfig,
             straggler: StragglerConfig, prefix: str = "",
             goodput: Callable[[int], dict[str, Any] | None] | None = None,
+            judge_failures: Mapping[int, int] | None = None,
             overload: Callable[[], tuple[bool, float | None]] | None = None,
             leader: Callable[[], Mapping[str, Any]] | None = None,
             ) -> CollectorRegistry:
@@ -450,7 +461,7 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
     and the straggler detector's configuration are the ones the evaluator decides with."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler,
-                                     goodput=goodput))
+                                     goodput=goodput, judge_failures=judge_failures))
     if overload is not None:
         registry.register(OverloadCollector(overload))
     if leader is not None:
@@ -461,8 +472,14 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
     router = APIRouter(tags=["metrics"])
 
     @router.get("/metrics", response_class=Response, include_in_schema=True)
-    def metrics(_auth: ReadAuth) -> Response:
-        """Prometheus text exposition (store gauges read at scrape time)."""
+    def metrics(request: Request, auth: ReadAuth) -> Response:
+        """Prometheus text exposition (store gauges read at scrape time).  Every run is in
+        it: a token scoped to some runs is refused (403) unless reads are public."""
+        if auth.scope is not None and not reads_are_public(request):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"token {auth.token!r} is scoped to {auth.scope!r}: /metrics holds every "
+                "run; scrape it with an unscoped viewer token")
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(router, prefix=prefix)

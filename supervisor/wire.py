@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from agent.core import text as untrusted
 from agent.core.states import CommandKind, ExitOutcome
 from supervisor import checkpoint_paths
 from supervisor.limits import (
@@ -24,14 +25,14 @@ from supervisor.limits import (
     RUN_NAME_PATTERN,
     U31,
     U63,
+    AgentJSON,
+    AgentText,
     AgentTime,
     Arg,
     Finite,
     Line,
     Positive31,
-    Text,
     line,
-    text,
 )
 
 # A JSON list an item carries as it is (the store keeps what it understands of it).
@@ -128,8 +129,8 @@ class EventItem(_Wire):
     t: AgentTime | None = None
     name: Line = line(min_length=1, max_length=100)
     step: U31 | None = None
-    message: Text = text()
-    details: dict[str, Any] = Field(default_factory=dict)
+    message: AgentText = ""
+    details: AgentJSON = Field(default_factory=dict)
 
 
 class CheckpointItem(_Wire):
@@ -169,9 +170,16 @@ class FailedRank(_Wire):
     exit_code: I32 | None = None
     signal: U31 | None = None
     pid: U31 | None = None
-    # The worker's own last words (parsed from its stderr): may hold colour codes, kept as
-    # they are (every page and the CLI show them escaped).
-    message: str | None = Field(default=None, max_length=16_384)
+    # The worker's own last words (parsed from its stderr): kept, their control characters
+    # (colour codes, a NUL) as visible escapes.
+    message: AgentText | None = None
+
+    @model_validator(mode="after")
+    def _clean_extra(self) -> FailedRank:
+        # The keys kept beyond the known ones are the worker's too: the same rule.
+        if self.__pydantic_extra__:
+            self.__pydantic_extra__ = untrusted.clean_json(self.__pydantic_extra__)
+        return self
 
 
 class ExitItem(_Wire):
@@ -189,7 +197,7 @@ class CommandResultItem(_Wire):
     t: AgentTime | None = None
     command_id: U31
     status: Literal["delivered", "done", "failed"]  # agent.core.states.COMMAND_RESULTS
-    detail: Text = text()
+    detail: AgentText = ""
 
 
 Item = Annotated[

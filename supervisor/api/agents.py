@@ -27,6 +27,7 @@ from supervisor.api.errors import (
     validation_error_response,
 )
 from supervisor.ingest import IngestWriter
+from supervisor.limits import NodeName, RunName
 from supervisor.store import credentials, registry
 from supervisor.store.db import Database
 from supervisor.store.ingest import CheckpointRefused, SeqConflict, UnknownAgent
@@ -73,8 +74,8 @@ def register(
         heartbeat_interval_s=settings.server.heartbeat_interval_s)
 
 
-@router.post("/runs/{run}/nodes/{node}/takeover", response_model=None)
-def takeover(run: str, node: str, db: DB, clock: ClockDep, creds: Credentials,
+@router.post("/runs/{run}/nodes/{node:path}/takeover", response_model=None)
+def takeover(run: RunName, node: NodeName, db: DB, clock: ClockDep, creds: Credentials,
              auth: OperatorAuth) -> dict[str, Any]:
     """Revoke the credential of the agent holding ``node`` of ``run`` (operator; an audited
     action): its batches are refused from now on, its re-registration is told it was

@@ -95,6 +95,17 @@ class Principal:
                                 f"run {run!r} is outside it")
 
 
+def reads_are_public(request: Request) -> bool:
+    """``auth.public_reads``: anyone may read every run (a scoped token's reads are then not
+    confined to its runs either)."""
+    return bool(request.app.state.settings.auth.public_reads)
+
+
+def can_read(request: Request, principal: Principal, run: str) -> bool:
+    """Whether ``principal`` may read ``run``: its scope covers it, or reads are public."""
+    return reads_are_public(request) or principal.covers(run)
+
+
 def _matches(presented_hash: str, expected: str | None) -> bool:
     return expected is not None and hmac.compare_digest(presented_hash, expected)
 
@@ -143,6 +154,21 @@ class TokenCheck:
         self.need = need
 
     async def __call__(self, request: Request) -> Principal:
+        principal = await self.principal(request)
+        # Scope holds on every route that names a run (its ``{run}`` path parameter): reads
+        # too, unless reads are public (then anyone may read every run anyway).
+        run = request.path_params.get("run")
+        if isinstance(run, str) and not self.reads_unscoped(request):
+            principal.require_run(run)
+        return principal
+
+    def reads_unscoped(self, request: Request) -> bool:
+        """Reads of other runs than a scoped token's own: only where reads are public."""
+        return self.need == "read" and reads_are_public(request)
+
+    async def principal(self, request: Request) -> Principal:
+        """Who the request's token is, with the role this check needs (401/403 otherwise);
+        the token's run scope is not checked here (``__call__`` does)."""
         auth: AuthConfig = request.app.state.settings.auth
         agent_hash, op_hash = auth.agent_token_hash, auth.operator_token_hash
         admin_hash = auth.admin_token_hash

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, status
+from fastapi import APIRouter, HTTPException, Path, Request, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from agent.protocol import LRSchedule, normalize_ranges
 from supervisor import actions, efficiency, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
-from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth
+from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, can_read
 from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.limits import U31, U63, RunName, Text, text
 from supervisor.store import reads, registry
@@ -90,13 +90,17 @@ def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: 
 
 
 @router.get("/actions/{action_id}", response_model=None)
-def get_action(action_id: Annotated[U31, Path()], db: DB, _auth: ReadAuth) -> dict[str, Any]:
+def get_action(action_id: Annotated[U31, Path()], db: DB, request: Request,
+               auth: ReadAuth) -> dict[str, Any]:
     """One action with its progress: queued, delivered, restarted, resumed (first step),
     and for a restart its ``anatomy``: the milestones' times and the seconds of each phase
     (stop_workers, launch, rendezvous, load_checkpoint, first_step; null where a milestone
     is not recorded, never 0 for unknown), their ``total_s`` and ``notes``."""
     with db.read() as conn:
         a = reads.get_action(conn, action_id=action_id)
+        if a is not None and not can_read(
+                request, auth, str(registry.get_run(conn, run_id=a["run_id"])["name"])):
+            a = None  # another scope's action: as if there were none
         if a is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown action {action_id}")
         (out,) = efficiency.with_anatomy(conn, [a])

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from supervisor import actions, efficiency, observe, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
-from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler
+from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler, can_read
 from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.limits import U31, RunName, Text, text
 from supervisor.store import reads, registry
@@ -62,9 +62,11 @@ def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
 
 
 @router.get("/runs", response_model=None)
-def list_runs(db: DB, _auth: ReadAuth) -> dict[str, Any]:
+def list_runs(db: DB, request: Request, auth: ReadAuth) -> dict[str, Any]:
+    """Every run the token may read (a scoped token: the runs of its scope)."""
     with db.read() as conn:
-        return {"runs": [_summary(conn, r) for r in registry.list_runs(conn)]}
+        return {"runs": [_summary(conn, r) for r in registry.list_runs(conn)
+                         if can_read(request, auth, str(r["name"]))]}
 
 
 @router.get("/runs/{run}", response_model=None)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from supervisor.api.deps import DB, AdminAuth, ClockDep
 from supervisor.api.errors import ERROR_RESPONSES
+from supervisor.limits import TokenName
 from supervisor.store import tokens
 
 router = APIRouter(tags=["tokens"], responses=ERROR_RESPONSES)
@@ -22,18 +23,19 @@ class TokenRequest(BaseModel):
     role: Literal["viewer", "agent", "operator", "admin"]
     scope: str | None = Field(
         default=None, max_length=201, pattern=RUN_SCOPE,
-        description="agent and operator tokens: one run's name, or a run-name prefix "
-                    "ending in '*'; none: every run")
+        description="viewer, agent and operator tokens: one run's name, or a run-name "
+                    "prefix ending in '*'; the token reads and acts on those runs only; "
+                    "none: every run")
 
 
 @router.post("/tokens", response_model=None, status_code=201)
 def create_token(req: TokenRequest, db: DB, clock: ClockDep, _auth: AdminAuth
                  ) -> dict[str, Any]:
     """A new token; the reply's ``token`` is its secret, shown this once (stored hashed)."""
-    if req.scope is not None and req.role not in ("agent", "operator"):
+    if req.scope is not None and req.role == "admin":
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
-                            f"a {req.role} token has no scope: only agent and operator "
-                            "tokens are scoped to runs")
+                            "an admin token has no scope: it holds the token routes, which "
+                            "are not a run's; scope a viewer, agent or operator token")
     try:
         with db.write() as conn:
             row, secret = tokens.create(conn, name=req.name, role=req.role, scope=req.scope,
@@ -52,7 +54,8 @@ def list_tokens(db: DB, _auth: AdminAuth) -> dict[str, Any]:
 
 
 @router.delete("/tokens/{name}", response_model=None)
-def revoke_token(name: str, request: Request, db: DB, _auth: AdminAuth) -> dict[str, Any]:
+def revoke_token(name: TokenName, request: Request, db: DB, _auth: AdminAuth
+                 ) -> dict[str, Any]:
     """Revoke a token: refused from now on (by this supervisor at once)."""
     with db.write() as conn:
         if not tokens.revoke(conn, name=name):

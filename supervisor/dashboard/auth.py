@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 
-from supervisor.api.deps import Principal, TokenCheck
+from supervisor.api.deps import Principal, TokenCheck, can_read
 
 COOKIE = "trainwarden_token"
 COOKIE_MAX_AGE_S = 7 * 24 * 3600
@@ -58,16 +58,30 @@ def _cookie(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 
 async def check(request: Request, token: str | None = None) -> Principal | None:
     """The principal of ``token`` (or of the request's own header/cookie when None) under
-    the read rule, or None when refused."""
+    the read rule, or None when refused (its run scope is the page's to check:
+    ``require_run``)."""
     req = request
     if token is not None:
         headers = [(k, v) for k, v in request.scope["headers"] if k != b"authorization"]
         headers.append((b"authorization", f"Bearer {token}".encode()))
         req = Request({**request.scope, "headers": headers})
     try:
-        return await TokenCheck("read")(req)
+        return await _READ.principal(req)
     except HTTPException:
         return None
+
+
+_READ = TokenCheck("read")
+
+
+def require_run(request: Request, principal: Principal, run: str) -> None:
+    """403 unless the principal may read ``run`` (the read rule of ``TokenCheck``)."""
+    if not _READ.reads_unscoped(request):
+        principal.require_run(run)
+
+
+def readable(request: Request, principal: Principal, run: str) -> bool:
+    return can_read(request, principal, run)
 
 
 def set_cookie(response: Response, request: Request, token: str) -> None:

@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from supervisor.api.deps import DB, ClockDep, ReadAuth, Straggler
+from supervisor.api.deps import DB, ClockDep, Principal, ReadAuth, Straggler
 from supervisor.dashboard import auth, etag, views
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.store import reads, registry
@@ -119,9 +119,9 @@ def _login_page(request: Request, error: str = "", code: int = 401) -> HTMLRespo
         status_code=code)
 
 
-async def _page_auth(request: Request) -> Response | str:
-    """The principal's role, or the response to send instead (login page, or the redirect
-    that drops a ``?token=`` from the address after storing it in the cookie)."""
+async def _page_auth(request: Request) -> Response | Principal:
+    """The principal, or the response to send instead (login page, or the redirect that
+    drops a ``?token=`` from the address after storing it in the cookie)."""
     token = request.query_params.get("token")
     if token is not None:
         if not auth.valid_token_text(token) or await auth.check(request, token) is None:
@@ -134,7 +134,7 @@ async def _page_auth(request: Request) -> Response | str:
     principal = await auth.check(request)
     if principal is None:
         return _login_page(request)
-    return principal.role
+    return principal
 
 
 def _safe_next(nxt: str) -> str:
@@ -198,30 +198,32 @@ def _run_context(db: Any, name: str, now: float, straggler: StragglerConfig
 
 @router.get("/", response_class=HTMLResponse)
 async def runs_page(request: Request, db: DB, clock: ClockDep) -> Response:
-    role = await _page_auth(request)
-    if isinstance(role, Response):
-        return role
+    who = await _page_auth(request)
+    if isinstance(who, Response):
+        return who
     now = clock()
 
     def read() -> list[dict[str, Any]]:
         with db.read() as conn:
-            return views.runs_overview(conn, now)
+            return views.runs_overview(
+                conn, now, lambda name: auth.readable(request, who, name))
 
     rows = await run_in_threadpool(read)
     return templates.TemplateResponse(
-        request, "runs.html", {"runs": rows, "now": now, "principal": role})
+        request, "runs.html", {"runs": rows, "now": now, "principal": who.role})
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)
 async def run_page(run: str, request: Request, db: DB, clock: ClockDep,
                    straggler: Straggler) -> Response:
-    role = await _page_auth(request)
-    if isinstance(role, Response):
-        return role
+    who = await _page_auth(request)
+    if isinstance(who, Response):
+        return who
+    auth.require_run(request, who, run)
     now = clock()
     ctx = await run_in_threadpool(_run_context, db, run, now, straggler)
     return templates.TemplateResponse(
-        request, "run.html", {**ctx, "now": now, "principal": role, "poll_ms": POLL_MS})
+        request, "run.html", {**ctx, "now": now, "principal": who.role, "poll_ms": POLL_MS})
 
 
 @router.get("/runs/{run}/tables", response_class=HTMLResponse)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from supervisor import efficiency, metrics, observe
@@ -15,6 +15,7 @@ from supervisor.goodput.mfu import mfu, mfu_factor
 from supervisor.store import reads, registry, windows
 from supervisor.store import recovery as rec
 from supervisor.store.db import Connection
+from supervisor.store.health import workers_total
 from supervisor.store.rows import AgentRow, RunRow, Throughput
 
 LIST_LIMIT = 200  # rows of each table on the run page
@@ -46,8 +47,11 @@ def run_row(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
     }
 
 
-def runs_overview(conn: Connection, now: float) -> list[dict[str, Any]]:
-    return [run_row(conn, r, now) for r in reversed(registry.list_runs(conn))]
+def runs_overview(conn: Connection, now: float,
+                  readable: Callable[[str], bool] = lambda name: True) -> list[dict[str, Any]]:
+    """The runs list, newest first: the runs ``readable`` admits (a scoped token's own)."""
+    return [run_row(conn, r, now) for r in reversed(registry.list_runs(conn))
+            if readable(str(r["name"]))]
 
 
 def stacks_of(incident: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -102,9 +106,8 @@ def node_health(agent: AgentRow) -> dict[str, Any]:
     return {
         **agent,
         "disk_free_ratio": free / total if free is not None and total else None,
-        "workers_cpu": sum(float(w.get("cpu_percent") or 0.0) for w in workers)
-        if workers else None,
-        "workers_rss": sum(float(w.get("rss_bytes") or 0) for w in workers) if workers else None,
+        "workers_cpu": workers_total(workers, "cpu_percent"),
+        "workers_rss": workers_total(workers, "rss_bytes"),
         "workers_list": sorted(workers, key=lambda w: (w.get("rank", 0), w.get("pid", 0))),
         "gpu_available": None if gpus is None else bool(gpus.get("available")),
         "gpu_reason": "" if gpus is None else str(gpus.get("reason") or ""),

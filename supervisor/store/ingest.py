@@ -35,8 +35,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from agent.core.states import CommandStatus
 from supervisor import checkpoint_paths, wire
-from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
+from supervisor.store.health import gpu_health, worker_stats
 from supervisor.store.tables import (
     agents,
     checkpoints,

@@ -12,8 +12,8 @@ from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 from agent.protocol import EVENT_FLOPS_DECLARED
 from supervisor.enums import ActionKind, IncidentStatus
 from supervisor.limits import BASELINE_PER_DEVICE_MAX
-from supervisor.store._health import number
 from supervisor.store._sql import row, with_specials
+from supervisor.store.health import number
 from supervisor.store.rows import (
     ActionRow,
     CheckpointRow,

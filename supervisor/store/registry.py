@@ -13,9 +13,9 @@ from agent.core.states import AgentState
 from supervisor import wire
 from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
 from supervisor.store import credentials
-from supervisor.store._health import gpu_health, worker_stats
 from supervisor.store._sql import insert, row
 from supervisor.store.credentials import NodeHolder
+from supervisor.store.health import gpu_health, worker_stats
 from supervisor.store.rows import AgentAttemptRow, AgentRow, RegisteredAgent, RunRow
 from supervisor.store.tables import agents, events, ingested_batches, runs
 
@@ -176,7 +176,7 @@ def agents_off_attempt(conn: Connection, *, run_id: int, attempt: int) -> list[A
 
 
 def run_agents(conn: Connection, *, run_id: int) -> list[AgentRow]:
-    """The run's agents, their health readings in the shape of ``_health`` whatever the row
+    """The run's agents, their health readings in the shape of ``health`` whatever the row
     holds."""
     q = select(agents).where(agents.c.run_id == run_id).order_by(agents.c.id)
     out = []

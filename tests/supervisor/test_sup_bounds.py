@@ -63,7 +63,9 @@ def _res(**kw: Any) -> dict[str, Any]:
     return {"type": "command_result", "t": 1.0, "command_id": 1, "status": "done", **kw}
 
 
-# (case id, field the 422 must name, route, body builder taking the agent id)
+# (case id, field the 422 must name, route, body builder taking the agent id).  Free text an
+# agent sends (messages, details, results) is not refused but kept escaped and cut:
+# test_sup_trust.py.
 REGISTER = [
     ("pid-2^63", "pid", _register_body(pid=BIG)),
     ("pid-2^31", "pid", _register_body(pid=BIG32)),
@@ -99,9 +101,6 @@ INGEST = [
     ("step_s-nan", "step_s", lambda a: _batch(a, step(0, 1, step_s=NAN))),
     ("data_s-inf", "data_s", lambda a: _batch(a, step(0, 1, data_s=INF))),
     ("event-name-nul", "name", lambda a: _batch(a, _ev(name="x\x00"))),
-    ("event-message-nul", "message", lambda a: _batch(a, _ev(message="m\x00"))),
-    ("event-message-esc", "message", lambda a: _batch(a, _ev(message="\x1b]0;owned\x07"))),
-    ("event-message-long", "message", lambda a: _batch(a, _ev(message="m" * 20_000))),
     ("event-step-2^31", "step", lambda a: _batch(a, _ev(step=BIG32))),
     ("event-rank-2^63", "rank", lambda a: _batch(a, _ev(rank=BIG))),
     ("ckpt-path-nul", "path", lambda a: _batch(a, _ck(path="/ck/\x00"))),
@@ -123,7 +122,6 @@ INGEST = [
      lambda a: _batch(a, _exit(failed_ranks=[{"rank": 0, "exit_code": BIG}]))),
     ("result-id-2^63", "command_id", lambda a: _batch(a, _res(command_id=BIG))),
     ("result-id-2^31", "command_id", lambda a: _batch(a, _res(command_id=BIG32))),
-    ("result-detail-nul", "detail", lambda a: _batch(a, _res(detail="d\x00"))),
 ]
 
 OPERATOR_POSTS = [

@@ -157,13 +157,17 @@ def test_stored_tokens_are_listed_without_secrets_and_revoked(client: TestClient
     assert client.delete("/api/v1/tokens/ci", headers=ADMIN).status_code == 404
 
 
-def test_token_names_are_unique_and_scopes_only_for_agents_and_operators(
+def test_token_names_are_unique_and_every_role_but_admin_may_be_scoped(
         client: TestClient) -> None:
     _create(client, "ci", "viewer")
     r = client.post("/api/v1/tokens", headers=ADMIN, json={"name": "ci", "role": "agent"})
     assert r.status_code == 409 and "exists" in r.json()["detail"]
+    for role in ("viewer", "agent", "operator"):
+        r = client.post("/api/v1/tokens", headers=ADMIN,
+                        json={"name": f"s-{role}", "role": role, "scope": "a*"})
+        assert r.status_code == 201 and r.json()["scope"] == "a*", r.text
     r = client.post("/api/v1/tokens", headers=ADMIN,
-                    json={"name": "v2", "role": "viewer", "scope": "a"})
+                    json={"name": "ad2", "role": "admin", "scope": "a"})
     assert r.status_code == 422 and "no scope" in r.json()["detail"]
     r = client.post("/api/v1/tokens", headers=OPERATOR, json={"name": "x", "role": "admin"})
     assert r.status_code == 403
@@ -213,3 +217,54 @@ def test_the_token_cli_goes_through_the_api(app: FastAPI, monkeypatch: pytest.Mo
         assert cli.main(["token", "revoke", "ci", *at]) == 1
         assert "no token named 'ci'" in capsys.readouterr().err
         assert cli.main(["token", "list", "--token", "wrong", *at]) == 1
+
+
+def test_an_out_of_scope_token_of_every_role_is_refused_on_every_route_of_another_run(
+        client: TestClient) -> None:
+    """Every route of the matrix that names a run (or shows every run: /metrics), walked with
+    a token of each role scoped to another run: 403 or 404, never the other run's data.  The
+    runs list and the dashboard's list hold only the token's own runs."""
+    theirs = register(client, run="theirs", node="n0")["agent_id"]
+    ingest_batch(client, theirs, 0, [step(0, 0, world_size=1)])
+    assert client.post("/api/v1/runs/theirs/restart", headers=OPERATOR,
+                       json={"reason": "an action of theirs"}).status_code == 200
+    (action,) = client.get("/api/v1/runs/theirs/actions", headers=OPERATOR).json()["actions"]
+    register(client, run="mine-1", node="n0")
+    scoped = {role: _bearer(_create(client, f"scoped-{role}", role, scope="mine-*"))
+              for role in ("viewer", "agent", "operator")}
+    wrong: list[str] = []
+    for (method, path), need in sorted(ROUTES.items()):
+        if "{run}" not in path and path not in ("/api/v1/actions/{action_id}", "/metrics"):
+            continue
+        url = (path.replace("{run}", "theirs").replace("{node}", "n0")
+               .replace("{action_id}", str(action["id"])))
+        for role, headers in scoped.items():
+            if role not in ADMITTED.get(need, set()):
+                continue  # refused for its role already (the matrix above)
+            kw: dict[str, Any] = {"headers": {**headers, "origin": "http://testserver"}}
+            if path in BODIES:
+                kw["json"] = BODIES[path]
+            r = client.request(method, url, follow_redirects=False, **kw)
+            if r.status_code not in (403, 404) or "theirs" in r.text.replace(
+                    "'theirs'", "").replace("run theirs", ""):
+                wrong.append(f"{method} {path} as scoped {role}: {r.status_code}")
+    assert wrong == []
+    for role, headers in scoped.items():
+        names = [r["name"] for r in client.get("/api/v1/runs", headers=headers).json()["runs"]]
+        assert names == ["mine-1"], role
+        page = client.get("/", headers=headers).text
+        assert "mine-1" in page and "theirs" not in page, role
+        assert client.get("/api/v1/runs/mine-1", headers=headers).status_code == 200
+
+
+def test_with_public_reads_a_scoped_token_reads_every_run_and_acts_on_its_own(
+        db: Database, clock: FakeClock) -> None:
+    app = create_app(make_settings(admin_token=ADMIN_TOKEN, public_reads=True), db=db,
+                     clock=clock, upgrade_schema=False, start_evaluator=False)
+    with TestClient(app) as client:
+        register(client, run="theirs", node="n0")
+        tok = _bearer(_create(client, "alice", "operator", scope="mine"))
+        assert client.get("/api/v1/runs/theirs", headers=tok).status_code == 200
+        assert client.get("/metrics", headers=tok).status_code == 200
+        assert client.post("/api/v1/runs/theirs/stop", headers=tok,
+                           json={"reason": "x"}).status_code == 403

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from agent.core import text as untrusted
+
 WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
 GPU_NUMBERS = ("util_percent", "mem_used_bytes", "mem_total_bytes", "temp_c", "power_w",
                "ecc_uncorrected")
@@ -15,11 +17,27 @@ MAX_DEVICES = 64
 MAX_TEXT = 500
 
 
+INT64_MAX = 2**63 - 1  # (a JSON integer may be any size; readers take floats of them)
+
+
 def number(x: Any) -> int | float | None:
-    """``x`` if it is a finite number (not a bool), else None."""
+    """``x`` if it is a finite number (not a bool) a 64-bit column could hold, else None."""
     if isinstance(x, bool) or not isinstance(x, int | float):
         return None
-    return x if isinstance(x, int) or math.isfinite(x) else None
+    if isinstance(x, int):
+        return x if -INT64_MAX - 1 <= x <= INT64_MAX else None
+    return x if math.isfinite(x) else None
+
+
+def workers_total(workers: list[dict[str, Any]] | None, key: str) -> float | None:
+    """The sum of one reading over a node's workers (their CPU percent, their RSS bytes), as
+    every page and ``/metrics`` show it; None when no worker has it, or when the sum is not
+    a finite number (each value is finite, but two of 1e308 add up to infinity)."""
+    values = [float(w[key]) for w in workers or () if number(w.get(key)) is not None]
+    if not values:
+        return None
+    total = sum(values)  # (overflows to infinity, where math.fsum raises)
+    return total if math.isfinite(total) else None
 
 
 def worker_stats(workers: Any) -> list[dict[str, Any]]:
@@ -34,7 +52,8 @@ def worker_stats(workers: Any) -> list[dict[str, Any]]:
         kept: dict[str, Any] = {}
         for k in WORKER_KEYS:
             v = w.get(k)
-            if not (type(v) is int or (type(v) is float and isfinite(v))):
+            if not ((type(v) is int and -INT64_MAX - 1 <= v <= INT64_MAX)
+                    or (type(v) is float and isfinite(v))):
                 v = None if v is None else number(v)
             if v is not None:
                 kept[k] = v
@@ -73,4 +92,4 @@ def gpu_health(gpus: Any) -> dict[str, Any] | None:
 
 
 def _text(x: Any) -> str:
-    return "" if x is None else str(x)[:MAX_TEXT]
+    return "" if x is None else untrusted.clean(str(x), MAX_TEXT, multiline=False)

@@ -1,0 +1,220 @@
+"""Trust: no value an agent sends reaches a store, a page or a tick unclean; one run's failure
+never stops the evaluator for the others; a token's scope holds on every route; only members
+steer a run.  On SQLite and Postgres."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sup_helpers import (
+    OPERATOR,
+    FakeClock,
+    as_agent,
+    crash,
+    ingest,
+    make_settings,
+    register,
+    step,
+    store_snapshot,
+)
+
+from supervisor.app import create_app
+from supervisor.evaluator import Evaluator
+from supervisor.store import recovery as rec
+from supervisor.store.db import Database
+
+ADMIN_TOKEN = "admin-secret"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+def app(db: Database, clock: FakeClock) -> FastAPI:
+    return create_app(make_settings(admin_token=ADMIN_TOKEN), db=db, clock=clock,
+                      upgrade_schema=False, start_evaluator=False)
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[TestClient]:
+    # A 500 must come back as a 500 (what a user gets), not as an exception in the test.
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture
+def evaluator(app: FastAPI) -> Evaluator:
+    ev: Evaluator = app.state.evaluator
+    return ev
+
+
+def _get(client: TestClient, path: str, headers: dict[str, str] | None = None) -> Any:
+    r = client.get(path, headers=OPERATOR if headers is None else headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _train(client: TestClient, clock: FakeClock, agent: int, seq: int, steps: range,
+           loss: Any = None) -> int:
+    """One batch per step of a one-node, two-rank run (with a heartbeat, as the agent sends);
+    returns the next seq."""
+    for s in steps:
+        clock.advance(0.5)
+        lv = loss(s) if loss else 1.0
+        items = [step(r, s, t=clock.now, loss=lv, world_size=2) for r in (0, 1)]
+        items.append({"type": "heartbeat", "t": clock.now, "state": "running"})
+        ingest(client, agent, seq, items)
+        seq += 1
+    return seq
+
+
+def _with_checkpoint(client: TestClient, clock: FakeClock, run: str) -> tuple[int, int]:
+    """A run on one node with 20 steps and a complete checkpoint at step 10."""
+    a = int(register(client, run=run, node="n0")["agent_id"])
+    seq = _train(client, clock, a, 0, range(0, 20))
+    ingest(client, a, seq, [{"type": "checkpoint", "step": 10, "path": "/ck/step_10",
+                             "bytes": 5, "t": clock.now, "lineage": "a0"}])
+    return a, seq + 1
+
+
+# ---- 1. no value an agent sends reaches a store, a page or a tick unclean ------------------
+
+
+def test_a_nul_in_a_dying_workers_last_words_is_stored_escaped_and_the_crash_handled(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """The suite's exit report: its failed rank's message holds a NUL and an escape
+    sequence.  It is stored (200) with both shown as escapes, the crash opens its incident
+    and restarts the run, and the evaluator keeps ticking."""
+    a, seq = _with_checkpoint(client, clock, "poison")
+    ex = crash(rank=1)
+    ex["failed_ranks"][0]["message"] = "boom\x00 \x1b[31mred"
+    ex["failed_ranks"][0]["extra\x00key"] = "v\x00"  # a key torchrun's summary never has
+    ingest(client, a, seq, [ex])
+    evaluator.tick()
+    (inc,) = _get(client, "/api/v1/runs/poison/incidents")["incidents"]
+    assert inc["kind"] == "crash"
+    assert "\x00" not in json.dumps(inc) and "\\x00" in json.dumps(inc)
+    run = _get(client, "/api/v1/runs/poison")
+    assert run["status"] == "restarting" and run["attempt"] == 1
+    assert client.get("/runs/poison", headers=OPERATOR).status_code == 200
+
+
+@pytest.mark.parametrize("where", ["event message", "event details", "command result"])
+def test_control_characters_in_an_agents_free_text_are_kept_as_escapes(
+        client: TestClient, where: str) -> None:
+    a = int(register(client, run="r1", node="n0")["agent_id"])
+    hostile = "x\x00y\x1b]0;owned\x07z"
+    item: dict[str, Any] = {
+        "event message": {"type": "event", "name": "note", "t": 1.0, "message": hostile},
+        "event details": {"type": "event", "name": "note", "t": 1.0,
+                          "details": {"k\x00": [hostile, {"deep": hostile}]}},
+        "command result": {"type": "command_result", "t": 1.0, "command_id": 1,
+                           "status": "done", "detail": hostile},
+    }[where]
+    ingest(client, a, 0, [item])
+    if where != "command result":
+        (ev,) = [e for e in _get(client, "/api/v1/runs/r1/events")["events"]
+                 if e["name"] == "note"]
+        text = json.dumps(ev)
+        assert "\\\\x00" in text and "\\\\x1b" in text and "\\u0000" not in text
+
+
+def test_over_long_free_text_is_cut_with_a_marker(client: TestClient) -> None:
+    a = int(register(client, run="r1", node="n0")["agent_id"])
+    ingest(client, a, 0, [{"type": "event", "name": "note", "t": 1.0, "message": "m" * 20_000}])
+    (ev,) = [e for e in _get(client, "/api/v1/runs/r1/events")["events"] if e["name"] == "note"]
+    kept, _, marker = ev["message"].partition("... [")
+    assert len(ev["message"]) <= 16_384 and marker.endswith(" characters cut]")
+    assert len(kept) + int(marker.split()[0]) == 20_000 and set(kept) == {"m"}
+
+
+def test_a_lone_surrogate_is_refused_cleanly_and_stores_nothing(client: TestClient,
+                                                               db: Database) -> None:
+    a = int(register(client, run="r1", node="n0")["agent_id"])
+    before = store_snapshot(db)
+    body = ('{"agent_id": ' + str(a) + ', "seq": 0, "items": [{"type": "event", '
+            '"name": "note", "message": "a\\ud800b"}]}')
+    r = client.post("/api/v1/ingest", content=body,
+                    headers={**as_agent(client, a), "content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert store_snapshot(db) == before
+
+
+def test_workers_whose_cpu_adds_up_past_a_float_leave_the_pages_and_metrics_whole(
+        client: TestClient) -> None:
+    """Two workers at cpu_percent 1e308 (each finite, admitted): the sum overflows; the run
+    page, its tables and /metrics answer 200 and show no total instead of infinity."""
+    a = int(register(client, run="r1", node="n0")["agent_id"])
+    workers = [{"rank": r, "pid": 10 + r, "cpu_percent": 1e308, "rss_bytes": 2**70}
+               for r in (0, 1)]
+    ingest(client, a, 0, [step(0, 0, world_size=2), step(1, 0, world_size=2),
+                          {"type": "heartbeat", "t": 1.0, "workers": workers}])
+    for path in ("/runs/r1", "/runs/r1/tables", "/api/v1/runs/r1", "/metrics"):
+        r = client.get(path, headers=OPERATOR)
+        assert r.status_code == 200, (path, r.text[:300])
+    page = client.get("/runs/r1/tables", headers=OPERATOR).text
+    assert "— CPU" in page and "inf" not in page.lower().replace("info", "")
+    metrics = client.get("/metrics", headers=OPERATOR).text
+    assert 'trainwarden_agent_worker_cpu_percent{node="n0",run="r1"}' not in metrics
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/api/v1/runs/r1/nodes/a%00b/takeover"),
+    ("DELETE", "/api/v1/tokens/a%00b"),
+    ("GET", "/api/v1/runs/a%00b"),
+    ("POST", "/api/v1/runs/a%00b/nodes/n0/takeover"),
+])
+def test_a_nul_in_a_path_parameter_is_a_422(client: TestClient, method: str, path: str) -> None:
+    register(client, run="r1", node="n0")
+    r = client.request(method, path, headers=ADMIN)
+    assert r.status_code == 422, r.text
+
+
+# ---- 2. an evaluator tick cannot be stopped by one run -------------------------------------
+
+
+def test_a_store_error_on_one_runs_incident_leaves_the_others_judged_on_the_same_tick(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store refuses run A's crash incident on every tick.  Run B's NaN on that same
+    tick is rolled back; A's failure is an event, a count in /metrics, and is retried: once
+    the store takes it, A's crash is handled."""
+    a, a_seq = _with_checkpoint(client, clock, "A")
+    b, b_seq = _with_checkpoint(client, clock, "B")
+    runs = {r["name"]: r["id"] for r in _get(client, "/api/v1/runs")["runs"]}
+    real_open = rec.open_incident
+
+    def refusing(conn: Any, **values: Any) -> int:
+        if values.get("run_id") == runs["A"]:
+            # A real error of the store (on Postgres it aborts the transaction it is in).
+            conn.execute(text("SELECT * FROM store_refused_the_row"))
+        return real_open(conn, **values)
+
+    monkeypatch.setattr(rec, "open_incident", refusing)
+    ingest(client, a, a_seq, [crash()])
+    _train(client, clock, b, b_seq, range(20, 21), loss=lambda s: float("nan"))
+    evaluator.tick()
+    (inc,) = _get(client, "/api/v1/runs/B/incidents")["incidents"]
+    assert inc["kind"] == "nonfinite"
+    assert _get(client, "/api/v1/runs/B")["status"] == "restarting"
+    assert [a["kind"] for a in _get(client, "/api/v1/runs/B/actions")["actions"]] == ["restart"]
+    assert _get(client, "/api/v1/runs/A/incidents")["incidents"] == []
+    evaluator.tick()  # still failing: counted again, recorded once
+    failed = [e for e in _get(client, "/api/v1/runs/A/events")["events"]
+              if e["name"] == "judge_failed"]
+    assert len(failed) == 1 and "store_refused_the_row" in failed[0]["message"]
+    metrics = client.get("/metrics", headers=OPERATOR).text
+    assert 'trainwarden_evaluator_run_failures_total{run="A"} 2.0' in metrics
+    assert 'trainwarden_evaluator_run_failures_total{run="B"} 0.0' in metrics
+
+    monkeypatch.setattr(rec, "open_incident", real_open)
+    evaluator.tick()
+    (inc,) = _get(client, "/api/v1/runs/A/incidents")["incidents"]
+    assert inc["kind"] == "crash"
+    assert _get(client, "/api/v1/runs/A")["status"] == "restarting"
+    assert any(e["name"] == "judge_recovered"
+               for e in _get(client, "/api/v1/runs/A/events")["events"])
