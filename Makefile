@@ -1,11 +1,12 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test` (`make docs` builds the
+# documentation site into site/).
 # Each creates the virtual environment it needs (torch pinned through constraints.txt).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint docs clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +22,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m tests.parallel $(PYTEST_ARGS)
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -d site
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent supervisor tests examples benchmarks migrations
 	$(VENV)/bin/mypy agent supervisor
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -4,7 +4,7 @@ published failure rates, accounted by trainwarden's own ETTR accumulator.
 What comes from where:
 
 * Detection and restart times: measured on this machine by ``benchmarks/detection.py`` (real
-  2-worker torchrun runs, default supervisor settings; the README's detection table, medians):
+  2-worker torchrun runs, default supervisor settings; benchmarks/results/*-detection.md, medians):
   crash 0.9 s to the incident, 6.2 s from the incident to the first resumed step; hang 25.3 s
   (the hang deadline's 25 s floor) and 6.7 s; loss spike 0.4 s and 5.2 s.  Where a detector's
   latency depends on the step time, its own rule scales it to the large run's step: a hang
@@ -57,7 +57,7 @@ from supervisor.detect.loss_spike import LossSpikeConfig  # noqa: E402
 from supervisor.goodput import interval as iv  # noqa: E402
 from supervisor.goodput.simulate import FaultKind, SimConfig, simulate  # noqa: E402
 
-# Measured on this machine: README, "Detection latency" (benchmarks/detection.py), medians.
+# Measured on this machine: benchmarks/results/*-detection.md (benchmarks/detection.py), medians.
 MEASURED = {"crash": (0.9, 6.2), "hang": (25.3, 6.7), "loss_spike": (0.4, 5.2)}
 MEASURED_STEP_S = 0.025  # the measured runs' step (2000 steps, ~50 s of step time)
 MIX = {"crash": 0.80, "hang": 0.17, "loss_spike": 0.03}

@@ -1,8 +1,10 @@
-"""Every benchmark the README names still starts: its imports resolve against today's code and
-its command line parses (the benchmarks themselves take minutes and run by hand)."""
+"""Every benchmark the docs name still starts: its imports resolve against today's code and
+its command line parses (the benchmarks themselves take minutes and run by hand); every dated
+result file says its command, commit and machine, and the docs' benchmark page links it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,48 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py")
                  if 'if __name__ == "__main__":' in p.read_text())
 
 
+REPO = BENCHMARKS.parent
+RESULTS = BENCHMARKS / "results"
+BENCHMARK_PAGE = REPO / "docs" / "benchmarks" / "index.md"
+# What the docs name: the benchmark page, the dated result files, and every other docs page.
+DOCS = sorted({*(REPO / "docs").rglob("*.md"), *RESULTS.glob("*.md"), REPO / "README.md"})
+
+
 def test_the_benchmarks_are_found() -> None:
     assert "ingest.py" in SCRIPTS and "goodput.py" in SCRIPTS, SCRIPTS
+
+
+def test_every_benchmark_the_docs_name_is_a_script_that_is_checked() -> None:
+    """A ``benchmarks/NAME.py`` in the docs or a result file exists and is one of the scripts
+    ``test_benchmark_starts`` runs (or a module one of them imports, as goodput_scaled.py)."""
+    named = {(doc, m) for doc in DOCS
+             for m in re.findall(r"benchmarks/([A-Za-z0-9_]+\.py)", doc.read_text())}
+    assert {m for _, m in named} >= {"ingest.py", "goodput.py", "detection.py", "storage.py",
+                                      "failover.py", "worker_overhead.py"}, named
+    for doc, m in sorted(named):
+        assert (BENCHMARKS / m).exists(), f"{doc.relative_to(REPO)} names benchmarks/{m}"
+        imported = any(f"import {m[:-3]}" in (BENCHMARKS / s).read_text() for s in SCRIPTS)
+        assert m in SCRIPTS or imported, f"{doc.relative_to(REPO)}: {m} is not a script"
+
+
+RESULT_NAME = re.compile(r"^(\d{4})-(\d{2})-(\d{2})-[a-z0-9-]+\.md$")
+
+
+def test_the_result_files_are_dated_and_say_their_command_commit_and_machine() -> None:
+    files = sorted(RESULTS.glob("*"))
+    assert files, "no result files in benchmarks/results"
+    page = BENCHMARK_PAGE.read_text()
+    for f in files:
+        assert RESULT_NAME.match(f.name), f"{f.name}: not YYYY-MM-DD-name.md"
+        text = f.read_text()
+        y, mo, d = RESULT_NAME.match(f.name).groups()  # type: ignore[union-attr]
+        assert f"- **Date**: {y}-{mo}-{d}" in text, f"{f.name}: no date matching its name"
+        assert re.search(r"^- \*\*Command\*\*:\s*\n+\s*```sh\n\s*\S", text, re.M), (
+            f"{f.name}: no command")
+        assert re.search(r"^- \*\*Commit\*\*: `[0-9a-f]{7,40}`", text, re.M), (
+            f"{f.name}: no commit")
+        assert re.search(r"^- \*\*Machine\*\*: \S", text, re.M), f"{f.name}: no machine"
+        assert f"(results/{f.name})" in page, f"the benchmark page does not link {f.name}"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

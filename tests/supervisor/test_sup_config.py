@@ -256,11 +256,12 @@ def test_rollback_defaults_size_the_skip_and_the_lr_from_what_was_seen(tmp_path:
         load_settings(loss={"recovery_window_steps": 5}, **TOKENS)
 
 
-def test_the_readme_holds_the_reference_as_generated() -> None:
-    """The README's settings table is `trainwarden settings --markdown`, unedited (rebuild it
+def test_the_docs_hold_the_reference_as_generated() -> None:
+    """The docs' settings table is `trainwarden settings --markdown`, unedited (rebuild it
     with that command when a setting changes)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    page = Path(__file__).resolve().parents[2] / "docs" / "reference" / "settings.md"
+    text = page.read_text()
     begin, end = "<!-- settings:begin -->\n", "<!-- settings:end -->"
-    assert begin in readme and end in readme, "README has no settings reference block"
-    block = readme[readme.index(begin) + len(begin):readme.index(end)]
+    assert begin in text and end in text, f"{page} has no settings reference block"
+    block = text[text.index(begin) + len(begin):text.index(end)]
     assert block == markdown()

@@ -1,0 +1,76 @@
+"""The documentation site builds with ``mkdocs build --strict`` (a broken link or anchor, or a
+page left out of the navigation, fails it), the README's relative links point at files that
+exist, and the training loop the docs show is the README's."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+# [text](target) and ![alt](target), the target up to a space or the closing parenthesis.
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _strip_code(text: str) -> str:
+    """The text without fenced code blocks and inline code (links there are not links)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def relative_links(text: str) -> list[str]:
+    out = []
+    for target in LINK.findall(_strip_code(text)):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+            continue  # a URL (http:, mailto:, ...) or an anchor on the same page
+        out.append(target)
+    return out
+
+
+def test_relative_links_are_found_in_markdown() -> None:
+    text = ("[a](docs/a.md) [b](https://x.org) [c](#here) ![d](img/d.png) `[e](no.md)`\n"
+            "```\n[f](no.md)\n```\n[g](docs/g.md#part)\n")
+    assert relative_links(text) == ["docs/a.md", "img/d.png", "docs/g.md#part"]
+
+
+def test_every_relative_link_in_the_readme_points_at_a_file_that_exists() -> None:
+    links = relative_links(README.read_text())
+    assert links, "the README links to no file"
+    missing = [t for t in links
+               if not (REPO / t.split("#", 1)[0].split("?", 1)[0]).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_docs_show_the_readme_training_loop() -> None:
+    """The PyTorch integration page's loop is the README's, line for line (the README's is the
+    one `tests/e2e/readme_train.py` runs)."""
+    def first_python_block(text: str, after: str) -> str:
+        section = text[text.index(after):]
+        block = section[section.index("```python\n") + len("```python\n"):]
+        return block[:block.index("```")]
+
+    readme = first_python_block(README.read_text(), "### 3. Add a few lines to train.py")
+    page = (REPO / "docs" / "integrations" / "pytorch.md").read_text()
+    assert first_python_block(page, "# PyTorch") == readme
+
+
+def test_the_docs_build_strict(tmp_path: Path) -> None:
+    """Without ``--quiet``: mkdocs counts for ``--strict`` only the warnings it logs."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec(
+            "material") is None:
+        pytest.skip("mkdocs / mkdocs-material are not installed (pip install -e '.[dev]')")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict",
+         "--config-file", str(REPO / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, (
+        f"mkdocs build --strict failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    assert (tmp_path / "site" / "index.html").exists()
