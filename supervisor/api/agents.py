@@ -26,6 +26,7 @@ from supervisor.api.errors import (
     SeqConflictBody,
     validation_error_response,
 )
+from supervisor.api.responses import TakeoverDone, documented
 from supervisor.ingest import IngestWriter
 from supervisor.store import credentials, registry
 from supervisor.store.db import Database
@@ -73,7 +74,8 @@ def register(
         heartbeat_interval_s=settings.server.heartbeat_interval_s)
 
 
-@router.post("/runs/{run}/nodes/{node}/takeover", response_model=None)
+@router.post("/runs/{run}/nodes/{node}/takeover", response_model=None,
+             responses=documented(TakeoverDone))
 def takeover(run: str, node: str, db: DB, clock: ClockDep, creds: Credentials,
              auth: OperatorAuth) -> dict[str, Any]:
     """Revoke the credential of the agent holding ``node`` of ``run`` (operator; an audited
