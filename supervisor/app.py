@@ -26,6 +26,7 @@ from supervisor.api.deps import (
 from supervisor.api.errors import SafeJSONResponse, validation_error_response
 from supervisor.api.ingest_path import IngestPath
 from supervisor.api.json_bodies import JsonApiBodies
+from supervisor.api.responses import EvaluatorStatus, Health, documented
 from supervisor.config import SupervisorSettings
 from supervisor.delivery import DeliveryMonitor
 from supervisor.evaluator import Clock, Evaluator
@@ -166,15 +167,19 @@ def create_app(
     app.include_router(rollback.router, prefix=API_PREFIX)
     app.include_router(tokens.router, prefix=API_PREFIX)
 
-    @app.get("/healthz", tags=["health"])
-    @app.get(API_PREFIX + "/healthz", tags=["health"], include_in_schema=False)
+    # response_model=None: rendered as every API answer is (SafeJSONResponse), declared by
+    # ``responses=`` (``supervisor.api.responses``).
+    @app.get("/healthz", tags=["health"], response_model=None, responses=documented(Health))
+    @app.get(API_PREFIX + "/healthz", tags=["health"], include_in_schema=False,
+             response_model=None, responses=documented(Health))
     def healthz(db: DB) -> dict[str, str]:
         """Liveness plus a database round trip; no token needed."""
         with db.read() as conn:
             reads.ping(conn)
         return {"status": "ok"}
 
-    @app.get(API_PREFIX + "/evaluator", tags=["health"])
+    @app.get(API_PREFIX + "/evaluator", tags=["health"], response_model=None,
+             responses=documented(EvaluatorStatus))
     def evaluator_status(db: DB, _auth: ReadAuth) -> dict[str, Any]:
         """Which replica runs the evaluator: this replica's id and whether it leads (with
         the lease epoch it leads under), and the lease as the store holds it (``lease``:

@@ -26,6 +26,7 @@ from supervisor.api.errors import (
     SeqConflictBody,
     validation_error_response,
 )
+from supervisor.api.responses import TakeoverDone, documented
 from supervisor.ingest import IngestWriter
 from supervisor.limits import NodeName, RunName
 from supervisor.store import credentials, registry
@@ -74,7 +75,8 @@ def register(
         heartbeat_interval_s=settings.server.heartbeat_interval_s)
 
 
-@router.post("/runs/{run}/nodes/{node:path}/takeover", response_model=None)
+@router.post("/runs/{run}/nodes/{node:path}/takeover", response_model=None,
+             responses=documented(TakeoverDone))
 def takeover(run: RunName, node: NodeName, db: DB, clock: ClockDep, creds: Credentials,
              auth: OperatorAuth) -> dict[str, Any]:
     """Revoke the credential of the agent holding ``node`` of ``run`` (operator; an audited

@@ -14,6 +14,7 @@ from supervisor import actions, efficiency, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, can_read
 from supervisor.api.errors import ERROR_RESPONSES
+from supervisor.api.responses import ActionRecord, RollbackAccepted, documented
 from supervisor.limits import U31, U63, RunName, Text, text
 from supervisor.store import reads, registry
 
@@ -56,7 +57,8 @@ class RollbackRequest(BaseModel):
         return self
 
 
-@router.post("/runs/{run}/rollback", response_model=None, status_code=202)
+@router.post("/runs/{run}/rollback", response_model=None, status_code=202,
+             responses=documented(RollbackAccepted, 202))
 def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: OperatorAuth
              ) -> JSONResponse:
     """Gang-restart the run from the named checkpoint with a resume plan (skip ranges, LR
@@ -89,7 +91,7 @@ def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: 
                          "step": ck["step"]}, status_code=202)
 
 
-@router.get("/actions/{action_id}", response_model=None)
+@router.get("/actions/{action_id}", response_model=None, responses=documented(ActionRecord))
 def get_action(action_id: Annotated[U31, Path()], db: DB, request: Request,
                auth: ReadAuth) -> dict[str, Any]:
     """One action with its progress: queued, delivered, restarted, resumed (first step),

@@ -11,6 +11,20 @@ from supervisor import actions, efficiency, observe, policy
 from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler, can_read
 from supervisor.api.errors import ERROR_RESPONSES
+from supervisor.api.responses import (
+    ActionList,
+    CheckpointList,
+    EventList,
+    GoodputSeries,
+    IncidentList,
+    OperatorDecision,
+    RankList,
+    RankRollups,
+    RunDetail,
+    RunList,
+    StepSeries,
+    documented,
+)
 from supervisor.limits import U31, RunName, Text, text
 from supervisor.store import reads, registry
 from supervisor.store import recovery as rec
@@ -20,6 +34,7 @@ from supervisor.store.rows import RunRow
 
 # response_model=None: the routes return plain dicts, rendered by SafeJSONResponse so that
 # a NaN loss reads "NaN" (a pydantic response model would turn it into null).
+# Their answers are declared by ``responses=`` (``supervisor.api.responses``) instead.
 router = APIRouter(tags=["runs"], responses=ERROR_RESPONSES)
 
 
@@ -61,7 +76,7 @@ def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
     }
 
 
-@router.get("/runs", response_model=None)
+@router.get("/runs", response_model=None, responses=documented(RunList))
 def list_runs(db: DB, request: Request, auth: ReadAuth) -> dict[str, Any]:
     """Every run the token may read (a scoped token: the runs of its scope)."""
     with db.read() as conn:
@@ -69,7 +84,7 @@ def list_runs(db: DB, request: Request, auth: ReadAuth) -> dict[str, Any]:
                          if can_read(request, auth, str(r["name"]))]}
 
 
-@router.get("/runs/{run}", response_model=None)
+@router.get("/runs/{run}", response_model=None, responses=documented(RunDetail))
 def get_run(run: RunName, db: DB, request: Request, clock: ClockDep,
             _auth: ReadAuth) -> dict[str, Any]:
     """Status, attempt, newest step, throughput, restarts, newest complete checkpoint;
@@ -99,7 +114,7 @@ def get_run(run: RunName, db: DB, request: Request, clock: ClockDep,
     return out
 
 
-@router.get("/runs/{run}/goodput", response_model=None)
+@router.get("/runs/{run}/goodput", response_model=None, responses=documented(GoodputSeries))
 def get_goodput(
     run: RunName, db: DB, request: Request, _auth: ReadAuth,
     window_s: Annotated[float, Query(gt=0, le=86_400)] = 6 * 3600.0,
@@ -118,7 +133,7 @@ def get_goodput(
             **(series or {"current": None, "window": None, "points": []})}
 
 
-@router.get("/runs/{run}/steps", response_model=None)
+@router.get("/runs/{run}/steps", response_model=None, responses=documented(StepSeries))
 def get_steps(
     run: RunName,
     db: DB,
@@ -140,7 +155,7 @@ def get_steps(
     return {"run": run, "points": points}
 
 
-@router.get("/runs/{run}/ranks", response_model=None)
+@router.get("/runs/{run}/ranks", response_model=None, responses=documented(RankList))
 def get_ranks(run: RunName, db: DB, straggler: Straggler, _auth: ReadAuth) -> dict[str, Any]:
     """Latest report of each rank (timings, loss, grad norm; non-finite values as strings)
     with its straggler ``score`` and ``slow`` (the straggler detector's statistic and rule,
@@ -155,7 +170,8 @@ def get_ranks(run: RunName, db: DB, straggler: Straggler, _auth: ReadAuth) -> di
                               "min_excess_s": straggler.min_excess_s}}
 
 
-@router.get("/runs/{run}/rank-rollups", response_model=None)
+@router.get("/runs/{run}/rank-rollups", response_model=None,
+            responses=documented(RankRollups))
 def get_rank_rollups(
     run: RunName,
     db: DB,
@@ -189,17 +205,19 @@ def _listing(db: Any, run: str, key: str, fn: Any, limit: int) -> dict[str, Any]
 Limit = Annotated[int, Query(ge=1, le=10_000)]
 
 
-@router.get("/runs/{run}/checkpoints", response_model=None)
+@router.get("/runs/{run}/checkpoints", response_model=None,
+            responses=documented(CheckpointList))
 def get_checkpoints(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "checkpoints", reads.list_checkpoints, limit)
 
 
-@router.get("/runs/{run}/incidents", response_model=None)
+@router.get("/runs/{run}/incidents", response_model=None,
+            responses=documented(IncidentList))
 def get_incidents(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "incidents", reads.list_incidents, limit)
 
 
-@router.get("/runs/{run}/actions", response_model=None)
+@router.get("/runs/{run}/actions", response_model=None, responses=documented(ActionList))
 def get_actions(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     """Newest first; each restart with its ``anatomy`` (as on ``/actions/{id}``)."""
     with db.read() as conn:
@@ -208,7 +226,7 @@ def get_actions(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> d
             conn, reads.list_actions(conn, run_id=r["id"], limit=limit))}
 
 
-@router.get("/runs/{run}/events", response_model=None)
+@router.get("/runs/{run}/events", response_model=None, responses=documented(EventList))
 def get_events(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
     return _listing(db, run, "events", reads.list_events, limit)
 
@@ -249,7 +267,8 @@ def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
         return {"run": run, "action_id": action_id, "decision": type(decision).__name__.lower()}
 
 
-@router.post("/runs/{run}/restart", response_model=None)
+@router.post("/runs/{run}/restart", response_model=None,
+             responses=documented(OperatorDecision))
 def restart_run(
     run: RunName, req: RestartRequest, db: DB, clock: ClockDep, auth: OperatorAuth
 ) -> dict[str, Any]:
@@ -275,7 +294,8 @@ def restart_run(
     return _operator(db, run, clock(), decide)
 
 
-@router.post("/runs/{run}/stop", response_model=None)
+@router.post("/runs/{run}/stop", response_model=None,
+             responses=documented(OperatorDecision))
 def stop_run(
     run: RunName, req: StopRequest, db: DB, clock: ClockDep, auth: OperatorAuth
 ) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from supervisor.api.deps import DB, AdminAuth, ClockDep
 from supervisor.api.errors import ERROR_RESPONSES
+from supervisor.api.responses import NewToken, TokenList, TokenRevoked, documented
 from supervisor.limits import TokenName
 from supervisor.store import tokens
 
@@ -28,7 +29,8 @@ class TokenRequest(BaseModel):
                     "none: every run")
 
 
-@router.post("/tokens", response_model=None, status_code=201)
+@router.post("/tokens", response_model=None, status_code=201,
+             responses=documented(NewToken, 201))
 def create_token(req: TokenRequest, db: DB, clock: ClockDep, _auth: AdminAuth
                  ) -> dict[str, Any]:
     """A new token; the reply's ``token`` is its secret, shown this once (stored hashed)."""
@@ -47,13 +49,13 @@ def create_token(req: TokenRequest, db: DB, clock: ClockDep, _auth: AdminAuth
     return {**row, "token": secret}
 
 
-@router.get("/tokens", response_model=None)
+@router.get("/tokens", response_model=None, responses=documented(TokenList))
 def list_tokens(db: DB, _auth: AdminAuth) -> dict[str, Any]:
     with db.read() as conn:
         return {"tokens": tokens.list_tokens(conn)}
 
 
-@router.delete("/tokens/{name}", response_model=None)
+@router.delete("/tokens/{name}", response_model=None, responses=documented(TokenRevoked))
 def revoke_token(name: TokenName, request: Request, db: DB, _auth: AdminAuth
                  ) -> dict[str, Any]:
     """Revoke a token: refused from now on (by this supervisor at once)."""

@@ -18,6 +18,7 @@ from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
 from supervisor.api.deps import DB, ClockDep, Principal, ReadAuth, Straggler
+from supervisor.api.responses import RunSeries, RunState, documented
 from supervisor.dashboard import auth, etag, views
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.store import reads, registry
@@ -239,7 +240,7 @@ def run_tables(run: str, request: Request, db: DB, clock: ClockDep, straggler: S
 # JSON feeds of the page's script
 
 
-@router.get("/dashboard/api/runs/{run}/state")
+@router.get("/dashboard/api/runs/{run}/state", responses=documented(RunState))
 def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth
               ) -> Response:
     """A cheap fingerprint of the run: the script polls this with If-None-Match and
@@ -257,7 +258,7 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
     return JSONResponse(body, headers=headers)
 
 
-@router.get("/dashboard/api/runs/{run}/series")
+@router.get("/dashboard/api/runs/{run}/series", responses=documented(RunSeries))
 def run_series(run: str, db: DB, straggler: Straggler, request: Request,
                _auth: ReadAuth) -> dict[str, Any]:
     """Chart extras: spike/rollback markers, per-rank phase times, the factor that turns

@@ -1,0 +1,601 @@
+"""The answers of the JSON routes, as the OpenAPI document declares them.
+
+The routes return plain dicts (the store's rows, ``supervisor.store.rows``) rendered by
+``SafeJSONResponse``: a non-finite float goes out as the string "NaN", "Infinity" or
+"-Infinity", and a dict is sent as it is.  A FastAPI ``response_model`` would validate and
+re-serialize every answer (a NaN as null, an int where a float is declared as ``1.0``, the
+keys filtered), so these models are declared with ``documented`` (FastAPI's ``responses=``):
+they describe the answer in ``/openapi.json`` and leave the answer itself alone.
+``tests/supervisor/test_sup_response_models.py`` checks every route's real answer against
+the schema declared for it, so the two cannot drift apart.
+
+Times are unix seconds.  A field typed ``Real`` may carry a non-finite value as one of the
+strings above."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from supervisor.enums import ActionStatus, IncidentStatus, RunStatus
+
+NonFinite = Literal["NaN", "Infinity", "-Infinity"]
+Real = Annotated[float | NonFinite, Field(
+    description='a number; not finite: "NaN", "Infinity" or "-Infinity"')]
+
+
+def documented(model: type[BaseModel], status: int = 200,
+               description: str = "Successful Response") -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route whose answer ``model`` describes (the route's own
+    ``status_code``: 200 unless it says)."""
+    return {status: {"model": model, "description": description}}
+
+
+class _Answer(BaseModel):
+    # "from" and other keys that are no Python names are declared by alias.
+    model_config = ConfigDict(populate_by_name=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+
+
+class Throughput(_Answer):
+    """Rates over the newest steps every rank delivered (null: not measurable yet)."""
+
+    steps_per_s: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    ranks: int | None = Field(description="the most ranks that reported one of those steps")
+
+
+class CheckpointBrief(_Answer):
+    """The run's newest complete checkpoint."""
+
+    step: int
+    path: str
+    bytes: int | None
+    attempt: int
+    lineage: str | None
+    t: float
+
+
+class AgentBrief(_Answer):
+    """One agent of the run, as it last reported."""
+
+    id: int
+    node: str
+    hostname: str
+    state: str = Field(description="an agent state as last reported (running, ...)")
+    attempt: int | None
+    last_seen_at: float
+    disk_free_bytes: int | None
+    disk_total_bytes: int | None
+    workers: list[Any] | None = Field(description="the workers' process stats (one object "
+                                                  "per worker: rank, pid, cpu_percent, ...)")
+    gpus: dict[str, Any] | None = Field(description="the node's GPUs as last read")
+    dropped: int = Field(description="items the agent dropped (its spool full)")
+
+
+class RunSummary(_Answer):
+    id: int
+    name: str
+    uuid: str = Field(description="the supervisor's identity of the run (a reused name "
+                                  "is another uuid)")
+    status: RunStatus
+    reason: str
+    attempt: int
+    restarts: int
+    step: int | None = Field(description="the newest step of the current attempt")
+    step_at: float | None
+    throughput: Throughput
+    checkpoint: CheckpointBrief | None
+    protected: list[str] = Field(description="checkpoint paths the workers' retention keeps "
+                                             "besides the newest few")
+    agents: list[AgentBrief]
+    created_at: float
+    updated_at: float
+
+
+class RunList(_Answer):
+    runs: list[RunSummary]
+
+
+class BadputSeconds(_Answer):
+    """Seconds of wall time lost, by cause (null: a cause not measured, see
+    ``not_measured``)."""
+
+    lost_progress: float | None
+    detection: float | None
+    restart: float | None
+    startup: float | None
+    checkpoint: float | None
+    data_wait: float | None
+    straggler: float | None
+    idle: float | None
+    other: float | None
+
+
+class Goodput(_Answer):
+    """Where the wall time from ``start`` to ``end`` went."""
+
+    ettr: float | None = Field(description="productive / wall time (null before any wall "
+                                           "time passed)")
+    wall_s: float
+    productive_s: float
+    badput_s: BadputSeconds
+    not_measured: dict[str, str] = Field(description="cause -> why it is not measured")
+    steps_final: int = Field(description="steps on the final lineage")
+    steps_lost: int = Field(description="step copies thrown away by restores")
+    start: float
+    end: float
+
+
+class AnatomyTimes(_Answer):
+    """The restart's milestones (null: not recorded)."""
+
+    decided: float | None
+    workers_stopped: float | None
+    torchrun_started: float | None
+    rendezvous_done: float | None
+    checkpoint_loaded: float | None
+    first_step: float | None
+
+
+class AnatomyPhases(_Answer):
+    """Seconds of each phase (null where a milestone is missing, never 0 for unknown)."""
+
+    stop_workers: float | None
+    launch: float | None
+    rendezvous: float | None
+    load_checkpoint: float | None
+    first_step: float | None
+
+
+class AnatomySpan(_Answer):
+    phase: str = Field(description='a phase, or "a+b" for phases merged over a missing '
+                                   "milestone")
+    from_: str = Field(alias="from", description="milestone")
+    to: str = Field(description="milestone")
+    seconds: float
+
+
+class RestartAnatomy(_Answer):
+    times: AnatomyTimes
+    phases_s: AnatomyPhases
+    total_s: float | None = Field(description="decided -> first step, when both are known")
+    spans: list[AnatomySpan]
+    notes: list[str]
+
+
+class LastRestart(_Answer):
+    action_id: int
+    attempt: int
+    status: ActionStatus
+    anatomy: RestartAnatomy | None
+
+
+class IntervalInputs(_Answer):
+    nodes: int
+    failures: int
+    observed_s: float
+    save_stall_s: float
+    restart_s: float
+    interval_s: float | None
+    prior_per_node_day: float | None
+    min_failures: int
+
+
+class IntervalMeasured(_Answer):
+    checkpoints: int
+    saves_timed: int
+    intervals: int
+    restarts_timed: int
+    failure_kinds: list[str]
+
+
+class CheckpointInterval(_Answer):
+    """The recommended checkpoint interval against the current one."""
+
+    rate_source: Literal["observed", "prior", "none"]
+    rate_per_node_day: float | None
+    failures_per_day: float | None
+    mtbf_s: float | None
+    young_s: float | None
+    recommended_s: float | None
+    current_s: float | None
+    ettr_current: float | None
+    ettr_recommended: float | None
+    gain: float | None
+    note: str
+    inputs: IntervalInputs
+    state: Literal["ok", "not_enough_data"]
+    missing: list[str]
+    measured: IntervalMeasured
+
+
+class MfuBand(_Answer):
+    name: str
+    low: Real
+    high: Real = Field(description='the top band\'s is "Infinity"')
+    meaning: str
+
+
+class RankShare(_Answer):
+    """A rank's shares of the step and its MFU."""
+
+    rank: int
+    step_s: float | None
+    data: float | None
+    compute: float | None
+    comm: float | None
+    mfu: float | None
+    compute_utilisation: float | None
+
+
+class MfuWindow(_Answer):
+    steps: int
+    to_step: int | None
+
+
+class FlopsDeclaration(_Answer):
+    peak_flops_per_rank: float | None
+    flops_per_sample: float | None
+    flops_per_token: float | None
+    baseline_per_device: float | None
+
+
+class ScalingCause(_Answer):
+    name: str
+    verdict: str = Field(description="for | against | unknown")
+    share: float | None
+    evidence: str
+
+
+class Scaling(_Answer):
+    efficiency: float | None
+    devices: int
+    likely: str | None
+    causes: list[ScalingCause]
+    baseline_per_device: float | None
+
+
+class MfuReport(_Answer):
+    mfu: float | None
+    band: MfuBand | None
+    data_share: float | None
+    comm_share: float | None
+    ranks: list[RankShare]
+    attempt: int
+    window: MfuWindow
+    unit: Literal["samples", "tokens"] | None
+    throughput: float | None
+    declared: FlopsDeclaration | None
+    scaling: Scaling
+
+
+class RunDetail(RunSummary):
+    last_restart: LastRestart | None
+    checkpoint_interval: CheckpointInterval
+    mfu: MfuReport | None
+    goodput: Goodput | None
+
+
+class GoodputSeries(_Answer):
+    run: str
+    window_s: float
+    current: Goodput | None
+    window: Goodput | None
+    points: list[Goodput]
+
+
+class StepPoint(_Answer):
+    """One step, or a bucket of steps (``step_from``..``step_to``)."""
+
+    step_from: int
+    step_to: int
+    attempt: int
+    rows: int = Field(description="steps in the point")
+    ranks: int
+    loss_min: float | None = Field(description="over finite values")
+    loss_max: float | None
+    loss_nonfinite: int
+    grad_norm_nonfinite: int
+    samples: int
+    tokens: int
+    step_s_max: float | None
+    t: float
+    loss_mean: float | None
+
+
+class StepSeries(_Answer):
+    run: str
+    points: list[StepPoint]
+
+
+class RankReport(_Answer):
+    """A rank's latest report with its straggler score (null: none yet)."""
+
+    run_id: int
+    rank: int
+    agent_id: int
+    local_rank: int | None
+    pid: int | None
+    attempt: int
+    step: int
+    t: float
+    data_s: float | None
+    compute_s: float | None
+    step_s: float | None
+    loss: Real | None
+    grad_norm: Real | None
+    node: str
+    score: float | None
+    slow: bool | None
+
+
+class StragglerSettings(_Answer):
+    threshold: float
+    window_steps: int
+    min_steps: int
+    min_excess_s: float
+
+
+class RankList(_Answer):
+    run: str
+    ranks: list[RankReport]
+    straggler: StragglerSettings
+
+
+class RankRollup(_Answer):
+    """One rank's summary of a bucket of steps whose per-rank rows were rolled up."""
+
+    run_id: int
+    attempt: int
+    rank: int
+    bucket_start: int
+    bucket_steps: int
+    rows: int
+    step_first: int
+    step_last: int
+    t_first: float
+    t_last: float
+    data_s_n: int
+    data_s_sum: float | None
+    data_s_max: float | None
+    compute_s_n: int
+    compute_s_sum: float | None
+    compute_s_max: float | None
+    step_s_n: int
+    step_s_sum: float | None
+    step_s_max: float | None
+    loss_n: int
+    loss_sum: float | None
+    loss_min: float | None
+    loss_max: float | None
+    loss_nonfinite: int
+    data_s_mean: float | None
+    compute_s_mean: float | None
+    step_s_mean: float | None
+    loss_mean: float | None
+
+
+class RankRollups(_Answer):
+    run: str
+    attempt: int
+    kept_from_step: int | None
+    rolled_up_steps: tuple[int, int] | None = Field(description="[first, last] step")
+    rollups: list[RankRollup]
+
+
+class CheckpointRecord(_Answer):
+    id: int
+    run_id: int
+    agent_id: int | None
+    attempt: int
+    step: int
+    path: str
+    bytes: int | None
+    lineage: str | None
+    complete: bool
+    save_s: float | None
+    async_save: bool
+    stall_s: float | None
+    t: float
+    abandoned: bool = Field(description="on a branch a rollback abandoned")
+
+
+class CheckpointList(_Answer):
+    run: str
+    checkpoints: list[CheckpointRecord]
+
+
+class IncidentRecord(_Answer):
+    id: int
+    run_id: int
+    kind: str = Field(description="crash, hang, collective_timeout, node_lost, straggler, "
+                                  "loss_spike, nonfinite, attempt_mismatch (an open set)")
+    status: IncidentStatus
+    step: int | None
+    attempt: int
+    cause: str
+    agent_id: int | None
+    node: str | None
+    rank: int | None
+    exit_code: int | None
+    signal: int | None
+    details: dict[str, Any]
+    opened_at: float
+    updated_at: float | None
+    resolved_at: float | None
+
+
+class IncidentList(_Answer):
+    run: str
+    incidents: list[IncidentRecord]
+
+
+class ActionRecord(_Answer):
+    """An audited decision and its progress."""
+
+    id: int
+    run_id: int
+    incident_id: int | None
+    kind: str = Field(description="restart (a rollback too), stop, takeover")
+    reason: str
+    cause: str | None = Field(description="the budget a restart counts against")
+    high_step: int | None
+    rollback_to_step: int | None
+    actor: str
+    status: ActionStatus
+    attempt: int
+    plan: dict[str, Any] | None
+    not_before: float | None
+    resumed_step: int | None
+    created_at: float
+    updated_at: float
+    progress: dict[str, float] = Field(description="status -> when it was reached")
+    anatomy: RestartAnatomy | None = Field(description="a restart's (null otherwise)")
+
+
+class ActionList(_Answer):
+    run: str
+    actions: list[ActionRecord]
+
+
+class EventRecord(_Answer):
+    id: int
+    run_id: int
+    agent_id: int | None
+    attempt: int
+    rank: int | None
+    t: float
+    name: str
+    step: int | None
+    message: str
+    details: dict[str, Any]
+
+
+class EventList(_Answer):
+    run: str
+    events: list[EventRecord]
+
+
+class OperatorDecision(_Answer):
+    run: str
+    action_id: int
+    decision: str = Field(description="what was decided: restart | stop")
+
+
+class RollbackAccepted(_Answer):
+    run: str
+    action_id: int
+    checkpoint: int = Field(description="the checkpoint's id")
+    step: int
+
+
+class TakeoverDone(_Answer):
+    run: str
+    node: str
+    agent_id: int = Field(description="the agent whose credential was revoked")
+    action_id: int
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens
+
+
+class TokenInfo(_Answer):
+    name: str
+    role: Literal["viewer", "agent", "operator", "admin"]
+    scope: str | None
+    created_at: float
+    last_used_at: float | None
+
+
+class NewToken(TokenInfo):
+    token: str = Field(description="the secret, shown this once (stored hashed)")
+
+
+class TokenList(_Answer):
+    tokens: list[TokenInfo]
+
+
+class TokenRevoked(_Answer):
+    revoked: str
+
+
+# ---------------------------------------------------------------------------------------------
+# health
+
+
+class Health(_Answer):
+    status: Literal["ok"]
+
+
+class EvaluatorLease(_Answer):
+    holder: str
+    epoch: int
+    acquired_at: float
+    expires_in_s: float
+
+
+class EvaluatorStatus(_Answer):
+    replica: str = Field(description="this replica's id (host:pid:nonce)")
+    leader: bool
+    epoch: int | None = Field(description="the lease epoch it leads under (null: standby; "
+                                          "0 on SQLite)")
+    since: float | None
+    shared: bool
+    lease: EvaluatorLease | None
+
+
+# ---------------------------------------------------------------------------------------------
+# the dashboard's feeds (not in the OpenAPI document: the page's own)
+
+
+class RunState(_Answer):
+    run: str
+    status: RunStatus
+    attempt: int
+    restarts: int
+    version: str
+    now: float
+
+
+class Marker(_Answer):
+    type: str = Field(description="spike, or the action's kind")
+    kind: str
+    from_: int = Field(alias="from")
+    to: int
+    label: str
+
+
+class RankTimes(_Answer):
+    rank: int
+    node: str
+    score: float
+    slow: bool
+    values: list[float | None]
+
+
+class RankSeries(_Answer):
+    attempt: int | None
+    steps: list[int]
+    threshold: float | None = Field(default=None, description="absent before the first step")
+    series: list[RankTimes]
+    median: list[float]
+
+
+class MfuFeed(_Answer):
+    unit: Literal["samples", "tokens"]
+    factor: float
+
+
+class RunSeries(_Answer):
+    run: str
+    markers: list[Marker]
+    ranks: RankSeries
+    mfu: MfuFeed | None
+    goodput: Goodput | None
