@@ -33,6 +33,7 @@ import httpx
 
 from agent import protocol
 from agent.config import AgentConfig
+from agent.core import text as untrusted
 from agent.core.states import AgentState, ExitOutcome
 from agent.executor import Executor
 from agent.launcher import ExitInfo, Launcher, PopenFactory
@@ -368,7 +369,8 @@ class Agent:
         self.result = 0
 
     def _emit(self, item: dict[str, Any]) -> None:
-        self.pending.append(item)
+        # (the rest of the rule for untrusted text is the supervisor's, where it enters)
+        self.pending.append(untrusted.without_surrogates(item))
         if item.get("type") in _URGENT_TYPES:
             self.urgent = True
 

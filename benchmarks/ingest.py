@@ -287,7 +287,8 @@ async def agent_loop(port: int, node: int, world: int, run: str, level: Level,
     conn = Conn(port)
     status, reply = await conn.post("/api/v1/agents/register", json.dumps(
         {"run": run, "node": f"node{node:04d}", "hostname": f"h{node}", "pid": 1,
-         "command": ["torchrun"], "nproc_per_node": RANKS}).encode())
+         "command": ["torchrun", f"--nnodes={world // RANKS}"], "nproc_per_node": RANKS}
+    ).encode())
     if status != 200:
         raise RuntimeError(f"registration of node {node} failed: {status} {reply[:200]!r}")
     reg = json.loads(reply)

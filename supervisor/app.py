@@ -157,8 +157,9 @@ def create_app(
     app.state.ingest_writer = writer
     # Replicas on one Postgres: a credential another replica replaced or revoked is
     # refused here within CREDENTIAL_REFRESH_S.
-    app.state.agent_credentials = AgentCredentials(
+    creds = app.state.agent_credentials = AgentCredentials(
         refresh_s=None if database.is_sqlite else CREDENTIAL_REFRESH_S, clock=clock)
+    evaluator.on_revoked = creds.forget_agents  # an ended run's, at once in this process
     app.state.stored_tokens = StoredTokens()
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -6,8 +6,10 @@ reporting agent's registered roots.  Lexical rules (the supervisor cannot see th
 file system; the agent and the worker also resolve symlinks on the node before they pin or
 load anything):
 
-* a root is absolute, not ``/`` itself, holds no ``..`` component and no control
-  character; it is kept normalised (``//a/./b/`` is ``/a/b``);
+* a root is absolute, not ``/`` itself nor a directory as broad (``/home``, ``/tmp``...),
+  not a system directory or inside one (``/etc``, ``/usr``, ``/proc``...), holds no ``..``
+  component and no control character; it is kept normalised (``//a/./b/`` is ``/a/b``);
+  a supervisor may confine roots further to the directories of ``auth.checkpoint_roots_allowed``;
 * a checkpoint path holds no ``..`` component and no NUL; a relative one is resolved
   against the agent's first root; normalised, it must lie strictly below a root (the root
   itself is not a checkpoint).
@@ -19,6 +21,13 @@ import posixpath
 import re
 
 MAX_ROOTS = 16  # per agent
+# The system's own trees: never a checkpoint root, nor anything inside them (the workers'
+# retention writes a PINNED file into every checkpoint it keeps, and a resume loads from it).
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32",
+                "/proc", "/run", "/sbin", "/sys", "/usr", "/var/log", "/var/run")
+# Directories too broad to be a root themselves (a root admits every path below it); a
+# directory inside one is a root like any other.
+TOO_BROAD = ("/root", "/home", "/var", "/tmp", "/mnt", "/srv", "/opt", "/media")
 MAX_PATH = 4096  # characters (Linux's PATH_MAX)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -41,10 +50,30 @@ def normalize_root(root: str) -> str:
     if ".." in _parts(root):
         raise ValueError(f"checkpoint root {root!r} holds a '..' component")
     out = _normal(root)
-    if out == "/":
-        raise ValueError("checkpoint root '/' would admit any path: name the directory the "
-                         "checkpoints are saved in")
+    if out == "/" or out in TOO_BROAD:
+        raise ValueError(f"checkpoint root {out!r} would admit any path below it: name the "
+                         "directory the checkpoints are saved in")
+    for tree in SYSTEM_TREES:
+        if out == tree or out.startswith(tree + "/"):
+            raise ValueError(f"checkpoint root {out!r} is a system directory ({tree}): save "
+                             "checkpoints in a directory of the run's own")
     return out
+
+
+def allowed_prefixes(setting: str) -> list[str]:
+    """The ``auth.checkpoint_roots_allowed`` setting (directories separated by ':', as in
+    PATH), normalised; empty: any root but the system's."""
+    return [_normal(p) for p in setting.split(":") if p.strip()]
+
+
+def outside_allowed(roots: list[str], allowed: list[str]) -> str | None:
+    """The first root not inside (or equal to) one of ``allowed``; None when all are."""
+    if not allowed:
+        return None
+    for root in roots:
+        if not any(root == a or root.startswith(a.rstrip("/") + "/") for a in allowed):
+            return root
+    return None
 
 
 def normalize_roots(roots: list[str]) -> list[str]:

@@ -113,6 +113,9 @@ class AuthConfig:
     # No tokens at all (allowed on a loopback host only)
     insecure_no_auth: bool = False
     public_reads: bool = False  # reads (API, dashboard, /metrics) without a token
+    # Directories agents' checkpoint roots must lie in, separated by ':' as in PATH (for
+    # example "/data/ckpt:/scratch"); empty: any directory but the system's
+    checkpoint_roots_allowed: str = ""
 
     def __post_init__(self) -> None:
         if self.insecure_no_auth and (self.agent_token or self.operator_token
@@ -127,6 +130,11 @@ class AuthConfig:
                 "agent_token and operator_token are the same: the agent token would grant "
                 "operator rights; choose two different tokens"
             )
+        for prefix in self.checkpoint_roots_allowed.split(":"):
+            if prefix.strip() and not prefix.strip().startswith("/"):
+                raise ValueError(
+                    f"auth.checkpoint_roots_allowed holds {prefix!r}, not an absolute path: "
+                    "list absolute directories separated by ':' (for example /data:/scratch)")
         if self.admin_token and any(
                 t and hash_token(t) == hash_token(self.admin_token)
                 for t in (self.agent_token, self.operator_token)):

@@ -114,7 +114,10 @@ class SupervisorEvent(StrEnum):
     * ``judge_failed``: a tick failed to judge the run (details: ``stage``, ``error``); the
       run is retried on every tick, every other run is judged as usual; counted in
       ``trainwarden_evaluator_run_failures_total``;
-    * ``judge_recovered``: the first tick that judged it again (details: ``failed_since``)."""
+    * ``judge_recovered``: the first tick that judged it again (details: ``failed_since``);
+    * ``credentials_revoked``: the run ended, and its agents' credentials were revoked once
+      they had the node-lost deadline to report (details: ``agents``)."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
+    CREDENTIALS_REVOKED = "credentials_revoked"

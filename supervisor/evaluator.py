@@ -43,9 +43,9 @@ from supervisor.enums import (
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
 from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
 from supervisor.retention import Retention, RetentionConfig
+from supervisor.store import credentials, registry, windows
 from supervisor.store import goodput as goodput_store
 from supervisor.store import recovery as rec
-from supervisor.store import registry, windows
 from supervisor.store.db import Connection, Database
 from supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
 
@@ -132,6 +132,8 @@ class Evaluator:
         self._failing: dict[int, float] = {}
         self._failed_this_tick: set[int] = set()
         self._retry_events: list[NodeEventRow] = []  # failure events a failed tick left
+        # Told the agents whose credentials the tick revoked (the app's credential cache).
+        self.on_revoked: Callable[[list[int]], object] | None = None
 
     def tick(self) -> TickReport:
         now = self.clock()
@@ -160,9 +162,28 @@ class Evaluator:
                     self._protect(conn, run)
                     self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
                     self._presence(conn, run, now)
+            self._revoke_ended(conn, now)
             self._recovered(conn, now)
         self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
+
+    def _revoke_ended(self, conn: Connection, now: float) -> None:
+        """A run that ended writes nothing more: once its agents had the node-lost deadline
+        to take their last commands (a stop's) and report, their credentials are revoked
+        (an agent still sending is refused, registers again, and is told the run ended)."""
+        grace = self.detection.node_lost.deadline_s
+        for run_id in credentials.ended_runs_holding_credentials(
+                conn, ended_before=now - grace):
+            with self._contained(conn, run_id, JudgeStage.UPKEEP, now):
+                revoked = credentials.revoke_run(conn, run_id=run_id, now=now)
+                attempt = registry.get_run(conn, run_id=run_id)["attempt"]
+                rec.insert_event(
+                    conn, run_id=run_id, agent_id=None, attempt=attempt, rank=None, t=now,
+                    name=SupervisorEvent.CREDENTIALS_REVOKED, step=None,
+                    message=f"the run has ended: the credentials of its {len(revoked)} "
+                            "agent(s) are revoked", details={"agents": revoked})
+                if self.on_revoked is not None:
+                    self.on_revoked(revoked)
 
     # -- one run's failure stays that run's ----------------------------------------------------
 

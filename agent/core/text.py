@@ -54,6 +54,20 @@ def clean(value: str, max_length: int = MAX_TEXT, *, multiline: bool = True) -> 
     return value
 
 
+def without_surrogates(value: Any) -> Any:
+    """A JSON value with every lone surrogate in its strings (keys included) replaced by
+    U+FFFD, and nothing else changed: the agent forwards what its workers send through it,
+    since a supervisor cannot read a batch holding one (it is not UTF-8) and would refuse
+    the whole batch."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    if isinstance(value, dict):
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_surrogates(v) for v in value]
+    return value
+
+
 def is_clean(value: str, *, multiline: bool = True) -> bool:
     """Whether ``clean`` would leave ``value``'s characters as they are."""
     controls = TEXT_CONTROLS if multiline else LINE_CONTROLS

@@ -9,13 +9,14 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from pydantic import ValidationError
 
-from supervisor import wire
+from supervisor import checkpoint_paths, wire
 from supervisor.api.deps import (
     DB,
     AgentAuth,
     ClockDep,
     Credentials,
     OperatorAuth,
+    Principal,
     Settings,
     judge_registration,
     presented_credential,
@@ -51,7 +52,18 @@ def register(
     node-lost deadline) is refused with 409 unless the credential is presented or an
     operator takes over (``takeover: true`` with the operator token: the old credential is
     revoked, an audited action).  A run that has ended (completed, failed, stopped) is
-    refused with 409 and a message that says what to do: it is never silently reopened."""
+    refused with 409 and a message that says what to do: it is never silently reopened.  So
+    is a new node beyond the world the run's members declare (their torchrun ``--nnodes``):
+    it is not a member."""
+    outside = checkpoint_paths.outside_allowed(
+        req.checkpoint_roots, checkpoint_paths.allowed_prefixes(
+            settings.auth.checkpoint_roots_allowed))
+    if outside is not None:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            f"checkpoint root {outside!r} is outside the directories this supervisor allows "
+            f"(auth.checkpoint_roots_allowed: {settings.auth.checkpoint_roots_allowed}): save "
+            "checkpoints in one of them")
     now = clock()
     presented = presented_credential(request)
     judge = judge_registration(run=req.run, node=req.node, presented=presented,
@@ -64,11 +76,11 @@ def register(
                 credentials.record_takeover(conn, run_id=r["run_id"], attempt=r["attempt"],
                                             node=req.node, holder=r["holder"],
                                             hostname=req.hostname, actor=auth.actor, now=now)
-    except registry.RunFinished as e:
+    except (registry.RunFinished, registry.NotAMember) as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
     secret = r["credential"] or presented or ""
     if r["credential"] is not None:
-        creds.remember(r["agent_id"], credentials.digest(secret))
+        creds.remember(r["agent_id"], credentials.digest(secret), req.run)
     return wire.RegisterReply(
         agent_id=r["agent_id"], run_id=r["run_id"], run_uuid=r["run_uuid"],
         attempt=r["attempt"], next_seq=r["next_seq"], credential=secret,
@@ -108,7 +120,7 @@ INGEST_BODY = {
 @router.post("/ingest", response_model=wire.IngestReply, openapi_extra=INGEST_BODY,
              responses={409: {"model": SeqConflictBody,
                               "description": "The seq was already used for different content"}})
-async def ingest(request: Request, _auth: AgentAuth) -> Response:
+async def ingest(request: Request, auth: AgentAuth) -> Response:
     """Store one batch of the agent whose credential comes in the
     ``X-Trainwarden-Agent-Credential`` header (another agent's, a revoked or a missing one:
     403, nothing stored; the ``X-Trainwarden-Credential: invalid`` header says to register
@@ -123,21 +135,22 @@ async def ingest(request: Request, _auth: AgentAuth) -> Response:
     (``supervisor.api.ingest_path``), the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), batches are stored by the ingest writer's group
     commit (``supervisor.ingest``), and the reply is rendered here."""
-    return await store_batch(request, await request.body())
+    return await store_batch(request, await request.body(), auth)
 
 
-async def store_batch(request: Request, body: bytes) -> Response:
+async def store_batch(request: Request, body: bytes, principal: Principal) -> Response:
     """The ingest route's work once its token is checked: validate ``body``, check the
     agent's credential, store the batch and render the reply.  ``supervisor.api.ingest_path``
     calls it ahead of the middleware stack; the route above is the same for a caller that
-    reaches the router.  Raises ``HTTPException`` (403, 404) as a route does."""
+    reaches the router.  ``principal``: the token's (its scope must cover the agent's run).
+    Raises ``HTTPException`` (403, 404) as a route does."""
     state = request.app.state
     db: Database = state.db
     try:
         batch = wire.IngestBatch.model_validate_json(body)
     except ValidationError as e:
         return validation_error_response(e.errors(), prefix=("body",))
-    state.agent_credentials.check(db, batch.agent_id, presented_credential(request))
+    state.agent_credentials.check(db, batch.agent_id, presented_credential(request), principal)
     writer: IngestWriter = state.ingest_writer
     try:
         res = await writer.submit(batch)

@@ -262,6 +262,7 @@ class AgentCredentials:
 
     def __init__(self, *, refresh_s: float | None = None, clock: Clock = time.time) -> None:
         self._digests: dict[int, str | None] = {}
+        self._runs: dict[int, str] = {}  # agent id -> its run's name (never changes)
         self.refresh_s = refresh_s
         self.clock = clock
         self._refreshed_at = clock()
@@ -276,25 +277,37 @@ class AgentCredentials:
                 self._digests[agent_id] = digest
         self._refreshed_at, self._next_refresh = now, now + (self.refresh_s or 0.0)
 
-    def remember(self, agent_id: int, digest: str | None) -> None:
-        self._digests[agent_id] = digest
+    def forget_agents(self, agent_ids: list[int]) -> None:
+        """These agents' credentials were revoked: refused from the next batch on."""
+        for agent_id in agent_ids:
+            self._digests[agent_id] = None
 
-    def check(self, db: Database, agent_id: int, presented: str | None) -> None:
-        """Raise 403 unless ``presented`` is the agent's credential; an agent the store
-        does not know passes (the ingest answers 404 then, and stores nothing)."""
+    def remember(self, agent_id: int, digest: str | None, run: str | None = None) -> None:
+        self._digests[agent_id] = digest
+        if run is not None:
+            self._runs[agent_id] = run
+
+    def check(self, db: Database, agent_id: int, presented: str | None,
+              principal: Principal | None = None) -> None:
+        """Raise 403 unless ``presented`` is the agent's credential, and the token
+        (``principal``) may write for the agent's run (its scope); an agent the store does
+        not know passes (the ingest answers 404 then, and stores nothing)."""
         if self.refresh_s is not None and (now := self.clock()) >= self._next_refresh:
             self._refresh(db, now)
         digest = credentials.digest(presented) if presented is not None else None
         cached = self._digests.get(agent_id, self._UNKNOWN)
         if digest is not None and isinstance(cached, str) \
                 and hmac.compare_digest(digest, cached):
+            self._require_scope(principal, agent_id)
             return
         with db.read() as conn:
-            exists, held = credentials.secret_hash(conn, agent_id=agent_id)
-        if not exists:
+            key = credentials.agent_key(conn, agent_id=agent_id)
+        if key is None:
             self._digests.pop(agent_id, None)
             return
+        held = key.secret_hash
         self._digests[agent_id] = held
+        self._runs[agent_id] = key.run
         if digest is None:
             raise _refused(f"missing agent credential: send the credential the registration "
                            f"of agent {agent_id} returned in the {CREDENTIAL_HEADER} header")
@@ -302,6 +315,19 @@ class AgentCredentials:
             raise _refused(f"this credential is not agent {agent_id}'s (revoked, replaced by "
                            "a newer registration of its node, or another agent's): register "
                            "again to get the agent's current credential")
+        self._require_scope(principal, agent_id)
+
+    def _require_scope(self, principal: Principal | None, agent_id: int) -> None:
+        """The token's scope is checked at ingest as at registration (a token scoped to
+        team-a-* writes for team-a's agents only)."""
+        if principal is None or principal.scope is None:
+            return
+        run = self._runs.get(agent_id)
+        if run is None or not principal.covers(run):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"token {principal.token!r} is scoped to {principal.scope!r}: agent "
+                f"{agent_id} writes for run {run!r}, outside it")
 
 
 async def get_credentials(request: Request) -> AgentCredentials:

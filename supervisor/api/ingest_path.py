@@ -105,8 +105,8 @@ class IngestPath:
         request = Request(scope)
         response: Response
         try:
-            await _AGENT(request)
-            response = await store_batch(request, b"".join(chunks))
+            principal = await _AGENT(request)
+            response = await store_batch(request, b"".join(chunks), principal)
         except HTTPException as e:  # as FastAPI's handler renders it
             response = JSONResponse({"detail": e.detail}, status_code=e.status_code,
                                     headers=e.headers)

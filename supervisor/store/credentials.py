@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 from sqlalchemy import Connection, select
 
-from supervisor.enums import ActionStatus
+from supervisor.enums import FINAL_STATUSES, ActionStatus
 from supervisor.store._sql import insert
-from supervisor.store.tables import actions, agent_credentials, agents
+from supervisor.store.tables import actions, agent_credentials, agents, runs
 
 TAKEOVER = "takeover"  # the kind of the audited action
 
@@ -64,14 +64,47 @@ def issue(conn: Connection, *, agent_id: int, now: float) -> str:
     return secret
 
 
-def secret_hash(conn: Connection, *, agent_id: int) -> tuple[bool, str | None]:
-    """(whether the agent exists, the digest of its credential or None)."""
-    q = (select(agents.c.id, agent_credentials.c.secret_hash)
-         .select_from(agents.outerjoin(agent_credentials,
-                                       agent_credentials.c.agent_id == agents.c.id))
+class AgentKey(NamedTuple):
+    """What the ingest check needs of an agent: its credential's digest (None: revoked) and
+    the name of its run (a scoped token writes only for the runs of its scope)."""
+
+    secret_hash: str | None
+    run: str
+
+
+def agent_key(conn: Connection, *, agent_id: int) -> AgentKey | None:
+    """The agent's ``AgentKey``; None when there is no such agent."""
+    q = (select(agent_credentials.c.secret_hash, runs.c.name)
+         .select_from(agents.join(runs, runs.c.id == agents.c.run_id)
+                      .outerjoin(agent_credentials,
+                                 agent_credentials.c.agent_id == agents.c.id))
          .where(agents.c.id == agent_id))
     r = conn.execute(q).first()
-    return (False, None) if r is None else (True, r.secret_hash)
+    return None if r is None else AgentKey(r.secret_hash, str(r.name))
+
+
+def ended_runs_holding_credentials(conn: Connection, *, ended_before: float) -> list[int]:
+    """The runs that ended (completed, failed, stopped) at or before ``ended_before`` and
+    whose agents still hold a live credential."""
+    q = (select(runs.c.id).distinct()
+         .select_from(runs.join(agents, agents.c.run_id == runs.c.id)
+                      .join(agent_credentials, agent_credentials.c.agent_id == agents.c.id))
+         .where(runs.c.status.in_(list(FINAL_STATUSES)), runs.c.updated_at <= ended_before,
+                agent_credentials.c.secret_hash.is_not(None))
+         .order_by(runs.c.id))
+    return [int(r) for r, in conn.execute(q)]
+
+
+def revoke_run(conn: Connection, *, run_id: int, now: float) -> list[int]:
+    """Revoke every credential of the run's agents (a run that has ended: nothing it sends
+    is stored any more); returns the agents whose credential was live."""
+    live = [int(a) for a, in conn.execute(
+        select(agent_credentials.c.agent_id)
+        .select_from(agent_credentials.join(agents, agents.c.id == agent_credentials.c.agent_id))
+        .where(agents.c.run_id == run_id, agent_credentials.c.secret_hash.is_not(None)))]
+    for agent_id in live:
+        revoke(conn, agent_id=agent_id, now=now)
+    return live
 
 
 def revoke(conn: Connection, *, agent_id: int, now: float) -> bool:

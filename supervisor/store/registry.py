@@ -9,6 +9,7 @@ from typing import Any, Literal, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
+from agent.core.launch import declared_nnodes
 from agent.core.states import AgentState
 from supervisor import wire
 from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
@@ -32,6 +33,22 @@ class RunFinished(Exception):
             f"agent. Start a new run under another name (for example --run {name}-2); to "
             "continue training from this run's checkpoints, give the new run the same "
             "checkpoint directory (its workers resume from the newest complete checkpoint)")
+
+
+class NotAMember(Exception):
+    """Registration of a node beyond the world the run's members declare (their torchrun
+    ``--nnodes``): it is not a member, and nothing it would send is acted on."""
+
+    def __init__(self, run: str, node: str, world: int, nodes: list[str]) -> None:
+        self.run, self.node, self.world, self.nodes = run, node, world, nodes
+        held = ", ".join(repr(n) for n in nodes[:8]) + (" ..." if len(nodes) > 8 else "")
+        super().__init__(
+            f"run {run!r} has the {world} node(s) its members' torchrun command declares "
+            f"(--nnodes; nodes {held}): node {node!r} is not a member and is refused. To "
+            f"replace a node, register under that node's name once it is silent for the "
+            f"node-lost deadline, or take it over with the operator token (POST "
+            f"/api/v1/runs/{run}/nodes/NODE/takeover); to run more nodes, start a run "
+            "whose command declares them")
 
 
 Claim = Literal["new", "proven", "expired", "free", "takeover"]
@@ -62,6 +79,8 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     if run.status in FINAL_STATUSES:
         raise RunFinished(req.run, run.status, run.reason)
     holder = credentials.node_holder(conn, run_id=run.id, node=req.node)
+    if holder is None:
+        _admit_member(conn, run_id=run.id, run=req.run, node=req.node)
     claim: Claim = judge(holder) if judge is not None else ("new" if holder is None
                                                              else "expired")
     values = {
@@ -101,6 +120,17 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
         "holder": holder,
     }
     return reg
+
+
+def _admit_member(conn: Connection, *, run_id: int, run: str, node: str) -> None:
+    """Raise ``NotAMember`` when the run's nodes already fill the world their torchrun
+    commands declare (a command that is not a torchrun launch declares none: no bound)."""
+    rows = conn.execute(select(agents.c.node, agents.c.command)
+                        .where(agents.c.run_id == run_id).order_by(agents.c.id)).all()
+    worlds = [w for _, cmd in rows if isinstance(cmd, list)
+              and (w := declared_nnodes([str(a) for a in cmd])) is not None]
+    if worlds and len(rows) >= max(worlds):
+        raise NotAMember(run, node, max(worlds), [str(n) for n, _ in rows])
 
 
 def _run(r: Any) -> RunRow:

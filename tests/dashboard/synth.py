@@ -37,7 +37,8 @@ class SynthRun:
         for n in range(self.nodes):
             r = self.client.post("/api/v1/agents/register", headers=AGENT, json={
                 "run": self.name, "node": f"n{n}", "hostname": f"host-{n}", "pid": 100 + n,
-                "command": ["torchrun", "train.py"], "nproc_per_node": self.ranks_per_node,
+                "command": ["torchrun", f"--nnodes={self.nodes}", "train.py"],
+                "nproc_per_node": self.ranks_per_node,
                 "checkpoint_root": checkpoint_root})
             assert r.status_code == 200, r.text
             self.agents[n] = int(r.json()["agent_id"])

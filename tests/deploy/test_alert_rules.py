@@ -64,6 +64,7 @@ CONTRACT = {
     "trainwarden_run_wall_seconds",
     "trainwarden_http_requests_total",
     "trainwarden_supervisor_overloaded",
+    "trainwarden_evaluator_run_failures_total",
     "trainwarden_ingest_lateness_seconds",
     # histogram: only its series are queryable
     "trainwarden_ingest_latency_seconds_bucket",

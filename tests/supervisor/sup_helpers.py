@@ -60,17 +60,19 @@ def as_agent(client: TestClient, agent_id: int) -> dict[str, str]:
 
 
 def register(client: TestClient, run: str = "r1", node: str = "n0",
-             headers: dict[str, str] | None = None, roots: list[str] | None = None
-             ) -> dict[str, Any]:
+             headers: dict[str, str] | None = None, roots: list[str] | None = None,
+             nnodes: int = 8) -> dict[str, Any]:
     """Register (again: presenting the credential it got before for this run and node); its
-    checkpoints are saved under ``/ck`` unless ``roots`` says."""
+    checkpoints are saved under ``/ck`` unless ``roots`` says.  Its torchrun command declares
+    ``nnodes`` nodes (a run admits that many)."""
     mine = client.__dict__.setdefault("_tw_nodes", {})
     h = dict(headers if headers is not None else AGENT)
     if headers is None and (run, node) in mine:
         h.update(as_agent(client, mine[(run, node)]))
     r = client.post("/api/v1/agents/register", headers=h,
                     json={"run": run, "node": node, "hostname": f"host-{node}", "pid": 1,
-                          "command": ["torchrun", "train.py"], "nproc_per_node": 2,
+                          "command": ["torchrun", f"--nnodes={nnodes}", "train.py"],
+                          "nproc_per_node": 2,
                           "checkpoint_roots": ["/ck"] if roots is None else roots})
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()

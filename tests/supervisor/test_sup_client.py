@@ -80,7 +80,9 @@ def test_tables_print_no_terminal_control_characters(
     out = capsys.readouterr().out
     assert RAW.findall(out) == [], "a control character reached the terminal"
     if argv[0] != "runs":  # every table but the runs list shows the hostile text, escaped
-        assert "\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\x08\\x0a\\u202etxt.exe" in out
+        # (a worker's last words are kept escaped from ingest on, so the incidents table's
+        # cut cause shows their start)
+        assert "\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m" in out
     assert len(out.splitlines()) >= 3  # header, rule and at least one row: one line each
 
 

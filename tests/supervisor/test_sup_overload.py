@@ -48,7 +48,7 @@ def test_a_frozen_supervisor_restarts_nothing_and_says_it_was_overloaded(
                                   headers={"Authorization": f"Bearer {AGENT}"}) as c:
                     reg = c.post("/agents/register", json={
                         "run": "healthy", "node": name, "hostname": name, "pid": 1,
-                        "command": ["torchrun"], "nproc_per_node": 1}).json()
+                        "command": ["torchrun", "--nnodes=8"], "nproc_per_node": 1}).json()
                     cred = {"X-Trainwarden-Agent-Credential": reg["credential"]}
                     seq, step = reg["next_seq"], 0
                     while not stop.is_set():  # like the agent: a batch every half second

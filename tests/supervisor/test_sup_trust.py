@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sup_helpers import (
+    AGENT,
     OPERATOR,
     FakeClock,
     as_agent,
@@ -218,3 +219,147 @@ def test_a_store_error_on_one_runs_incident_leaves_the_others_judged_on_the_same
     assert _get(client, "/api/v1/runs/A")["status"] == "restarting"
     assert any(e["name"] == "judge_recovered"
                for e in _get(client, "/api/v1/runs/A/events")["events"])
+
+
+# ---- 4. only members steer a run --------------------------------------------------------------
+
+
+def _register_cmd(client: TestClient, run: str, node: str, command: list[str],
+                  headers: dict[str, str] | None = None) -> Any:
+    return client.post("/api/v1/agents/register", headers=headers or AGENT,
+                       json={"run": run, "node": node, "hostname": f"h-{node}", "pid": 1,
+                             "command": command, "nproc_per_node": 1,
+                             "checkpoint_roots": ["/ck"]})
+
+
+@pytest.mark.parametrize("nnodes, admitted", [
+    (["--nnodes=2"], 2), (["--nnodes", "2"], 2), (["--nnodes=1:3"], 3), ([], 1)])
+def test_a_node_beyond_the_world_the_members_declare_is_not_a_member(
+        client: TestClient, db: Database, nnodes: list[str], admitted: int) -> None:
+    command = ["torchrun", *nnodes, "--nproc-per-node=1", "train.py", "--nnodes=99"]
+    for i in range(admitted):
+        assert _register_cmd(client, "r1", f"n{i}", command).status_code == 200
+    before = store_snapshot(db)
+    r = _register_cmd(client, "r1", "intruder", ["torchrun", "--nnodes=99", "train.py"])
+    assert r.status_code == 409 and "not a member" in r.json()["detail"], r.text
+    assert f"the {admitted} node(s)" in r.json()["detail"]
+    assert store_snapshot(db) == before
+    # A member registering again keeps its node (the cap is on new nodes).
+    assert _register_cmd(client, "r1", "n0", command).status_code in (200, 409)
+
+
+def test_a_command_that_is_not_a_torchrun_launch_declares_no_bound(client: TestClient) -> None:
+    for i in range(3):
+        assert _register_cmd(client, "r1", f"n{i}", ["python", "train.py"]).status_code == 200
+
+
+def test_the_token_scope_is_checked_at_ingest_as_at_registration(client: TestClient) -> None:
+    def token(name: str, scope: str) -> dict[str, str]:
+        r = client.post("/api/v1/tokens", headers=ADMIN,
+                        json={"name": name, "role": "agent", "scope": scope})
+        assert r.status_code == 201, r.text
+        return {"Authorization": f"Bearer {r.json()['token']}"}
+
+    team_a, team_b = token("a", "team-a-*"), token("b", "team-b-*")
+    reg = _register_cmd(client, "team-a-1", "n0", ["torchrun", "train.py"], headers=team_a)
+    assert reg.status_code == 200
+    agent, cred = reg.json()["agent_id"], reg.json()["credential"]
+    body = json.dumps({"agent_id": agent, "seq": 0, "items": [step(0, 0, world_size=1)]})
+    headers = {"X-Trainwarden-Agent-Credential": cred, "content-type": "application/json"}
+    r = client.post("/api/v1/ingest", content=body, headers={**team_b, **headers})
+    assert r.status_code == 403 and "outside" in r.json()["detail"], r.text
+    assert _get(client, "/api/v1/runs/team-a-1")["step"] is None
+    r = client.post("/api/v1/ingest", content=body, headers={**team_a, **headers})
+    assert r.status_code == 200, r.text
+
+
+def test_an_ended_runs_credentials_are_revoked_once_its_agents_had_time_to_report(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    a = int(register(client, run="done", node="n0")["agent_id"])
+    seq = _train(client, clock, a, 0, range(0, 3))
+    ingest(client, a, seq, [{"type": "exit", "t": clock.now, "attempt": 0, "exit_code": 0,
+                             "outcome": "completed", "failed_ranks": []}])
+    evaluator.tick()
+    assert _get(client, "/api/v1/runs/done")["status"] == "completed"
+    # Within the node-lost deadline its last batches are still taken...
+    clock.advance(1.0)
+    evaluator.tick()
+    ingest(client, a, seq + 1, [{"type": "heartbeat", "t": clock.now, "state": "finished"}])
+    # ...after it, nothing the run's agents send is stored.
+    clock.advance(31.0)
+    evaluator.tick()
+    body = json.dumps({"agent_id": a, "seq": seq + 2,
+                       "items": [{"type": "heartbeat", "t": clock.now}]})
+    r = client.post("/api/v1/ingest", content=body,
+                    headers={**as_agent(client, a), "content-type": "application/json"})
+    assert r.status_code == 403 and r.headers["x-trainwarden-credential"] == "invalid"
+    again = client.post("/api/v1/agents/register", headers=as_agent(client, a),
+                        json={"run": "done", "node": "n0"})
+    assert again.status_code == 409 and "completed" in again.json()["detail"]
+    (ev,) = [e for e in _get(client, "/api/v1/runs/done/events")["events"]
+             if e["name"] == "credentials_revoked"]
+    assert ev["details"]["agents"] == [a]
+
+
+@pytest.mark.parametrize("root", ["/etc", "/etc/trainwarden", "/usr/local/ck", "/proc/1",
+                                  "/sys", "/boot", "/dev/shm/ck", "/bin", "/root", "/home",
+                                  "/tmp", "/var"])
+def test_system_directories_are_refused_as_checkpoint_roots(
+        client: TestClient, db: Database, root: str) -> None:
+    before = store_snapshot(db)
+    r = client.post("/api/v1/agents/register", headers=AGENT,
+                    json={"run": "r1", "node": "n0", "checkpoint_roots": [root]})
+    assert r.status_code == 422 and "checkpoint_roots" in r.text, r.text
+    assert store_snapshot(db) == before
+
+
+@pytest.mark.parametrize("root", ["/data/ckpt", "/root/runs/ck", "/home/u/ck", "/tmp/x/ck",
+                                  "/var/tmp/ck"])
+def test_a_runs_own_directory_is_a_checkpoint_root(client: TestClient, root: str) -> None:
+    assert register(client, roots=[root])["agent_id"]
+
+
+def test_the_supervisor_confines_checkpoint_roots_to_its_allowed_directories(
+        db: Database, clock: FakeClock) -> None:
+    app = create_app(make_settings(auth={"checkpoint_roots_allowed": "/data/ckpt:/scratch/"}),
+                     db=db, clock=clock, upgrade_schema=False, start_evaluator=False)
+    with TestClient(app) as client:
+        assert register(client, node="n0", roots=["/data/ckpt/run1", "/scratch"])["agent_id"]
+        before = store_snapshot(db)
+        r = client.post("/api/v1/agents/register", headers=AGENT,
+                        json={"run": "r1", "node": "n1",
+                              "checkpoint_roots": ["/scratch/a", "/srv/ck"]})
+        assert r.status_code == 422 and "'/srv/ck' is outside" in r.json()["detail"], r.text
+        assert store_snapshot(db) == before
+
+
+def test_an_allowed_directory_must_be_absolute() -> None:
+    with pytest.raises(ValueError, match="not an absolute path"):
+        make_settings(auth={"checkpoint_roots_allowed": "/data:scratch"})
+
+
+# ---- 5. the takeover route addresses any node name the registration accepts ----------------
+
+
+def test_the_takeover_route_addresses_a_node_whose_name_holds_a_slash(
+        client: TestClient) -> None:
+    a = int(register(client, run="r1", node="rack1/n0")["agent_id"])
+    r = client.post("/api/v1/runs/r1/nodes/rack1/n0/takeover", headers=OPERATOR)
+    assert r.status_code == 200, r.text
+    assert r.json()["node"] == "rack1/n0" and r.json()["agent_id"] == a
+    body = json.dumps({"agent_id": a, "seq": 0, "items": []})
+    refused = client.post("/api/v1/ingest", content=body,
+                          headers={**as_agent(client, a), "content-type": "application/json"})
+    assert refused.status_code == 403
+    r = client.post("/api/v1/runs/r1/nodes/rack1/nobody/takeover", headers=OPERATOR)
+    assert r.status_code == 404 and "'rack1/nobody'" in r.json()["detail"]
+
+
+def test_an_out_of_scope_operator_cannot_take_over_a_node(client: TestClient) -> None:
+    register(client, run="victim-op", node="v0")
+    r = client.post("/api/v1/tokens", headers=ADMIN,
+                    json={"name": "att", "role": "operator", "scope": "attacker-*"})
+    tok = {"Authorization": f"Bearer {r.json()['token']}"}
+    r = client.post("/api/v1/runs/victim-op/nodes/v0/takeover", headers=tok)
+    assert r.status_code == 403 and "outside" in r.json()["detail"]
+    assert register(client, run="victim-op", node="v0")["agent_id"]  # still its node
