@@ -25,6 +25,19 @@ ACTIVE_STATUSES = frozenset({RunStatus.RUNNING, RunStatus.RESTARTING})
 FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED})
 
 
+class Verdict(StrEnum):
+    """What the policy made of an exit or a finding it does nothing about (a ``policy.Note``),
+    and of an exit it acted on; an exit's verdict is stored with it (``exits.verdict``)."""
+
+    COMPLETED = "completed"  # an agent's workers completed (the run completes once all have)
+    FAILURE = "failure"  # the exit was a failure the policy acted on (restart or stop)
+    LATE = "late"  # of an earlier attempt than the run's
+    IGNORED = "ignored"  # ahead of the run's attempt, or the run is final
+    ECHO = "echo"  # the attempt already failed: another sign of the same failure
+    ONGOING = "ongoing"  # its incident is already open
+    WAIT = "wait"  # not yet: a restart under way, a mismatch too young, a command pending
+
+
 class ActionKind(StrEnum):
     RESTART = "restart"  # a restart or a rollback (a restart with a resume plan)
     STOP = "stop"

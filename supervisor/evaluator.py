@@ -39,6 +39,7 @@ from supervisor.enums import (
     IncidentStatus,
     JudgeStage,
     SupervisorEvent,
+    Verdict,
 )
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
 from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
@@ -448,7 +449,7 @@ class Evaluator:
                     log.info("run %s: %s", run["name"], decision)
                 actions.apply(conn, run=run, decision=decision, now=now)
                 verdict = decision.verdict if isinstance(decision, policy.Note) else (
-                    "completed" if isinstance(decision, policy.Complete) else "failure"
+                    Verdict.COMPLETED if isinstance(decision, policy.Complete) else Verdict.FAILURE
                 )
                 rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
 

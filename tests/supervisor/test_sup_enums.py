@@ -18,6 +18,7 @@ from supervisor.enums import (
     IncidentKind,
     IncidentStatus,
     RunStatus,
+    Verdict,
 )
 from supervisor.evaluator import Evaluator
 from supervisor.store import tables
@@ -34,6 +35,7 @@ COLUMNS: list[tuple[type[enum.Enum], object]] = [
     (Actor, tables.actions.c.actor),
     (CommandKind, tables.commands.c.kind),
     (CommandStatus, tables.commands.c.status),
+    (Verdict, tables.exits.c.verdict),
 ]
 
 
