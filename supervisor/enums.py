@@ -122,12 +122,26 @@ class JudgeStage(StrEnum):
 
 
 class SupervisorEvent(StrEnum):
-    """Events the supervisor records about its own handling of a run.
+    """Events the supervisor records about its own handling of a run (besides the
+    ``PresenceEvent`` ones and the detectors' findings of event severity, named by their
+    ``FindingKind``).
 
     * ``judge_failed``: a tick failed to judge the run (details: ``stage``, ``error``); the
       run is retried on every tick, every other run is judged as usual; counted in
       ``trainwarden_evaluator_run_failures_total``;
-    * ``judge_recovered``: the first tick that judged it again (details: ``failed_since``)."""
+    * ``judge_recovered``: the first tick that judged it again (details: ``failed_since``);
+    * ``supervisor_overloaded``, ``supervisor_overload_ended``: the supervisor fell behind
+      and caught up again (``policy.on_overload``);
+    * ``attempt_realign``: the supervisor told one agent to relaunch as the run's attempt
+      (its reports carried another);
+    * ``clock_skew``: an agent's timestamps were too far from the supervisor's clock and
+      were replaced (one event per agent an hour, counting them);
+    * ``unknown_command_result``: an agent reported on a command not sent to it."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
+    OVERLOADED = "supervisor_overloaded"
+    OVERLOAD_ENDED = "supervisor_overload_ended"
+    ATTEMPT_REALIGN = "attempt_realign"
+    CLOCK_SKEW = "clock_skew"
+    UNKNOWN_COMMAND_RESULT = "unknown_command_result"

@@ -58,8 +58,9 @@ Clock = Callable[[], float]
 # Worker events that end an attempt, with the incident kind they open.  A "distributed_error"
 # (connection reset by a peer, ...) is left out on purpose: it is what the survivors see when
 # a peer dies, and the agent's exit report that follows names the rank that really failed.
-_FAILURE_EVENTS = {protocol.EVENT_COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
-_STACKS_EVENT = protocol.EVENT_STACKS
+_FAILURE_EVENTS: dict[str, IncidentKind] = {
+    protocol.WorkerEventName.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
+_STACKS_EVENT = protocol.AgentEventName.STACKS
 # Event findings whose detector already reports each episode once (from the store's events).
 _EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
 
@@ -469,7 +470,8 @@ class Evaluator:
             rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
                 conn, run_id=run["id"], attempt=attempt)},
             peer_error_ranks=windows.ranks_with_event(
-                conn, run_id=run["id"], attempt=attempt, name=protocol.EVENT_DISTRIBUTED_ERROR),
+                conn, run_id=run["id"], attempt=attempt,
+                name=protocol.WorkerEventName.DISTRIBUTED_ERROR),
         )
         completed = rec.completed_agents(
             conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])

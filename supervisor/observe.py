@@ -13,7 +13,7 @@ from typing import Any
 
 from agent.core.findings import FindingKind
 from agent.core.states import LIVE_AGENT_STATES
-from agent.protocol import EVENT_FINISHED
+from agent.protocol import WorkerEventName
 from supervisor.detect import (
     Finding,
     HangConfig,
@@ -100,9 +100,10 @@ def progress_window(conn: Connection, run: RunRow, *, started_at: float,
         times = windows.step_times(conn, run_id=run_id, attempt=attempt - 1,
                                 limit=cfg.interval_history) + times
     ckpt_started = windows.latest_event(conn, run_id=run_id, attempt=attempt,
-                                     name="checkpoint_started")
+                                     name=WorkerEventName.CHECKPOINT_STARTED)
     newest_ckpt = windows.newest_checkpoint_time(conn, run_id=run_id)
-    finished = windows.latest_event(conn, run_id=run_id, attempt=attempt, name=EVENT_FINISHED)
+    finished = windows.latest_event(conn, run_id=run_id, attempt=attempt,
+                                    name=WorkerEventName.FINISHED)
     checkpoint_since = None
     if ckpt_started is not None and (newest_ckpt is None or newest_ckpt < ckpt_started["t"]):
         checkpoint_since = float(ckpt_started["t"])

@@ -35,6 +35,7 @@ from supervisor.enums import (
     PresenceEvent,
     RestartCause,
     RunStatus,
+    SupervisorEvent,
     Verdict,
 )
 
@@ -422,9 +423,6 @@ class RecordEvent:
 
 FindingDecision = Note | Restart | Stop | OpenIncident | RecordEvent
 
-EVENT_OVERLOADED = "supervisor_overloaded"
-EVENT_OVERLOAD_ENDED = "supervisor_overload_ended"
-
 
 def on_agents_gone(*, since: float, deadline_s: float) -> RecordEvent:
     """No agent of the run has sent a heartbeat for the node-lost deadline: from ``since``
@@ -474,12 +472,12 @@ def on_overload(*, reason: str | None, lateness_s: float | None,
     node-lost and straggler verdicts are held back meanwhile (``Evaluator._judge_overload``)."""
     if ended_after_s is not None:
         return RecordEvent(
-            name=EVENT_OVERLOAD_ENDED,
+            name=SupervisorEvent.OVERLOAD_ENDED,
             message=f"the supervisor keeps up again after {ended_after_s:.1f} s overloaded; "
                     "hang and node-lost deadlines count from now",
             details={"overloaded_s": round(ended_after_s, 3)})
     return RecordEvent(
-        name=EVENT_OVERLOADED,
+        name=SupervisorEvent.OVERLOADED,
         message=f"the supervisor is overloaded ({reason}): hang, node-lost and straggler "
                 "verdicts are held back until it keeps up; nothing is restarted for it",
         details={"reason": reason or "", "lateness_s": lateness_s})

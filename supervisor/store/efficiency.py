@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from agent.core.states import CommandStatus
-from agent.protocol import EVENT_RESUMED, EVENT_STARTED, EVENT_TORCHRUN_STARTED
+from agent.protocol import AgentEventName, WorkerEventName
 from supervisor.enums import ActionKind, IncidentKind
 from supervisor.store.tables import (
     actions,
@@ -31,7 +31,8 @@ from supervisor.store.tables import (
 INTERRUPTING = (IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.NODE_LOST,
                 IncidentKind.COLLECTIVE_TIMEOUT)
 CHECKPOINTS_READ = 1000  # the newest complete checkpoints the save cost and interval read
-_MILESTONE_EVENTS = (EVENT_TORCHRUN_STARTED, EVENT_STARTED, EVENT_RESUMED)
+_MILESTONE_EVENTS = (AgentEventName.TORCHRUN_STARTED, WorkerEventName.STARTED,
+                     WorkerEventName.RESUMED)
 
 
 def restart_milestones(conn: Connection, *, run_id: int,
@@ -91,9 +92,9 @@ def restart_milestones(conn: Connection, *, run_id: int,
         progress = a["progress"] if isinstance(a["progress"], dict) else {}
         since = previous.get(attempt, 0)
         earlier = [k for k in stopped if since <= k < attempt]
-        launched = marks.get((EVENT_TORCHRUN_STARTED, attempt))
-        rdzv = marks.get((EVENT_STARTED, attempt))
-        resumed = marks.get((EVENT_RESUMED, attempt))
+        launched = marks.get((AgentEventName.TORCHRUN_STARTED, attempt))
+        rdzv = marks.get((WorkerEventName.STARTED, attempt))
+        resumed = marks.get((WorkerEventName.RESUMED, attempt))
         first = conn.execute(
             select(sa.t_last).where(sa.run_id == run_id, sa.attempt == attempt)
             .order_by(sa.step).limit(1)).scalar()

@@ -11,13 +11,16 @@ from sqlalchemy import select
 from sup_helpers import crash, ingest, register, step
 
 from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+from agent.protocol import AgentEventName, WorkerEventName
 from supervisor.enums import (
     ActionKind,
     ActionStatus,
     Actor,
     IncidentKind,
     IncidentStatus,
+    PresenceEvent,
     RunStatus,
+    SupervisorEvent,
     Verdict,
 )
 from supervisor.evaluator import Evaluator
@@ -36,6 +39,10 @@ COLUMNS: list[tuple[type[enum.Enum], object]] = [
     (CommandKind, tables.commands.c.kind),
     (CommandStatus, tables.commands.c.status),
     (Verdict, tables.exits.c.verdict),
+    (WorkerEventName, tables.events.c.name),
+    (AgentEventName, tables.events.c.name),
+    (PresenceEvent, tables.events.c.name),
+    (SupervisorEvent, tables.events.c.name),
 ]
 
 
