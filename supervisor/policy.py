@@ -30,6 +30,9 @@ from agent.protocol import LRSchedule, ResumePlan
 from supervisor.detect.overload import OverloadConfig
 from supervisor.enums import (
     FINAL_STATUSES,
+    INTERRUPTING,
+    ROLLED_BACK,
+    WATCHED,
     Actor,
     IncidentKind,
     PresenceEvent,
@@ -395,12 +398,11 @@ def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
 
 # Failures that end the attempt: the gang restarts.  One attempt fails once: whichever of
 # these is seen first for an attempt decides, the others of the same attempt are echoes.
-RESTART_KINDS = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
-                           IncidentKind.NODE_LOST})
+RESTART_KINDS = INTERRUPTING
 # Incidents that stay open while the condition lasts, without a restart.
-WATCH_KINDS = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+WATCH_KINDS = WATCHED
 # Incidents answered by a rollback (when rollbacks are enabled).
-ROLLBACK_KINDS = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+ROLLBACK_KINDS = ROLLED_BACK
 
 
 @dataclass(frozen=True)

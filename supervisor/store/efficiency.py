@@ -14,7 +14,7 @@ from sqlalchemy import Connection, func, select
 
 from agent.core.states import CommandStatus
 from agent.protocol import AgentEventName, WorkerEventName
-from supervisor.enums import ActionKind, IncidentKind
+from supervisor.enums import INTERRUPTING, ActionKind
 from supervisor.store.tables import (
     actions,
     agents,
@@ -27,9 +27,6 @@ from supervisor.store.tables import (
     step_aggregates,
 )
 
-# The incidents that interrupt training (the run restarts): the failures of the failure rate.
-INTERRUPTING = (IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.NODE_LOST,
-                IncidentKind.COLLECTIVE_TIMEOUT)
 CHECKPOINTS_READ = 1000  # the newest complete checkpoints the save cost and interval read
 _MILESTONE_EVENTS = (AgentEventName.TORCHRUN_STARTED, WorkerEventName.STARTED,
                      WorkerEventName.RESUMED)
@@ -134,10 +131,10 @@ def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
 
 
 def failure_count(conn: Connection, *, run_id: int) -> int:
-    """The run's incidents that interrupted training (``INTERRUPTING``)."""
+    """The run's incidents that interrupted training (``supervisor.enums.INTERRUPTING``)."""
     i = incidents.c
     return int(conn.execute(select(func.count()).select_from(incidents).where(
-        i.run_id == run_id, i.kind.in_(INTERRUPTING))).scalar_one())
+        i.run_id == run_id, i.kind.in_(sorted(INTERRUPTING)))).scalar_one())
 
 
 def node_count(conn: Connection, *, run_id: int) -> int:
