@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agent import protocol
 from agent.core import text as untrusted
@@ -78,7 +78,7 @@ class EvaluatorConfig:
     interval_s: float = 0.5  # seconds between two ticks of the evaluation loop
     # where the detectors run: "process" (a child process of their own, so their CPU never
     # competes with ingest) or "thread" (the evaluator's own, in the supervisor's process)
-    observer: str = "process"
+    observer: Literal["process", "thread"] = "process"
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:

@@ -490,7 +490,7 @@ class FindingFacts:
     """A detector's finding (or a worker's distributed-failure event), as the policy sees it."""
 
     kind: str
-    severity: str  # a Severity: "incident" | "event"
+    severity: Severity
     message: str
     attempt: int
     step: int | None = None
@@ -628,7 +628,7 @@ def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,
 class RealignSent:
     """The realign command already sent to the agent during this mismatch."""
 
-    status: str  # a CommandStatus
+    status: CommandStatus
     age_s: float  # since it was created
     detail: str = ""
 

@@ -70,7 +70,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted, require
 from supervisor.detect.findings import (
@@ -266,7 +266,7 @@ class _Spike:
     tail: deque[_Point] = field(default_factory=deque)  # the newest recover_steps points
     recent: deque[tuple[float, bool]] = field(default_factory=deque)  # newest (loss, high)
     detected: _Point | None = None  # where it became an incident
-    rule: str | None = None  # which rule made it one: "window" or "rising"
+    rule: Literal["window", "rising"] | None = None  # which rule made it one
 
     def finding(self, cfg: LossSpikeConfig, recovered_at: _Point | None) -> Finding | None:
         p0, peak = self.start, self.peak
