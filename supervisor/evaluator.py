@@ -28,7 +28,6 @@ from agent.core.findings import FindingKind, Severity
 from supervisor import actions, observe, policy
 from supervisor.delivery import DeliveryMonitor
 from supervisor.detect import Finding
-from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.detect.node_lost import agents_gone
 from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
 from supervisor.detect.stacks import hang_culprit
@@ -62,7 +61,7 @@ _FAILURE_EVENTS: dict[str, IncidentKind] = {
     protocol.WorkerEventName.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
 _STACKS_EVENT = protocol.AgentEventName.STACKS
 # Event findings whose detector already reports each episode once (from the store's events).
-_EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
+_EPISODE_EVENTS = frozenset({FindingKind.DISK_LOW, FindingKind.DISK_RECOVERED})
 
 
 @dataclass

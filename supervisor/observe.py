@@ -36,7 +36,7 @@ from supervisor.detect import (
     pre_collective_table,
     straggler_scores,
 )
-from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
+from supervisor.detect.disk import DiskConfig, detect_disk
 from supervisor.detect.overload import OverloadConfig
 from supervisor.enums import ActionStatus
 from supervisor.store import reads, windows
@@ -325,6 +325,6 @@ def disk_findings(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
     if not usage:
         return []
     latest = windows.latest_event_by_node(conn, run_id=run["id"],
-                                       names=[DISK_LOW, DISK_RECOVERED])
-    low = {node for node, name in latest.items() if name == DISK_LOW}
+                                       names=[FindingKind.DISK_LOW, FindingKind.DISK_RECOVERED])
+    low = {node for node, name in latest.items() if name == FindingKind.DISK_LOW}
     return detect_disk(usage, low, cfg.disk)
