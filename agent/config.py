@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import socket
 import tempfile
 from dataclasses import dataclass, field
@@ -16,13 +15,10 @@ from pathlib import Path
 
 from agent import deadletter
 from agent.core.hang import HangConfig
+from agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
 from agent.uplink import MAX_5XX_TRIES
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
-
-# The supervisor's rule for run names (supervisor/wire.py): checked here so a bad name fails
-# at once instead of as a registration refused forever.
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 # Unix socket paths are limited to 108 bytes (sun_path) on Linux; keep a margin.
 _MAX_SOCKET_PATH = 100
@@ -38,12 +34,6 @@ def default_state_dir(run: str, node: str) -> Path:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "_"
-
-
-def split_supervisor_urls(text: str) -> list[str]:
-    """``--supervisor``'s value as its addresses: one URL, or a comma-separated list of the
-    replicas of one supervisor (on a shared Postgres), each without a trailing slash."""
-    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
 
 
 @dataclass
@@ -88,19 +78,13 @@ class AgentConfig:
     gpu_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        urls = split_supervisor_urls(self.supervisor_url)
-        if not urls:
-            raise ValueError("--supervisor must name at least one http:// or https:// URL")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(
-                    f"--supervisor must be an http:// or https:// URL (or a comma-separated "
-                    f"list of them, the replicas of one supervisor), got {url!r}")
-        self.supervisor_url = ",".join(urls)
-        if not _RUN_NAME.match(self.run) or len(self.run) > 200:
+        # The supervisor's rules (agent.core.names), checked here so a bad address or name
+        # fails at once instead of as a registration refused forever.
+        self.supervisor_url = ",".join(supervisor_urls(self.supervisor_url))
+        if not is_run_name(self.run):
             raise ValueError(
-                f"--run {self.run!r}: use letters, digits, '.', '_' and '-', starting with a "
-                "letter or digit (for example --run llama-7b)"
+                f"--run {self.run!r}: use {RUN_NAME_RULE}, at most {RUN_NAME_MAX} characters "
+                "(for example --run llama-7b)"
             )
         if not self.node.strip():
             raise ValueError("--node must not be empty (it defaults to the host name)")

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from agent import protocol
 from agent.core.states import CommandStatus
@@ -55,7 +55,7 @@ class Host(Protocol):
 @dataclasses.dataclass
 class _Job:
     command: protocol.Command
-    phase: str  # "stopping" | "waiting" | "launching"
+    phase: Literal["stopping", "waiting", "launching"]
     plan: protocol.ResumePlan | None = None
 
 

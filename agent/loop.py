@@ -221,7 +221,7 @@ class Agent:
         self._adopt(reply, launching=True)
         self._registered_attempt_checked = False
         self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
-                    "name": protocol.EVENT_STATE_ARCHIVED,
+                    "name": protocol.AgentEventName.STATE_ARCHIVED,
                     "message": f"local agent state of another run (uuid {old or 'none'}) "
                                f"archived to {dest}",
                     "details": {"archived_to": str(dest), "old_run_uuid": old}})
@@ -289,7 +289,7 @@ class Agent:
     def _report_refused_pins(self) -> None:
         for path, why in self.pins.take_refused():
             self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
-                        "name": protocol.EVENT_PIN_REFUSED,
+                        "name": protocol.AgentEventName.PIN_REFUSED,
                         "message": f"refused to pin {path!r}: {why}",
                         "details": {"path": path, "reason": why,
                                     "refused": self.pins.refused}})
@@ -341,7 +341,7 @@ class Agent:
         stacks = self.launcher.dump_stacks() if self.launcher.running else {}
         log.warning("collected the stacks of %d worker(s): %s", len(stacks), reason)
         self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
-                    "name": protocol.EVENT_STACKS,
+                    "name": protocol.AgentEventName.STACKS,
                     "message": f"python stacks of {len(stacks)} worker(s): {reason}",
                     "details": {"stacks": {str(r): text for r, text in stacks.items()},
                                 "reason": reason, "command_id": command_id}})
@@ -360,7 +360,7 @@ class Agent:
         # When torchrun was started: a restart's anatomy splits "launch" from "rendezvous"
         # here (the workers' worker_started events mark the end of the rendezvous).
         self._emit({"type": "event", "t": self.clock(), "attempt": attempt,
-                    "name": protocol.EVENT_TORCHRUN_STARTED,
+                    "name": protocol.AgentEventName.TORCHRUN_STARTED,
                     "message": f"torchrun started for attempt {attempt}",
                     "details": {"pid": self.launcher.pid}})
 
@@ -382,7 +382,8 @@ class Agent:
         ended launches nothing: ``result`` is set."""
         killed = self.launcher.kill_leftovers()
         if killed:
-            self._emit({"type": "event", "t": self.clock(), "name": "agent_leftovers_killed",
+            self._emit({"type": "event", "t": self.clock(),
+                        "name": protocol.AgentEventName.LEFTOVERS_KILLED,
                         "message": f"killed {len(killed)} process(es) of a previous agent",
                         "details": {"pids": killed}})
         self._identify()
@@ -496,7 +497,7 @@ class Agent:
                   "killing the workers", finding.message, now - silent_since)
         self.collect_stacks(f"local watchdog: {finding.message}", None)
         self._emit({"type": "event", "t": now, "attempt": self._attempt,
-                    "name": protocol.EVENT_LOCAL_HANG, "message": finding.message,
+                    "name": protocol.AgentEventName.LOCAL_HANG, "message": finding.message,
                     "step": finding.step, "details": dict(finding.details)})
         self._hung_attempt = self._attempt
         self.begin_stop(immediate=True)

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
 from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
@@ -72,36 +73,52 @@ class StepReport(TypedDict, total=False):
     dropped: int  # reports this rank dropped before this one (agent absent, queue full)
 
 
-# Names of worker events.  Free-form names are allowed; these are the ones the system acts on.
-EVENT_STARTED = "worker_started"
-EVENT_COLLECTIVE_TIMEOUT = "collective_timeout"
-EVENT_DISTRIBUTED_ERROR = "distributed_error"
-EVENT_EXCEPTION = "worker_exception"
-EVENT_RESUMED = "resumed"
-EVENT_BATCHES_SKIPPED = "batches_skipped"
-EVENT_CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint passed over on resume
-EVENT_CHECKPOINT_FAILED = "checkpoint_failed"
-# The training loop is over (``agent.worker.training_done``, called by Checkpointer.close()):
-# what follows is teardown, judged against the hang detectors' finishing allowance.
-EVENT_FINISHED = "worker_finished"
-EVENT_CHECKPOINT_STARTED = "checkpoint_started"  # a save began (hang deadlines allow for it)
-# details: {peak_flops_per_rank, flops_per_sample | flops_per_token} (for MFU)
-EVENT_FLOPS_DECLARED = "flops_declared"
-# Sent by the agent:
-EVENT_STACKS = "stacks"  # details: {"stacks": {rank: text}, "reason", "command_id"}
-EVENT_LOCAL_HANG = "hang_detected_locally"  # the agent's watchdog acted, supervisor away
-# A batch the supervisor refused (4xx) or kept failing on (5xx) was set aside by the agent;
-# details: {seq, status, reason, items, count (set aside so far), dropped, path}
-EVENT_BATCH_DEAD_LETTERED = "batch_dead_lettered"
-# The agent refused to pin a checkpoint path outside this node's checkpoint root(s);
-# details: {path, reason}
-EVENT_PIN_REFUSED = "checkpoint_pin_refused"
-# The agent found another run's state in its state dir (a reused run name) and archived it
-# before starting any worker; details: {"archived_to", "old_run_uuid"}.
-EVENT_STATE_ARCHIVED = "agent_state_archived"
-# The agent started torchrun for an attempt (its first start, a restart, a relaunch after
-# an agent restart); details: {"pid"}.  Marks the end of a restart's launch phase.
-EVENT_TORCHRUN_STARTED = "torchrun_started"
+class WorkerEventName(StrEnum):
+    """Names of the events the training workers send.  Free-form names are allowed; these
+    are the ones the system acts on."""
+
+    STARTED = "worker_started"
+    COLLECTIVE_TIMEOUT = "collective_timeout"
+    DISTRIBUTED_ERROR = "distributed_error"
+    EXCEPTION = "worker_exception"
+    RESUMED = "resumed"
+    BATCHES_SKIPPED = "batches_skipped"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint passed over on resume
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    # The training loop is over (``agent.worker.training_done``, called by
+    # Checkpointer.close()): what follows is teardown, judged against the hang detectors'
+    # finishing allowance.
+    FINISHED = "worker_finished"
+    CHECKPOINT_STARTED = "checkpoint_started"  # a save began (hang deadlines allow for it)
+    # details: {peak_flops_per_rank, flops_per_sample | flops_per_token} (for MFU)
+    FLOPS_DECLARED = "flops_declared"
+    # A fault the test harness injected fired (``agent.worker.faults``).
+    FAULT_INJECTED = "fault_injected"
+
+
+class AgentEventName(StrEnum):
+    """Names of the events the node agent sends."""
+
+    STACKS = "stacks"  # details: {"stacks": {rank: text}, "reason", "command_id"}
+    LOCAL_HANG = "hang_detected_locally"  # the agent's watchdog acted, supervisor away
+    # A batch the supervisor refused (4xx) or kept failing on (5xx) was set aside by the
+    # agent; details: {seq, status, reason, items, count (set aside so far), dropped, path}
+    BATCH_DEAD_LETTERED = "batch_dead_lettered"
+    # The agent refused to pin a checkpoint path outside this node's checkpoint root(s);
+    # details: {path, reason}
+    PIN_REFUSED = "checkpoint_pin_refused"
+    # The agent found another run's state in its state dir (a reused run name) and archived
+    # it before starting any worker; details: {"archived_to", "old_run_uuid"}.
+    STATE_ARCHIVED = "agent_state_archived"
+    # The agent started torchrun for an attempt (its first start, a restart, a relaunch
+    # after an agent restart); details: {"pid"}.  Marks the end of a restart's launch phase.
+    TORCHRUN_STARTED = "torchrun_started"
+    # At its start the agent killed the workers an earlier agent of this node left running.
+    LEFTOVERS_KILLED = "agent_leftovers_killed"
+
+
+# The name ``agent.uplink`` uses (kept for it).
+EVENT_BATCH_DEAD_LETTERED = AgentEventName.BATCH_DEAD_LETTERED
 
 
 class WorkerEvent(TypedDict, total=False):

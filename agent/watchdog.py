@@ -19,7 +19,7 @@ from agent.core.hang import (
     detect_hang,
     learned_deadline,
 )
-from agent.protocol import EVENT_CHECKPOINT_STARTED, EVENT_FINISHED
+from agent.protocol import WorkerEventName
 
 
 class HangWatch:
@@ -65,9 +65,10 @@ class HangWatch:
                 self._step_times[step] = float(t)
                 if len(self._step_times) > 8:
                     del self._step_times[min(self._step_times)]
-        elif kind == "event" and msg.get("name") == EVENT_CHECKPOINT_STARTED:
+        elif kind == "event" and msg.get("name") == WorkerEventName.CHECKPOINT_STARTED:
             self.checkpoint_since = float(msg.get("t") or 0.0)
-        elif kind == "event" and msg.get("name") == EVENT_FINISHED and self.finished_at is None:
+        elif kind == "event" and msg.get("name") == WorkerEventName.FINISHED \
+                and self.finished_at is None:
             self.finished_at = float(msg.get("t") or 0.0)
         elif kind == "checkpoint":
             self.checkpoint_since = None

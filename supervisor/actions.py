@@ -14,7 +14,14 @@ from typing import Any
 from agent.core.states import CommandKind, CommandStatus
 from agent.protocol import ResumePlan
 from supervisor import policy
-from supervisor.enums import ActionKind, ActionStatus, Actor, RestartCause, RunStatus
+from supervisor.enums import (
+    ActionKind,
+    ActionStatus,
+    Actor,
+    RestartCause,
+    RunStatus,
+    SupervisorEvent,
+)
 from supervisor.policy import (
     Complete,
     Decision,
@@ -30,9 +37,6 @@ from supervisor.store import recovery as rec
 from supervisor.store import registry, windows
 from supervisor.store.db import Connection
 from supervisor.store.rows import ActionRow, RunRow
-
-# The supervisor told one agent to relaunch as the run's attempt (its reports carried another).
-EVENT_REALIGN = "attempt_realign"
 
 
 def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
@@ -180,8 +184,8 @@ def realign(conn: Connection, *, run: RunRow, node: str, decision: policy.Realig
         "sent_count": 0, "detail": "", "collect_stacks": False, "created_at": now,
         "updated_at": now}])
     rec.insert_event(conn, run_id=run["id"], agent_id=decision.agent_id,
-                     attempt=int(run["attempt"]), rank=None, t=now, name=EVENT_REALIGN,
-                     step=None, message=decision.reason,
+                     attempt=int(run["attempt"]), rank=None, t=now,
+                     name=SupervisorEvent.ATTEMPT_REALIGN, step=None, message=decision.reason,
                      details={"node": node, "attempt": decision.attempt})
 
 

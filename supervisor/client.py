@@ -19,6 +19,7 @@ from urllib.parse import quote
 if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
     import httpx
 
+from agent.core.names import supervisor_urls
 from supervisor.enums import ActionStatus
 from supervisor.text import printable, table
 
@@ -101,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     token = args.token or (os.environ.get(ENV_ADMIN_TOKEN) if args.cmd == "token" else None)
-    urls = [u.strip() for u in str(args.supervisor).split(",") if u.strip()] or [DEFAULT_URL]
+    try:
+        urls = supervisor_urls(str(args.supervisor).strip() or DEFAULT_URL)
+    except ValueError as e:
+        print(f"trainwarden {args.cmd}: {e}", file=sys.stderr)
+        return 1
     answered: list[str] = []  # the addresses that answered a request of this command
     for i, url in enumerate(urls):
         with connect(url, token) as client:

@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from supervisor.enums import ACTIVE_STATUSES, ActionKind
+from supervisor.enums import ACTIVE_STATUSES, INTERRUPTING, ActionKind, IncidentKind
 from supervisor.goodput import interval as iv
 from supervisor.goodput.anatomy import Anatomy, anatomy
 from supervisor.goodput.ettr import save_stall_s
@@ -83,7 +83,7 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
                     prior_per_node_day: float | None = None) -> dict[str, Any]:
     """``interval.advise`` on the run's own figures, with what it was computed from.
 
-    * failures: the run's interrupting incidents (``store.efficiency.INTERRUPTING``) over its
+    * failures: the run's interrupting incidents (``supervisor.enums.INTERRUPTING``) over its
       wall time (creation to now, or to its end) on its nodes (the agents it registered);
     * save cost: the mean stall of its complete checkpoints (``ettr.save_stall_s``: what the
       worker measured the save call to block, an asynchronous save's staging included), the
@@ -133,7 +133,7 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     out["missing"] = missing
     out["measured"] = {"checkpoints": len(ckpts), "saves_timed": len(stalls),
                        "intervals": len(gaps), "restarts_timed": len(costs),
-                       "failure_kinds": [str(k) for k in eff.INTERRUPTING]}
+                       "failure_kinds": [str(k) for k in IncidentKind if k in INTERRUPTING]}
     return out
 
 

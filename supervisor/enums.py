@@ -25,6 +25,19 @@ ACTIVE_STATUSES = frozenset({RunStatus.RUNNING, RunStatus.RESTARTING})
 FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED})
 
 
+class Verdict(StrEnum):
+    """What the policy made of an exit or a finding it does nothing about (a ``policy.Note``),
+    and of an exit it acted on; an exit's verdict is stored with it (``exits.verdict``)."""
+
+    COMPLETED = "completed"  # an agent's workers completed (the run completes once all have)
+    FAILURE = "failure"  # the exit was a failure the policy acted on (restart or stop)
+    LATE = "late"  # of an earlier attempt than the run's
+    IGNORED = "ignored"  # ahead of the run's attempt, or the run is final
+    ECHO = "echo"  # the attempt already failed: another sign of the same failure
+    ONGOING = "ongoing"  # its incident is already open
+    WAIT = "wait"  # not yet: a restart under way, a mismatch too young, a command pending
+
+
 class ActionKind(StrEnum):
     RESTART = "restart"  # a restart or a rollback (a restart with a resume plan)
     STOP = "stop"
@@ -64,6 +77,23 @@ class IncidentKind(StrEnum):
     NONFINITE = FindingKind.NONFINITE.value
     # An agent keeps reporting another attempt than the run's and could not be realigned.
     ATTEMPT_MISMATCH = "attempt_mismatch"
+
+
+# What each incident does to training, said once (the policy acts on it, the failure rate
+# counts it, the ETTR charges it):
+#
+# * the failures that interrupt training: the attempt ends and the gang restarts (one per
+#   attempt: whichever is seen first decides, the others of the attempt are echoes); the
+#   failures of the failure rate;
+INTERRUPTING = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
+                          IncidentKind.NODE_LOST})
+# * the conditions that stay open while they last, without a restart ...
+WATCHED = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+# * ... of which these are answered by a rollback (when rollbacks are enabled), which
+#   interrupts training too;
+ROLLED_BACK = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+# * and those training goes on through: their cost shows in the steps as it happens.
+NEVER_INTERRUPTING = WATCHED - ROLLED_BACK
 
 
 class IncidentStatus(StrEnum):
@@ -109,15 +139,29 @@ class JudgeStage(StrEnum):
 
 
 class SupervisorEvent(StrEnum):
-    """Events the supervisor records about its own handling of a run.
+    """Events the supervisor records about its own handling of a run (besides the
+    ``PresenceEvent`` ones and the detectors' findings of event severity, named by their
+    ``FindingKind``).
 
     * ``judge_failed``: a tick failed to judge the run (details: ``stage``, ``error``); the
       run is retried on every tick, every other run is judged as usual; counted in
       ``trainwarden_evaluator_run_failures_total``;
     * ``judge_recovered``: the first tick that judged it again (details: ``failed_since``);
+    * ``supervisor_overloaded``, ``supervisor_overload_ended``: the supervisor fell behind
+      and caught up again (``policy.on_overload``);
+    * ``attempt_realign``: the supervisor told one agent to relaunch as the run's attempt
+      (its reports carried another);
+    * ``clock_skew``: an agent's timestamps were too far from the supervisor's clock and
+      were replaced (one event per agent an hour, counting them);
+    * ``unknown_command_result``: an agent reported on a command not sent to it;
     * ``credentials_revoked``: the run ended, and its agents' credentials were revoked once
       they had the node-lost deadline to report (details: ``agents``)."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
+    OVERLOADED = "supervisor_overloaded"
+    OVERLOAD_ENDED = "supervisor_overload_ended"
+    ATTEMPT_REALIGN = "attempt_realign"
+    CLOCK_SKEW = "clock_skew"
+    UNKNOWN_COMMAND_RESULT = "unknown_command_result"
     CREDENTIALS_REVOKED = "credentials_revoked"

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from agent import protocol
 from agent.core import text as untrusted
@@ -28,7 +28,6 @@ from agent.core.findings import FindingKind, Severity
 from supervisor import actions, observe, policy
 from supervisor.delivery import DeliveryMonitor
 from supervisor.detect import Finding
-from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED
 from supervisor.detect.node_lost import agents_gone
 from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
 from supervisor.detect.stacks import hang_culprit
@@ -39,6 +38,7 @@ from supervisor.enums import (
     IncidentStatus,
     JudgeStage,
     SupervisorEvent,
+    Verdict,
 )
 from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
 from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
@@ -57,10 +57,11 @@ Clock = Callable[[], float]
 # Worker events that end an attempt, with the incident kind they open.  A "distributed_error"
 # (connection reset by a peer, ...) is left out on purpose: it is what the survivors see when
 # a peer dies, and the agent's exit report that follows names the rank that really failed.
-_FAILURE_EVENTS = {protocol.EVENT_COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
-_STACKS_EVENT = protocol.EVENT_STACKS
+_FAILURE_EVENTS: dict[str, IncidentKind] = {
+    protocol.WorkerEventName.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
+_STACKS_EVENT = protocol.AgentEventName.STACKS
 # Event findings whose detector already reports each episode once (from the store's events).
-_EPISODE_EVENTS = frozenset({DISK_LOW, DISK_RECOVERED})
+_EPISODE_EVENTS = frozenset({FindingKind.DISK_LOW, FindingKind.DISK_RECOVERED})
 
 
 @dataclass
@@ -76,7 +77,7 @@ class EvaluatorConfig:
     interval_s: float = 0.5  # seconds between two ticks of the evaluation loop
     # where the detectors run: "process" (a child process of their own, so their CPU never
     # competes with ingest) or "thread" (the evaluator's own, in the supervisor's process)
-    observer: str = "process"
+    observer: Literal["process", "thread"] = "process"
 
     def __post_init__(self) -> None:
         if not self.interval_s > 0:
@@ -469,7 +470,7 @@ class Evaluator:
                     log.info("run %s: %s", run["name"], decision)
                 actions.apply(conn, run=run, decision=decision, now=now)
                 verdict = decision.verdict if isinstance(decision, policy.Note) else (
-                    "completed" if isinstance(decision, policy.Complete) else "failure"
+                    Verdict.COMPLETED if isinstance(decision, policy.Complete) else Verdict.FAILURE
                 )
                 rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
 
@@ -489,7 +490,8 @@ class Evaluator:
             rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
                 conn, run_id=run["id"], attempt=attempt)},
             peer_error_ranks=windows.ranks_with_event(
-                conn, run_id=run["id"], attempt=attempt, name=protocol.EVENT_DISTRIBUTED_ERROR),
+                conn, run_id=run["id"], attempt=attempt,
+                name=protocol.WorkerEventName.DISTRIBUTED_ERROR),
         )
         completed = rec.completed_agents(
             conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])

@@ -27,6 +27,7 @@ from fastapi import HTTPException, Path
 from pydantic import AfterValidator, Field
 
 from agent.core import text as untrusted
+from agent.core.names import RUN_NAME_MAX
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -126,9 +127,8 @@ AgentJSON = Annotated[dict[str, Any], AfterValidator(untrusted.clean_json),
 # One argument of a command line (tabs and newlines may be part of one).
 Arg = Annotated[str, TEXT, Field(max_length=MAX_PATH, json_schema_extra={"pattern": TEXT_PATTERN})]
 
-# A run's name: what registration accepts.
-RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
-RUN_NAME_MAX = 200
+# A run's name: what registration accepts (``RUN_NAME_PATTERN``, ``RUN_NAME_MAX``: the rule
+# the agent checks too, ``agent.core.names``).
 # The run path parameter of the API: any name the store can hold (a run written there by
 # other means than registration is still addressable), never a NUL (Postgres text has none).
 RunName = Annotated[str, Path(max_length=RUN_NAME_MAX, pattern=r"^[^\x00]+$",

@@ -13,7 +13,7 @@ from typing import Any
 
 from agent.core.findings import FindingKind
 from agent.core.states import LIVE_AGENT_STATES
-from agent.protocol import EVENT_FINISHED
+from agent.protocol import WorkerEventName
 from supervisor.detect import (
     Finding,
     HangConfig,
@@ -36,7 +36,7 @@ from supervisor.detect import (
     pre_collective_table,
     straggler_scores,
 )
-from supervisor.detect.disk import DISK_LOW, DISK_RECOVERED, DiskConfig, detect_disk
+from supervisor.detect.disk import DiskConfig, detect_disk
 from supervisor.detect.overload import OverloadConfig
 from supervisor.enums import ActionStatus
 from supervisor.store import reads, windows
@@ -100,9 +100,10 @@ def progress_window(conn: Connection, run: RunRow, *, started_at: float,
         times = windows.step_times(conn, run_id=run_id, attempt=attempt - 1,
                                 limit=cfg.interval_history) + times
     ckpt_started = windows.latest_event(conn, run_id=run_id, attempt=attempt,
-                                     name="checkpoint_started")
+                                     name=WorkerEventName.CHECKPOINT_STARTED)
     newest_ckpt = windows.newest_checkpoint_time(conn, run_id=run_id)
-    finished = windows.latest_event(conn, run_id=run_id, attempt=attempt, name=EVENT_FINISHED)
+    finished = windows.latest_event(conn, run_id=run_id, attempt=attempt,
+                                    name=WorkerEventName.FINISHED)
     checkpoint_since = None
     if ckpt_started is not None and (newest_ckpt is None or newest_ckpt < ckpt_started["t"]):
         checkpoint_since = float(ckpt_started["t"])
@@ -324,6 +325,6 @@ def disk_findings(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
     if not usage:
         return []
     latest = windows.latest_event_by_node(conn, run_id=run["id"],
-                                       names=[DISK_LOW, DISK_RECOVERED])
-    low = {node for node, name in latest.items() if name == DISK_LOW}
+                                       names=[FindingKind.DISK_LOW, FindingKind.DISK_RECOVERED])
+    low = {node for node, name in latest.items() if name == FindingKind.DISK_LOW}
     return detect_disk(usage, low, cfg.disk)

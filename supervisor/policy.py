@@ -30,11 +30,16 @@ from agent.protocol import LRSchedule, ResumePlan
 from supervisor.detect.overload import OverloadConfig
 from supervisor.enums import (
     FINAL_STATUSES,
+    INTERRUPTING,
+    ROLLED_BACK,
+    WATCHED,
     Actor,
     IncidentKind,
     PresenceEvent,
     RestartCause,
     RunStatus,
+    SupervisorEvent,
+    Verdict,
 )
 
 
@@ -156,9 +161,9 @@ class IncidentSpec:
 
 @dataclass(frozen=True)
 class Note:
-    """Nothing to do; ``verdict`` says what the exit was (late, completed, ignored)."""
+    """Nothing to do; ``verdict`` says what the exit or finding was (``Verdict``)."""
 
-    verdict: str
+    verdict: Verdict
     why: str = ""
 
 
@@ -324,17 +329,18 @@ def on_exit(
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
             return Complete(reason=f"every agent completed attempt {ex.attempt} before the "
                                    f"restart to attempt {run.attempt} reached it")
-        return Note("completed", "waiting for the other agents to complete")
+        return Note(Verdict.COMPLETED, "waiting for the other agents to complete")
     if ex.attempt < run.attempt:
-        return Note("late", f"exit of attempt {ex.attempt}; the run is at {run.attempt}")
+        return Note(Verdict.LATE, f"exit of attempt {ex.attempt}; the run is at {run.attempt}")
     if ex.attempt > run.attempt:
-        return Note("ignored", f"exit of attempt {ex.attempt} ahead of the run ({run.attempt})")
+        return Note(Verdict.IGNORED,
+                    f"exit of attempt {ex.attempt} ahead of the run ({run.attempt})")
     if run.status in FINAL_STATUSES:
-        return Note("ignored", f"run is {run.status}")
+        return Note(Verdict.IGNORED, f"run is {run.status}")
     if ex.outcome == ExitOutcome.COMPLETED and not ex.exit_code:
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
             return Complete()
-        return Note("completed", "waiting for the other agents to complete")
+        return Note(Verdict.COMPLETED, "waiting for the other agents to complete")
     cause, rank, code, sig = describe_exit(ex)
     kind = IncidentKind.CRASH
     if ex.outcome == ExitOutcome.HUNG:  # the agent's own watchdog acted while we were away
@@ -375,7 +381,7 @@ def operator_restart(
     (the newest checkpoint is the highest step of the current lineage, so the old branch's
     later saves must not be taken for the newest again)."""
     if run.status in FINAL_STATUSES:
-        return Note("ignored", f"run is {run.status}")
+        return Note(Verdict.IGNORED, f"run is {run.status}")
     return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
                    reason=reason or "operator restart", actor=actor,
                    counts_against_budget=False, rollback_to_step=step)
@@ -383,7 +389,7 @@ def operator_restart(
 
 def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
     if run.status in FINAL_STATUSES:
-        return Note("ignored", f"run is {run.status}")
+        return Note(Verdict.IGNORED, f"run is {run.status}")
     return Stop(status=RunStatus.STOPPED, reason=reason or "operator stop", actor=actor)
 
 
@@ -392,12 +398,11 @@ def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
 
 # Failures that end the attempt: the gang restarts.  One attempt fails once: whichever of
 # these is seen first for an attempt decides, the others of the same attempt are echoes.
-RESTART_KINDS = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
-                           IncidentKind.NODE_LOST})
+RESTART_KINDS = INTERRUPTING
 # Incidents that stay open while the condition lasts, without a restart.
-WATCH_KINDS = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+WATCH_KINDS = WATCHED
 # Incidents answered by a rollback (when rollbacks are enabled).
-ROLLBACK_KINDS = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+ROLLBACK_KINDS = ROLLED_BACK
 
 
 @dataclass(frozen=True)
@@ -419,9 +424,6 @@ class RecordEvent:
 
 
 FindingDecision = Note | Restart | Stop | OpenIncident | RecordEvent
-
-EVENT_OVERLOADED = "supervisor_overloaded"
-EVENT_OVERLOAD_ENDED = "supervisor_overload_ended"
 
 
 def on_agents_gone(*, since: float, deadline_s: float) -> RecordEvent:
@@ -472,12 +474,12 @@ def on_overload(*, reason: str | None, lateness_s: float | None,
     node-lost and straggler verdicts are held back meanwhile (``Evaluator._judge_overload``)."""
     if ended_after_s is not None:
         return RecordEvent(
-            name=EVENT_OVERLOAD_ENDED,
+            name=SupervisorEvent.OVERLOAD_ENDED,
             message=f"the supervisor keeps up again after {ended_after_s:.1f} s overloaded; "
                     "hang and node-lost deadlines count from now",
             details={"overloaded_s": round(ended_after_s, 3)})
     return RecordEvent(
-        name=EVENT_OVERLOADED,
+        name=SupervisorEvent.OVERLOADED,
         message=f"the supervisor is overloaded ({reason}): hang, node-lost and straggler "
                 "verdicts are held back until it keeps up; nothing is restarted for it",
         details={"reason": reason or "", "lateness_s": lateness_s})
@@ -488,7 +490,7 @@ class FindingFacts:
     """A detector's finding (or a worker's distributed-failure event), as the policy sees it."""
 
     kind: str
-    severity: str  # a Severity: "incident" | "event"
+    severity: Severity
     message: str
     attempt: int
     step: int | None = None
@@ -507,9 +509,9 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
     current attempt (open or resolved); ``open_watch``: (kind, rank) of the open watch
     incidents (straggler, loss spike), so one episode is one incident, never a flood."""
     if f.attempt != run.attempt:
-        return Note("late", f"finding of attempt {f.attempt}; the run is at {run.attempt}")
+        return Note(Verdict.LATE, f"finding of attempt {f.attempt}; the run is at {run.attempt}")
     if run.status in FINAL_STATUSES:
-        return Note("ignored", f"run is {run.status}")
+        return Note(Verdict.IGNORED, f"run is {run.status}")
     if f.severity != Severity.INCIDENT:
         return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
                            details=f.details)
@@ -518,7 +520,7 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
                             rank=f.rank, details=details, step=f.step)
     if f.kind in RESTART_KINDS:
         if incident_kinds_this_attempt & RESTART_KINDS:
-            return Note("echo", f"attempt {f.attempt} already failed")
+            return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
         may, why = budget_left(CAUSE_OF_KIND[f.kind], run, recovery, cfg)
         if not may:
             return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {f.message}",
@@ -530,13 +532,13 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
                        cause=CAUSE_OF_KIND[f.kind])
     if f.kind in ROLLBACK_KINDS and cfg.rollback_budget > 0 and recovery is not None:
         if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
-            return Note("echo", f"attempt {f.attempt} already failed")
+            return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
         return rollback_for_spike(run, f, incident, recovery, cfg, now)
     key = (f.kind, f.rank if f.kind == IncidentKind.STRAGGLER else None)
     if key in open_watch:
-        return Note("ongoing", f"{f.kind} incident already open")
+        return Note(Verdict.ONGOING, f"{f.kind} incident already open")
     if f.kind == IncidentKind.NONFINITE and (IncidentKind.NONFINITE, None) in open_watch:
-        return Note("ongoing", "nonfinite incident already open")
+        return Note(Verdict.ONGOING, "nonfinite incident already open")
     return OpenIncident(incident=incident)
 
 
@@ -611,7 +613,7 @@ def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,
                       actor: str, now: float) -> Decision:
     """An operator's rollback: to the named checkpoint, at once, outside the budgets."""
     if run.status in FINAL_STATUSES:
-        return Note("ignored", f"run is {run.status}")
+        return Note(Verdict.IGNORED, f"run is {run.status}")
     return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
                    reason=reason or f"operator rollback to step {step}", actor=actor,
                    counts_against_budget=False, skip=skip, lr=lr, cause=RestartCause.OPERATOR,
@@ -626,7 +628,7 @@ def operator_rollback(run: RunFacts, *, checkpoint: str, step: int,
 class RealignSent:
     """The realign command already sent to the agent during this mismatch."""
 
-    status: str  # a CommandStatus
+    status: CommandStatus
     age_s: float  # since it was created
     detail: str = ""
 
@@ -663,9 +665,9 @@ def on_attempt_mismatch(f: MismatchFacts, cfg: PolicyConfig) -> MismatchDecision
     realign it within ``realign_after_s``; if that does not work, open an incident that
     says why (the run's detectors see none of that agent's reports meanwhile)."""
     if f.restart_in_progress:
-        return Note("wait", "a restart is under way")
+        return Note(Verdict.WAIT, "a restart is under way")
     if f.mismatch_s < cfg.realign_after_s:
-        return Note("wait", f"mismatch for {f.mismatch_s:.1f} s")
+        return Note(Verdict.WAIT, f"mismatch for {f.mismatch_s:.1f} s")
     what = (f"agent on node {f.node} reports attempt {f.agent_attempt} while run is at "
             f"attempt {f.run_attempt}")
     if f.realign is None:
@@ -673,10 +675,10 @@ def on_attempt_mismatch(f: MismatchFacts, cfg: PolicyConfig) -> MismatchDecision
                        reason=f"realign: {what} (for {f.mismatch_s:.0f} s); relaunch as "
                               f"attempt {f.run_attempt}")
     if f.incident_open:
-        return Note("wait", "incident already open")
+        return Note(Verdict.WAIT, "incident already open")
     r = f.realign
     if r.status != CommandStatus.FAILED and r.age_s < cfg.realign_timeout_s:
-        return Note("wait", f"realign command {r.status} {r.age_s:.0f} s ago")
+        return Note(Verdict.WAIT, f"realign command {r.status} {r.age_s:.0f} s ago")
     if r.status == CommandStatus.FAILED:
         why = f"the agent could not relaunch as attempt {f.run_attempt}: {r.detail}"
     elif r.status == CommandStatus.PENDING:

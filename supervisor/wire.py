@@ -16,13 +16,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agent.core import text as untrusted
+from agent.core.names import RUN_NAME_MAX, RUN_NAME_PATTERN
 from agent.core.states import CommandKind, ExitOutcome
 from supervisor import checkpoint_paths
 from supervisor.limits import (
     I32,
     MAX_PATH,
-    RUN_NAME_MAX,
-    RUN_NAME_PATTERN,
     U31,
     U63,
     AgentJSON,

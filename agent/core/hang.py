@@ -58,9 +58,6 @@ from itertools import pairwise
 from agent.core.findings import EVENT, INCIDENT, Finding, FindingKind
 from agent.core.stats import median, quantile, require
 
-HANG = FindingKind.HANG
-RANK_STALLED = FindingKind.RANK_STALLED
-
 
 @dataclass(frozen=True)
 class HangConfig:
@@ -219,7 +216,7 @@ def _hang_finding(w: ProgressWindow, dl: Deadline, stall: float) -> Finding:
     if not w.ranks:
         msg = (f"hang: no step reported {stall:.1f} s after the attempt started "
                f"(start-up deadline {dl.seconds:.0f} s)")
-        return Finding(kind=HANG, severity=INCIDENT, message=msg, started_at=dl.since,
+        return Finding(kind=FindingKind.HANG, severity=INCIDENT, message=msg, started_at=dl.since,
                        details=details)
     newest = max(p.step for p in w.ranks.values())
     behind = sorted((r for r, p in w.ranks.items() if p.step < newest),
@@ -235,7 +232,7 @@ def _hang_finding(w: ProgressWindow, dl: Deadline, stall: float) -> Finding:
                   f"{w.ranks[suspect].step} (behind: {_fmt_ranks(behind)})")
     msg = (f"hang: no step progress for {stall:.1f} s {where} "
            f"(deadline {dl.seconds:.1f} s, phase {dl.phase})")
-    return Finding(kind=HANG, severity=INCIDENT, message=msg, step=newest, rank=suspect,
+    return Finding(kind=FindingKind.HANG, severity=INCIDENT, message=msg, step=newest, rank=suspect,
                    node=w.nodes.get(suspect) if suspect is not None else None,
                    started_at=dl.since, details=details)
 
@@ -255,8 +252,8 @@ def _stalled_ranks(w: ProgressWindow, dl: Deadline, now: float, cfg: HangConfig
             msg = (f"rank {r}{f' on {node}' if node else ''} last reported step {p.step} "
                    f"{silent:.1f} s ago while other ranks reached step {newest} "
                    f"(deadline {dl.seconds:.1f} s)")
-            out.append(Finding(kind=RANK_STALLED, severity=EVENT, message=msg, step=p.step,
-                               rank=r, node=node, started_at=p.t,
+            out.append(Finding(kind=FindingKind.RANK_STALLED, severity=EVENT, message=msg,
+                               step=p.step, rank=r, node=node, started_at=p.t,
                                details={"rank_step": p.step, "newest_step": newest,
                                         "silent_s": round(silent, 3),
                                         "deadline_s": round(dl.seconds, 3)}))

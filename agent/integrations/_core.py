@@ -29,12 +29,10 @@ import torch
 import torch.distributed as dist
 
 from agent.protocol import (
-    EVENT_BATCHES_SKIPPED,
-    EVENT_CHECKPOINT_STARTED,
-    EVENT_RESUMED,
     PIN_FILE,
     LRSchedule,
     ResumePlan,
+    WorkerEventName,
     normalize_ranges,
 )
 from agent.worker.checkpoint import (
@@ -291,11 +289,11 @@ class RunSession:
                        "lr_schedule": meta_lr(self.lr_schedule),
                        "action_id": plan.action_id if plan else None,
                        "reason": plan.reason if plan else ""}
-            self.reporter.event(EVENT_RESUMED, f"resumed at step {r.start_step} from "
+            self.reporter.event(WorkerEventName.RESUMED, f"resumed at step {r.start_step} from "
                                 f"{r.checkpoint or 'scratch'}", step=r.start_step,
                                 details=details)
             if r.skip:
-                self.reporter.event(EVENT_BATCHES_SKIPPED, f"will skip batches {r.skip}",
+                self.reporter.event(WorkerEventName.BATCHES_SKIPPED, f"will skip batches {r.skip}",
                                     step=r.start_step,
                                     details={"skip": [list(x) for x in r.skip]})
         log.info("trainwarden: resuming at step %d from %s", r.start_step,
@@ -347,7 +345,8 @@ class RunSession:
         self._save_started = time.monotonic()
         self._last_save = self.clock()
         if self.rank == 0:
-            self.reporter.event(EVENT_CHECKPOINT_STARTED, f"saving {path.name}", step=step)
+            self.reporter.event(WorkerEventName.CHECKPOINT_STARTED, f"saving {path.name}",
+                                step=step)
             if path.exists():
                 shutil.rmtree(path)
         self.barrier()

@@ -42,14 +42,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from agent.protocol import (
     ENV_RESUME_PLAN,
-    EVENT_BATCHES_SKIPPED,
-    EVENT_CHECKPOINT_FAILED,
-    EVENT_CHECKPOINT_SKIPPED,
-    EVENT_CHECKPOINT_STARTED,
-    EVENT_RESUMED,
     PIN_FILE,
     LRSchedule,
     ResumePlan,
+    WorkerEventName,
     normalize_ranges,
 )
 from agent.worker.data import ResumableLoader
@@ -188,7 +184,8 @@ def share_resume_choice(chosen: list[Any], *, rank: int, world_size: int, report
         passed_over.append((Path(p), reason))
         log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
         if rank == 0:
-            reporter.event(EVENT_CHECKPOINT_SKIPPED, f"incomplete checkpoint {p}: {reason}",
+            reporter.event(WorkerEventName.CHECKPOINT_SKIPPED,
+                           f"incomplete checkpoint {p}: {reason}",
                            details={"path": p, "reason": reason})
     return target  # type: ignore[no-any-return]
 
@@ -313,7 +310,8 @@ class Checkpointer:
         if self.world_size > 1:
             dist.barrier()  # nobody writes into the partial directory before it is clean
         if self.rank == 0:  # the hang watchdogs allow for the pause a save makes
-            self.reporter.event(EVENT_CHECKPOINT_STARTED, f"saving step_{step}", step=step)
+            self.reporter.event(WorkerEventName.CHECKPOINT_STARTED, f"saving step_{step}",
+                                step=step)
         meta = self._meta(step)
         state = self._state_dict(meta)
         pending = _PendingSave(step, partial, final, entered, meta)
@@ -361,7 +359,8 @@ class Checkpointer:
 
     def _failed(self, p: _PendingSave, e: BaseException) -> None:
         log.error("trainwarden: checkpoint at step %d failed: %s", p.step, e)
-        self.reporter.event(EVENT_CHECKPOINT_FAILED, f"{type(e).__name__}: {e}", step=p.step,
+        self.reporter.event(WorkerEventName.CHECKPOINT_FAILED, f"{type(e).__name__}: {e}",
+                            step=p.step,
                             details={"path": str(p.final)})
 
     def _finalize(self, p: _PendingSave) -> None:
@@ -568,11 +567,11 @@ class Checkpointer:
                        "lr_schedule": meta_lr(self.lr_schedule),
                        "action_id": plan.action_id if plan else None,
                        "reason": plan.reason if plan else ""}
-            self.reporter.event(EVENT_RESUMED, f"resumed at step {info.start_step} from "
+            self.reporter.event(WorkerEventName.RESUMED, f"resumed at step {info.start_step} from "
                                 f"{info.checkpoint or 'scratch'}", step=info.start_step,
                                 details=details)
             if skips:
-                self.reporter.event(EVENT_BATCHES_SKIPPED, f"will skip batches {skips}",
+                self.reporter.event(WorkerEventName.BATCHES_SKIPPED, f"will skip batches {skips}",
                                     step=info.start_step,
                                     details={"skip": [list(r) for r in skips]})
         log.info("trainwarden: resuming at step %d from %s", info.start_step,

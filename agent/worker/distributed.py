@@ -17,12 +17,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from agent.protocol import (
-    EVENT_COLLECTIVE_TIMEOUT,
-    EVENT_DISTRIBUTED_ERROR,
-    EVENT_EXCEPTION,
-    EVENT_STARTED,
-)
+from agent.protocol import WorkerEventName
 from agent.worker.report import PhaseTimer, current_attempt, get_reporter
 
 # Python stacks of every thread go to stderr on this signal (the agent sends it to a hung
@@ -84,7 +79,7 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
     collect_garbage_at_exit()
     reporter = get_reporter()
     reporter.set_identity(rank, world_size)
-    reporter.event(EVENT_STARTED, f"rank {rank}/{world_size} started",
+    reporter.event(WorkerEventName.STARTED, f"rank {rank}/{world_size} started",
                    details={"backend": backend, "timeout_s": timeout.total_seconds(),
                             "local_rank": local_rank})
     return DistInfo(rank, world_size, local_rank, backend, device, attempt)
@@ -142,10 +137,10 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
         s in low for s in ("gloo", "nccl", "connection reset by peer", "connection closed by peer",
                            "process group", "c10d"))
     if ("timed out" in low or "timeout" in low) and (dist_error or collective != "unknown"):
-        return EVENT_COLLECTIVE_TIMEOUT, collective
+        return WorkerEventName.COLLECTIVE_TIMEOUT, collective
     if dist_error:
-        return EVENT_DISTRIBUTED_ERROR, collective
-    return EVENT_EXCEPTION, collective
+        return WorkerEventName.DISTRIBUTED_ERROR, collective
+    return WorkerEventName.EXCEPTION, collective
 
 
 def collective_from_traceback(tb: TracebackType | None) -> str | None:

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from agent.protocol import WorkerEventName
 from agent.worker.report import current_attempt, get_reporter
 
-EVENT_FAULT_INJECTED = "fault_injected"
 FIRED_DIR = ".trainwarden-faults"  # under fired_dir: one marker file per fault that fired
 
 KINDS = ("crash", "hang", "slow", "spike", "nan")
@@ -128,7 +128,7 @@ class FaultInjector:
             return
         self._announced.add((f.kind, f.step))
         self._mark_fired(f)
-        get_reporter().event(EVENT_FAULT_INJECTED, f"{f.kind}@{f.step} fired", step=step,
+        get_reporter().event(WorkerEventName.FAULT_INJECTED, f"{f.kind}@{f.step} fired", step=step,
                              details={"kind": f.kind, "at": f.step, "rank": self.rank},
                              blocking=f.kind in ("crash", "hang"))
 

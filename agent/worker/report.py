@@ -22,10 +22,9 @@ from typing import Any
 from agent.protocol import (
     ENV_AGENT_SOCKET,
     ENV_ATTEMPT,
-    EVENT_FINISHED,
-    EVENT_FLOPS_DECLARED,
     MAX_DATAGRAM_BYTES,
     PROTOCOL_VERSION,
+    WorkerEventName,
     encode_datagram,
 )
 
@@ -402,7 +401,8 @@ def training_done(step: int | None = None, *, reporter: Reporter | None = None) 
     calls it; a script without a Checkpointer calls it after its loop.  Never blocks, never
     raises."""
     with contextlib.suppress(Exception):
-        (reporter or get_reporter()).event(EVENT_FINISHED, "training loop done", step=step)
+        (reporter or get_reporter()).event(WorkerEventName.FINISHED, "training loop done",
+                                           step=step)
 
 
 def declare_flops(*, peak_flops_per_rank: float, flops_per_sample: float | None = None,
@@ -431,5 +431,6 @@ def declare_flops(*, peak_flops_per_rank: float, flops_per_sample: float | None 
                "baseline_per_device": (None if baseline_per_device is None
                                        else float(baseline_per_device))}
     with contextlib.suppress(Exception):
-        get_reporter().event(EVENT_FLOPS_DECLARED, "FLOPs per sample/token and peak declared",
+        get_reporter().event(WorkerEventName.FLOPS_DECLARED,
+                             "FLOPs per sample/token and peak declared",
                              details=details)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import BaseModel, Field
 
+from agent.core.names import RUN_SCOPE_PATTERN
 from supervisor.api.deps import DB, AdminAuth, ClockDep
 from supervisor.api.errors import ERROR_RESPONSES
 from supervisor.api.responses import NewToken, TokenList, TokenRevoked, documented
@@ -16,14 +17,12 @@ from supervisor.store import tokens
 
 router = APIRouter(tags=["tokens"], responses=ERROR_RESPONSES)
 
-RUN_SCOPE = r"^[A-Za-z0-9][A-Za-z0-9._\-]*\*?$"
-
 
 class TokenRequest(BaseModel):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
     role: Literal["viewer", "agent", "operator", "admin"]
     scope: str | None = Field(
-        default=None, max_length=201, pattern=RUN_SCOPE,
+        default=None, max_length=201, pattern=RUN_SCOPE_PATTERN,
         description="viewer, agent and operator tokens: one run's name, or a run-name "
                     "prefix ending in '*'; the token reads and acts on those runs only; "
                     "none: every run")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from supervisor import efficiency, metrics, observe
-from supervisor.detect.findings import LOSS_SPIKE_TRANSIENT
+from supervisor.detect.findings import FindingKind
 from supervisor.detect.straggler import StragglerConfig
 from supervisor.enums import ActionKind, IncidentKind, RestartCause
 from supervisor.goodput.anatomy import PHASES
@@ -149,7 +149,7 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
                     "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}"})
     # Spikes that came back by themselves: events, not incidents (no rollback), shaded too.
     for ev in reads.list_events(conn, run_id=run_id, limit=LIST_LIMIT):
-        if ev["name"] != LOSS_SPIKE_TRANSIENT:
+        if ev["name"] != FindingKind.LOSS_SPIKE_TRANSIENT:
             continue
         d = ev.get("details") or {}
         start = _int(d.get("start_step"))
@@ -158,7 +158,7 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
         if start is None:
             continue
         end = _int(d.get("recovered_at_step")) or _int(d.get("last_high_step")) or start
-        out.append({"type": "spike", "kind": LOSS_SPIKE_TRANSIENT, "from": start,
+        out.append({"type": "spike", "kind": FindingKind.LOSS_SPIKE_TRANSIENT, "from": start,
                     "to": max(start, end), "label": "transient spike (no rollback)"})
     for a in reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):
         if a["kind"] == ActionKind.STOP:

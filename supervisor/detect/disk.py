@@ -14,9 +14,9 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 from supervisor.detect._stats import require
-from supervisor.detect.findings import DISK_LOW, DISK_RECOVERED, EVENT, Finding
+from supervisor.detect.findings import EVENT, Finding, FindingKind
 
-__all__ = ["DISK_LOW", "DISK_RECOVERED", "DiskConfig", "detect_disk"]
+__all__ = ["DiskConfig", "detect_disk"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,12 @@ def detect_disk(usage: Mapping[str, tuple[int, int]], low: Set[str],
                    "low_ratio": cfg.low_ratio, "node": node}
         if node not in low and ratio < cfg.low_ratio:
             out.append(Finding(
-                kind=DISK_LOW, severity=EVENT, node=node, details=details,
+                kind=FindingKind.DISK_LOW, severity=EVENT, node=node, details=details,
                 message=f"checkpoint disk on node {node} almost full: {ratio:.1%} free "
                         f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB; threshold "
                         f"{cfg.low_ratio:.0%})"))
         elif node in low and ratio >= cfg.low_ratio + cfg.hysteresis - 1e-9:
             out.append(Finding(
-                kind=DISK_RECOVERED, severity=EVENT, node=node, details=details,
+                kind=FindingKind.DISK_RECOVERED, severity=EVENT, node=node, details=details,
                 message=f"checkpoint disk on node {node} has room again: {ratio:.1%} free"))
     return out

@@ -70,16 +70,14 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted, require
 from supervisor.detect.findings import (
     EVENT,
     INCIDENT,
-    LOSS_SPIKE,
-    LOSS_SPIKE_TRANSIENT,
-    NONFINITE,
     Finding,
+    FindingKind,
 )
 
 # The standard error of the median of n normal values is about 1.2533 x sigma / sqrt(n).
@@ -173,7 +171,7 @@ def detect_loss(samples: Sequence[LossSample], cfg: LossSpikeConfig | None = Non
 def detect_spikes(samples: Sequence[LossSample], cfg: LossSpikeConfig | None = None
                   ) -> list[Finding]:
     """Only the ``loss_spike`` incidents and ``loss_spike_transient`` events of the window."""
-    return [f for f in detect_loss(samples, cfg) if f.kind != NONFINITE]
+    return [f for f in detect_loss(samples, cfg) if f.kind != FindingKind.NONFINITE]
 
 
 def _nonfinite(x: float | None) -> bool:
@@ -196,10 +194,10 @@ def detect_nonfinite(samples: Iterable[LossSample]) -> Finding | None:
                                f"{', '.join(map(str, ranks[:8]))}" if ranks else "")
     msg = f"non-finite {' and '.join(fields)} ({', '.join(values)}) at {where}"
     t = min((x.t for x in at if x.t is not None), default=None)
-    return Finding(kind=NONFINITE, severity=INCIDENT, message=msg, step=first, rank=rank,
-                   started_at=t, details={"fields": fields, "values": values, "ranks": ranks,
-                                          "samples": len(bad),
-                                          "steps": len({x.step for x in bad})})
+    return Finding(kind=FindingKind.NONFINITE, severity=INCIDENT, message=msg, step=first,
+                   rank=rank, started_at=t,
+                   details={"fields": fields, "values": values, "ranks": ranks,
+                            "samples": len(bad), "steps": len({x.step for x in bad})})
 
 
 @dataclass
@@ -266,7 +264,7 @@ class _Spike:
     tail: deque[_Point] = field(default_factory=deque)  # the newest recover_steps points
     recent: deque[tuple[float, bool]] = field(default_factory=deque)  # newest (loss, high)
     detected: _Point | None = None  # where it became an incident
-    rule: str | None = None  # which rule made it one: "window" or "rising"
+    rule: Literal["window", "rising"] | None = None  # which rule made it one
 
     def finding(self, cfg: LossSpikeConfig, recovered_at: _Point | None) -> Finding | None:
         p0, peak = self.start, self.peak
@@ -297,14 +295,14 @@ class _Spike:
                 why = (f"not back to baseline (<= {self.back:.4g}) within "
                        f"{cfg.recovery_window_steps} steps")
             msg = f"loss spike: {what}; high for {self.high_steps} steps, {why}{tail}"
-            return Finding(kind=LOSS_SPIKE, severity=INCIDENT, message=msg, step=p0.step,
-                           started_at=p0.t, details=details)
+            return Finding(kind=FindingKind.LOSS_SPIKE, severity=INCIDENT, message=msg,
+                           step=p0.step, started_at=p0.t, details=details)
         if recovered_at is None or self.high_steps < cfg.transient_min_steps:
             return None  # still open and not yet judged, or a single outlier
         msg = (f"transient loss spike: {what}; high for {self.high_steps} steps, back at step "
                f"{recovered_at.step} by itself")
-        return Finding(kind=LOSS_SPIKE_TRANSIENT, severity=EVENT, message=msg, step=p0.step,
-                       started_at=p0.t, details=details)
+        return Finding(kind=FindingKind.LOSS_SPIKE_TRANSIENT, severity=EVENT, message=msg,
+                       step=p0.step, started_at=p0.t, details=details)
 
     def add(self, p: _Point, cfg: LossSpikeConfig) -> _Point | None:
         """One more point; returns where the spike was back once it is over, else None."""

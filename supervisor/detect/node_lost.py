@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from supervisor.detect._stats import require
-from supervisor.detect.findings import INCIDENT, NODE_LOST, Finding
+from supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,
         rank_txt = f" (ranks {', '.join(map(str, on))})" if on else ""
         msg = (f"node {node}{rank_txt} lost: no heartbeat for {now - t:.1f} s "
                f"(deadline {cfg.deadline_s:g} s)")
-        out.append(Finding(kind=NODE_LOST, severity=INCIDENT, message=msg, node=node,
+        out.append(Finding(kind=FindingKind.NODE_LOST, severity=INCIDENT, message=msg, node=node,
                            started_at=t, details={"last_heartbeat": t,
                                                   "age_s": round(now - t, 3),
                                                   "deadline_s": cfg.deadline_s,

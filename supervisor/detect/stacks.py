@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 State = Literal["collective", "elsewhere", "no_dump"]
+Via = Literal["", "torch.distributed", "ddp", "backward"]  # "": not in a collective
 
 _HEADER = re.compile(r"^(?:(Current thread)|Thread) (0x[0-9a-fA-F]+)\b.*\(most recent call "
                      r"first\):\s*$|^(Stack) \(most recent call first\):\s*$")
@@ -73,7 +74,7 @@ class Thread:
 class DumpClass:
     state: State
     where: str  # what it is doing, for people ("all_reduce (...)", "before_step (...)")
-    via: str = ""  # collective: "torch.distributed", "ddp", "backward"
+    via: Via = ""  # the way into a collective
 
 
 def parse_dump(text: str) -> list[Thread]:

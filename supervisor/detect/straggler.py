@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.detect._stats import median, median_excluding, require
-from supervisor.detect.findings import INCIDENT, STRAGGLER, Finding
+from supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 # step -> rank -> seconds before the first blocking collective (data_s + compute_s)
 PreCollectiveTable = Mapping[int, Mapping[int, float]]
@@ -338,5 +338,5 @@ def _finding(r: int, node: str | None, signal: str, score: float, thr: float,
         msg = (f"straggler: {where} (the only rank) is {1.0 / score:.2f}x slower than its own "
                f"baseline ({own['recent_s'] * 1e3:.1f} ms vs {own['baseline_s'] * 1e3:.1f} ms "
                f"before the collective over {span}); {since}")
-    return Finding(kind=STRAGGLER, severity=INCIDENT, message=msg, step=onset, rank=r, node=node,
-                   details=details)
+    return Finding(kind=FindingKind.STRAGGLER, severity=INCIDENT, message=msg, step=onset, rank=r,
+                   node=node, details=details)

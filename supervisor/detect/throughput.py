@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.detect._stats import median, require
-from supervisor.detect.findings import EVENT, THROUGHPUT_DECAY, Finding
+from supervisor.detect.findings import EVENT, Finding, FindingKind
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def detect_throughput_decay(points: Sequence[ThroughputPoint], *,
            f"{recent[-1].step} vs reference {ref:,.1f} {cfg.unit} "
            f"({100 * (1 - ratio):.0f}% lower, threshold {100 * cfg.drop:.0f}%); "
            f"slow since step {onset}")
-    return [Finding(kind=THROUGHPUT_DECAY, severity=EVENT, message=msg, step=onset,
+    return [Finding(kind=FindingKind.THROUGHPUT_DECAY, severity=EVENT, message=msg, step=onset,
                     details=details)]
 
 

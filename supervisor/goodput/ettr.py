@@ -52,6 +52,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 from supervisor.detect._stats import median
+from supervisor.enums import NEVER_INTERRUPTING
 
 PARTS = ("productive", "lost", "detection", "restart", "startup", "checkpoint", "data_wait",
          "straggler", "idle", "other")
@@ -59,8 +60,7 @@ BADPUT = PARTS[1:]
 
 # Incident kinds that do not stop training: their cost is measured as it happens (straggler
 # slowdown, slower steps), so no detection latency is counted for them.
-NON_INTERRUPTING = frozenset({"straggler", "throughput_decay", "loss_spike_transient",
-                              "rank_stalled", "disk"})
+NON_INTERRUPTING: frozenset[str] = NEVER_INTERRUPTING
 
 
 # --------------------------------------------------------------------------------------------

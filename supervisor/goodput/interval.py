@@ -31,8 +31,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from supervisor.text import duration
+
+# Where the failure rate comes from: the run's own failures, the prior, or neither.
+RateSource = Literal["observed", "prior", "none"]
 
 DAY_S = 86_400.0
 # Published failure rates per node-day (8-GPU nodes).
@@ -101,7 +105,7 @@ class IntervalInputs:
 
 @dataclass(frozen=True)
 class Advice:
-    rate_source: str  # "observed" | "prior" | "none"
+    rate_source: RateSource
     rate_per_node_day: float | None
     failures_per_day: float | None  # of the whole job
     mtbf_s: float | None  # of the whole job
@@ -126,6 +130,7 @@ def _clamp(x: float) -> float:
 
 def advise(inp: IntervalInputs) -> Advice:
     """The recommended interval and what the current one costs against it."""
+    source: RateSource
     if inp.failures >= inp.min_failures and inp.observed_s > 0:
         source, per_node_s = "observed", inp.failures / (inp.nodes * inp.observed_s)
     elif inp.prior_per_node_day is not None:

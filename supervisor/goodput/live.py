@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.enums import PresenceEvent
+from supervisor.enums import ActionStatus, PresenceEvent
 from supervisor.goodput.ettr import (
     AgentsDown,
     AgentsUp,
@@ -61,7 +61,8 @@ CAUSES = {"lost_progress": "lost", "detection": "detection", "restart": "restart
           "startup": "startup", "checkpoint": "checkpoint", "data_wait": "data_wait",
           "straggler": "straggler", "idle": "idle", "other": "other"}
 NOT_MEASURED: dict[str, str] = {}  # causes not measured (null in the API), with the reason
-FINAL_ACTION = frozenset({"resumed", "failed", "superseded", "done"})
+FINAL_ACTION = frozenset({ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatus.SUPERSEDED,
+                          ActionStatus.DONE})
 
 # (attempt, step, newest t, ranks, step_s values, data_s values, data_s + compute_s values):
 # one step's rows read since the last tick (``supervisor.store.goodput.rank_step_groups_after``)
@@ -206,7 +207,7 @@ class LiveGoodput:
                                       resume_step=None if rb is None else int(rb)))
         status = str(a["status"])
         progress = a.get("progress") or {}
-        if status == "resumed" and a.get("resumed_step") is not None:
+        if status == ActionStatus.RESUMED and a.get("resumed_step") is not None:
             t = progress.get("resumed", a["created_at"])
             out.append(Resumed(t=float(t), attempt=int(a["attempt"]),
                                step=int(a["resumed_step"])))

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from supervisor.detect._stats import median, require
 
@@ -199,8 +199,8 @@ class ScalingConfig:
 
 @dataclass(frozen=True)
 class Cause:
-    name: str  # data_loader | batch_per_device | interconnect | straggler
-    verdict: str  # for | against | unknown
+    name: Literal["data_loader", "batch_per_device", "interconnect", "straggler"]
+    verdict: Literal["for", "against", "unknown"]
     share: float | None  # of the step, where the cause has one
     evidence: str
 

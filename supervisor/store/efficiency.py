@@ -13,8 +13,8 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from agent.core.states import CommandStatus
-from agent.protocol import EVENT_RESUMED, EVENT_STARTED, EVENT_TORCHRUN_STARTED
-from supervisor.enums import ActionKind, IncidentKind
+from agent.protocol import AgentEventName, WorkerEventName
+from supervisor.enums import INTERRUPTING, ActionKind
 from supervisor.store.tables import (
     actions,
     agents,
@@ -27,11 +27,9 @@ from supervisor.store.tables import (
     step_aggregates,
 )
 
-# The incidents that interrupt training (the run restarts): the failures of the failure rate.
-INTERRUPTING = (IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.NODE_LOST,
-                IncidentKind.COLLECTIVE_TIMEOUT)
 CHECKPOINTS_READ = 1000  # the newest complete checkpoints the save cost and interval read
-_MILESTONE_EVENTS = (EVENT_TORCHRUN_STARTED, EVENT_STARTED, EVENT_RESUMED)
+_MILESTONE_EVENTS = (AgentEventName.TORCHRUN_STARTED, WorkerEventName.STARTED,
+                     WorkerEventName.RESUMED)
 
 
 def restart_milestones(conn: Connection, *, run_id: int,
@@ -91,9 +89,9 @@ def restart_milestones(conn: Connection, *, run_id: int,
         progress = a["progress"] if isinstance(a["progress"], dict) else {}
         since = previous.get(attempt, 0)
         earlier = [k for k in stopped if since <= k < attempt]
-        launched = marks.get((EVENT_TORCHRUN_STARTED, attempt))
-        rdzv = marks.get((EVENT_STARTED, attempt))
-        resumed = marks.get((EVENT_RESUMED, attempt))
+        launched = marks.get((AgentEventName.TORCHRUN_STARTED, attempt))
+        rdzv = marks.get((WorkerEventName.STARTED, attempt))
+        resumed = marks.get((WorkerEventName.RESUMED, attempt))
         first = conn.execute(
             select(sa.t_last).where(sa.run_id == run_id, sa.attempt == attempt)
             .order_by(sa.step).limit(1)).scalar()
@@ -133,10 +131,10 @@ def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
 
 
 def failure_count(conn: Connection, *, run_id: int) -> int:
-    """The run's incidents that interrupted training (``INTERRUPTING``)."""
+    """The run's incidents that interrupted training (``supervisor.enums.INTERRUPTING``)."""
     i = incidents.c
     return int(conn.execute(select(func.count()).select_from(incidents).where(
-        i.run_id == run_id, i.kind.in_(INTERRUPTING))).scalar_one())
+        i.run_id == run_id, i.kind.in_(sorted(INTERRUPTING)))).scalar_one())
 
 
 def node_count(conn: Connection, *, run_id: int) -> int:

@@ -35,6 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from agent.core.states import CommandStatus
 from supervisor import checkpoint_paths, wire
+from supervisor.enums import SupervisorEvent
 from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
 from supervisor.store.health import gpu_health, worker_stats
 from supervisor.store.tables import (
@@ -71,7 +72,6 @@ class IngestConfig:
                                  f"(got {v})")
 
 
-CLOCK_SKEW_EVENT = "clock_skew"
 # One clock_skew event per agent per this many seconds (of the supervisor's clock); the
 # timestamps replaced meanwhile are added to its count.
 CLOCK_SKEW_EVENT_S = 3600.0
@@ -784,7 +784,7 @@ def _apply_command_result(
             # Not this agent's command: keep a trace, store nothing else.
             conn.execute(events.insert().values(
                 run_id=run_id, agent_id=agent_id, attempt=0, rank=None, t=t,
-                name="unknown_command_result", step=None,
+                name=SupervisorEvent.UNKNOWN_COMMAND_RESULT, step=None,
                 message=f"command_result for command {item.command_id} not sent to this agent",
                 details={"status": item.status, "detail": item.detail},
             ))
@@ -798,7 +798,7 @@ def _count_clock_skew(conn: Connection, *, run_id: int, agent_id: int, attempt: 
     ev = events.c
     prev = conn.execute(
         select(ev.id, ev.details).where(ev.run_id == run_id, ev.agent_id == agent_id,
-                                        ev.name == CLOCK_SKEW_EVENT,
+                                        ev.name == SupervisorEvent.CLOCK_SKEW,
                                         ev.t >= now - CLOCK_SKEW_EVENT_S)
         .order_by(ev.id.desc()).limit(1)).first()
     old = prev[1] if prev is not None and isinstance(prev[1], dict) else {}
@@ -826,7 +826,7 @@ def _count_clock_skew(conn: Connection, *, run_id: int, agent_id: int, attempt: 
     else:
         conn.execute(events.insert().values(
             run_id=run_id, agent_id=agent_id, attempt=attempt, rank=None, t=now,
-            name=CLOCK_SKEW_EVENT, step=None, message=message, details=details))
+            name=SupervisorEvent.CLOCK_SKEW, step=None, message=message, details=details))
 
 
 def _mark_sent(conn: Connection, *, ids: list[int], now: float) -> None:

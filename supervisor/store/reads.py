@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
-from agent.protocol import EVENT_FLOPS_DECLARED
+from agent.protocol import WorkerEventName
 from supervisor.enums import ActionKind, IncidentStatus
 from supervisor.limits import BASELINE_PER_DEVICE_MAX
 from supervisor.store._sql import row, with_specials
@@ -231,7 +231,7 @@ def restart_actions(conn: Connection, *, run_id: int) -> list[RestartRow]:
 def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None:
     """The details of the run's newest ``flops_declared`` event (for MFU), or None."""
     q = (select(events.c.details).where(events.c.run_id == run_id,
-                                         events.c.name == EVENT_FLOPS_DECLARED)
+                                         events.c.name == WorkerEventName.FLOPS_DECLARED)
          .order_by(events.c.id.desc()).limit(1))
     d = conn.execute(q).scalar()
     if not isinstance(d, dict):

@@ -10,7 +10,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, func, literal, select, update
 
 from agent.core.states import CommandStatus, ExitOutcome
-from supervisor.enums import IN_PROGRESS, ActionKind, ActionStatus, IncidentStatus
+from supervisor.enums import IN_PROGRESS, ActionKind, ActionStatus, IncidentStatus, Verdict
 from supervisor.store._sql import row
 from supervisor.store.rows import (
     ActionRow,
@@ -46,7 +46,7 @@ def unhandled_exits(conn: Connection) -> list[ExitRow]:
     return [cast(ExitRow, row(r)) for r in conn.execute(q)]
 
 
-def mark_exit(conn: Connection, *, exit_id: int, verdict: str) -> None:
+def mark_exit(conn: Connection, *, exit_id: int, verdict: Verdict) -> None:
     conn.execute(update(exits).where(exits.c.id == exit_id).values(handled=True, verdict=verdict))
 
 

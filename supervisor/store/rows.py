@@ -9,12 +9,23 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+from agent.core.states import AgentState, ExitOutcome
+from supervisor.enums import (
+    ActionKind,
+    ActionStatus,
+    IncidentKind,
+    IncidentStatus,
+    RestartCause,
+    RunStatus,
+    Verdict,
+)
+
 
 class RunRow(TypedDict):
     id: int
     name: str
     uuid: str  # the supervisor's identity of the run (a reused name is another uuid)
-    status: str  # a RunStatus
+    status: RunStatus
     attempt: int
     restarts: int
     reason: str
@@ -50,7 +61,7 @@ class AgentRow(TypedDict):
     registered_at: float
     last_seen_at: float
     attempt: int | None
-    state: str  # an AgentState as last reported (a newer agent may report others)
+    state: AgentState  # as last reported (a newer agent may report others)
     disk_free_bytes: int | None
     disk_total_bytes: int | None
     workers: list[Any] | None
@@ -63,7 +74,7 @@ class AgentLiveness(TypedDict):
 
     id: int
     node: str
-    state: str
+    state: AgentState
     last_seen_at: float
     disk_free_bytes: int | None
     disk_total_bytes: int | None
@@ -75,7 +86,7 @@ class AgentAttemptRow(TypedDict):
     id: int
     node: str
     attempt: int
-    state: str | None
+    state: AgentState | None
     last_seen_at: float | None
 
 
@@ -98,8 +109,8 @@ class CheckpointRow(TypedDict):
 class IncidentRow(TypedDict):
     id: int
     run_id: int
-    kind: str  # an IncidentKind (an open set: a detector may add kinds)
-    status: str  # an IncidentStatus
+    kind: IncidentKind
+    status: IncidentStatus
     step: int | None
     attempt: int
     cause: str
@@ -118,13 +129,13 @@ class ActionRow(TypedDict):
     id: int
     run_id: int
     incident_id: int | None
-    kind: str  # an ActionKind
+    kind: ActionKind
     reason: str
-    cause: str | None
+    cause: RestartCause | None
     high_step: int | None
     rollback_to_step: int | None
-    actor: str  # an Actor
-    status: str  # an ActionStatus
+    actor: str  # Actor.POLICY, or the operator's role and token (``AuthContext.actor``)
+    status: ActionStatus
     attempt: int
     plan: dict[str, Any] | None
     not_before: float | None
@@ -138,20 +149,20 @@ class RestartRow(TypedDict):
     """A restart-like action with the kind of the incident behind it (None: no incident)."""
 
     id: int
-    kind: str
+    kind: ActionKind
     actor: str
-    status: str
+    status: ActionStatus
     attempt: int
     resumed_step: int | None
     created_at: float
-    cause: str | None
-    incident_kind: str | None
+    cause: RestartCause | None
+    incident_kind: IncidentKind | None
 
 
 class RestartSpent(TypedDict):
     """One decided restart, as the budgets count it."""
 
-    cause: str | None
+    cause: RestartCause | None
     high_step: int | None
     actor: str
 
@@ -166,10 +177,10 @@ class ExitRow(TypedDict):
     t: float
     exit_code: int | None
     signal: int | None
-    outcome: str
+    outcome: ExitOutcome
     failed_ranks: list[Any]
     handled: bool
-    verdict: str | None
+    verdict: Verdict | None
     node: str
 
 

@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     _send(sock, {"type": "event", "v": 1, "attempt": attempt, "rank": rank,
                  "local_rank": rank, "pid": os.getpid(), "t": time.time(),
-                 "name": protocol.EVENT_STARTED, "message": "", "details": {}})
+                 "name": protocol.WorkerEventName.STARTED, "message": "", "details": {}})
     if args.mode == "hang":
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     step = 0

@@ -114,7 +114,7 @@ def test_a_reused_name_on_a_fresh_supervisor_archives_the_old_state_before_any_w
     assert {b["attempt"] for b in fresh.batches.values()} == {0}
     assert fresh.seqs()[0] == 0  # a fresh spool, not the old run's sequence
     events = [e["name"] for e in fresh.items("event")]
-    assert protocol.EVENT_STATE_ARCHIVED in events
+    assert protocol.AgentEventName.STATE_ARCHIVED in events
 
 
 def test_a_finished_run_is_refused_and_nothing_is_launched(

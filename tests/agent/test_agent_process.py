@@ -124,7 +124,7 @@ def test_batches_carry_steps_heartbeats_and_worker_stats(fake_run: FakeRun,
         got = [s["step"] for s in steps if s["rank"] == rank]
         assert got == list(range(len(got)))
     events = fake_supervisor.items("event")
-    assert {e["rank"] for e in events if e["name"] == protocol.EVENT_STARTED} == {0, 1}
+    assert {e["rank"] for e in events if e["name"] == protocol.WorkerEventName.STARTED} == {0, 1}
     reg = fake_supervisor.registers[0]
     assert reg["run"] == "run1" and reg["node"] == "node1" and reg["command"][0] == sys.executable
 
@@ -192,7 +192,7 @@ def test_crash_then_restart_command_relaunches_with_plan(fake_run: FakeRun,
     assert fake_supervisor.items("heartbeat")[-1]["attempt"] == 1
     # Each start of torchrun is an event (the end of a restart's launch phase), with its pid.
     started = [e for e in fake_supervisor.items("event")
-               if e["name"] == protocol.EVENT_TORCHRUN_STARTED]
+               if e["name"] == protocol.AgentEventName.TORCHRUN_STARTED]
     assert [e["attempt"] for e in started] == [0, 1]
     assert started[1]["details"]["pid"] == agent.launcher.pid
     assert started[1]["t"] >= ex["t"]  # after the old attempt's workers were gone

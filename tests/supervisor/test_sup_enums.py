@@ -11,13 +11,17 @@ from sqlalchemy import select
 from sup_helpers import crash, ingest, register, step
 
 from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+from agent.protocol import AgentEventName, WorkerEventName
 from supervisor.enums import (
     ActionKind,
     ActionStatus,
     Actor,
     IncidentKind,
     IncidentStatus,
+    PresenceEvent,
     RunStatus,
+    SupervisorEvent,
+    Verdict,
 )
 from supervisor.evaluator import Evaluator
 from supervisor.store import tables
@@ -34,6 +38,11 @@ COLUMNS: list[tuple[type[enum.Enum], object]] = [
     (Actor, tables.actions.c.actor),
     (CommandKind, tables.commands.c.kind),
     (CommandStatus, tables.commands.c.status),
+    (Verdict, tables.exits.c.verdict),
+    (WorkerEventName, tables.events.c.name),
+    (AgentEventName, tables.events.c.name),
+    (PresenceEvent, tables.events.c.name),
+    (SupervisorEvent, tables.events.c.name),
 ]
 
 
@@ -56,3 +65,15 @@ def test_what_the_policy_writes_reads_back_as_the_plain_strings(
     assert (type(run), run) == (str, "restarting") and run == RunStatus.RESTARTING
     assert tuple(action) == ("restart", "queued")
     assert tuple(cmd) == ("restart", "pending")
+
+
+def test_which_incidents_interrupt_training_is_said_once() -> None:
+    from supervisor import policy
+    from supervisor.enums import INTERRUPTING, NEVER_INTERRUPTING, ROLLED_BACK, WATCHED
+    from supervisor.goodput.ettr import EttrConfig
+
+    assert policy.RESTART_KINDS is INTERRUPTING and policy.ROLLBACK_KINDS is ROLLED_BACK
+    assert not INTERRUPTING & WATCHED and ROLLED_BACK <= WATCHED
+    # What the ETTR charges no detection for: incident kinds only (no stray "disk").
+    assert EttrConfig().non_interrupting == NEVER_INTERRUPTING == {IncidentKind.STRAGGLER}
+    assert not NEVER_INTERRUPTING & (INTERRUPTING | ROLLED_BACK)
