@@ -26,8 +26,8 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -d site
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check agent supervisor tests examples benchmarks migrations
-	$(VENV)/bin/mypy agent supervisor
+	$(VENV)/bin/ruff check trainwarden agent supervisor tests examples benchmarks migrations
+	$(VENV)/bin/mypy trainwarden
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

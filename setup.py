@@ -1,12 +1,17 @@
-"""Packaging glue pyproject.toml cannot express: the top-level ``migrations/`` folder ships
-inside the wheel as the ``supervisor.migrations`` package."""
+"""Packaging glue pyproject.toml cannot express: one import root, ``trainwarden``, over the
+repository's top-level folders (``trainwarden/`` holds the root's own ``__init__``,
+``supervisor/`` is ``trainwarden.supervisor``, ``agent/`` is ``trainwarden.agent``, and
+``migrations/`` ships inside the wheel as ``trainwarden.supervisor.migrations``)."""
 
 from setuptools import find_packages, setup
 
-MIGRATIONS = {"supervisor.migrations": "migrations",
-              "supervisor.migrations.versions": "migrations/versions"}
+FOLDERS = {"trainwarden.supervisor": "supervisor", "trainwarden.agent": "agent",
+           "trainwarden.supervisor.migrations": "migrations",
+           "trainwarden.supervisor.migrations.versions": "migrations/versions"}
 
 setup(
-    packages=[*find_packages(include=["agent*", "supervisor*"]), *MIGRATIONS],
-    package_dir=MIGRATIONS,
+    packages=["trainwarden", *(f"{root}.{sub}" if sub else root
+                               for root, folder in FOLDERS.items()
+                               for sub in ["", *find_packages(where=folder)])],
+    package_dir={"trainwarden": "trainwarden", **FOLDERS},
 )

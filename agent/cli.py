@@ -1,7 +1,8 @@
 """``trainwarden agent`` command line.
 
 The ``trainwarden`` console script (supervisor/cli.py) delegates its ``agent`` sub-command
-here through ``add_arguments`` and ``run``; ``python -m agent.cli ...`` works on its own.
+here through ``add_arguments`` and ``run``; ``python -m trainwarden.agent.cli ...`` works on its
+own.
 
     trainwarden agent --supervisor URL --run NAME [--node NAME] [--token T]
                       [--state-dir DIR] [--checkpoint-root DIR] [--stop-grace S]
@@ -16,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from agent.config import ENV_AGENT_TOKEN, AgentConfig
-from agent.core.hang import HangConfig
+from trainwarden.agent.config import ENV_AGENT_TOKEN, AgentConfig
+from trainwarden.agent.core.hang import HangConfig
 
 _HANG = HangConfig()  # the defaults of the local watchdog: the supervisor's
 
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # One line per request at INFO is noise next to the training's own output.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from agent.loop import Agent, AgentAlreadyRunning  # after validation: fail fast
+    from trainwarden.agent.loop import Agent, AgentAlreadyRunning  # after validation: fail fast
 
     try:
         agent = Agent(cfg)

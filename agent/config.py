@@ -13,10 +13,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent import deadletter
-from agent.core.hang import HangConfig
-from agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
-from agent.uplink import MAX_5XX_TRIES
+from trainwarden.agent import deadletter
+from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
+from trainwarden.agent.uplink import MAX_5XX_TRIES
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
 
@@ -78,7 +78,8 @@ class AgentConfig:
     gpu_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
-        # The supervisor's rules (agent.core.names), checked here so a bad address or name
+        # The supervisor's rules (trainwarden.agent.core.names), checked here so a bad address or
+        # name
         # fails at once instead of as a registration refused forever.
         self.supervisor_url = ",".join(supervisor_urls(self.supervisor_url))
         if not is_run_name(self.run):

@@ -1,7 +1,8 @@
 """Batches the supervisor refused, set aside on disk for a human: bounded, oldest dropped first.
 
 A batch lands here when the supervisor answers it with a final 4xx, when it keeps failing
-with a 5xx while newer batches are accepted (see ``agent.uplink``), or when its spool file
+with a 5xx while newer batches are accepted (see ``trainwarden.agent.uplink``), or when its spool
+file
 cannot be read.  Each entry is the batch file as it was spooled (``<seq:012d>-<items>.json``)
 and, beside it, ``<same name>.reply.txt``: the HTTP status and the supervisor's reply, or why
 the batch could not be sent.  Both bounds (bytes and entries) drop the oldest entries first

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from agent import protocol
-from agent.core.states import CommandStatus
-from agent.statefile import load_json, save_json
+from trainwarden.agent import protocol
+from trainwarden.agent.core.states import CommandStatus
+from trainwarden.agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
 

@@ -33,13 +33,14 @@ from typing import IO, Any
 
 import psutil
 
-from agent import protocol
-from agent.statefile import load_json, save_json
+from trainwarden.agent import protocol
+from trainwarden.agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
 
 # The signal on which the in-training library's faulthandler dumps every thread's stack
-# (agent.worker.distributed.STACK_DUMP_SIGNAL; not imported from there: it imports torch).
+# (trainwarden.agent.worker.distributed.STACK_DUMP_SIGNAL; not imported from there: it imports
+# torch).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 # How much of torchrun's output is kept for parsing the failure summary at exit.

@@ -2,7 +2,8 @@
 
 One tick: echo torchrun's output, drain the worker socket, notice torchrun's exit, apply
 commands, and spool a batch when one is due (every ``batch_interval_s``, at the agent's own
-phase of it: ``agent.schedule``; at once when an event, checkpoint, exit or command result is
+phase of it: ``trainwarden.agent.schedule``; at once when an event, checkpoint, exit or command
+result is
 waiting).  The network is the uplink thread's business; a tick never waits on it.
 
 Before launching, the agent registers (for at most ``register_wait_s``): the reply names the
@@ -31,19 +32,19 @@ from typing import Any
 
 import httpx
 
-from agent import protocol
-from agent.config import AgentConfig
-from agent.core import text as untrusted
-from agent.core.states import AgentState, ExitOutcome
-from agent.executor import Executor
-from agent.launcher import ExitInfo, Launcher, PopenFactory
-from agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
-from agent.pins import CheckpointPins
-from agent.schedule import batch_due
-from agent.statefile import load_json, save_json
-from agent.uplink import Uplink
-from agent.version import version
-from agent.watchdog import HangWatch
+from trainwarden.agent import protocol
+from trainwarden.agent.config import AgentConfig
+from trainwarden.agent.core import text as untrusted
+from trainwarden.agent.core.states import AgentState, ExitOutcome
+from trainwarden.agent.executor import Executor
+from trainwarden.agent.launcher import ExitInfo, Launcher, PopenFactory
+from trainwarden.agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
+from trainwarden.agent.pins import CheckpointPins
+from trainwarden.agent.schedule import batch_due
+from trainwarden.agent.statefile import load_json, save_json
+from trainwarden.agent.uplink import Uplink
+from trainwarden.agent.version import version
+from trainwarden.agent.watchdog import HangWatch
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class Agent:
         self.exit_reported = False
         self.result: int | None = None  # set when the agent should end, with its exit code
         self.last_batch = float("-inf")
-        # This agent's phase of the batch interval (``agent.schedule``): drawn per agent so
+        # This agent's phase of the batch interval (``trainwarden.agent.schedule``): drawn per
+        # agent so
         # the nodes of a run spread their batches evenly, whatever interval they are asked for.
         self.batch_phase = random.random() if batch_phase is None else batch_phase
         self._signal: int | None = None
@@ -320,7 +322,8 @@ class Agent:
 
     def pin_checkpoint(self, path: str, reason: str) -> None:
         """Mark the checkpoint a restart resumes from so the workers' retention keeps it
-        (``PINNED``, honoured by ``agent.worker.Checkpointer``); the pin this agent set for an
+        (``PINNED``, honoured by ``trainwarden.agent.worker.Checkpointer``); the pin this agent set
+        for an
         earlier restart is lifted, so pins do not pile up."""
         if self.pins.set("restart", [path], reason):
             self._save_state()
@@ -558,7 +561,7 @@ class Agent:
 
     def batch_due(self) -> bool:
         """Whether this agent's next regular batch is due: at its own phase of the
-        current batch interval (``agent.schedule``)."""
+        current batch interval (``trainwarden.agent.schedule``)."""
         return batch_due(now=self.clock(), last=self.last_batch,
                          interval_s=self.batch_interval_s(), phase=self.batch_phase)
 

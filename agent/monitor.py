@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from agent import protocol
+from trainwarden.agent import protocol
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Pins on checkpoints: the ``PINNED`` marker file that the workers' retention honours
-(``agent.worker.Checkpointer.apply_retention`` never deletes a pinned checkpoint).
+(``trainwarden.agent.worker.Checkpointer.apply_retention`` never deletes a pinned checkpoint).
 
 The agent pins for two purposes: the target of the restart it is applying (``restart``), and
 what the supervisor says to protect (``protect``: the last good checkpoint before an open
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.protocol import PIN_FILE
+from trainwarden.agent.protocol import PIN_FILE
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Literal, TypedDict
 
-from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+from trainwarden.agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
 
 PROTOCOL_VERSION = 1
 
@@ -85,14 +85,14 @@ class WorkerEventName(StrEnum):
     BATCHES_SKIPPED = "batches_skipped"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # an incomplete checkpoint passed over on resume
     CHECKPOINT_FAILED = "checkpoint_failed"
-    # The training loop is over (``agent.worker.training_done``, called by
+    # The training loop is over (``trainwarden.agent.worker.training_done``, called by
     # Checkpointer.close()): what follows is teardown, judged against the hang detectors'
     # finishing allowance.
     FINISHED = "worker_finished"
     CHECKPOINT_STARTED = "checkpoint_started"  # a save began (hang deadlines allow for it)
     # details: {peak_flops_per_rank, flops_per_sample | flops_per_token} (for MFU)
     FLOPS_DECLARED = "flops_declared"
-    # A fault the test harness injected fired (``agent.worker.faults``).
+    # A fault the test harness injected fired (``trainwarden.agent.worker.faults``).
     FAULT_INJECTED = "fault_injected"
 
 
@@ -117,7 +117,7 @@ class AgentEventName(StrEnum):
     LEFTOVERS_KILLED = "agent_leftovers_killed"
 
 
-# The name ``agent.uplink`` uses (kept for it).
+# The name ``trainwarden.agent.uplink`` uses (kept for it).
 EVENT_BATCH_DEAD_LETTERED = AgentEventName.BATCH_DEAD_LETTERED
 
 
@@ -150,7 +150,8 @@ class CheckpointReport(TypedDict, total=False):
     async_save: bool
     stall_s: float  # how long the save call blocked the training loop (staging, for async)
     lineage: str  # id of the chain of attempts that wrote it (see ResumePlan.lineage)
-    # agent.worker reports a checkpoint once it is complete and leaves this out (true); a
+    # trainwarden.agent.worker reports a checkpoint once it is complete and leaves this out (true);
+    # a
     # reporter may send false for one it knows to be incomplete (never offered for a resume).
     complete: bool
 

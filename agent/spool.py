@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from agent.deadletter import DeadLetters
+from trainwarden.agent.deadletter import DeadLetters
 
 log = logging.getLogger(__name__)
 

@@ -73,10 +73,10 @@ from typing import Any
 
 import httpx
 
-from agent import deadletter, protocol
-from agent.deadletter import DeadLetters
-from agent.spool import Spool
-from agent.statefile import load_json, save_json
+from trainwarden.agent import deadletter, protocol
+from trainwarden.agent.deadletter import DeadLetters
+from trainwarden.agent.spool import Spool
+from trainwarden.agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
 

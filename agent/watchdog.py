@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from agent.core.findings import Finding, FindingKind
-from agent.core.hang import (
+from trainwarden.agent.core.findings import Finding, FindingKind
+from trainwarden.agent.core.hang import (
     HangConfig,
     ProgressWindow,
     RankProgress,
     detect_hang,
     learned_deadline,
 )
-from agent.protocol import WorkerEventName
+from trainwarden.agent.protocol import WorkerEventName
 
 
 class HangWatch:

@@ -52,7 +52,6 @@ if str(REPO) not in sys.path:  # run as a script: the test helpers live in the r
 
 import psutil  # noqa: E402
 
-from agent.core.hang import HangConfig  # noqa: E402
 from tests.e2e.system import (  # noqa: E402
     AGENT_TOKEN,
     Supervisor,
@@ -60,6 +59,7 @@ from tests.e2e.system import (  # noqa: E402
     wait_until,
 )
 from tests.e2e.torchrun import TORCHRUN, worker_env  # noqa: E402
+from trainwarden.agent.core.hang import HangConfig  # noqa: E402
 
 DEFAULT_HANG_FLOOR_S = HangConfig().floor_s  # the supervisor's default hang.floor_s
 FINAL = ("completed", "failed", "stopped")
@@ -153,7 +153,8 @@ class Agent:
         self.log = workdir / "agent.log"
         workdir.mkdir(parents=True, exist_ok=True)
         env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN}
-        cmd = [sys.executable, "-m", "agent.cli", "--supervisor", supervisor_url, "--run", run,
+        cmd = [sys.executable, "-m", "trainwarden.agent.cli", "--supervisor", supervisor_url,
+               "--run", run,
                "--node", "node0", "--state-dir", str(workdir / "state"), "--stop-grace", "2",
                "--", TORCHRUN, "--monitor-interval=0.1", "--nproc_per_node=2", "--standalone",
                *ddp_script(*train)]

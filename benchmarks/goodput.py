@@ -3,7 +3,8 @@
 Both are real 2-worker ``torchrun`` DDP runs (``examples/train_ddp.py``, gloo on CPU) under one
 node agent, against one supervisor subprocess (SQLite, default settings), one after the other
 in one invocation.  The faulty run gets, in one attempt after another (each process fault
-fires once per run, see ``agent.worker.faults``): a SIGKILL of rank 1, a hang of rank 1, a
+fires once per run, see ``trainwarden.agent.worker.faults``): a SIGKILL of rank 1, a hang of rank
+1, a
 1.5x slow spell of rank 1 and a burst of corrupted batches (a loss spike).
 
 Figures, all read back through the REST API:

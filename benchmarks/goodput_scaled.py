@@ -20,7 +20,7 @@ What comes from where:
   and NCCL trouble as hangs, loss spikes are rare.
 * The large run: 6 s per step (Llama 3 405B's 16M-token step at ~40% MFU on 16k H100s),
   8 GPUs per node, a checkpoint every 30 minutes as the current interval, against the
-  interval ``supervisor.goodput.interval`` recommends for the schedule.
+  interval ``trainwarden.supervisor.goodput.interval`` recommends for the schedule.
 * Checkpoint cost, measured: trainwarden's ``Checkpointer(async_save=True)`` (DCP
   ``async_save`` on a group of its own) saving, on this machine, a model and AdamW state of
   one GPU's shard of a 405B model (405e9 parameters x 14 bytes: bf16 weights, fp32 master
@@ -33,7 +33,8 @@ What comes from where:
   only once written (``SimConfig.write_s``).  A second table keeps a 5 s stall per save
   (``--stall-s``; a save that blocks on more than its staging) for comparison.
 
-Each row is ``supervisor.goodput.simulate`` feeding the event stream the supervisor would
+Each row is ``trainwarden.supervisor.goodput.simulate`` feeding the event stream the supervisor
+would
 store (steps, checkpoints, incidents, restart decisions, resumes) to ``EttrAccumulator``;
 "model" is Meta's expected-ETTR formula for the same inputs.
 """
@@ -52,10 +53,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from supervisor.detect import HangConfig  # noqa: E402
-from supervisor.detect.loss_spike import LossSpikeConfig  # noqa: E402
-from supervisor.goodput import interval as iv  # noqa: E402
-from supervisor.goodput.simulate import FaultKind, SimConfig, simulate  # noqa: E402
+from trainwarden.supervisor.detect import HangConfig  # noqa: E402
+from trainwarden.supervisor.detect.loss_spike import LossSpikeConfig  # noqa: E402
+from trainwarden.supervisor.goodput import interval as iv  # noqa: E402
+from trainwarden.supervisor.goodput.simulate import FaultKind, SimConfig, simulate  # noqa: E402
 
 # Measured on this machine: benchmarks/results/*-detection.md (benchmarks/detection.py), medians.
 MEASURED = {"crash": (0.9, 6.2), "hang": (25.3, 6.7), "loss_spike": (0.4, 5.2)}
@@ -143,8 +144,8 @@ def measure_save_cost(saves: int = 4, target_bytes: float | None = None) -> Save
     import torch
     import torch.distributed as dist
 
-    from agent.worker import Checkpointer
-    from agent.worker.report import Reporter
+    from trainwarden.agent.worker import Checkpointer
+    from trainwarden.agent.worker.report import Reporter
 
     class Recording(Reporter):
         def __init__(self) -> None:

@@ -58,7 +58,8 @@ OP_TOKEN = "bench-operator-token"
 RANKS = 8
 P99_TARGET_MS = 100.0
 # When a simulated node sends its next batch (the first is the default).  The load generator
-# is written apart from the agent's code, so ``next_slot`` says again what ``agent.schedule``
+# is written apart from the agent's code, so ``next_slot`` says again what
+# ``trainwarden.agent.schedule``
 # does, in its own words.
 SCHEDULES = ("phase", "after-last")
 
@@ -111,7 +112,8 @@ class Supervisor:
         env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": TOKEN,
                "TRAINWARDEN_OPERATOR_TOKEN": OP_TOKEN,
                "TRAINWARDEN_MAX_BODY_BYTES": str(4 * 1024 * 1024)}
-        self.cmd = [sys.executable, "-m", "supervisor.cli", "supervisor", "--db", db_url,
+        self.cmd = [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor",
+                    "--db", db_url,
                     "--port", "0", "--port-file", str(self.port_file),
                     "--log-level", "warning"]
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env)
@@ -440,10 +442,10 @@ def check_stored(db_url: str, run: str, acked_steps: dict[int, int]) -> tuple[in
 
 def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
     sys.path.insert(0, str(REPO))
-    from supervisor import migrate
-    from supervisor.store import ingest, registry
-    from supervisor.store.db import make_database
-    from supervisor.wire import RegisterRequest
+    from trainwarden.supervisor import migrate
+    from trainwarden.supervisor.store import ingest, registry
+    from trainwarden.supervisor.store.db import make_database
+    from trainwarden.supervisor.wire import RegisterRequest
 
     migrate.upgrade(db_url)
     db = make_database(db_url, pool_size=1)
@@ -505,7 +507,8 @@ def bench_db(name: str, fresh_url: Callable[[str], ContextManager[str]], levels:
 
 
 def Supervisor_cmd(db_url: str) -> list[str]:
-    return [sys.executable, "-m", "supervisor.cli", "supervisor", "--db", db_url, "--port",
+    return [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor", "--db", db_url,
+            "--port",
             "8765"]
 
 

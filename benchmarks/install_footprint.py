@@ -4,7 +4,7 @@ in-training library.
 Builds the wheel, then for each extra creates a fresh virtual environment and installs
 ``trainwarden[EXTRA]`` from the wheel (pip's cache as it is on this machine: say whether it was
 warm), and measures the environment's size beyond an empty venv.  The import time of
-``agent.worker`` (what every training process pays) is the median over runs of a fresh
+``trainwarden.agent.worker`` (what every training process pays) is the median over runs of a fresh
 interpreter importing it, minus the same interpreter importing ``torch`` alone, since a
 training script imports torch anyway.
 
@@ -98,9 +98,11 @@ def main() -> int:
             print(f"| `trainwarden[{extra}]` | {seconds:.0f} | {size / 1e6:.0f} MB |")
         if agent_python is not None:
             torch_s = _import_seconds(agent_python, "import torch", args.runs, work)
-            both_s = _import_seconds(agent_python, "import torch, agent.worker", args.runs, work)
+            both_s = _import_seconds(agent_python, "import torch, trainwarden.agent.worker",
+                                     args.runs, work)
             bare_s = _import_seconds(agent_python, "pass", args.runs, work)
-            print(f"\nimport agent.worker after torch: {1e3 * (both_s - torch_s):.0f} ms "
+            print("\nimport trainwarden.agent.worker after torch: "
+                  f"{1e3 * (both_s - torch_s):.0f} ms "
                   f"(median of {args.runs}; import torch alone {1e3 * (torch_s - bare_s):.0f} ms, "
                   f"interpreter start {1e3 * bare_s:.0f} ms)")
     return 0

@@ -41,9 +41,9 @@ if str(REPO) not in sys.path:  # run as a script: the helpers live in the reposi
 
 import httpx  # noqa: E402
 
-from supervisor.detect import LossSpikeConfig  # noqa: E402
 from tests.e2e.system import AGENT_TOKEN, OPERATOR_TOKEN, Supervisor  # noqa: E402
 from tests.loss_traces import CLASSES, CORPUS_DIR, Outcome, Replay, Trace, load_corpus  # noqa: E402
+from trainwarden.supervisor.detect import LossSpikeConfig  # noqa: E402
 
 WINDOW = LossSpikeConfig().recovery_window_steps  # the supervisor runs with the default
 

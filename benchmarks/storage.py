@@ -99,10 +99,10 @@ def row_counts(path: Path, tables: list[str]) -> dict[str, int]:
 def simulate(path: Path, *, agents: int, steps: int, retention: Any, tick_every: int
              ) -> dict[str, Any]:
     """Write the slice into a fresh store at ``path``; what it measured."""
-    from supervisor import migrate
-    from supervisor.store import ingest, registry
-    from supervisor.store.db import make_database
-    from supervisor.wire import IngestBatch, RegisterRequest
+    from trainwarden.supervisor import migrate
+    from trainwarden.supervisor.store import ingest, registry
+    from trainwarden.supervisor.store.db import make_database
+    from trainwarden.supervisor.wire import IngestBatch, RegisterRequest
 
     url = f"sqlite:///{path}"
     migrate.upgrade(url)
@@ -147,7 +147,7 @@ def per_row(m: dict[str, Any], table: str) -> float:
 
 
 def bytes_report(args: argparse.Namespace) -> tuple[float, float]:
-    from supervisor.retention import Retention, RetentionConfig
+    from trainwarden.supervisor.retention import Retention, RetentionConfig
 
     ranks = args.agents * RANKS_PER_AGENT
     cfg = RetentionConfig(keep_steps=args.keep_steps, bucket_steps=args.bucket_steps)
@@ -202,7 +202,7 @@ def rss_report(args: argparse.Namespace) -> float:
     import httpx
     import psutil
 
-    from supervisor.retention import RetentionConfig
+    from trainwarden.supervisor.retention import RetentionConfig
 
     with tempfile.TemporaryDirectory(prefix="rollup-rss-") as tmp:
         port_file = Path(tmp) / "port"
@@ -211,7 +211,7 @@ def rss_report(args: argparse.Namespace) -> float:
                "TRAINWARDEN_OPERATOR_TOKEN": OP_TOKEN,
                "TRAINWARDEN_MAX_BODY_BYTES": str(8 * 1024 * 1024),
                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        cmd = [sys.executable, "-m", "supervisor.cli", "supervisor", "--db", db_url,
+        cmd = [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor", "--db", db_url,
                "--port", "0", "--port-file", str(port_file), "--log-level", "warning"]
         proc = subprocess.Popen(cmd, cwd=REPO, env=env)
         try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from agent.worker.report import PhaseTimer, Reporter, report_step, set_reporter
+from trainwarden.agent.worker.report import PhaseTimer, Reporter, report_step, set_reporter
 
 DRAIN = """
 import socket, sys

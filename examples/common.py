@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
-from agent.worker import declare_flops as worker_declare_flops
-from agent.worker.faults import Fault, parse_fault
+from trainwarden.agent.worker import declare_flops as worker_declare_flops
+from trainwarden.agent.worker.faults import Fault, parse_fault
 
 IN_DIM, OUT_DIM = 32, 8
 

@@ -64,7 +64,8 @@ def main() -> int:
     try:
         sup_log = open(data / "supervisor.log", "wb")  # noqa: SIM115
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "supervisor", "--data-dir", str(data),
+            [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor",
+             "--data-dir", str(data),
              "--port", str(args.port), "--public-reads", "--port-file", str(port_file),
              "--log-level", "warning"],
             env=env, stdout=sup_log, stderr=subprocess.STDOUT, cwd=REPO))
@@ -82,7 +83,7 @@ def main() -> int:
             train += ["--inject", spec]
         agent_log = open(data / "agent.log", "wb")  # noqa: SIM115
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "agent.cli", "--supervisor", url, "--run", "demo",
+            [sys.executable, "-m", "trainwarden.agent.cli", "--supervisor", url, "--run", "demo",
              "--node", "node0", "--state-dir", str(data / "agent"), "--checkpoint-root",
              str(ckpt), "--", *train],
             env=env, stdout=agent_log, stderr=subprocess.STDOUT, cwd=REPO))

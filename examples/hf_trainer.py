@@ -25,9 +25,9 @@ from transformers import (
     default_data_collator,
 )
 
-from agent.integrations.hf import TrainwardenCallback
-from agent.worker import init_distributed
-from agent.worker.faults import FaultInjector
+from trainwarden.agent.integrations.hf import TrainwardenCallback
+from trainwarden.agent.worker import init_distributed
+from trainwarden.agent.worker.faults import FaultInjector
 
 VOCAB, SEQ = 64, 32
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from train_ddp import build_model
 
-from agent.integrations.lightning import TrainwardenCallback
-from agent.worker import init_distributed
-from agent.worker.faults import FaultInjector
+from trainwarden.agent.integrations.lightning import TrainwardenCallback
+from trainwarden.agent.worker import init_distributed
+from trainwarden.agent.worker.faults import FaultInjector
 
 
 class Regression(pl.LightningModule):

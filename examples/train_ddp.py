@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from agent.worker import (
+from trainwarden.agent.worker import (
     Checkpointer,
     PhaseTimer,
     ResumableLoader,
@@ -24,7 +24,7 @@ from agent.worker import (
     report_step,
     resume,
 )
-from agent.worker.faults import FaultInjector
+from trainwarden.agent.worker.faults import FaultInjector
 
 
 def build_model(hidden: int) -> torch.nn.Module:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from agent.worker import (
+from trainwarden.agent.worker import (
     Checkpointer,
     PhaseTimer,
     ResumableLoader,
@@ -24,7 +24,7 @@ from agent.worker import (
     report_step,
     resume,
 )
-from agent.worker.faults import FaultInjector
+from trainwarden.agent.worker.faults import FaultInjector
 
 
 class Block(torch.nn.Module):

@@ -1,13 +1,14 @@
 """Alembic environment.  The URL comes from the Alembic config the code builds
-(``supervisor.migrate.alembic_config``) or, when alembic is run by hand, from the supervisor's
+(``trainwarden.supervisor.migrate.alembic_config``) or, when alembic is run by hand, from the
+supervisor's
 settings (``TRAINWARDEN_DB_URL`` / config file)."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from supervisor.store.db import make_engine
-from supervisor.store.models import metadata
+from trainwarden.supervisor.store.db import make_engine
+from trainwarden.supervisor.store.models import metadata
 
 config = context.config
 _UPGRADE_LOCK = 0x7477_0001  # the advisory lock key of a schema upgrade ("tw", 1)
@@ -18,7 +19,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from supervisor.config import load_settings
+    from trainwarden.supervisor.config import load_settings
 
     return load_settings(insecure_no_auth=True).db.database_url
 

@@ -3,9 +3,10 @@
 
 Layout: ``config`` (settings: one section per component; ``settings_reference`` prints
 them), ``enums`` (statuses and kinds), ``store/`` (models, engines, every SQL statement by
-concern), ``wire`` (request models mirroring ``agent.protocol``), ``api/`` (routes and
+concern), ``wire`` (request models mirroring ``trainwarden.agent.protocol``), ``api/`` (routes and
 dependencies), ``ingest`` (group-commit writer, Postgres), ``detect/`` (the detectors; the hang
-statistic is in the shared core, ``agent.core``), ``observe`` (their windows), ``policy`` (the
+statistic is in the shared core, ``trainwarden.agent.core``), ``observe`` (their windows),
+``policy`` (the
 one place that decides), ``actions`` (decisions -> audited rows and commands), ``evaluator``
 (tick: store -> policy -> actions), ``migrate`` (Alembic), ``app`` (create_app), ``serve`` and
 ``cli``.

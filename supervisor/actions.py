@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agent.core.states import CommandKind, CommandStatus
-from agent.protocol import ResumePlan
-from supervisor import policy
-from supervisor.enums import (
+from trainwarden.agent.core.states import CommandKind, CommandStatus
+from trainwarden.agent.protocol import ResumePlan
+from trainwarden.supervisor import policy
+from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
     Actor,
@@ -22,7 +22,7 @@ from supervisor.enums import (
     RunStatus,
     SupervisorEvent,
 )
-from supervisor.policy import (
+from trainwarden.supervisor.policy import (
     Complete,
     Decision,
     FindingDecision,
@@ -33,10 +33,10 @@ from supervisor.policy import (
     Restart,
     Stop,
 )
-from supervisor.store import recovery as rec
-from supervisor.store import registry, windows
-from supervisor.store.db import Connection
-from supervisor.store.rows import ActionRow, RunRow
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry, windows
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import ActionRow, RunRow
 
 
 def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None

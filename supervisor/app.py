@@ -14,30 +14,30 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
-from supervisor import dashboard, metrics, wire
-from supervisor.api import agents, rollback, runs, tokens
-from supervisor.api.deps import (
+from trainwarden.supervisor import dashboard, metrics, wire
+from trainwarden.supervisor.api import agents, rollback, runs, tokens
+from trainwarden.supervisor.api.deps import (
     CREDENTIAL_REFRESH_S,
     DB,
     AgentCredentials,
     ReadAuth,
     StoredTokens,
 )
-from supervisor.api.errors import SafeJSONResponse, validation_error_response
-from supervisor.api.ingest_path import IngestPath
-from supervisor.api.json_bodies import JsonApiBodies
-from supervisor.api.responses import EvaluatorStatus, Health, documented
-from supervisor.config import SupervisorSettings
-from supervisor.delivery import DeliveryMonitor
-from supervisor.evaluator import Clock, Evaluator
-from supervisor.headers import SecurityHeaders
-from supervisor.ingest import IngestWriter
-from supervisor.leader import Leadership, LedEvaluator
-from supervisor.limits import BodySizeLimit
-from supervisor.observer import ObserverProcess, can_run_apart
-from supervisor.store import lease as lease_store
-from supervisor.store import reads
-from supervisor.store.db import Database, make_database
+from trainwarden.supervisor.api.errors import SafeJSONResponse, validation_error_response
+from trainwarden.supervisor.api.ingest_path import IngestPath
+from trainwarden.supervisor.api.json_bodies import JsonApiBodies
+from trainwarden.supervisor.api.responses import EvaluatorStatus, Health, documented
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.delivery import DeliveryMonitor
+from trainwarden.supervisor.evaluator import Clock, Evaluator
+from trainwarden.supervisor.headers import SecurityHeaders
+from trainwarden.supervisor.ingest import IngestWriter
+from trainwarden.supervisor.leader import Leadership, LedEvaluator
+from trainwarden.supervisor.limits import BodySizeLimit
+from trainwarden.supervisor.observer import ObserverProcess, can_run_apart
+from trainwarden.supervisor.store import lease as lease_store
+from trainwarden.supervisor.store import reads
+from trainwarden.supervisor.store.db import Database, make_database
 
 log = logging.getLogger("trainwarden.supervisor")
 
@@ -111,7 +111,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if upgrade_schema:
-            from supervisor import migrate
+            from trainwarden.supervisor import migrate
 
             migrate.upgrade(database.engine.url.render_as_string(hide_password=False))
         stop = th = None
@@ -169,7 +169,7 @@ def create_app(
     app.include_router(tokens.router, prefix=API_PREFIX)
 
     # response_model=None: rendered as every API answer is (SafeJSONResponse), declared by
-    # ``responses=`` (``supervisor.api.responses``).
+    # ``responses=`` (``trainwarden.supervisor.api.responses``).
     @app.get("/healthz", tags=["health"], response_model=None, responses=documented(Health))
     @app.get(API_PREFIX + "/healthz", tags=["health"], include_in_schema=False,
              response_model=None, responses=documented(Health))

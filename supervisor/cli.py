@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from agent.version import version
+from trainwarden.agent.version import version
 
 # What each role's subcommands import, by the extra that provides it.
 EXTRA_MODULES = {
@@ -42,8 +42,8 @@ def _add_setting_args(p: argparse.ArgumentParser, sections: tuple[str, ...] | No
     settings model, which imports the server stack: only built for the subcommand that runs."""
     p.add_argument("--config", help="TOML or JSON config file (or TRAINWARDEN_CONFIG)")
     if with_settings:
-        from supervisor.config import add_flags
-        from supervisor.settings_reference import describe
+        from trainwarden.supervisor.config import add_flags
+        from trainwarden.supervisor.settings_reference import describe
 
         add_flags(p, sections, describe)
 
@@ -72,7 +72,7 @@ def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
     rp.add_argument("--markdown", action="store_true", default=True,
                     help="as a Markdown table (the only format)")
 
-    from supervisor import client
+    from trainwarden.supervisor import client
 
     client.add_parsers(sub)
 
@@ -87,7 +87,7 @@ def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
-    from supervisor.config import flag_values, load_settings
+    from trainwarden.supervisor.config import flag_values, load_settings
 
     fields: dict[str, Any] = dict(flag_values(args))
     try:
@@ -108,14 +108,14 @@ def _settings(args: argparse.Namespace) -> Any:
 
 def _cmd_supervisor(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    from supervisor import serve
+    from trainwarden.supervisor import serve
 
     return serve.serve(settings, port_file=args.port_file)
 
 
 def _cmd_db(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    from supervisor import migrate
+    from trainwarden.supervisor import migrate
 
     url = settings.db.database_url
     if args.db_cmd == "upgrade":
@@ -130,7 +130,7 @@ def _cmd_db(args: argparse.Namespace) -> int:
 
 def _cmd_agent(argv: Sequence[str]) -> int:
     require_extra("agent", "agent")
-    from agent import cli as agent_cli
+    from trainwarden.agent import cli as agent_cli
 
     parser = argparse.ArgumentParser(prog="trainwarden agent",
                                      description="Node agent: wraps torchrun on one node.")
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "agent":
         return _cmd_agent(argv[1:])
     if argv and argv[0] == "plan":  # standard library only: runs where only the agent is
-        from supervisor.goodput import plan_cli
+        from trainwarden.supervisor.goodput import plan_cli
 
         return plan_cli.main(argv[1:])
     # The server's commands: their extra first (the flags come from its settings model).
@@ -158,11 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "db":
         return _cmd_db(args)
     if args.cmd == "settings":
-        from supervisor.settings_reference import markdown
+        from trainwarden.supervisor.settings_reference import markdown
 
         print(markdown(), end="")
         return 0
-    from supervisor import client
+    from trainwarden.supervisor import client
 
     if args.cmd in client.COMMANDS:
         require_extra("cli", args.cmd)

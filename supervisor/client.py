@@ -19,9 +19,9 @@ from urllib.parse import quote
 if TYPE_CHECKING:  # imported where a command runs: `trainwarden --help` needs no httpx
     import httpx
 
-from agent.core.names import supervisor_urls
-from supervisor.enums import ActionStatus
-from supervisor.text import printable, table
+from trainwarden.agent.core.names import supervisor_urls
+from trainwarden.supervisor.enums import ActionStatus
+from trainwarden.supervisor.text import printable, table
 
 ENV_URL = "TRAINWARDEN_URL"
 ENV_TOKEN = "TRAINWARDEN_OPERATOR_TOKEN"

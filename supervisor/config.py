@@ -21,7 +21,8 @@ Every field is set the same three ways, highest first: a flag (``--SECTION-FIELD
 ``[section]`` tables, or JSON objects, at top level or under ``supervisor``; ``--config`` or
 ``TRAINWARDEN_CONFIG``).  The flat names of the first versions (``TRAINWARDEN_AGENT_TOKEN``,
 ``TRAINWARDEN_NODE_LOST_S``, ``port = 8765`` in a file...) keep working: ``LEGACY_NAMES``.
-``trainwarden settings --markdown`` prints every setting (``supervisor.settings_reference``).
+``trainwarden settings --markdown`` prints every setting
+(``trainwarden.supervisor.settings_reference``).
 """
 
 from __future__ import annotations
@@ -50,24 +51,24 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from supervisor.detect import (
+from trainwarden.supervisor.detect import (
     HangConfig,
     LossSpikeConfig,
     NodeLostConfig,
     StragglerConfig,
     ThroughputConfig,
 )
-from supervisor.detect.disk import DiskConfig
-from supervisor.detect.overload import OverloadConfig
-from supervisor.evaluator import EvaluatorConfig
-from supervisor.httpguard import HttpConfig
-from supervisor.leader import LeaseConfig
-from supervisor.observe import DetectionConfig
-from supervisor.policy import PolicyConfig
-from supervisor.retention import RetentionConfig
-from supervisor.retention import check as check_retention
-from supervisor.store.db import StoreConfig
-from supervisor.store.ingest import IngestConfig
+from trainwarden.supervisor.detect.disk import DiskConfig
+from trainwarden.supervisor.detect.overload import OverloadConfig
+from trainwarden.supervisor.evaluator import EvaluatorConfig
+from trainwarden.supervisor.httpguard import HttpConfig
+from trainwarden.supervisor.leader import LeaseConfig
+from trainwarden.supervisor.observe import DetectionConfig
+from trainwarden.supervisor.policy import PolicyConfig
+from trainwarden.supervisor.retention import RetentionConfig
+from trainwarden.supervisor.retention import check as check_retention
+from trainwarden.supervisor.store.db import StoreConfig
+from trainwarden.supervisor.store.ingest import IngestConfig
 
 ENV_PREFIX = "TRAINWARDEN_"
 ENV_CONFIG = "TRAINWARDEN_CONFIG"

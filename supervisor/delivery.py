@@ -1,5 +1,5 @@
 """What the supervisor observes of its own delivery: how late agents' batches arrive and
-whether its event loop keeps time (the inputs of ``supervisor.detect.overload``).
+whether its event loop keeps time (the inputs of ``trainwarden.supervisor.detect.overload``).
 
 Ingest calls ``observe`` for every batch (a few dict and deque operations, no I/O); a task
 on the event loop calls ``loop_beat`` a few times a second; the evaluator asks for a
@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 
-from supervisor.detect.overload import DeliveryReport, OverloadConfig
+from trainwarden.supervisor.detect.overload import DeliveryReport, OverloadConfig
 
 MAX_AGENTS = 65_536  # clock offsets kept (one per agent); beyond, the oldest go
 MAX_SAMPLES = 20_000  # batches kept for the lateness quantile (about 10 s at 2,048 agents)

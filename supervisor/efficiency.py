@@ -1,4 +1,5 @@
-"""Where a run loses time, read from the store into the pure modules of ``supervisor.goodput``:
+"""Where a run loses time, read from the store into the pure modules of
+``trainwarden.supervisor.goodput``:
 the anatomy of every restart (``anatomy``), the checkpoint-interval advice (``interval``) and
 the MFU and scaling diagnosis (``mfu``).
 
@@ -16,11 +17,11 @@ import statistics
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from supervisor.enums import ACTIVE_STATUSES, INTERRUPTING, ActionKind, IncidentKind
-from supervisor.goodput import interval as iv
-from supervisor.goodput.anatomy import Anatomy, anatomy
-from supervisor.goodput.ettr import save_stall_s
-from supervisor.goodput.mfu import (
+from trainwarden.supervisor.enums import ACTIVE_STATUSES, INTERRUPTING, ActionKind, IncidentKind
+from trainwarden.supervisor.goodput import interval as iv
+from trainwarden.supervisor.goodput.anatomy import Anatomy, anatomy
+from trainwarden.supervisor.goodput.ettr import save_stall_s
+from trainwarden.supervisor.goodput.mfu import (
     RankPhases,
     ScalingConfig,
     diagnose_mfu,
@@ -28,10 +29,10 @@ from supervisor.goodput.mfu import (
     mfu,
     mfu_factor,
 )
-from supervisor.store import efficiency as eff
-from supervisor.store import reads
-from supervisor.store.db import Connection
-from supervisor.store.rows import RunRow
+from trainwarden.supervisor.store import efficiency as eff
+from trainwarden.supervisor.store import reads
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import RunRow
 
 MFU_WINDOW_STEPS = 50  # newest steps every rank delivered that the per-rank shares average
 
@@ -83,7 +84,8 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
                     prior_per_node_day: float | None = None) -> dict[str, Any]:
     """``interval.advise`` on the run's own figures, with what it was computed from.
 
-    * failures: the run's interrupting incidents (``supervisor.enums.INTERRUPTING``) over its
+    * failures: the run's interrupting incidents (``trainwarden.supervisor.enums.INTERRUPTING``)
+    over its
       wall time (creation to now, or to its end) on its nodes (the agents it registered);
     * save cost: the mean stall of its complete checkpoints (``ettr.save_stall_s``: what the
       worker measured the save call to block, an asynchronous save's staging included), the

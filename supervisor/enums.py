@@ -1,6 +1,6 @@
 """The statuses and kinds of the supervisor's own records, shared by the policy, the store,
 the metrics and the dashboard (those that travel to and from the agents are in
-``agent.core.states``).
+``trainwarden.agent.core.states``).
 
 ``StrEnum``: each member is its value, so the store and the API hold the same plain strings
 as before (no migration), and a value read back from the store compares equal to its member.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from agent.core.findings import FindingKind
+from trainwarden.agent.core.findings import FindingKind
 
 
 class RunStatus(StrEnum):

@@ -22,16 +22,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agent import protocol
-from agent.core import text as untrusted
-from agent.core.findings import FindingKind, Severity
-from supervisor import actions, observe, policy
-from supervisor.delivery import DeliveryMonitor
-from supervisor.detect import Finding
-from supervisor.detect.node_lost import agents_gone
-from supervisor.detect.overload import DeliveryReport, Overload, judge_overload
-from supervisor.detect.stacks import hang_culprit
-from supervisor.enums import (
+from trainwarden.agent import protocol
+from trainwarden.agent.core import text as untrusted
+from trainwarden.agent.core.findings import FindingKind, Severity
+from trainwarden.supervisor import actions, observe, policy
+from trainwarden.supervisor.delivery import DeliveryMonitor
+from trainwarden.supervisor.detect import Finding
+from trainwarden.supervisor.detect.node_lost import agents_gone
+from trainwarden.supervisor.detect.overload import DeliveryReport, Overload, judge_overload
+from trainwarden.supervisor.detect.stacks import hang_culprit
+from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
     IncidentKind,
@@ -40,14 +40,14 @@ from supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
-from supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
-from supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
-from supervisor.retention import Retention, RetentionConfig
-from supervisor.store import credentials, registry, windows
-from supervisor.store import goodput as goodput_store
-from supervisor.store import recovery as rec
-from supervisor.store.db import Connection, Database
-from supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
+from trainwarden.supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
+from trainwarden.supervisor.observer import Observation, Observer, ObserveRequest, ObserverProcess
+from trainwarden.supervisor.retention import Retention, RetentionConfig
+from trainwarden.supervisor.store import credentials, registry, windows
+from trainwarden.supervisor.store import goodput as goodput_store
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection, Database
+from trainwarden.supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
 
 log = logging.getLogger("trainwarden.evaluator")
 
@@ -241,7 +241,8 @@ class Evaluator:
     # -- overload ----------------------------------------------------------------------------
 
     def _judge_overload(self, now: float) -> tuple[bool, float | None]:
-        """This tick's overload verdict (``supervisor.detect.overload``); returns whether an
+        """This tick's overload verdict (``trainwarden.supervisor.detect.overload``); returns
+        whether an
         overload has just started, and the length of one that has just ended.  While
         overloaded, the hang, node-lost and straggler verdicts are held back (``_observe``);
         once it ends they are judged from then on, as after a supervisor restart: what

@@ -27,10 +27,10 @@ import queue
 import threading
 from typing import Any
 
-from supervisor import wire
-from supervisor.evaluator import Clock
-from supervisor.store.db import Database
-from supervisor.store.ingest import IngestConfig, IngestResult, ingest_batches
+from trainwarden.supervisor import wire
+from trainwarden.supervisor.evaluator import Clock
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.ingest import IngestConfig, IngestResult, ingest_batches
 
 log = logging.getLogger("trainwarden.ingest")
 

@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from supervisor.evaluator import Clock, Evaluator
-from supervisor.store import lease
-from supervisor.store.db import Connection, Database
+from trainwarden.supervisor.evaluator import Clock, Evaluator
+from trainwarden.supervisor.store import lease
+from trainwarden.supervisor.store.db import Connection, Database
 
 log = logging.getLogger("trainwarden.leader")
 

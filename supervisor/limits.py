@@ -26,8 +26,8 @@ from typing import Annotated, Any
 from fastapi import HTTPException, Path
 from pydantic import AfterValidator, Field
 
-from agent.core import text as untrusted
-from agent.core.names import RUN_NAME_MAX
+from trainwarden.agent.core import text as untrusted
+from trainwarden.agent.core.names import RUN_NAME_MAX
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -113,7 +113,7 @@ def _describe(what: str, bounds: str) -> str:
 
 
 # Free text an agent sends (a worker's last words, an event's message, a command's result):
-# kept, made harmless by the one rule for untrusted text (``agent.core.text.clean``:
+# kept, made harmless by the one rule for untrusted text (``trainwarden.agent.core.text.clean``:
 # controls shown escaped, lone surrogates replaced, cut at MAX_TEXT characters with a marker).
 # A crash report is evidence: refusing it for what the dying worker wrote would lose it.
 AGENT_TEXT_RULE = (f"control characters are kept as visible escapes (\\x00), longer text is "
@@ -128,7 +128,7 @@ AgentJSON = Annotated[dict[str, Any], AfterValidator(untrusted.clean_json),
 Arg = Annotated[str, TEXT, Field(max_length=MAX_PATH, json_schema_extra={"pattern": TEXT_PATTERN})]
 
 # A run's name: what registration accepts (``RUN_NAME_PATTERN``, ``RUN_NAME_MAX``: the rule
-# the agent checks too, ``agent.core.names``).
+# the agent checks too, ``trainwarden.agent.core.names``).
 # The run path parameter of the API: any name the store can hold (a run written there by
 # other means than registration is still addressable), never a NUL (Postgres text has none).
 RunName = Annotated[str, Path(max_length=RUN_NAME_MAX, pattern=r"^[^\x00]+$",

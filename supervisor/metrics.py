@@ -43,18 +43,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from supervisor import efficiency, observe, policy
-from supervisor.api.deps import ReadAuth, reads_are_public
-from supervisor.detect.straggler import StragglerConfig
-from supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
-from supervisor.evaluator import Clock
-from supervisor.goodput.anatomy import PHASE_BUCKETS_S, PHASES
-from supervisor.goodput.mfu import mfu
-from supervisor.store import reads, registry, windows
-from supervisor.store import recovery as rec
-from supervisor.store.db import Connection, Database
-from supervisor.store.health import workers_total
-from supervisor.store.rows import AgentRow, RunRow
+from trainwarden.supervisor import efficiency, observe, policy
+from trainwarden.supervisor.api.deps import ReadAuth, reads_are_public
+from trainwarden.supervisor.detect.straggler import StragglerConfig
+from trainwarden.supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
+from trainwarden.supervisor.evaluator import Clock
+from trainwarden.supervisor.goodput.anatomy import PHASE_BUCKETS_S, PHASES
+from trainwarden.supervisor.goodput.mfu import mfu
+from trainwarden.supervisor.store import reads, registry, windows
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection, Database
+from trainwarden.supervisor.store.health import workers_total
+from trainwarden.supervisor.store.rows import AgentRow, RunRow
 
 RECENT_S = 24 * 3600.0
 INCIDENT_KINDS = tuple(IncidentKind)
@@ -331,7 +331,7 @@ class StoreCollector(Collector):
 class RequestCounters:
     """The request counter (by method, route template and status) and the ingest latency
     histogram, shared by ``RequestMetrics`` and the ingest route's own path
-    (``supervisor.api.ingest_path``)."""
+    (``trainwarden.supervisor.api.ingest_path``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("trainwarden_http_requests", "HTTP requests",
@@ -407,7 +407,7 @@ def route_template(scope: dict[str, Any], root_path: str = "") -> str:
 
 class OverloadCollector(Collector):
     """Whether the supervisor is behind (the evaluator's verdict of its last tick) and how
-    late batches arrive (``supervisor.delivery``): in memory, no store read."""
+    late batches arrive (``trainwarden.supervisor.delivery``): in memory, no store read."""
 
     def __init__(self, state: Callable[[], tuple[bool, float | None]]) -> None:
         self.state = state  # () -> (overloaded, lateness at the configured quantile)

@@ -1,7 +1,8 @@
 """Alembic, driven from code: locate the migrations, upgrade, report the current revision.
 
 The migrations are the repository's top-level ``migrations/`` folder.  The wheel ships it as
-the ``supervisor.migrations`` package (see ``setup.py``), found through package resources; an
+the ``trainwarden.supervisor.migrations`` package (see ``setup.py``), found through package
+resources; an
 editable install or a source checkout finds it next to the ``supervisor`` package instead.
 ``TRAINWARDEN_MIGRATIONS_DIR`` overrides both.
 """
@@ -18,7 +19,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 ENV_MIGRATIONS_DIR = "TRAINWARDEN_MIGRATIONS_DIR"
-PACKAGE = "supervisor.migrations"
+PACKAGE = "trainwarden.supervisor.migrations"
 
 
 def _packaged() -> Path | None:
@@ -65,7 +66,7 @@ def head() -> str | None:
 
 def current(url: str) -> str | None:
     """The database's revision (None for an empty database)."""
-    from supervisor.store.db import make_engine
+    from trainwarden.supervisor.store.db import make_engine
 
     engine = make_engine(url, pool_size=1)
     try:

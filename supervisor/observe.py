@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.core.findings import FindingKind
-from agent.core.states import LIVE_AGENT_STATES
-from agent.protocol import WorkerEventName
-from supervisor.detect import (
+from trainwarden.agent.core.findings import FindingKind
+from trainwarden.agent.core.states import LIVE_AGENT_STATES
+from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.supervisor.detect import (
     Finding,
     HangConfig,
     LossSample,
@@ -36,13 +36,13 @@ from supervisor.detect import (
     pre_collective_table,
     straggler_scores,
 )
-from supervisor.detect.disk import DiskConfig, detect_disk
-from supervisor.detect.overload import OverloadConfig
-from supervisor.enums import ActionStatus
-from supervisor.store import reads, windows
-from supervisor.store import recovery as rec
-from supervisor.store.db import Connection
-from supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateRow
+from trainwarden.supervisor.detect.disk import DiskConfig, detect_disk
+from trainwarden.supervisor.detect.overload import OverloadConfig
+from trainwarden.supervisor.enums import ActionStatus
+from trainwarden.supervisor.store import reads, windows
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateRow
 
 # An agent sends a batch at least every second; its newest batch tells us up to when we
 # know what its workers did.

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor import heap, observe
-from supervisor.detect import Finding
-from supervisor.enums import IncidentKind, IncidentStatus
-from supervisor.store import recovery as rec
-from supervisor.store import registry, windows
-from supervisor.store.db import Connection, Database, make_database
-from supervisor.store.rows import RunRow
+from trainwarden.supervisor import heap, observe
+from trainwarden.supervisor.detect import Finding
+from trainwarden.supervisor.enums import IncidentKind, IncidentStatus
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry, windows
+from trainwarden.supervisor.store.db import Connection, Database, make_database
+from trainwarden.supervisor.store.rows import RunRow
 
 log = logging.getLogger("trainwarden.observer")
 
@@ -51,7 +51,8 @@ class ObserveRequest:
 
     now: float
     observing_since: float  # hangs and lost nodes are judged on what it could observe
-    held: bool  # overloaded: no hang, node-lost or straggler judgment (supervisor.detect.overload)
+    # overloaded: no hang, node-lost or straggler judgment (trainwarden.supervisor.detect.overload)
+    held: bool
     batch_interval_s: float | None  # the interval agents were asked to batch at (None: theirs)
 
 
@@ -218,7 +219,7 @@ def _child_main(conn: multiprocessing.connection.Connection, url: str,
         os.nice(CHILD_NICE)
     db = make_database(url, pool_size=2)
     observer = Observer(detection)
-    heap.settle()  # its windows are long-lived too: see supervisor.heap
+    heap.settle()  # its windows are long-lived too: see trainwarden.supervisor.heap
     try:
         while True:
             try:

@@ -24,11 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.core.findings import Severity
-from agent.core.states import CommandStatus, ExitOutcome
-from agent.protocol import LRSchedule, ResumePlan
-from supervisor.detect.overload import OverloadConfig
-from supervisor.enums import (
+from trainwarden.agent.core.findings import Severity
+from trainwarden.agent.core.states import CommandStatus, ExitOutcome
+from trainwarden.agent.protocol import LRSchedule, ResumePlan
+from trainwarden.supervisor.detect.overload import OverloadConfig
+from trainwarden.supervisor.enums import (
     FINAL_STATUSES,
     INTERRUPTING,
     ROLLED_BACK,

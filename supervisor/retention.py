@@ -27,11 +27,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from supervisor.observe import RANK_CHART_MAX_STEPS, DetectionConfig
-from supervisor.store import goodput as goodput_store
-from supervisor.store import retention as store
-from supervisor.store import windows
-from supervisor.store.db import Connection, Database
+from trainwarden.supervisor.observe import RANK_CHART_MAX_STEPS, DetectionConfig
+from trainwarden.supervisor.store import goodput as goodput_store
+from trainwarden.supervisor.store import retention as store
+from trainwarden.supervisor.store import windows
+from trainwarden.supervisor.store.db import Connection, Database
 
 log = logging.getLogger("trainwarden.retention")
 

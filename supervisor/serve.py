@@ -10,10 +10,10 @@ from typing import Any
 
 import uvicorn
 
-from supervisor import heap
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from supervisor.httpguard import guarded_protocol
+from trainwarden.supervisor import heap
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.httpguard import guarded_protocol
 
 log = logging.getLogger("trainwarden.supervisor")
 

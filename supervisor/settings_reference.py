@@ -16,7 +16,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from supervisor.config import Setting, settings_fields
+from trainwarden.supervisor.config import Setting, settings_fields
 
 
 @dataclass(frozen=True)

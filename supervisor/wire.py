@@ -3,7 +3,8 @@
 The supervisor validates every request against these before anything is stored.  Unknown
 fields are ignored (a newer agent may send more), unknown item types are refused (the batch
 would otherwise be half understood).  Every number and text field is bounded by
-``supervisor.limits`` (what both stores hold; the OpenAPI documents the bounds): durations
+``trainwarden.supervisor.limits`` (what both stores hold; the OpenAPI documents the bounds):
+durations
 must be finite; an agent's times may be any number (ingest checks them against its own
 clock); loss and grad norm keep NaN/Infinity (a NaN loss is a signal).
 """
@@ -15,11 +16,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agent.core import text as untrusted
-from agent.core.names import RUN_NAME_MAX, RUN_NAME_PATTERN
-from agent.core.states import CommandKind, ExitOutcome
-from supervisor import checkpoint_paths
-from supervisor.limits import (
+from trainwarden.agent.core import text as untrusted
+from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_PATTERN
+from trainwarden.agent.core.states import CommandKind, ExitOutcome
+from trainwarden.supervisor import checkpoint_paths
+from trainwarden.supervisor.limits import (
     I32,
     MAX_PATH,
     U31,
@@ -195,7 +196,7 @@ class CommandResultItem(_Wire):
     type: Literal["command_result"]
     t: AgentTime | None = None
     command_id: U31
-    status: Literal["delivered", "done", "failed"]  # agent.core.states.COMMAND_RESULTS
+    status: Literal["delivered", "done", "failed"]  # trainwarden.agent.core.states.COMMAND_RESULTS
     detail: AgentText = ""
 
 

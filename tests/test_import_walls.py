@@ -26,11 +26,13 @@ def test_the_code_keeps_every_wall(repo_root: Path) -> None:
 
 # One forbidden import for each contract: file, the line added to it.
 BREACHES = {
-    "the agent never imports the supervisor": ("agent/watchdog.py", "import supervisor.wire"),
+    "the agent never imports the supervisor": (
+        "agent/watchdog.py", "import trainwarden.supervisor.wire"),
     "the in-training library imports nothing of the service": (
         "agent/worker/report.py", "import httpx"),
     "the shared core is pure": ("agent/core/stats.py", "import socket"),
-    "detectors and policy are pure": ("supervisor/detect/disk.py", "import supervisor.store.db"),
+    "detectors and policy are pure": (
+        "supervisor/detect/disk.py", "import trainwarden.supervisor.store.db"),
     "only the store talks SQL": ("supervisor/metrics.py", "import sqlalchemy"),
 }
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.protocol import decode_datagrams
+from trainwarden.agent.protocol import decode_datagrams
 
 
 class Receiver:

@@ -9,5 +9,5 @@ GPU node needs none of the service's code and the two sides cannot disagree on t
 * ``states``: the states and kinds that travel between agent and supervisor (StrEnums);
 * ``stats``: the small robust statistics the hang statistic needs.
 
-The wire format itself is ``agent.protocol``.
+The wire format itself is ``trainwarden.agent.protocol``.
 """

@@ -55,8 +55,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from agent.core.findings import EVENT, INCIDENT, Finding, FindingKind
-from agent.core.stats import median, quantile, require
+from trainwarden.agent.core.findings import EVENT, INCIDENT, Finding, FindingKind
+from trainwarden.agent.core.stats import median, quantile, require
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 address(es).  The agent checks them at once (a bad name fails at start, not as a registration
 refused forever); the supervisor's API and its command-line client apply the same ones.
 
-Standard library only (``agent.core``).
+Standard library only (``trainwarden.agent.core``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """trainwarden for training frameworks: callbacks that give a Hugging Face ``Trainer``
-(``agent.integrations.hf``, extra ``trainwarden[hf]``) or a PyTorch Lightning ``Trainer``
-(``agent.integrations.lightning``, extra ``trainwarden[lightning]``) what the in-training library
+(``trainwarden.agent.integrations.hf``, extra ``trainwarden[hf]``) or a PyTorch Lightning
+``Trainer``
+(``trainwarden.agent.integrations.lightning``, extra ``trainwarden[lightning]``) what the
+in-training library
 gives a hand-written loop: a report every step, checkpoints the supervisor knows (and may
 protect), exact resume, and the supervisor's resume plan (checkpoint, skipped batch ranges, LR
 schedule) applied.

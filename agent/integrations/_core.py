@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.protocol import (
+from trainwarden.agent.protocol import (
     PIN_FILE,
     LRSchedule,
     ResumePlan,
     WorkerEventName,
     normalize_ranges,
 )
-from agent.worker.checkpoint import (
+from trainwarden.agent.worker.checkpoint import (
     FORMAT_VERSION,
     META_FILE,
     CheckpointInfo,
@@ -48,8 +48,14 @@ from agent.worker.checkpoint import (
     meta_lr,
     share_resume_choice,
 )
-from agent.worker.distributed import collect_garbage_at_exit
-from agent.worker.report import PhaseTimer, Reporter, current_attempt, get_reporter, report_step
+from trainwarden.agent.worker.distributed import collect_garbage_at_exit
+from trainwarden.agent.worker.report import (
+    PhaseTimer,
+    Reporter,
+    current_attempt,
+    get_reporter,
+    report_step,
+)
 
 log = logging.getLogger("trainwarden")
 

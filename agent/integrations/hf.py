@@ -55,7 +55,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from agent.integrations._core import (
+from trainwarden.agent.integrations._core import (
     OptimizerPlan,
     RunSession,
     StepRecord,
@@ -64,8 +64,8 @@ from agent.integrations._core import (
     newest_surplus,
     report,
 )
-from agent.worker.data import GlobalBatchOrder
-from agent.worker.report import PhaseTimer, Reporter, training_done
+from trainwarden.agent.worker.data import GlobalBatchOrder
+from trainwarden.agent.worker.report import PhaseTimer, Reporter, training_done
 
 log = logging.getLogger("trainwarden")
 

@@ -47,15 +47,15 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from agent.integrations._core import (
+from trainwarden.agent.integrations._core import (
     OptimizerPlan,
     RunSession,
     StepRecord,
     attach_grad_timer,
     report,
 )
-from agent.worker.data import GlobalBatchOrder
-from agent.worker.report import PhaseTimer, Reporter, training_done
+from trainwarden.agent.worker.data import GlobalBatchOrder
+from trainwarden.agent.worker.report import PhaseTimer, Reporter, training_done
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CKPT_FILE = "checkpoint.ckpt"

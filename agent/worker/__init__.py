@@ -19,8 +19,8 @@ Importable without the supervisor's dependencies (no FastAPI, SQLAlchemy or HTTP
     ckpt.close()
 """
 
-from agent.protocol import LRSchedule, ResumePlan
-from agent.worker.checkpoint import (
+from trainwarden.agent.protocol import LRSchedule, ResumePlan
+from trainwarden.agent.worker.checkpoint import (
     Checkpointer,
     CheckpointInfo,
     ResumeInfo,
@@ -29,9 +29,9 @@ from agent.worker.checkpoint import (
     read_meta,
     validate_checkpoint,
 )
-from agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
-from agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
-from agent.worker.report import (
+from trainwarden.agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
+from trainwarden.agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
+from trainwarden.agent.worker.report import (
     PhaseTimer,
     Reporter,
     declare_flops,

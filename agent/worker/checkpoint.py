@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from agent.protocol import (
+from trainwarden.agent.protocol import (
     ENV_RESUME_PLAN,
     PIN_FILE,
     LRSchedule,
@@ -48,9 +48,9 @@ from agent.protocol import (
     WorkerEventName,
     normalize_ranges,
 )
-from agent.worker.data import ResumableLoader
-from agent.worker.distributed import collect_garbage_at_exit
-from agent.worker.report import Reporter, current_attempt, get_reporter, training_done
+from trainwarden.agent.worker.data import ResumableLoader
+from trainwarden.agent.worker.distributed import collect_garbage_at_exit
+from trainwarden.agent.worker.report import Reporter, current_attempt, get_reporter, training_done
 
 log = logging.getLogger("trainwarden")
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from agent.protocol import normalize_ranges
+from trainwarden.agent.protocol import normalize_ranges
 
 log = logging.getLogger("trainwarden")
 

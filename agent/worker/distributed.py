@@ -17,8 +17,8 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from agent.protocol import WorkerEventName
-from agent.worker.report import PhaseTimer, current_attempt, get_reporter
+from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.agent.worker.report import PhaseTimer, current_attempt, get_reporter
 
 # Python stacks of every thread go to stderr on this signal (the agent sends it to a hung
 # worker before killing it, and reads the stacks from the worker's output).

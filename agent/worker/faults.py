@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from agent.protocol import WorkerEventName
-from agent.worker.report import current_attempt, get_reporter
+from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.agent.worker.report import current_attempt, get_reporter
 
 FIRED_DIR = ".trainwarden-faults"  # under fired_dir: one marker file per fault that fired
 

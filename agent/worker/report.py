@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Any
 
-from agent.protocol import (
+from trainwarden.agent.protocol import (
     ENV_AGENT_SOCKET,
     ENV_ATTEMPT,
     MAX_DATAGRAM_BYTES,

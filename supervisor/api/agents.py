@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from pydantic import ValidationError
 
-from supervisor import checkpoint_paths, wire
-from supervisor.api.deps import (
+from trainwarden.supervisor import checkpoint_paths, wire
+from trainwarden.supervisor.api.deps import (
     DB,
     AgentAuth,
     ClockDep,
@@ -21,18 +21,18 @@ from supervisor.api.deps import (
     judge_registration,
     presented_credential,
 )
-from supervisor.api.errors import (
+from trainwarden.supervisor.api.errors import (
     ERROR_RESPONSES,
     SafeJSONResponse,
     SeqConflictBody,
     validation_error_response,
 )
-from supervisor.api.responses import TakeoverDone, documented
-from supervisor.ingest import IngestWriter
-from supervisor.limits import NodeName, RunName
-from supervisor.store import credentials, registry
-from supervisor.store.db import Database
-from supervisor.store.ingest import CheckpointRefused, SeqConflict, UnknownAgent
+from trainwarden.supervisor.api.responses import TakeoverDone, documented
+from trainwarden.supervisor.ingest import IngestWriter
+from trainwarden.supervisor.limits import NodeName, RunName
+from trainwarden.supervisor.store import credentials, registry
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.ingest import CheckpointRefused, SeqConflict, UnknownAgent
 
 log = logging.getLogger("trainwarden.ingest")
 
@@ -132,15 +132,16 @@ async def ingest(request: Request, auth: AgentAuth) -> Response:
     must keep (``protect``).
 
     The hot path, kept lean on purpose: it is answered ahead of the middleware stack
-    (``supervisor.api.ingest_path``), the body is validated straight from its bytes by
+    (``trainwarden.supervisor.api.ingest_path``), the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), batches are stored by the ingest writer's group
-    commit (``supervisor.ingest``), and the reply is rendered here."""
+    commit (``trainwarden.supervisor.ingest``), and the reply is rendered here."""
     return await store_batch(request, await request.body(), auth)
 
 
 async def store_batch(request: Request, body: bytes, principal: Principal) -> Response:
     """The ingest route's work once its token is checked: validate ``body``, check the
-    agent's credential, store the batch and render the reply.  ``supervisor.api.ingest_path``
+    agent's credential, store the batch and render the reply.
+    ``trainwarden.supervisor.api.ingest_path``
     calls it ahead of the middleware stack; the route above is the same for a caller that
     reaches the router.  ``principal``: the token's (its scope must cover the agent's run).
     Raises ``HTTPException`` (403, 404) as a route does."""

@@ -8,9 +8,9 @@ from typing import Any
 
 from fastapi import HTTPException, status
 
-from supervisor.store import recovery as rec
-from supervisor.store.db import Connection
-from supervisor.store.rows import CheckpointRow
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import CheckpointRow
 
 NOT_A_PATH = ('a checkpoint is named by its id ("checkpoint": ID, as GET '
               '/api/v1/runs/RUN/checkpoints lists them) or by its step ("step": N), never by a '

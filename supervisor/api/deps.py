@@ -17,14 +17,14 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, HTTPException, Request, status
 
-from supervisor.config import AuthConfig, SupervisorSettings
-from supervisor.detect.straggler import StragglerConfig
-from supervisor.evaluator import Clock
-from supervisor.ingest import IngestWriter
-from supervisor.store import credentials, tokens
-from supervisor.store.credentials import NodeHolder
-from supervisor.store.db import Database
-from supervisor.store.registry import Claim
+from trainwarden.supervisor.config import AuthConfig, SupervisorSettings
+from trainwarden.supervisor.detect.straggler import StragglerConfig
+from trainwarden.supervisor.evaluator import Clock
+from trainwarden.supervisor.ingest import IngestWriter
+from trainwarden.supervisor.store import credentials, tokens
+from trainwarden.supervisor.store.credentials import NodeHolder
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.registry import Claim
 
 Need = Literal["read", "agent", "operator", "admin"]
 
@@ -148,7 +148,7 @@ class TokenCheck:
 
     It reads the header and the settings itself instead of through sub-dependencies: on the
     ingest path every resolved dependency costs measurable time per request.  The bearer
-    scheme is declared in the OpenAPI document by ``supervisor.app``."""
+    scheme is declared in the OpenAPI document by ``trainwarden.supervisor.app``."""
 
     def __init__(self, need: Need) -> None:
         self.need = need

@@ -5,14 +5,15 @@ all of the supervisor's requests, and each layer of the stack (body limits, JSON
 cookies, ETags, request metrics, security headers, routing, dependency resolution) costs it
 time per request that none of them needs to spend on it; so do FastAPI's own layers (its
 error pages, its telemetry, its body limit: 18% of the ingest request's time at 2,048 agents).
-This middleware is the app's ``front`` (``supervisor.app.SupervisorApp``), ahead of them all,
+This middleware is the app's ``front`` (``trainwarden.supervisor.app.SupervisorApp``), ahead of
+them all,
 and does for the ingest route what those layers would, once:
 
 * the body limit (``server.max_body_bytes``): 413 from the declared length or the bytes read;
 * the token check (``TokenCheck("agent")``, the route's dependency): 401/403 as the route;
 * the route's work (``agents.store_batch``), its errors rendered as FastAPI renders them;
-* the security headers (``supervisor.headers``) on every answer;
-* the request counter and the ingest latency histogram (``supervisor.metrics``);
+* the security headers (``trainwarden.supervisor.headers``) on every answer;
+* the request counter and the ingest latency histogram (``trainwarden.supervisor.metrics``);
 * an unexpected error: 500, logged with its traceback (FastAPI's error layer).
 
 Any other request, and any other method on the path, goes down the stack as before.
@@ -29,11 +30,11 @@ from fastapi import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from supervisor.api.agents import store_batch
-from supervisor.api.deps import TokenCheck
-from supervisor.headers import HEADERS
-from supervisor.limits import body_too_large, refuse_body, refused_declared_length
-from supervisor.metrics import INGEST_PATH, RequestCounters
+from trainwarden.supervisor.api.agents import store_batch
+from trainwarden.supervisor.api.deps import TokenCheck
+from trainwarden.supervisor.headers import HEADERS
+from trainwarden.supervisor.limits import body_too_large, refuse_body, refused_declared_length
+from trainwarden.supervisor.metrics import INGEST_PATH, RequestCounters
 
 log = logging.getLogger("trainwarden.ingest")
 

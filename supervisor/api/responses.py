@@ -1,6 +1,6 @@
 """The answers of the JSON routes, as the OpenAPI document declares them.
 
-The routes return plain dicts (the store's rows, ``supervisor.store.rows``) rendered by
+The routes return plain dicts (the store's rows, ``trainwarden.supervisor.store.rows``) rendered by
 ``SafeJSONResponse``: a non-finite float goes out as the string "NaN", "Infinity" or
 "-Infinity", and a dict is sent as it is.  A FastAPI ``response_model`` would validate and
 re-serialize every answer (a NaN as null, an int where a float is declared as ``1.0``, the
@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from supervisor.enums import ActionStatus, IncidentStatus, RunStatus
+from trainwarden.supervisor.enums import ActionStatus, IncidentStatus, RunStatus
 
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 Real = Annotated[float | NonFinite, Field(

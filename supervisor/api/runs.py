@@ -7,11 +7,18 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from supervisor import actions, efficiency, observe, policy
-from supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
-from supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, Straggler, can_read
-from supervisor.api.errors import ERROR_RESPONSES
-from supervisor.api.responses import (
+from trainwarden.supervisor import actions, efficiency, observe, policy
+from trainwarden.supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
+from trainwarden.supervisor.api.deps import (
+    DB,
+    ClockDep,
+    OperatorAuth,
+    ReadAuth,
+    Straggler,
+    can_read,
+)
+from trainwarden.supervisor.api.errors import ERROR_RESPONSES
+from trainwarden.supervisor.api.responses import (
     ActionList,
     CheckpointList,
     EventList,
@@ -25,16 +32,16 @@ from supervisor.api.responses import (
     StepSeries,
     documented,
 )
-from supervisor.limits import U31, RunName, Text, text
-from supervisor.store import reads, registry
-from supervisor.store import recovery as rec
-from supervisor.store import retention as retention_store
-from supervisor.store.db import Connection
-from supervisor.store.rows import RunRow
+from trainwarden.supervisor.limits import U31, RunName, Text, text
+from trainwarden.supervisor.store import reads, registry
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import retention as retention_store
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import RunRow
 
 # response_model=None: the routes return plain dicts, rendered by SafeJSONResponse so that
 # a NaN loss reads "NaN" (a pydantic response model would turn it into null).
-# Their answers are declared by ``responses=`` (``supervisor.api.responses``) instead.
+# Their answers are declared by ``responses=`` (``trainwarden.supervisor.api.responses``) instead.
 router = APIRouter(tags=["runs"], responses=ERROR_RESPONSES)
 
 

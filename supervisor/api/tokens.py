@@ -8,12 +8,12 @@ from typing import Any, Literal
 from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import BaseModel, Field
 
-from agent.core.names import RUN_SCOPE_PATTERN
-from supervisor.api.deps import DB, AdminAuth, ClockDep
-from supervisor.api.errors import ERROR_RESPONSES
-from supervisor.api.responses import NewToken, TokenList, TokenRevoked, documented
-from supervisor.limits import TokenName
-from supervisor.store import tokens
+from trainwarden.agent.core.names import RUN_SCOPE_PATTERN
+from trainwarden.supervisor.api.deps import DB, AdminAuth, ClockDep
+from trainwarden.supervisor.api.errors import ERROR_RESPONSES
+from trainwarden.supervisor.api.responses import NewToken, TokenList, TokenRevoked, documented
+from trainwarden.supervisor.limits import TokenName
+from trainwarden.supervisor.store import tokens
 
 router = APIRouter(tags=["tokens"], responses=ERROR_RESPONSES)
 

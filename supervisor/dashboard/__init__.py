@@ -11,14 +11,14 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from supervisor.dashboard.auth import CookieAuth
-from supervisor.dashboard.etag import ConditionalGet
+from trainwarden.supervisor.dashboard.auth import CookieAuth
+from trainwarden.supervisor.dashboard.etag import ConditionalGet
 
 STATIC = Path(__file__).resolve().parent / "static"
 
 
 def mount(app: FastAPI) -> None:
-    from supervisor.dashboard.routes import router
+    from trainwarden.supervisor.dashboard.routes import router
 
     app.include_router(router)
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 from fastapi import HTTPException, Request
 from fastapi.responses import Response
 
-from supervisor.api.deps import Principal, TokenCheck, can_read
+from trainwarden.supervisor.api.deps import Principal, TokenCheck, can_read
 
 COOKIE = "trainwarden_token"
 COOKIE_MAX_AGE_S = 7 * 24 * 3600

@@ -17,13 +17,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from supervisor.api.deps import DB, ClockDep, Principal, ReadAuth, Straggler
-from supervisor.api.responses import RunSeries, RunState, documented
-from supervisor.dashboard import auth, etag, views
-from supervisor.detect.straggler import StragglerConfig
-from supervisor.store import reads, registry
-from supervisor.store.db import Connection
-from supervisor.store.rows import RunRow
+from trainwarden.supervisor.api.deps import DB, ClockDep, Principal, ReadAuth, Straggler
+from trainwarden.supervisor.api.responses import RunSeries, RunState, documented
+from trainwarden.supervisor.dashboard import auth, etag, views
+from trainwarden.supervisor.detect.straggler import StragglerConfig
+from trainwarden.supervisor.store import reads, registry
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import RunRow
 
 HERE = Path(__file__).resolve().parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))

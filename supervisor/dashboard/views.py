@@ -6,17 +6,17 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from supervisor import efficiency, metrics, observe
-from supervisor.detect.findings import FindingKind
-from supervisor.detect.straggler import StragglerConfig
-from supervisor.enums import ActionKind, IncidentKind, RestartCause
-from supervisor.goodput.anatomy import PHASES
-from supervisor.goodput.mfu import mfu, mfu_factor
-from supervisor.store import reads, registry, windows
-from supervisor.store import recovery as rec
-from supervisor.store.db import Connection
-from supervisor.store.health import workers_total
-from supervisor.store.rows import AgentRow, RunRow, Throughput
+from trainwarden.supervisor import efficiency, metrics, observe
+from trainwarden.supervisor.detect.findings import FindingKind
+from trainwarden.supervisor.detect.straggler import StragglerConfig
+from trainwarden.supervisor.enums import ActionKind, IncidentKind, RestartCause
+from trainwarden.supervisor.goodput.anatomy import PHASES
+from trainwarden.supervisor.goodput.mfu import mfu, mfu_factor
+from trainwarden.supervisor.store import reads, registry, windows
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.health import workers_total
+from trainwarden.supervisor.store.rows import AgentRow, RunRow, Throughput
 
 LIST_LIMIT = 200  # rows of each table on the run page
 RANKS_SHOWN = 32  # the lowest straggler scores

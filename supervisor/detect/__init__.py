@@ -5,14 +5,15 @@ reads windows from the store, calls these on every tick and hands the ``Finding`
 the policy, which decides.
 
 * ``hang``: no step progress past a deadline learned from the run's own step intervals (the
-  statistic lives in the shared core, ``agent.core.hang``: the agent's watchdog runs it too).
+  statistic lives in the shared core, ``trainwarden.agent.core.hang``: the agent's watchdog runs it
+  too).
 * ``straggler``: the rank whose pre-collective time is slow against its peers, sustained.
 * ``loss_spike``: loss above a robust rolling baseline, sustained; NaN/Inf at once.
 * ``throughput``: tokens/s (or samples/s) below the run's own reference.
 * ``node_lost``: an agent's heartbeat older than a deadline.
 """
 
-from agent.core.hang import (
+from trainwarden.agent.core.hang import (
     Deadline,
     HangConfig,
     ProgressWindow,
@@ -21,8 +22,8 @@ from agent.core.hang import (
     hang_deadline,
     intervals_from_times,
 )
-from supervisor.detect.findings import EVENT, INCIDENT, Finding, Severity
-from supervisor.detect.loss_spike import (
+from trainwarden.supervisor.detect.findings import EVENT, INCIDENT, Finding, Severity
+from trainwarden.supervisor.detect.loss_spike import (
     LossSample,
     LossSpikeConfig,
     LossSpikeTracker,
@@ -31,8 +32,8 @@ from supervisor.detect.loss_spike import (
     detect_spikes,
     samples_from_pairs,
 )
-from supervisor.detect.node_lost import NodeLostConfig, detect_lost_nodes
-from supervisor.detect.straggler import (
+from trainwarden.supervisor.detect.node_lost import NodeLostConfig, detect_lost_nodes
+from trainwarden.supervisor.detect.straggler import (
     RankScore,
     StragglerConfig,
     add_pre_collective,
@@ -41,7 +42,7 @@ from supervisor.detect.straggler import (
     rank_baselines,
     straggler_scores,
 )
-from supervisor.detect.throughput import (
+from trainwarden.supervisor.detect.throughput import (
     ThroughputConfig,
     ThroughputPoint,
     detect_throughput_decay,

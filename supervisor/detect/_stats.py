@@ -1,13 +1,14 @@
 """Small robust statistics over plain sequences (no numpy: windows are short, calls frequent).
 
-The ones the agent's hang watchdog needs too live in the shared core (``agent.core.stats``)."""
+The ones the agent's hang watchdog needs too live in the shared core
+(``trainwarden.agent.core.stats``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 
-from agent.core.stats import median, median_sorted, quantile, require
+from trainwarden.agent.core.stats import median, median_sorted, quantile, require
 
 __all__ = ["MAD_TO_SIGMA", "is_finite", "mad", "median", "median_excluding", "median_sorted",
            "quantile", "require"]

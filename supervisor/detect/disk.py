@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
-from supervisor.detect._stats import require
-from supervisor.detect.findings import EVENT, Finding, FindingKind
+from trainwarden.supervisor.detect._stats import require
+from trainwarden.supervisor.detect.findings import EVENT, Finding, FindingKind
 
 __all__ = ["DiskConfig", "detect_disk"]
 

@@ -72,8 +72,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted, require
-from supervisor.detect.findings import (
+from trainwarden.supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted, require
+from trainwarden.supervisor.detect.findings import (
     EVENT,
     INCIDENT,
     Finding,

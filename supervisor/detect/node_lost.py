@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from supervisor.detect._stats import require
-from supervisor.detect.findings import INCIDENT, Finding, FindingKind
+from trainwarden.supervisor.detect._stats import require
+from trainwarden.supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.detect._stats import median, median_excluding, require
-from supervisor.detect.findings import INCIDENT, Finding, FindingKind
+from trainwarden.supervisor.detect._stats import median, median_excluding, require
+from trainwarden.supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 # step -> rank -> seconds before the first blocking collective (data_s + compute_s)
 PreCollectiveTable = Mapping[int, Mapping[int, float]]

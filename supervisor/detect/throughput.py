@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from supervisor.detect._stats import median, require
-from supervisor.detect.findings import EVENT, Finding, FindingKind
+from trainwarden.supervisor.detect._stats import median, require
+from trainwarden.supervisor.detect.findings import EVENT, Finding, FindingKind
 
 
 @dataclass(frozen=True)

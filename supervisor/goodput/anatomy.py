@@ -14,7 +14,7 @@ Milestones, in order (``MILESTONES``), and what marks each in the store today:
 * ``first_step``: the first step of the new attempt was reported (``step_aggregates.t_last``
   of the attempt's first step, or ``actions.progress["resumed"]``).
 
-``supervisor.store.efficiency.restart_milestones`` reads them.
+``trainwarden.supervisor.store.efficiency.restart_milestones`` reads them.
 
 Phases are the spans between consecutive milestones (``PHASES``).  A milestone that is
 missing (an older agent, a dropped report) leaves the phases on both sides of it unknown

@@ -51,8 +51,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
-from supervisor.detect._stats import median
-from supervisor.enums import NEVER_INTERRUPTING
+from trainwarden.supervisor.detect._stats import median
+from trainwarden.supervisor.enums import NEVER_INTERRUPTING
 
 PARTS = ("productive", "lost", "detection", "restart", "startup", "checkpoint", "data_wait",
          "straggler", "idle", "other")

@@ -1,4 +1,5 @@
-"""The live ETTR of one run: the store's new rows (read by ``supervisor.store.goodput`` after
+"""The live ETTR of one run: the store's new rows (read by ``trainwarden.supervisor.store.goodput``
+after
 the cursors kept here) turned into ``ettr`` events and fed to one ``EttrAccumulator``.
 
 The evaluator keeps one ``LiveGoodput`` per run in its ``RunState`` and calls ``update`` each
@@ -33,8 +34,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from supervisor.enums import ActionStatus, PresenceEvent
-from supervisor.goodput.ettr import (
+from trainwarden.supervisor.enums import ActionStatus, PresenceEvent
+from trainwarden.supervisor.goodput.ettr import (
     AgentsDown,
     AgentsUp,
     Breakdown,
@@ -65,7 +66,8 @@ FINAL_ACTION = frozenset({ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatu
                           ActionStatus.DONE})
 
 # (attempt, step, newest t, ranks, step_s values, data_s values, data_s + compute_s values):
-# one step's rows read since the last tick (``supervisor.store.goodput.rank_step_groups_after``)
+# one step's rows read since the last tick
+# (``trainwarden.supervisor.store.goodput.rank_step_groups_after``)
 StepGroup = tuple[int, int, float, list[int], list[float], list[float], list[float]]
 
 

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from supervisor.detect._stats import median, require
+from trainwarden.supervisor.detect._stats import median, require
 
 
 @dataclass(frozen=True)

@@ -60,8 +60,8 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from supervisor.goodput import interval as iv
-from supervisor.goodput.mfu import band
+from trainwarden.supervisor.goodput import interval as iv
+from trainwarden.supervisor.goodput.mfu import band
 
 GB = 1e9
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

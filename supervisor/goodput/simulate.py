@@ -22,7 +22,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from supervisor.goodput.ettr import (
+from trainwarden.supervisor.goodput.ettr import (
     Breakdown,
     CheckpointSaved,
     EttrAccumulator,

@@ -1,5 +1,6 @@
 """Per-agent credentials: the digest of each agent's secret, and who holds a (run, node).
-Keyword-only functions taking a ``Connection``; the decisions are ``supervisor.api.deps``'s.
+Keyword-only functions taking a ``Connection``; the decisions are
+``trainwarden.supervisor.api.deps``'s.
 
 The secret is 256 random bits, so its SHA-256 digest is kept (no KDF: nothing to brute
 force), and checking one is a digest comparison (``deps`` caches the digest per agent)."""
@@ -12,9 +13,9 @@ from typing import NamedTuple, TypedDict
 
 from sqlalchemy import Connection, select
 
-from supervisor.enums import FINAL_STATUSES, ActionStatus
-from supervisor.store._sql import insert
-from supervisor.store.tables import actions, agent_credentials, agents, runs
+from trainwarden.supervisor.enums import FINAL_STATUSES, ActionStatus
+from trainwarden.supervisor.store._sql import insert
+from trainwarden.supervisor.store.tables import actions, agent_credentials, agents, runs
 
 TAKEOVER = "takeover"  # the kind of the audited action
 

@@ -1,5 +1,6 @@
 """What the restart anatomy, the checkpoint-interval advice and the MFU diagnosis read
-(``supervisor.efficiency`` turns these rows into the pure modules' inputs).  Read at request
+(``trainwarden.supervisor.efficiency`` turns these rows into the pure modules' inputs).  Read at
+request
 or scrape time, never by the evaluator's tick.  Keyword-only functions taking a
 ``Connection``."""
 
@@ -12,10 +13,10 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from agent.core.states import CommandStatus
-from agent.protocol import AgentEventName, WorkerEventName
-from supervisor.enums import INTERRUPTING, ActionKind
-from supervisor.store.tables import (
+from trainwarden.agent.core.states import CommandStatus
+from trainwarden.agent.protocol import AgentEventName, WorkerEventName
+from trainwarden.supervisor.enums import INTERRUPTING, ActionKind
+from trainwarden.supervisor.store.tables import (
     actions,
     agents,
     checkpoints,
@@ -36,7 +37,7 @@ def restart_milestones(conn: Connection, *, run_id: int,
                        action_ids: Collection[int] | None = None
                        ) -> dict[int, dict[str, float | None]]:
     """For each restart action of the run (or of ``action_ids``): the times of its
-    milestones, as ``supervisor.goodput.anatomy`` names them (None: not recorded).
+    milestones, as ``trainwarden.supervisor.goodput.anatomy`` names them (None: not recorded).
 
     * decided: the action's creation;
     * workers_stopped: the newest exit report of the newest attempt with any since the
@@ -131,7 +132,8 @@ def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
 
 
 def failure_count(conn: Connection, *, run_id: int) -> int:
-    """The run's incidents that interrupted training (``supervisor.enums.INTERRUPTING``)."""
+    """The run's incidents that interrupted training
+    (``trainwarden.supervisor.enums.INTERRUPTING``)."""
     i = incidents.c
     return int(conn.execute(select(func.count()).select_from(incidents).where(
         i.run_id == run_id, i.kind.in_(sorted(INTERRUPTING)))).scalar_one())

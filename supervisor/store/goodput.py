@@ -1,4 +1,4 @@
-"""What the live goodput accounting (``supervisor.goodput.live``) reads: the rows a run
+"""What the live goodput accounting (``trainwarden.supervisor.goodput.live``) reads: the rows a run
 gained since the cursors it keeps (ids only grow), so each tick reads only what is new.
 Keyword-only functions taking a ``Connection``."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Text, case, cast, func, or_, select
 
-from supervisor.enums import ActionKind, PresenceEvent
-from supervisor.store.tables import (
+from trainwarden.supervisor.enums import ActionKind, PresenceEvent
+from trainwarden.supervisor.store.tables import (
     actions,
     agents,
     checkpoints,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from agent.core import text as untrusted
+from trainwarden.agent.core import text as untrusted
 
 WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
 GPU_NUMBERS = ("util_percent", "mem_used_bytes", "mem_total_bytes", "temp_c", "power_w",

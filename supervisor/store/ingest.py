@@ -33,12 +33,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from agent.core.states import CommandStatus
-from supervisor import checkpoint_paths, wire
-from supervisor.enums import SupervisorEvent
-from supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
-from supervisor.store.health import gpu_health, worker_stats
-from supervisor.store.tables import (
+from trainwarden.agent.core.states import CommandStatus
+from trainwarden.supervisor import checkpoint_paths, wire
+from trainwarden.supervisor.enums import SupervisorEvent
+from trainwarden.supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
+from trainwarden.supervisor.store.health import gpu_health, worker_stats
+from trainwarden.supervisor.store.tables import (
     agents,
     checkpoints,
     commands,
@@ -161,7 +161,8 @@ def ingest_batches(
     is answered as a duplicate when its content is the same (``IngestBatch.content_digest``),
     with ``SeqConflict`` when it differs.  A batch of an unregistered agent gets
     ``UnknownAgent`` and stores nothing.  A batch reporting a checkpoint path outside the
-    agent's registered roots (``supervisor.checkpoint_paths``) gets ``CheckpointRefused`` and
+    agent's registered roots (``trainwarden.supervisor.checkpoint_paths``) gets
+    ``CheckpointRefused`` and
     stores nothing (a replay of a batch stored before is still a duplicate); the paths of the
     others are stored normalised.  Rows of all batches go in one multi-row statement per
     table, and the per-step aggregates are merged across the group first: the cost per batch

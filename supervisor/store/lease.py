@@ -21,8 +21,8 @@ from typing import TypedDict, cast
 
 from sqlalchemy import Connection, select, text, update
 
-from supervisor.store._sql import insert, row
-from supervisor.store.tables import evaluator_lease
+from trainwarden.supervisor.store._sql import insert, row
+from trainwarden.supervisor.store.tables import evaluator_lease
 
 EVALUATOR = "evaluator"  # the name of the evaluator's lease
 

@@ -35,8 +35,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from agent.core.states import AgentState, CommandStatus
-from supervisor.enums import ActionStatus, IncidentStatus, RunStatus
+from trainwarden.agent.core.states import AgentState, CommandStatus
+from trainwarden.supervisor.enums import ActionStatus, IncidentStatus, RunStatus
 
 # Stable constraint names so Alembic migrations can address them on every backend.
 NAMING_CONVENTION = {
@@ -152,7 +152,8 @@ class Agent(Base):
     nproc_per_node: Mapped[int | None] = mapped_column(Integer, nullable=True)
     checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)  # the first root
     # The directories the agent's checkpoints are saved in, normalised (registration): every
-    # checkpoint path it reports must lie strictly inside one (``supervisor.checkpoint_paths``)
+    # checkpoint path it reports must lie strictly inside one
+    # (``trainwarden.supervisor.checkpoint_paths``)
     checkpoint_roots: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True),
                                                                nullable=True)
     agent_version: Mapped[str] = mapped_column(String(50), default="")
@@ -251,7 +252,7 @@ class RankStep(Base):
 class RankRollup(Base):
     """Per-rank summary of the ``rank_steps`` rows of one bucket of ``bucket_steps`` steps
     (``bucket_start``: its first step, a multiple of ``bucket_steps``) that retention deleted
-    (``supervisor.retention``).
+    (``trainwarden.supervisor.retention``).
     Merged additively: rows that arrive late for a bucket already rolled up add to it.  Each
     measure has its own count of non-NULL values (``*_n``); ``loss_nonfinite`` counts the
     NaN/Inf losses (not in the loss sums)."""

@@ -9,12 +9,12 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
-from agent.protocol import WorkerEventName
-from supervisor.enums import ActionKind, IncidentStatus
-from supervisor.limits import BASELINE_PER_DEVICE_MAX
-from supervisor.store._sql import row, with_specials
-from supervisor.store.health import number
-from supervisor.store.rows import (
+from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.supervisor.enums import ActionKind, IncidentStatus
+from trainwarden.supervisor.limits import BASELINE_PER_DEVICE_MAX
+from trainwarden.supervisor.store._sql import row, with_specials
+from trainwarden.supervisor.store.health import number
+from trainwarden.supervisor.store.rows import (
     ActionRow,
     CheckpointRow,
     EventRow,
@@ -23,7 +23,7 @@ from supervisor.store.rows import (
     StepAggregateRow,
     Throughput,
 )
-from supervisor.store.tables import (
+from trainwarden.supervisor.store.tables import (
     actions,
     agents,
     checkpoints,

@@ -9,17 +9,23 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, func, literal, select, update
 
-from agent.core.states import CommandStatus, ExitOutcome
-from supervisor.enums import IN_PROGRESS, ActionKind, ActionStatus, IncidentStatus, Verdict
-from supervisor.store._sql import row
-from supervisor.store.rows import (
+from trainwarden.agent.core.states import CommandStatus, ExitOutcome
+from trainwarden.supervisor.enums import (
+    IN_PROGRESS,
+    ActionKind,
+    ActionStatus,
+    IncidentStatus,
+    Verdict,
+)
+from trainwarden.supervisor.store._sql import row
+from trainwarden.supervisor.store.rows import (
     ActionRow,
     CheckpointRow,
     ExitRow,
     IncidentRow,
     RestartSpent,
 )
-from supervisor.store.tables import (
+from trainwarden.supervisor.store.tables import (
     actions,
     agents,
     checkpoints,

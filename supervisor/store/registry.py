@@ -9,16 +9,16 @@ from typing import Any, Literal, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
-from agent.core.launch import declared_nnodes
-from agent.core.states import AgentState
-from supervisor import wire
-from supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
-from supervisor.store import credentials
-from supervisor.store._sql import insert, row
-from supervisor.store.credentials import NodeHolder
-from supervisor.store.health import gpu_health, worker_stats
-from supervisor.store.rows import AgentAttemptRow, AgentRow, RegisteredAgent, RunRow
-from supervisor.store.tables import agents, events, ingested_batches, runs
+from trainwarden.agent.core.launch import declared_nnodes
+from trainwarden.agent.core.states import AgentState
+from trainwarden.supervisor import wire
+from trainwarden.supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
+from trainwarden.supervisor.store import credentials
+from trainwarden.supervisor.store._sql import insert, row
+from trainwarden.supervisor.store.credentials import NodeHolder
+from trainwarden.supervisor.store.health import gpu_health, worker_stats
+from trainwarden.supervisor.store.rows import AgentAttemptRow, AgentRow, RegisteredAgent, RunRow
+from trainwarden.supervisor.store.tables import agents, events, ingested_batches, runs
 
 
 class RunFinished(Exception):

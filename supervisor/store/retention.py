@@ -1,4 +1,5 @@
-"""The rollup of old per-rank rows (what ``supervisor.retention`` runs): ``rank_steps`` rows
+"""The rollup of old per-rank rows (what ``trainwarden.supervisor.retention`` runs): ``rank_steps``
+rows
 beyond the kept window are deleted in bounded slices, each slice's rows summarised per rank
 and bucket of steps into ``rank_rollups`` and rank 0's batch indexes kept in
 ``step_batches``, in the same short write transaction.  Keyword-only functions taking a
@@ -10,8 +11,8 @@ from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, func, select
 
-from supervisor.store._sql import greatest, insert, least, nsum
-from supervisor.store.tables import (
+from trainwarden.supervisor.store._sql import greatest, insert, least, nsum
+from trainwarden.supervisor.store.tables import (
     agents,
     ingested_batches,
     rank_rollups,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from agent.core.states import AgentState, ExitOutcome
-from supervisor.enums import (
+from trainwarden.agent.core.states import AgentState, ExitOutcome
+from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
     IncidentKind,

@@ -6,7 +6,7 @@ from typing import cast
 
 from sqlalchemy import Table
 
-from supervisor.store import models
+from trainwarden.supervisor.store import models
 
 runs = cast(Table, models.Run.__table__)
 agents = cast(Table, models.Agent.__table__)

@@ -1,6 +1,6 @@
 """Tokens with roles (the ``trainwarden token`` commands, ``/api/v1/tokens``): stored as the
 SHA-256 digest of a random 256-bit secret.  Keyword-only functions taking a ``Connection``;
-who may use which route is ``supervisor.api.deps``'s."""
+who may use which route is ``trainwarden.supervisor.api.deps``'s."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import TypedDict
 
 from sqlalchemy import Connection, delete, select, update
 
-from supervisor.store.credentials import digest
-from supervisor.store.tables import api_tokens
+from trainwarden.supervisor.store.credentials import digest
+from trainwarden.supervisor.store.tables import api_tokens
 
 ROLES = ("viewer", "agent", "operator", "admin")
 SECRET_PREFIX = "twt_"

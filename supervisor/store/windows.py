@@ -1,4 +1,4 @@
-"""Windows of measurements the detectors judge (what ``supervisor.observe`` reads every
+"""Windows of measurements the detectors judge (what ``trainwarden.supervisor.observe`` reads every
 tick): progress, step times, per-rank timings, losses, worker events.  Keyword-only functions
 taking a ``Connection``; the hot ones are built from plain tuples."""
 
@@ -9,9 +9,22 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, func, select
 
-from supervisor.store._sql import row
-from supervisor.store.rows import AgentLiveness, EventRow, LossRow, NodeEventRow, RankProgressRow
-from supervisor.store.tables import agents, checkpoints, events, rank_steps, ranks, step_aggregates
+from trainwarden.supervisor.store._sql import row
+from trainwarden.supervisor.store.rows import (
+    AgentLiveness,
+    EventRow,
+    LossRow,
+    NodeEventRow,
+    RankProgressRow,
+)
+from trainwarden.supervisor.store.tables import (
+    agents,
+    checkpoints,
+    events,
+    rank_steps,
+    ranks,
+    step_aggregates,
+)
 
 
 def agent_liveness(conn: Connection, *, run_id: int) -> list[AgentLiveness]:

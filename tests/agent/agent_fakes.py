@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import psutil
 
-from agent.config import AgentConfig
+from trainwarden.agent.config import AgentConfig
 
 HERE = Path(__file__).resolve().parent
 FAKE_TORCHRUN = HERE / "fake_torchrun.py"

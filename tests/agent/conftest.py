@@ -24,16 +24,16 @@ from agent_fakes import (
     _Handler,
 )
 
-from agent.loop import Agent
+from trainwarden.agent.loop import Agent
 
 
 @pytest.fixture
 def served_supervisor(tmp_path: Path) -> Iterator[tuple[str, SupervisorClock, Any]]:
     """The real supervisor app (uvicorn on SQLite in a thread, evaluator not started: the
     test ticks it): its base URL, its clock and the app."""
-    from supervisor.app import create_app
-    from supervisor.config import SupervisorSettings
     from tests.dashboard.browser import serve_in_thread
+    from trainwarden.supervisor.app import create_app
+    from trainwarden.supervisor.config import SupervisorSettings
 
     settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token=OPERATOR_TOKEN,
                                   data_dir=tmp_path / "sup")

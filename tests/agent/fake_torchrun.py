@@ -2,7 +2,8 @@
 
 It spawns ``--nproc`` "workers" the way torchrun does (each in its own session, with RANK and
 LOCAL_RANK set), and each worker reports steps over the agent socket with
-``agent.protocol.encode_datagram``.  Every process writes ``<pid-dir>/<role>-<pid>.json``
+``trainwarden.agent.protocol.encode_datagram``.  Every process writes
+``<pid-dir>/<role>-<pid>.json``
 with its environment marks, so tests can check which processes exist and what they were told.
 
 Modes (``--mode``):
@@ -34,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from agent import protocol
+from trainwarden.agent import protocol
 
 
 def _record(pid_dir: Path, role: str) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from agent_fakes import FakeRun, FakeSupervisor, wait_for
 
-from agent import protocol
-from agent.config import AgentConfig, default_state_dir
-from agent.loop import EXIT_REFUSED, Agent
+from trainwarden.agent import protocol
+from trainwarden.agent.config import AgentConfig, default_state_dir
+from trainwarden.agent.loop import EXIT_REFUSED, Agent
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from agent_fakes import REPO, FakeRun, FakeSupervisor, wait_for
 
-from agent import protocol
-from agent.config import AgentConfig
-from agent.core.hang import HangConfig
-from agent.launcher import Launcher, pids_alive
-from agent.loop import Agent, AgentAlreadyRunning
+from trainwarden.agent import protocol
+from trainwarden.agent.config import AgentConfig
+from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.launcher import Launcher, pids_alive
+from trainwarden.agent.loop import Agent, AgentAlreadyRunning
 
 
 def make_agent(agents: list[Agent], cfg: AgentConfig, fake: FakeSupervisor,
@@ -284,7 +284,7 @@ def test_command_that_cannot_start_ends_agent(fake_run: FakeRun,
 
 
 def _agent_cmd(fake_run: FakeRun, url: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "agent.cli", "--supervisor", url, "--run", "run1",
+    return [sys.executable, "-m", "trainwarden.agent.cli", "--supervisor", url, "--run", "run1",
             "--node", "node1", "--state-dir", str(fake_run.state_dir), "--stop-grace", "0.5",
             "--", *fake_run.command("serve", *extra)]
 

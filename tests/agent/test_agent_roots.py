@@ -16,13 +16,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from agent import protocol
-from agent.config import AgentConfig
-from agent.loop import Agent
-from agent.uplink import Uplink
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
 from tests.agent.agent_fakes import FakeRun, FakeSupervisor, wait_for
+from trainwarden.agent import protocol
+from trainwarden.agent.config import AgentConfig
+from trainwarden.agent.loop import Agent
+from trainwarden.agent.uplink import Uplink
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-token", "operator-token"
 HEARTBEAT = {"type": "heartbeat", "state": "running", "workers": []}

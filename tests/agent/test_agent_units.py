@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 from agent_fakes import FakeSupervisor
 
-from agent import protocol
-from agent.config import AgentConfig
-from agent.deadletter import DeadLetters
-from agent.executor import Executor
-from agent.launcher import parse_failure_summary
-from agent.monitor import DatagramReceiver, GpuHealth, disk_usage
-from agent.spool import Spool
-from agent.uplink import Uplink
+from trainwarden.agent import protocol
+from trainwarden.agent.config import AgentConfig
+from trainwarden.agent.deadletter import DeadLetters
+from trainwarden.agent.executor import Executor
+from trainwarden.agent.launcher import parse_failure_summary
+from trainwarden.agent.monitor import DatagramReceiver, GpuHealth, disk_usage
+from trainwarden.agent.spool import Spool
+from trainwarden.agent.uplink import Uplink
 
 # torch 2.13's ChildFailedError text for two failed ranks, one with a Python traceback.
 SUMMARY = """
@@ -578,7 +578,7 @@ def test_executor_interrupted_restart_counts_if_relaunched(tmp_path: Path) -> No
 
 def test_nan_loss_crosses_the_wire(fake_run, fake_supervisor) -> None:  # type: ignore[no-untyped-def]
     """A NaN loss is the signal of a diverged run: the batch carrying it must be sent."""
-    from agent.uplink import Uplink
+    from trainwarden.agent.uplink import Uplink
 
     up = Uplink(supervisor_url="http://supervisor.test", token="agent-token",
                 state_dir=fake_run.state_dir, register_request={"run": "run1", "node": "n"},
@@ -593,8 +593,8 @@ def test_nan_loss_crosses_the_wire(fake_run, fake_supervisor) -> None:  # type: 
 
 
 def test_local_watchdog_gives_teardown_its_allowance() -> None:
-    from agent.core.hang import HangConfig
-    from agent.watchdog import HangWatch
+    from trainwarden.agent.core.hang import HangConfig
+    from trainwarden.agent.watchdog import HangWatch
 
     watch = HangWatch(HangConfig(floor_s=5.0, warmup_s=5.0, finish_s=60.0))
     watch.new_attempt(0, 1000.0)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from agent.protocol import (
+from trainwarden.agent.protocol import (
     LRSchedule,
     ResumePlan,
     decode_datagram,

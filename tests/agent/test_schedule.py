@@ -1,4 +1,4 @@
-"""``agent.schedule``: a batch is due at each boundary of the agent's own phase of the
+"""``trainwarden.agent.schedule``: a batch is due at each boundary of the agent's own phase of the
 interval, so a steady cadence keeps one interval between batches and a change of interval
 takes effect at the next boundary."""
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from agent.schedule import batch_due
+from trainwarden.agent.schedule import batch_due
 
 
 def _sends(start: float, end: float, tick: float, interval: float, phase: float,

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from agent_fakes import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
 
-from agent.config import AgentConfig
-from agent.loop import Agent
-from agent.uplink import MAX_ADVISED_INTERVAL_S, Uplink, advised_interval
+from trainwarden.agent.config import AgentConfig
+from trainwarden.agent.loop import Agent
+from trainwarden.agent.uplink import MAX_ADVISED_INTERVAL_S, Uplink, advised_interval
 
 
 def _send(up: Uplink, step: int, now: float | None = None) -> None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from agent_fakes import AGENT_TOKEN, OPERATOR_TOKEN, SupervisorClock
 
-from agent.uplink import Uplink
+from trainwarden.agent.uplink import Uplink
 
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 

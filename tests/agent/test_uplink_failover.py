@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from agent.uplink import Uplink
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
 from tests.dashboard.browser import serve_in_thread
 from tests.e2e.system import AGENT_TOKEN, Supervisor, postgres_schema, wait_until
+from trainwarden.agent.uplink import Uplink
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
 
 RUN = "failover"
 

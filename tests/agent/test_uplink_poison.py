@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.uplink import Uplink
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
 from tests.dashboard.browser import serve_in_thread
+from trainwarden.agent.uplink import Uplink
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}

@@ -11,12 +11,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from supervisor.evaluator import Evaluator
-from supervisor.store.db import Database, make_database
-from supervisor.store.models import metadata
 from tests.dashboard.synth import AGENT_TOKEN, OPERATOR_TOKEN
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store.db import Database, make_database
+from trainwarden.supervisor.store.models import metadata
 
 T0 = 1_700_000_000.0
 

@@ -118,13 +118,15 @@ class Supervisor:
 def supervisor_process(data_dir: Path, *, agent_token: str, operator_token: str,
                        extra_args: list[str] | None = None,
                        env: dict[str, str] | None = None) -> Iterator[Supervisor]:
-    """``python -m supervisor.cli supervisor`` on a free port (read from its port file)."""
+    """``python -m trainwarden.supervisor.cli supervisor`` on a free port (read from its port
+    file)."""
     port_file = data_dir / "port"
     full_env = {**os.environ, **(env or {}), "TRAINWARDEN_AGENT_TOKEN": agent_token,
                 "TRAINWARDEN_OPERATOR_TOKEN": operator_token}
     log = open(data_dir / "supervisor.log", "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "supervisor", "--data-dir", str(data_dir),
+        [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor",
+         "--data-dir", str(data_dir),
          "--port", "0", "--port-file", str(port_file), "--log-level", "warning",
          *(extra_args or [])],
         cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)

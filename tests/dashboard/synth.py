@@ -101,7 +101,7 @@ class SynthRun:
 
     def declare_flops(self, *, flops_per_sample: float, peak_flops_per_rank: float,
                       baseline_per_device: float | None = None) -> None:
-        """What ``agent.worker.declare_flops`` sends (rank 0's event)."""
+        """What ``trainwarden.agent.worker.declare_flops`` sends (rank 0's event)."""
         self.send(0, [{"type": "event", "rank": 0, "name": "flops_declared",
                        "details": {"flops_per_sample": flops_per_sample,
                                    "flops_per_token": None,

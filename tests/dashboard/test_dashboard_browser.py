@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 
-from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.browser import (
     browser_page,
@@ -26,6 +25,7 @@ from tests.dashboard.browser import (
     wait_for_rollback,
 )
 from tests.dashboard.synth import OPERATOR, OPERATOR_TOKEN, SynthRun
+from trainwarden.supervisor.store.db import Database
 
 
 def feed_demo_run(client: httpx.Client, name: str, t0: float) -> SynthRun:

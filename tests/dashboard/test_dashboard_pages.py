@@ -7,12 +7,12 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from supervisor.evaluator import Evaluator
-from supervisor.store import recovery as rec
-from supervisor.store import registry
-from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import AGENT, OPERATOR, OPERATOR_TOKEN, SynthRun
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry
+from trainwarden.supervisor.store.db import Database
 
 
 def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluator) -> SynthRun:

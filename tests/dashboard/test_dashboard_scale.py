@@ -7,10 +7,10 @@ import time
 
 from fastapi.testclient import TestClient
 
-from supervisor.store.db import Database
-from supervisor.store.tables import step_aggregates
 from tests.dashboard.apps import T0
 from tests.dashboard.synth import OPERATOR, SynthRun
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.tables import step_aggregates
 
 STEPS = 100_000
 

@@ -10,10 +10,6 @@ from typing import Any
 
 import httpx
 
-from supervisor.enums import ActionKind, ActionStatus
-from supervisor.store import recovery as rec
-from supervisor.store import registry
-from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.browser import (
     browser_page,
@@ -24,6 +20,10 @@ from tests.dashboard.browser import (
     wait_for_charts,
 )
 from tests.dashboard.synth import OPERATOR_TOKEN, SynthRun, loss_at, step_item
+from trainwarden.supervisor.enums import ActionKind, ActionStatus
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry
+from trainwarden.supervisor.store.db import Database
 
 SPIKE = (60, 62)
 # restarts and rollbacks resumed within a few steps of each other and of the spike

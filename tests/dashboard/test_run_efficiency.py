@@ -11,10 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.dashboard.routes import fmt_num, fmt_pct
-from supervisor.evaluator import Evaluator
 from tests.dashboard.apps import FakeClock
 from tests.dashboard.synth import OPERATOR, SynthRun, efficiency_script
+from trainwarden.supervisor.dashboard.routes import fmt_num, fmt_pct
+from trainwarden.supervisor.evaluator import Evaluator
 
 PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "load_checkpoint": 2.0,
            "first_step": 2.0}

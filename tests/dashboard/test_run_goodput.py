@@ -17,12 +17,12 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import event
 
-from supervisor.evaluator import Evaluator
-from supervisor.store import goodput as goodput_store
-from supervisor.store import registry
-from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock
 from tests.dashboard.synth import OPERATOR, SynthRun
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import goodput as goodput_store
+from trainwarden.supervisor.store import registry
+from trainwarden.supervisor.store.db import Database
 
 STEP_S = 0.7  # the slow rank's step_s: the gang's step time
 DATA_S = 0.02  # the median rank's data wait

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from agent import cli as agent_cli
-from supervisor import cli as supervisor_cli
-from supervisor.config import flag_values
+from trainwarden.agent import cli as agent_cli
+from trainwarden.supervisor import cli as supervisor_cli
+from trainwarden.supervisor.config import flag_values
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

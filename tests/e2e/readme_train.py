@@ -40,8 +40,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from agent.worker import (Checkpointer, PhaseTimer, ResumableLoader, attach_compute_timer,
-                          declare_flops, init_distributed, report_step, resume)
+from trainwarden.agent.worker import (Checkpointer, PhaseTimer, ResumableLoader,
+                                      attach_compute_timer, declare_flops, init_distributed,
+                                      report_step, resume)
 
 IN_DIM, OUT_DIM, WIDTH = 16, 4, 32
 

@@ -79,7 +79,7 @@ class Supervisor:
                "TRAINWARDEN_OPERATOR_TOKEN": OPERATOR_TOKEN, **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "supervisor", "--data-dir",
+                [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor", "--data-dir",
                  str(self.data_dir), "--port", str(self.port), "--log-level", "warning",
                  *self.extra], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         wait_until(self._healthy, 60, "the supervisor to answer /healthz")
@@ -156,7 +156,8 @@ class Agent:
             state = []
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.cli", "--supervisor", supervisor_url, "--run", run,
+                [sys.executable, "-m", "trainwarden.agent.cli", "--supervisor", supervisor_url,
+                 "--run", run,
                  "--node", node, *state, "--stop-grace", "2", "--", TORCHRUN,
                  "--monitor-interval=0.1", *torchrun_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)

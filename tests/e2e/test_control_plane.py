@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.goodput.anatomy import PHASES
 from tests.e2e.system import Agent, Supervisor, ddp_script, free_port, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
+from trainwarden.supervisor.goodput.anatomy import PHASES
 
 pytestmark = pytest.mark.e2e
 

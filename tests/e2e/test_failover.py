@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.leader import LeaseConfig
 from tests.e2e.system import Agent, Supervisor, ddp_script, postgres_schema, wait_until
+from trainwarden.supervisor.leader import LeaseConfig
 
 pytestmark = pytest.mark.e2e
 

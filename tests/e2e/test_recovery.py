@@ -16,10 +16,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.detect import LossSpikeConfig
-from supervisor.policy import PolicyConfig
 from tests.e2e.system import OPERATOR_TOKEN, REPO, Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
+from trainwarden.supervisor.detect import LossSpikeConfig
+from trainwarden.supervisor.policy import PolicyConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -186,7 +186,7 @@ def test_spike_that_keeps_coming_back_spends_the_budget_and_stops_the_run(
 
 
 def cli(sup: Supervisor, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "supervisor.cli", *args, "--supervisor",
+    out = subprocess.run([sys.executable, "-m", "trainwarden.supervisor.cli", *args, "--supervisor",
                           sup.url, "--token", OPERATOR_TOKEN], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -8,12 +8,12 @@ import math
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.evaluator import Evaluator
-from supervisor.metrics import INCIDENT_KINDS, RESTART_CAUSES, STRAGGLER_TOP
-from supervisor.store.db import Database
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import OPERATOR, SynthRun
 from tests.deploy.test_alert_rules import CONTRACT
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.metrics import INCIDENT_KINDS, RESTART_CAUSES, STRAGGLER_TOP
+from trainwarden.supervisor.store.db import Database
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -199,7 +199,7 @@ def test_only_active_or_recent_runs_are_exported(db: Database, clock: FakeClock)
     with TestClient(app) as client:
         SynthRun(client, "old").register().train(range(3), t0=T0)
         with db.write() as conn:
-            from supervisor.store import registry
+            from trainwarden.supervisor.store import registry
             r = registry.get_run_by_name(conn, name="old")
             assert r is not None
             registry.set_run_status(conn, run_id=r["id"], status="completed", now=clock())

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from supervisor.evaluator import Evaluator
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import OPERATOR, SynthRun, step_item
 from tests.deploy.test_alert_rules import ALERTS, _alert_blocks, _key_value, _run_promtool
 from tests.metrics.test_metrics_export import Sample, scrape, series, value
+from trainwarden.supervisor.evaluator import Evaluator
 
 # The series the alert rules read, as the supervisor exports them.
 ALERT_INPUTS = (
@@ -193,8 +193,8 @@ def test_restarts_without_progress_agree_with_the_stop(
     """A crash loop below step 29: ``/metrics`` counts the restarts the policy counts, the
     alert fires once the count reaches the policy's limit, and the next crash stops the run
     for no progress (paged as no progress, not twice as a failed run)."""
-    from supervisor.store.db import make_database
-    from supervisor.store.models import metadata
+    from trainwarden.supervisor.store.db import make_database
+    from trainwarden.supervisor.store.models import metadata
 
     db = make_database(f"sqlite:///{tmp_path / 'tw.db'}", pool_size=4)
     metadata.create_all(db.engine)

@@ -35,7 +35,7 @@ OPERATOR_TOKEN = "install-operator-token"
 # dependency of torch, so it is only blocked on import).
 SERVICE_PACKAGES = ["fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg",
                     "prometheus_client", "pydantic_settings"]
-BLOCKED = [*SERVICE_PACKAGES, "jinja2", "supervisor"]
+BLOCKED = [*SERVICE_PACKAGES, "jinja2", "trainwarden.supervisor"]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -186,13 +186,14 @@ import importlib.abc, sys
 BLOCKED = set(sys.argv[1].split(","))
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if name.split(".")[0] in BLOCKED or ".".join(name.split(".")[:2]) in BLOCKED:
             raise ImportError(f"{name} is a service package: the agent must not import it")
         return None
 sys.meta_path.insert(0, Refuse())
-import agent, agent.cli, agent.loop, agent.worker, agent.worker.checkpoint
-import agent.worker.data, agent.worker.distributed
-print(agent.__file__)
+import trainwarden.agent, trainwarden.agent.cli, trainwarden.agent.loop
+import trainwarden.agent.worker, trainwarden.agent.worker.checkpoint
+import trainwarden.agent.worker.data, trainwarden.agent.worker.distributed
+print(trainwarden.agent.__file__)
 """
 
 
@@ -240,3 +241,36 @@ def test_wheel_agent_runs_a_real_torchrun_against_the_wheel_supervisor(
         time.sleep(0.2)
     assert run["status"] == "completed"
     assert run["step"] == 29
+
+
+# --- one import root: beside supervisord and a user's own ``agent`` package -----------------
+
+
+def test_the_wheel_lives_beside_supervisord_in_one_environment(
+        supervisor_venv: Path, tmp_path: Path) -> None:
+    """supervisord's import name is ``supervisor``: both install into one environment and
+    both run (the wheel's only top-level package is ``trainwarden``)."""
+    r = _run([supervisor_venv / "bin" / "python", "-m", "pip", "install", "-q", "supervisor"],
+             tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    probe = ("import supervisor.supervisord, supervisor.options, trainwarden.supervisor.app, "
+             "trainwarden.supervisor.cli; print(supervisor.__file__)")
+    r = _run([supervisor_venv / "bin" / "python", "-c", probe], tmp_path)
+    assert r.returncode == 0 and "trainwarden" not in r.stdout, r.stdout + r.stderr
+    r = _run([supervisor_venv / "bin" / "supervisord", "--version"], tmp_path)
+    assert r.returncode == 0 and r.stdout.strip(), r.stdout + r.stderr
+    r = _run([supervisor_venv / "bin" / "trainwarden", "--version"], tmp_path)
+    assert r.returncode == 0 and VERSION in r.stdout, r.stdout + r.stderr
+
+
+def test_the_in_training_library_lives_beside_a_users_own_agent_package(
+        agent_venv: Path, tmp_path: Path) -> None:
+    """A training repository with an ``agent`` package of its own (every RL codebase) imports
+    both: its own ``agent`` first on sys.path, and trainwarden's in-training library."""
+    (tmp_path / "agent").mkdir()
+    (tmp_path / "agent" / "__init__.py").write_text("MINE = True\n")
+    probe = ("import agent, trainwarden.agent.worker as tw; assert agent.MINE; "
+             "assert tw.report_step and tw.Checkpointer; print(agent.__file__)")
+    r = _run([agent_venv / "bin" / "python", "-c", probe], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == str(tmp_path / "agent" / "__init__.py")

@@ -13,11 +13,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from supervisor.evaluator import Evaluator
-from supervisor.store.db import Database, make_database
-from supervisor.store.models import metadata
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store.db import Database, make_database
+from trainwarden.supervisor.store.models import metadata
 
 # The helpers are a plain module beside this file (tests/supervisor is not a package: a
 # package named "supervisor" here would shadow the real one).

@@ -8,11 +8,11 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import Connection, func, select
 
-from supervisor.config import SupervisorSettings
-from supervisor.store import tables
-from supervisor.store._sql import with_specials
-from supervisor.store.db import Database
-from supervisor.store.models import metadata
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.store import tables
+from trainwarden.supervisor.store._sql import with_specials
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.models import metadata
 
 AGENT_TOKEN = "agent-secret"
 OPERATOR_TOKEN = "operator-secret"

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sup_helpers import AGENT, OPERATOR, count_rows, ingest, register, step, stored_rank_steps
 
-from supervisor.store.db import Database
+from trainwarden.supervisor.store.db import Database
 
 
 def counts(db: Database) -> dict[str, int]:
@@ -185,7 +185,7 @@ def test_auth(client: TestClient) -> None:
 def test_public_reads(db: Database, clock: object) -> None:
     from sup_helpers import make_settings
 
-    from supervisor.app import create_app
+    from trainwarden.supervisor.app import create_app
 
     app = create_app(make_settings(public_reads=True), db=db, clock=clock,  # type: ignore[arg-type]
                      upgrade_schema=False, start_evaluator=False)
@@ -196,7 +196,7 @@ def test_public_reads(db: Database, clock: object) -> None:
 
 
 def test_store_dependency_can_be_overridden(client: TestClient, db: Database) -> None:
-    from supervisor.api.deps import get_db
+    from trainwarden.supervisor.api.deps import get_db
 
     calls = []
 

@@ -24,9 +24,9 @@ from sup_helpers import (
     store_snapshot,
 )
 
-from supervisor.app import create_app
-from supervisor.store.db import Database, make_database
-from supervisor.store.models import metadata
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.store.db import Database, make_database
+from trainwarden.supervisor.store.models import metadata
 
 BIG = 2**63  # one past what a 64-bit column holds
 BIG32 = 2**31  # one past what a Postgres INTEGER column holds

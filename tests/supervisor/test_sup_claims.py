@@ -23,11 +23,11 @@ from sup_helpers import (
     step,
 )
 
-from supervisor import wire
-from supervisor.evaluator import Evaluator
-from supervisor.store import ingest as store_ingest
-from supervisor.store import tables
-from supervisor.store.db import Database
+from trainwarden.supervisor import wire
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import ingest as store_ingest
+from trainwarden.supervisor.store import tables
+from trainwarden.supervisor.store.db import Database
 
 
 def ckpt(path: str, s: int = 5) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def test_registering_again_replaces_the_roots_and_a_replay_stays_a_duplicate(
 def test_in_one_group_a_refused_batch_fails_alone(db: Database, clock: FakeClock) -> None:
     """The ingest writer's group commit (Postgres): a refused batch beside good ones."""
     with db.write() as conn:
-        from supervisor.store import registry
+        from trainwarden.supervisor.store import registry
         a = registry.register_agent(conn, req=wire.RegisterRequest(
             run="r1", node="n0", checkpoint_roots=["/ck"]), now=clock())["agent_id"]
 

@@ -15,11 +15,11 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from supervisor import cli
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from supervisor.store import tables
 from tests.dashboard.browser import serve_in_thread, wait_for
+from trainwarden.supervisor import cli
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.store import tables
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}

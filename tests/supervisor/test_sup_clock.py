@@ -24,12 +24,12 @@ from sup_helpers import (
     step,
 )
 
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from supervisor.evaluator import Evaluator
-from supervisor.store import tables
-from supervisor.store.db import Database
-from supervisor.store.ingest import CLOCK_SKEW_EVENT_S, IngestConfig
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import tables
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.ingest import CLOCK_SKEW_EVENT_S, IngestConfig
 
 DAY = 86_400.0
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import cli
-from supervisor.config import (
+from trainwarden.supervisor import cli
+from trainwarden.supervisor.config import (
     LEGACY_NAMES,
     SupervisorSettings,
     flag_values,
@@ -19,10 +19,10 @@ from supervisor.config import (
     load_settings,
     settings_fields,
 )
-from supervisor.detect import HangConfig, NodeLostConfig
-from supervisor.observe import DetectionConfig
-from supervisor.policy import PolicyConfig
-from supervisor.settings_reference import markdown, rows
+from trainwarden.supervisor.detect import HangConfig, NodeLostConfig
+from trainwarden.supervisor.observe import DetectionConfig
+from trainwarden.supervisor.policy import PolicyConfig
+from trainwarden.supervisor.settings_reference import markdown, rows
 
 TOKENS = {"auth": {"agent_token": "a", "operator_token": "o"}}
 
@@ -225,7 +225,7 @@ def test_settings_command_prints_the_reference(capsys: pytest.CaptureFixture[str
 
 def test_spike_and_rollback_settings_reach_the_detector_and_the_policy(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from supervisor.app import create_app
+    from trainwarden.supervisor.app import create_app
 
     env = {"LOSS_RECOVERY_WINDOW_STEPS": "80", "LOSS_SUSTAIN_STEPS": "12",
            "ROLLBACK_BUDGET": "5", "ROLLBACK_MARGIN_STEPS": "20",

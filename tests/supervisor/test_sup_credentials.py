@@ -21,9 +21,9 @@ from sup_helpers import (
     step,
 )
 
-from supervisor import policy
-from supervisor.evaluator import Evaluator
-from supervisor.store.db import Database
+from trainwarden.supervisor import policy
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store.db import Database
 
 CFG = policy.PolicyConfig()
 
@@ -109,7 +109,7 @@ def test_the_credential_is_shown_once_and_stored_hashed(client: TestClient, db: 
                                                         ) -> None:
     from sqlalchemy import select
 
-    from supervisor.store.tables import agent_credentials
+    from trainwarden.supervisor.store.tables import agent_credentials
 
     cred = register(client, run="A")["credential"]
     assert cred.startswith("twa_") and len(cred) >= 40

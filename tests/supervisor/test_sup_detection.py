@@ -22,10 +22,10 @@ from sup_helpers import (
     step,
 )
 
-from supervisor.app import create_app
-from supervisor.evaluator import Evaluator
-from supervisor.observer import Observer
-from supervisor.store.db import Database
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.observer import Observer
+from trainwarden.supervisor.store.db import Database
 
 
 @pytest.fixture
@@ -331,9 +331,9 @@ def test_the_hang_judgment_reads_few_ranks_and_judges_as_on_every_rank(
     its findings are those of the same judgment on every rank's row."""
     import random
 
-    from agent.core.hang import detect_hang
-    from supervisor import observe
-    from supervisor.store import registry
+    from trainwarden.agent.core.hang import detect_hang
+    from trainwarden.supervisor import observe
+    from trainwarden.supervisor.store import registry
 
     rng = random.Random(seed)
     world = 24

@@ -24,15 +24,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sup_helpers import FakeClock
 
-from supervisor import efficiency
-from supervisor.evaluator import Evaluator
-from supervisor.goodput import interval as iv
-from supervisor.goodput.anatomy import MILESTONES, PHASES
-from supervisor.store import efficiency as eff
-from supervisor.store import goodput as goodput_store
-from supervisor.store.db import Database
 from tests.dashboard.synth import OPERATOR, SynthRun
 from tests.dashboard.synth import efficiency_script as script
+from trainwarden.supervisor import efficiency
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.goodput import interval as iv
+from trainwarden.supervisor.goodput.anatomy import MILESTONES, PHASES
+from trainwarden.supervisor.store import efficiency as eff
+from trainwarden.supervisor.store import goodput as goodput_store
+from trainwarden.supervisor.store.db import Database
 
 MILESTONE_T = {"decided": 66.0, "workers_stopped": 67.5, "torchrun_started": 68.5,
                "rendezvous_done": 71.0, "checkpoint_loaded": 73.0, "first_step": 75.0}
@@ -186,7 +186,7 @@ def test_the_api_and_the_pure_module_agree(client: TestClient, clock: FakeClock,
     script(client, clock, evaluator)
     api = client.get("/api/v1/runs/alpha", headers=OPERATOR).json()
     with db.read() as conn:
-        from supervisor.store import registry
+        from trainwarden.supervisor.store import registry
         run = registry.get_run_by_name(conn, name="alpha")
         assert run is not None
         assert efficiency.mfu_report(conn, run) == api["mfu"]

@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sup_helpers import crash, ingest, register, step
 
-from agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
-from agent.protocol import AgentEventName, WorkerEventName
-from supervisor.enums import (
+from trainwarden.agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+from trainwarden.agent.protocol import AgentEventName, WorkerEventName
+from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
     Actor,
@@ -23,9 +23,9 @@ from supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
-from supervisor.evaluator import Evaluator
-from supervisor.store import tables
-from supervisor.store.db import Database
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import tables
+from trainwarden.supervisor.store.db import Database
 
 COLUMNS: list[tuple[type[enum.Enum], object]] = [
     (RunStatus, tables.runs.c.status),
@@ -68,9 +68,9 @@ def test_what_the_policy_writes_reads_back_as_the_plain_strings(
 
 
 def test_which_incidents_interrupt_training_is_said_once() -> None:
-    from supervisor import policy
-    from supervisor.enums import INTERRUPTING, NEVER_INTERRUPTING, ROLLED_BACK, WATCHED
-    from supervisor.goodput.ettr import EttrConfig
+    from trainwarden.supervisor import policy
+    from trainwarden.supervisor.enums import INTERRUPTING, NEVER_INTERRUPTING, ROLLED_BACK, WATCHED
+    from trainwarden.supervisor.goodput.ettr import EttrConfig
 
     assert policy.RESTART_KINDS is INTERRUPTING and policy.ROLLBACK_KINDS is ROLLED_BACK
     assert not INTERRUPTING & WATCHED and ROLLED_BACK <= WATCHED

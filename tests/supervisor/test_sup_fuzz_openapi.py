@@ -27,9 +27,9 @@ from sup_helpers import (  # (conftest: on sys.path)
     run_with_checkpoints,
 )
 
-from supervisor.app import create_app
-from supervisor.store.db import make_database
-from supervisor.store.models import metadata
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.store.db import make_database
+from trainwarden.supervisor.store.models import metadata
 
 EXAMPLES = 12  # per operation
 

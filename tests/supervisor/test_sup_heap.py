@@ -1,4 +1,4 @@
-"""The supervisor's processes settle their heap once started (``supervisor.heap``): what
+"""The supervisor's processes settle their heap once started (``trainwarden.supervisor.heap``): what
 startup left alive is frozen out of the collector's walks, and a young collection waits for
 ``YOUNG_OBJECTS`` net new objects (at 2,048 agents the default schedule stopped the event
 loop for 100-165 ms every 2-3 s)."""
@@ -10,15 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from supervisor import heap
 from tests.dashboard.browser import supervisor_process, wait_for
+from trainwarden.supervisor import heap
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_settle_freezes_the_startup_heap_and_widens_the_young_generation() -> None:
     # In a process of its own: the test process's collector is left as it is.
-    code = ("import gc, json; from supervisor import heap; import supervisor.app; "
+    code = ("import gc, json; from supervisor import heap; import trainwarden.supervisor.app; "
             "before = gc.get_threshold(); n = heap.settle(); "
             "print(json.dumps([n, gc.get_freeze_count(), gc.get_threshold(), before]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

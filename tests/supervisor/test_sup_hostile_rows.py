@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text as sql_text
 from sup_helpers import OPERATOR, OPERATOR_TOKEN, make_settings
 
-from supervisor import cli
-from supervisor import client as cli_client
-from supervisor.app import create_app
-from supervisor.store import tables
-from supervisor.store.db import Database
-from supervisor.text import printable
+from trainwarden.supervisor import cli
+from trainwarden.supervisor import client as cli_client
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.store import tables
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.text import printable
 
 SCRIPT = "<script>alert(1)</script>"
 IMG = "<img src=x onerror=alert(1)>"  # (a run name has no "/": it is a path segment)
@@ -182,7 +182,7 @@ def hostile(app: FastAPI, db: Database) -> Iterator[tuple[TestClient, list[str]]
 
 def _get_paths(app: FastAPI) -> list[str]:
     """Every GET route of the API (from the OpenAPI document) and of the dashboard."""
-    from supervisor.dashboard.routes import router
+    from trainwarden.supervisor.dashboard.routes import router
 
     paths = [p for p, ops in app.openapi()["paths"].items() if "get" in ops]
     paths += [r.path for r in router.routes  # type: ignore[attr-defined]

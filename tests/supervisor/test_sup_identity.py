@@ -9,11 +9,11 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sup_helpers import AGENT, FakeClock, crash, ingest, make_settings, register, step
 
-from supervisor import policy
-from supervisor.app import create_app
-from supervisor.evaluator import Evaluator
-from supervisor.store.db import Database, make_database
-from supervisor.store.models import metadata
+from trainwarden.supervisor import policy
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store.db import Database, make_database
+from trainwarden.supervisor.store.models import metadata
 
 CFG = policy.PolicyConfig()
 

@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from sup_helpers import AGENT, OPERATOR, as_agent, count_rows, ingest, register, step
 
-from supervisor.api.ingest_path import IngestPath
-from supervisor.headers import HEADERS
-from supervisor.metrics import INGEST_PATH, RequestCounters
-from supervisor.store.db import Database
+from trainwarden.supervisor.api.ingest_path import IngestPath
+from trainwarden.supervisor.headers import HEADERS
+from trainwarden.supervisor.metrics import INGEST_PATH, RequestCounters
+from trainwarden.supervisor.store.db import Database
 
 
 def _metric(client: TestClient, prefix: str) -> float:

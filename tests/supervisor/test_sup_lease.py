@@ -21,11 +21,11 @@ from sup_helpers import (
     step,
 )
 
-from supervisor.evaluator import Evaluator
-from supervisor.leader import Leadership, LeaseConfig, LedEvaluator
-from supervisor.observer import ObserverProcess
-from supervisor.store import lease
-from supervisor.store.db import Database, make_database
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.leader import Leadership, LeaseConfig, LedEvaluator
+from trainwarden.supervisor.observer import ObserverProcess
+from trainwarden.supervisor.store import lease
+from trainwarden.supervisor.store.db import Database, make_database
 
 T0 = 1_000_000.0
 
@@ -345,8 +345,8 @@ def test_a_takeover_on_one_replica_is_refused_by_another_within_the_refresh(
     """Two replicas (two apps on one Postgres store): agent a's batches go to replica B,
     whose credential cache holds a's digest; an operator takes the node over on replica A.
     Within ``CREDENTIAL_REFRESH_S`` replica B refuses a's credential too."""
-    from supervisor.api.deps import CREDENTIAL_REFRESH_S
-    from supervisor.app import create_app
+    from trainwarden.supervisor.api.deps import CREDENTIAL_REFRESH_S
+    from trainwarden.supervisor.app import create_app
 
     apps = [create_app(settings, db=pg_db, clock=clock, upgrade_schema=False,
                        start_evaluator=False) for _ in "AB"]
@@ -366,7 +366,7 @@ def test_a_takeover_on_one_replica_is_refused_by_another_within_the_refresh(
 
 def test_the_api_and_metrics_show_which_replica_leads(pg_db: Database, clock: FakeClock,
                                                       settings: Any) -> None:
-    from supervisor.app import create_app
+    from trainwarden.supervisor.app import create_app
 
     apps = [create_app(settings, db=pg_db, clock=clock, upgrade_schema=False,
                        start_evaluator=False) for _ in "AB"]
@@ -413,7 +413,7 @@ def test_every_write_path_of_a_fenced_database_is_checked(db: Database) -> None:
 @pytest.mark.postgres
 def test_a_session_idle_inside_a_transaction_is_ended_in_bounded_time(
         pg_tables_url: str) -> None:
-    from supervisor.store.db import POSTGRES_IDLE_IN_TRANSACTION_S
+    from trainwarden.supervisor.store.db import POSTGRES_IDLE_IN_TRANSACTION_S
 
     db = make_database(pg_tables_url, pool_size=1)
     try:

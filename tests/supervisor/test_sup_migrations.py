@@ -12,8 +12,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, text
 from sup_helpers import schema_url
 
-from supervisor import cli, migrate
-from supervisor.store.models import metadata
+from trainwarden.supervisor import cli, migrate
+from trainwarden.supervisor.store.models import metadata
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

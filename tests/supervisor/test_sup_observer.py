@@ -10,9 +10,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sup_helpers import FakeClock, ingest, make_settings, register, step
 
-from supervisor.app import create_app
-from supervisor.observer import Observer, ObserveRequest, ObserverProcess, can_run_apart
-from supervisor.store.db import Database
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.observer import Observer, ObserveRequest, ObserverProcess, can_run_apart
+from trainwarden.supervisor.store.db import Database
 
 
 @pytest.fixture

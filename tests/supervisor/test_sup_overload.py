@@ -29,7 +29,7 @@ def test_a_frozen_supervisor_restarts_nothing_and_says_it_was_overloaded(
            "TRAINWARDEN_OPERATOR_TOKEN": OPERATOR, "TRAINWARDEN_NODE_LOST_S": str(NODE_LOST_S)}
     log = (tmp_path / "supervisor.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "supervisor", "--port", "0",
+        [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor", "--port", "0",
          "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file)],
         cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT)
     stop = threading.Event()

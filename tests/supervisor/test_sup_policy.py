@@ -7,9 +7,9 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sup_helpers import OPERATOR, FakeClock, command_rows, crash, ingest, register, step
 
-from supervisor import policy
-from supervisor.evaluator import Evaluator
-from supervisor.store.db import Database
+from trainwarden.supervisor import policy
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(restart_budget=2, backoff_s=1.0, backoff_max_s=3.0)
 RUN = policy.RunFacts(id=1, name="r", status="running", attempt=2, restarts=0)
@@ -36,7 +36,7 @@ def test_policy_crash_restarts_from_newest_checkpoint() -> None:
     assert "signal 9" in d.incident.cause
     plan = d.plan(action_id=5)
     assert plan["checkpoint"] == "/ck/9" and plan["attempt"] == 3 and plan["action_id"] == 5
-    from agent.protocol import ResumePlan
+    from trainwarden.agent.protocol import ResumePlan
 
     assert ResumePlan.from_dict(plan).attempt == 3  # the agent side can read it
 

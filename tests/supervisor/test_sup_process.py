@@ -31,7 +31,7 @@ def test_supervisor_subprocess_answers_healthz(tmp_path: Path, repo_root: Path) 
     port_file = tmp_path / "port"
     env = {**os.environ, "TRAINWARDEN_AGENT_TOKEN": "a", "TRAINWARDEN_OPERATOR_TOKEN": "o"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "supervisor", "--port", "0",
+        [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor", "--port", "0",
          "--data-dir", str(tmp_path / "data"), "--port-file", str(port_file),
          "--log-level", "warning"],
         cwd=repo_root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -59,7 +59,8 @@ def test_supervisor_subprocess_answers_healthz(tmp_path: Path, repo_root: Path) 
 def test_supervisor_refuses_to_start_without_tokens(tmp_path: Path, repo_root: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINWARDEN_")}
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "supervisor", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor",
+         "--data-dir", str(tmp_path)],
         cwd=repo_root, env=env, capture_output=True, text=True, timeout=60,
     )
     assert r.returncode != 0 and "--insecure-no-auth" in r.stderr
@@ -68,7 +69,7 @@ def test_supervisor_refuses_to_start_without_tokens(tmp_path: Path, repo_root: P
 def test_agent_subcommand_imports_no_server_stack(repo_root: Path) -> None:
     code = (
         "import sys\n"
-        "import supervisor.cli as c\n"
+        "import trainwarden.supervisor.cli as c\n"
         "c.build_parser()\n"
         "bad = [m for m in ('fastapi', 'sqlalchemy', 'uvicorn', 'pydantic_settings') "
         "if m in sys.modules]\n"
@@ -83,10 +84,10 @@ def test_agent_subcommand_delegates(monkeypatch: object) -> None:
     import argparse
     import types
 
-    from supervisor import cli
+    from trainwarden.supervisor import cli
 
     seen: dict[str, object] = {}
-    fake = types.ModuleType("agent.cli")
+    fake = types.ModuleType("trainwarden.agent.cli")
 
     def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--run")
@@ -97,18 +98,17 @@ def test_agent_subcommand_delegates(monkeypatch: object) -> None:
 
     fake.add_arguments = add_arguments  # type: ignore[attr-defined]
     fake.run = run  # type: ignore[attr-defined]
-    import agent
-
-    old_mod, old_attr = sys.modules.get("agent.cli"), getattr(agent, "cli", None)
-    sys.modules["agent.cli"] = fake
+    from trainwarden import agent
+    old_mod, old_attr = sys.modules.get("trainwarden.agent.cli"), getattr(agent, "cli", None)
+    sys.modules["trainwarden.agent.cli"] = fake
     agent.cli = fake  # type: ignore[attr-defined]
     try:
         assert cli.main(["agent", "--run", "x"]) == 3 and seen == {"run": "x"}
     finally:
         if old_mod is None:
-            sys.modules.pop("agent.cli", None)
+            sys.modules.pop("trainwarden.agent.cli", None)
         else:
-            sys.modules["agent.cli"] = old_mod
+            sys.modules["trainwarden.agent.cli"] = old_mod
         if old_attr is None:
             delattr(agent, "cli")
         else:

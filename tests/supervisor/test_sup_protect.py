@@ -8,11 +8,11 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sup_helpers import OPERATOR, FakeClock, ingest, run_with_checkpoints, step
 
-from supervisor import policy
-from supervisor.evaluator import Evaluator
-from supervisor.store import recovery as rec
-from supervisor.store import registry
-from supervisor.store.db import Database
+from trainwarden.supervisor import policy
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry
+from trainwarden.supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(rollback_margin_steps=10)
 CKPTS = ((50, 150.0, "/ck/step_50"), (100, 200.0, "/ck/step_100"),

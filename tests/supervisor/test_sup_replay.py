@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 from sup_helpers import as_agent, ingest, register, step, store_snapshot
 
-from supervisor import wire
-from supervisor.store import tables
-from supervisor.store.db import Database
-from supervisor.store.ingest import IngestResult, SeqConflict, ingest_batches
+from trainwarden.supervisor import wire
+from trainwarden.supervisor.store import tables
+from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store.ingest import IngestResult, SeqConflict, ingest_batches
 
 
 def post(client: TestClient, body: dict[str, Any]) -> Any:

@@ -1,4 +1,5 @@
-"""Every JSON route declares its answer (``supervisor.api.responses``), and every answer is
+"""Every JSON route declares its answer (``trainwarden.supervisor.api.responses``), and every
+answer is
 what it declares.
 
 * the OpenAPI document gives every JSON operation a 2xx schema that is a model (a
@@ -30,10 +31,10 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from supervisor.api import responses
-from supervisor.retention import Retention, RetentionConfig
 from tests.dashboard.apps import FakeClock, build_app, sqlite_db
 from tests.dashboard.synth import OPERATOR, SynthRun, efficiency_script
+from trainwarden.supervisor.api import responses
+from trainwarden.supervisor.retention import Retention, RetentionConfig
 
 ADMIN_TOKEN = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

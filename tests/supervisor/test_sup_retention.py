@@ -20,14 +20,14 @@ from sup_helpers import (
     stored_rank_steps,
 )
 
-from supervisor import observe
-from supervisor.app import create_app
-from supervisor.evaluator import Evaluator
-from supervisor.retention import Retention, RetentionConfig
-from supervisor.store import recovery as rec
-from supervisor.store import registry
-from supervisor.store import retention as store
-from supervisor.store.db import Database
+from trainwarden.supervisor import observe
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.retention import Retention, RetentionConfig
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry
+from trainwarden.supervisor.store import retention as store
+from trainwarden.supervisor.store.db import Database
 
 
 def _phase(s: int, r: int) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from sup_helpers import AGENT, OPERATOR, FakeClock, make_settings, register, step
 from sup_helpers import ingest as ingest_batch
 
-from supervisor.app import create_app
-from supervisor.store.db import Database
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.store.db import Database
 
 ADMIN_TOKEN = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -200,8 +200,8 @@ def test_a_scoped_operator_acts_only_on_its_run_and_its_actions_name_it(
 
 def test_the_token_cli_goes_through_the_api(app: FastAPI, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    from supervisor import cli
     from tests.dashboard.browser import serve_in_thread
+    from trainwarden.supervisor import cli
 
     monkeypatch.setenv("TRAINWARDEN_ADMIN_TOKEN", ADMIN_TOKEN)
     with serve_in_thread(app) as base:

@@ -16,9 +16,9 @@ from sup_helpers import (
     step,
 )
 
-from supervisor import policy
-from supervisor.evaluator import Evaluator
-from supervisor.store.db import Database
+from trainwarden.supervisor import policy
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(rollback_budget=2, rollback_margin_steps=10, rollback_skip_before=5,
                           rollback_skip_batches=40, rollback_lr_scale=0.5,
@@ -257,9 +257,9 @@ def test_a_recurring_spike_is_sized_on_the_current_attempts_batches(
     shrink the widened skip to nothing (a CI run skipped batches 241-242 instead of 241-362)."""
     from sup_helpers import register
 
-    from supervisor import actions
-    from supervisor.store import registry
-    from supervisor.store.tables import runs
+    from trainwarden.supervisor import actions
+    from trainwarden.supervisor.store import registry
+    from trainwarden.supervisor.store.tables import runs
 
     a = register(client)["agent_id"]
     seq = 0

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from supervisor.app import create_app
-from supervisor.config import SupervisorSettings
-from supervisor.httpguard import HttpConfig
-from supervisor.serve import uvicorn_config
 from tests.dashboard.browser import supervisor_process, wait_for
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.httpguard import HttpConfig
+from trainwarden.supervisor.serve import uvicorn_config
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
 HEADER_S, BODY_S, KEEP_ALIVE_S, MAX_CONNECTIONS = 1.0, 1.5, 2, 3

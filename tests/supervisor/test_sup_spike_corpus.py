@@ -15,11 +15,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sup_helpers import AGENT, OPERATOR, FakeClock, make_settings
 
-from supervisor.app import create_app
-from supervisor.detect import LossSpikeConfig
-from supervisor.store.db import make_database
-from supervisor.store.models import metadata
 from tests.loss_traces import Outcome, Replay, load_corpus
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.detect import LossSpikeConfig
+from trainwarden.supervisor.store.db import make_database
+from trainwarden.supervisor.store.models import metadata
 
 CORPUS = load_corpus()
 WINDOW = LossSpikeConfig().recovery_window_steps  # the default a user gets

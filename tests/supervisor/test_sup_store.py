@@ -10,10 +10,10 @@ import pytest
 from sqlalchemy import select
 from sup_helpers import count_rows, step
 
-from supervisor import wire
-from supervisor.store import ingest, reads, registry, tables, windows
-from supervisor.store._sql import join_float, split_float
-from supervisor.store.db import Database
+from trainwarden.supervisor import wire
+from trainwarden.supervisor.store import ingest, reads, registry, tables, windows
+from trainwarden.supervisor.store._sql import join_float, split_float
+from trainwarden.supervisor.store.db import Database
 
 
 def batch(agent_id: int, seq: int, items: list[dict[str, Any]]) -> wire.IngestBatch:
@@ -166,7 +166,7 @@ def test_split_and_join_float() -> None:
 def test_ingest_writer_groups_and_answers_each_batch(db: Database) -> None:
     import asyncio
 
-    from supervisor.ingest import IngestWriter
+    from trainwarden.supervisor.ingest import IngestWriter
 
     ids = agents(db, 3)
     writer = IngestWriter(db, clock=lambda: 50.0)
@@ -198,8 +198,8 @@ def test_ingest_writer_retries_a_failed_group_batch_by_batch(
     and answered."""
     import asyncio
 
-    import supervisor.ingest as writer_mod
-    from supervisor.ingest import IngestWriter
+    import trainwarden.supervisor.ingest as writer_mod
+    from trainwarden.supervisor.ingest import IngestWriter
 
     real = writer_mod.ingest_batches
 
@@ -230,8 +230,8 @@ def test_ingest_writer_retries_a_failed_group_batch_by_batch(
 def test_phase_window_read_incrementally_equals_a_full_read(db: Database) -> None:
     """The straggler window reads only the rows stored since its last refresh (late ones
     included) and keeps the newest steps: the same table as reading the window whole."""
-    from supervisor.detect import pre_collective_table
-    from supervisor.observe import PhaseWindow
+    from trainwarden.supervisor.detect import pre_collective_table
+    from trainwarden.supervisor.observe import PhaseWindow
 
     a0, a1 = agents(db, 2)
     window = PhaseWindow(steps=5)
@@ -284,7 +284,7 @@ def test_stragglers_are_judged_on_the_steps_every_rank_delivered(db: Database) -
     """Ranks report through their own sockets and batches, so the newest steps often hold one
     rank only.  Those steps are not judged: one rank alone there would be compared with its
     own past (a tail of fast, noisy steps made a 2-rank run's rank 0 a "straggler")."""
-    from supervisor.observe import DetectionConfig, PhaseWindow, straggler_findings
+    from trainwarden.supervisor.observe import DetectionConfig, PhaseWindow, straggler_findings
 
     a0, a1 = agents(db, 2)
     cfg = DetectionConfig()
@@ -321,8 +321,8 @@ def test_the_goodput_step_read_returns_every_value_exactly(db: Database) -> None
 
     from sqlalchemy import select
 
-    from supervisor.store import goodput
-    from supervisor.store.tables import rank_steps
+    from trainwarden.supervisor.store import goodput
+    from trainwarden.supervisor.store.tables import rank_steps
 
     rng = random.Random(5)
     with db.write() as conn:
@@ -383,7 +383,7 @@ def test_the_goodput_step_read_returns_every_value_exactly(db: Database) -> None
 def test_numbered_placeholders_for_the_raw_cursor() -> None:
     """Postgres multi-row statements go unparsed on a raw cursor: each %s becomes the next
     $n and an escaped %% a literal percent sign."""
-    from supervisor.store.ingest import _numbered
+    from trainwarden.supervisor.store.ingest import _numbered
 
     assert _numbered("INSERT INTO t (a, b) VALUES (%s, %s), (%s, %s)") == (
         "INSERT INTO t (a, b) VALUES ($1, $2), ($3, $4)")

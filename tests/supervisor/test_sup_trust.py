@@ -25,10 +25,10 @@ from sup_helpers import (
     store_snapshot,
 )
 
-from supervisor.app import create_app
-from supervisor.evaluator import Evaluator
-from supervisor.store import recovery as rec
-from supervisor.store.db import Database
+from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Database
 
 ADMIN_TOKEN = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

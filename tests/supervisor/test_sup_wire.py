@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 import pytest
 from pydantic import BaseModel
 
-from agent import protocol
-from agent.core.states import COMMAND_RESULTS
-from supervisor import wire
+from trainwarden.agent import protocol
+from trainwarden.agent.core.states import COMMAND_RESULTS
+from trainwarden.supervisor import wire
 
 # protocol TypedDict -> the pydantic model the supervisor validates it with (or answers with)
 PAIRS: dict[Any, type[BaseModel]] = {

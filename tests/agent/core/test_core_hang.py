@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agent.core.hang import (
+from trainwarden.agent.core.hang import (
     HangConfig,
     ProgressWindow,
     RankProgress,

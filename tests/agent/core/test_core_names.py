@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from agent.config import AgentConfig
-from agent.core.names import (
+from trainwarden.agent.config import AgentConfig
+from trainwarden.agent.core.names import (
     RUN_NAME_MAX,
     RUN_NAME_PATTERN,
     RUN_SCOPE_PATTERN,
@@ -47,7 +47,7 @@ def test_the_agent_and_the_client_parse_addresses_alike(
     assert cfg.supervisor_url == "http://a,http://b"
     with pytest.raises(ValueError, match="got 'a:1'"):
         AgentConfig(supervisor_url="a:1", run="r", command=["x"])
-    from supervisor import cli
+    from trainwarden.supervisor import cli
     assert cli.main(["runs", "--supervisor", "a:1"]) == 1
     assert "got 'a:1'" in capsys.readouterr().err
 

@@ -1,10 +1,10 @@
-"""What a training command declares about its world (``agent.core.launch``)."""
+"""What a training command declares about its world (``trainwarden.agent.core.launch``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.launch import declared_nnodes, launcher_args
+from trainwarden.agent.core.launch import declared_nnodes, launcher_args
 
 
 @pytest.mark.parametrize("command, nnodes", [

@@ -1,4 +1,5 @@
-"""The one rule for untrusted text (``agent.core.text``): what a worker or an agent sends as
+"""The one rule for untrusted text (``trainwarden.agent.core.text``): what a worker or an agent
+sends as
 free text is kept, made harmless: controls escaped, lone surrogates replaced, cut with a
 marker."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from agent.core.text import (
+from trainwarden.agent.core.text import (
     DEPTH_MARKER,
     MAX_DEPTH,
     clean,

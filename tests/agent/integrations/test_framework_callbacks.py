@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from agent.protocol import ENV_AGENT_SOCKET, ENV_RESUME_PLAN, PIN_FILE
-from agent.worker.report import Reporter, set_reporter
 from tests.wire import Receiver, wait_for
+from trainwarden.agent.protocol import ENV_AGENT_SOCKET, ENV_RESUME_PLAN, PIN_FILE
+from trainwarden.agent.worker.report import Reporter, set_reporter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -83,7 +83,7 @@ def test_the_trainers_own_rotation_deletes_a_pinned_checkpoint(tmp_path: Path) -
 
 def test_hf_reports_every_step_and_keeps_the_pinned_checkpoint(
         tmp_path: Path, agent: Receiver) -> None:
-    from agent.integrations.hf import TrainwardenCallback
+    from trainwarden.agent.integrations.hf import TrainwardenCallback
 
     tw = TrainwardenCallback(retention_grace_s=0.0)
     trainer = hf_trainer(tmp_path, tw, pin_at(2, "on_save"))
@@ -105,7 +105,7 @@ def test_hf_reports_every_step_and_keeps_the_pinned_checkpoint(
 
 
 def test_hf_refuses_settings_that_would_break_the_order(tmp_path: Path) -> None:
-    from agent.integrations.hf import TrainwardenCallback
+    from trainwarden.agent.integrations.hf import TrainwardenCallback
 
     with pytest.raises(ValueError, match='train_sampling_strategy="sequential"'):
         hf_trainer(tmp_path, TrainwardenCallback(), train_sampling_strategy="random")
@@ -121,7 +121,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def test_hf_training_without_the_resume_call_is_refused(tmp_path: Path) -> None:
-    from agent.integrations.hf import TrainwardenCallback
+    from trainwarden.agent.integrations.hf import TrainwardenCallback
 
     trainer = hf_trainer(tmp_path, TrainwardenCallback())
     with pytest.raises(RuntimeError, match=r"resume_from_checkpoint=tw\.resume_from_checkpoint"):
@@ -131,7 +131,7 @@ def test_hf_training_without_the_resume_call_is_refused(tmp_path: Path) -> None:
 def lightning_run(tmp_path: Path, grace: float, extra: list[Any] | None = None) -> Any:
     import lightning.pytorch as pl
 
-    from agent.integrations.lightning import TrainwardenCallback
+    from trainwarden.agent.integrations.lightning import TrainwardenCallback
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.integrations._core import (
+from trainwarden.agent.integrations._core import (
     OptimizerPlan,
     Retention,
     RunSession,
@@ -21,7 +21,7 @@ from agent.integrations._core import (
     validate_manifest,
     write_manifest,
 )
-from agent.protocol import ENV_RESUME_PLAN, PIN_FILE, LRSchedule
+from trainwarden.agent.protocol import ENV_RESUME_PLAN, PIN_FILE, LRSchedule
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from agent.protocol import LRSchedule, ResumePlan
-from agent.worker import Checkpointer, ResumableLoader, list_checkpoints, read_meta
-from agent.worker.checkpoint import PARTIAL_SUFFIX, validate_checkpoint
-from agent.worker.report import Reporter
 from tests.agent.worker.rng import global_rng
+from trainwarden.agent.protocol import LRSchedule, ResumePlan
+from trainwarden.agent.worker import Checkpointer, ResumableLoader, list_checkpoints, read_meta
+from trainwarden.agent.worker.checkpoint import PARTIAL_SUFFIX, validate_checkpoint
+from trainwarden.agent.worker.report import Reporter
 
 pytestmark = pytest.mark.usefixtures("world1")
 

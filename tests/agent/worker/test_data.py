@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from agent.worker import GlobalBatchOrder, ResumableLoader
 from tests.agent.worker.rng import global_rng
+from trainwarden.agent.worker import GlobalBatchOrder, ResumableLoader
 
 
 def dataset(n: int = 40) -> TensorDataset:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent.worker import PhaseTimer, attach_compute_timer
+from trainwarden.agent.worker import PhaseTimer, attach_compute_timer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -42,7 +42,7 @@ OWN_GROUP = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from agent.worker import Checkpointer
+    from trainwarden.agent.worker import Checkpointer
 
     def main():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.worker.faults import Fault, FaultInjector, parse_fault
+from trainwarden.agent.worker.faults import Fault, FaultInjector, parse_fault
 
 
 def test_parse() -> None:
@@ -45,7 +45,7 @@ def test_with_a_marker_dir_each_process_fault_fires_once_per_run(tmp_path, monke
     """A schedule in one run: the crash at 5 fired in attempt 0, so attempt 1 (which trains
     step 5 again after resuming from an earlier checkpoint) does not crash there, but the slow
     spell at 8 that attempt 0 never reached fires in attempt 1, for its 3 steps only."""
-    from agent.worker import faults as mod
+    from trainwarden.agent.worker import faults as mod
 
     monkeypatch.setattr(mod, "get_reporter", lambda: type("R", (), {
         "event": lambda self, *a, **k: True})())

@@ -5,8 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.protocol import decode_datagrams
-from agent.worker.report import PhaseTimer, Reporter, declare_flops, report_step, set_reporter
+from trainwarden.agent.protocol import decode_datagrams
+from trainwarden.agent.worker.report import (
+    PhaseTimer,
+    Reporter,
+    declare_flops,
+    report_step,
+    set_reporter,
+)
 
 
 def test_without_an_agent_reports_are_dropped_and_counted() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.detect.disk import DiskConfig, detect_disk
-from supervisor.detect.findings import FindingKind
+from trainwarden.supervisor.detect.disk import DiskConfig, detect_disk
+from trainwarden.supervisor.detect.findings import FindingKind
 
 GiB = 2**30
 

@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from supervisor.detect.findings import Finding
-from supervisor.detect.loss_spike import (
+from tests.loss_traces import Trace, label_trace, load_corpus
+from trainwarden.supervisor.detect.findings import Finding
+from trainwarden.supervisor.detect.loss_spike import (
     LossSample,
     LossSpikeConfig,
     LossSpikeTracker,
@@ -16,7 +17,6 @@ from supervisor.detect.loss_spike import (
     detect_nonfinite,
     samples_from_pairs,
 )
-from tests.loss_traces import Trace, label_trace, load_corpus
 
 CFG = LossSpikeConfig()
 

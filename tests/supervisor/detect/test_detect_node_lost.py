@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.detect.findings import Finding
-from supervisor.detect.node_lost import NodeLostConfig, detect_lost_nodes
+from trainwarden.supervisor.detect.findings import Finding
+from trainwarden.supervisor.detect.node_lost import NodeLostConfig, detect_lost_nodes
 
 NOW = 2_000_000.0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.detect.stacks import classify_dump, hang_culprit, parse_dump
+from trainwarden.supervisor.detect.stacks import classify_dump, hang_culprit, parse_dump
 
 DUMPS = Path(__file__).with_name("stacks")
 

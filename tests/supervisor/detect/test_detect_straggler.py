@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.detect.findings import Finding
-from supervisor.detect.straggler import (
+from trainwarden.supervisor.detect.findings import Finding
+from trainwarden.supervisor.detect.straggler import (
     StragglerConfig,
     detect_stragglers,
     pre_collective_table,

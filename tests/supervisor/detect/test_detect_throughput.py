@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from supervisor.detect.findings import Finding
-from supervisor.detect.throughput import (
+from trainwarden.supervisor.detect.findings import Finding
+from trainwarden.supervisor.detect.throughput import (
     ThroughputConfig,
     ThroughputPoint,
     detect_throughput_decay,

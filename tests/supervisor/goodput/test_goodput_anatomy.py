@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.goodput.anatomy import MILESTONES, PHASES, anatomy
+from trainwarden.supervisor.goodput.anatomy import MILESTONES, PHASES, anatomy
 
 FULL = {"decided": 100.0, "workers_stopped": 102.5, "torchrun_started": 103.0,
         "rendezvous_done": 107.0, "checkpoint_loaded": 108.5, "first_step": 110.0}

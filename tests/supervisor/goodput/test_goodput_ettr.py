@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from supervisor.goodput.ettr import (
+from trainwarden.supervisor.goodput.ettr import (
     PARTS,
     AgentsDown,
     AgentsUp,

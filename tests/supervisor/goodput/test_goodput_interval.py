@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from supervisor.goodput.interval import (
+from trainwarden.supervisor.goodput.interval import (
     LLAMA3_PER_NODE_DAY,
     META_RSC_PER_NODE_DAY,
     IntervalInputs,

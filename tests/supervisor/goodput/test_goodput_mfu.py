@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.goodput.mfu import (
+from trainwarden.supervisor.goodput.mfu import (
     RankPhases,
     ScalingConfig,
     band,

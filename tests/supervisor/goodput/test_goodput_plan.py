@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.goodput import interval as iv
-from supervisor.goodput.plan import (
+from trainwarden.supervisor.goodput import interval as iv
+from trainwarden.supervisor.goodput.plan import (
     PlanInputs,
     activation_bytes_per_layer,
     bytes_per_param,

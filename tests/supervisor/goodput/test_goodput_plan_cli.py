@@ -20,7 +20,8 @@ SEVEN_B = ["--params", "7B", "--devices", "8"]
 
 
 def plan(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", "plan", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "trainwarden.supervisor.cli", "plan", *args],
+                          cwd=REPO,
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})})
 
@@ -60,7 +61,7 @@ def test_runs_without_the_supervisor_packages() -> None:
         "        if name.split('.')[0] in BLOCKED:\n"
         "            raise ImportError(f'{name} is not installed here')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import supervisor.cli as c\n"
+        "import trainwarden.supervisor.cli as c\n"
         "raise SystemExit(c.main(['plan', '--params', '7B', '--seq-len', '2048']))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -78,7 +79,7 @@ def test_bad_input_is_a_clear_error() -> None:
 
 
 def test_listed_in_the_main_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "trainwarden.supervisor.cli", "--help"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert "plan" in out.stdout
 

@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from supervisor.goodput.ettr import CheckpointSaved, Incident, Resumed
-from supervisor.goodput.interval import expected_ettr
-from supervisor.goodput.simulate import FaultKind, SimConfig, events, simulate
+from trainwarden.supervisor.goodput.ettr import CheckpointSaved, Incident, Resumed
+from trainwarden.supervisor.goodput.interval import expected_ettr
+from trainwarden.supervisor.goodput.simulate import FaultKind, SimConfig, events, simulate
 
 CRASH = FaultKind("crash", 1.0, detect_s=1.0, restart_s=9.0)
 

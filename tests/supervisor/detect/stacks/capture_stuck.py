@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from agent.worker import ResumableLoader, init_distributed
+from trainwarden.agent.worker import ResumableLoader, init_distributed
 
 info = init_distributed(timeout=300)
 mode = sys.argv[1]
