@@ -44,6 +44,11 @@ def test_each_wall_catches_a_forbidden_import(repo_root: Path, tmp_path: Path) -
         shutil.copytree(repo_root / pkg, tmp_path / pkg,
                         ignore=shutil.ignore_patterns("__pycache__", "static", "templates"))
     shutil.copy(repo_root / "pyproject.toml", tmp_path)
+    # The import root over the copies, as trainwarden/ lays it over the repository's folders.
+    (tmp_path / "trainwarden").mkdir()
+    shutil.copy(repo_root / "trainwarden" / "__init__.py", tmp_path / "trainwarden")
+    for pkg in ("agent", "supervisor"):
+        (tmp_path / "trainwarden" / pkg).symlink_to(Path("..") / pkg)
     for path, line in BREACHES.values():
         f = tmp_path / path
         f.write_text(f.read_text() + f"\n{line}  # noqa\n")
