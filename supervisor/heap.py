@@ -5,9 +5,9 @@ a full collection runs whenever a quarter as many objects again as the last one 
 reached the old generation.  A supervisor under load keeps hundreds of thousands of
 objects that never die (modules, the app, the ORM's metadata, one protocol per agent
 connection) and promotes each in-flight request's objects to the old generation at every
-young collection that catches them alive: at 2,048 agents that was a full collection every
-2-3 s, each stopping the event loop for 100-165 ms, and every batch that arrived in it
-waited.
+young collection that catches them alive, so under heavy ingest full collections come every
+few seconds, each stopping the event loop long enough to show in ingest latency: every batch
+that arrives during one waits.
 
 ``settle`` runs once startup is done: the objects alive then are frozen (never walked
 again), and a young collection waits for 10,000 more tracked objects than died instead of

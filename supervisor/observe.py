@@ -63,7 +63,7 @@ class DetectionConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)
     overload: OverloadConfig = field(default_factory=OverloadConfig)
     straggler_table_steps: int = 100  # newest steps of per-rank timings read each time
-    # Judging stragglers costs ranks x steps (57 ms for 4,096 ranks here) and competes with
+    # Judging stragglers costs ranks x steps, and at thousands of ranks it competes with
     # ingest for the process: it runs at most every straggler_interval_s and never more
     # often than 25 times its own last duration (at most ~4% of a core), so a small run is
     # judged every tick and one of thousands of ranks every second or two.

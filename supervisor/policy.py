@@ -394,7 +394,7 @@ def operator_stop(run: RunFacts, *, reason: str, actor: str) -> Decision:
 
 
 # ---------------------------------------------------------------------------------------------
-# Findings of the detectors (issue 4)
+# Findings of the detectors
 
 # Failures that end the attempt: the gang restarts.  One attempt fails once: whichever of
 # these is seen first for an attempt decides, the others of the same attempt are echoes.

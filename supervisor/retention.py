@@ -11,8 +11,8 @@ what answers an agent's replay as a duplicate) are kept for each agent's newest
 the newest ones.
 
 ``Retention.tick`` does a bounded amount of that work (at most ``chunks_per_tick`` slices
-of at most ``chunk_rows`` rows, each its own short write transaction: about 7 us a row on
-SQLite, so an agent's ingest waits for one slice, ~15 ms, at most); the evaluator calls it
+of at most ``chunk_rows`` rows, each its own short write transaction, so an agent's ingest
+waits behind one slice at most, not behind the whole backlog); the evaluator calls it
 at the end of each tick, so on Postgres only the replica that leads does it, under the
 lease's fence.
 

@@ -232,8 +232,8 @@ class IngestBatch(_Wire):
 
         The text hashed is ``model_dump_json(include={"attempt", "items"},
         exclude_defaults=True)``, assembled from each item's own serializer: the list's
-        serializer tries the union's types for every item, which took twice as long (the
-        digest is computed for every batch stored)."""
+        serializer tries the union's types for every item, work an item's own serializer
+        skips, and the digest is computed for every batch stored."""
         parts = []
         if self.attempt != 0:  # (the defaults are left out)
             parts.append(f'"attempt":{self.attempt}')

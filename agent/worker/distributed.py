@@ -97,10 +97,10 @@ def collect_garbage_at_exit() -> None:
     shutdown instead, a gloo thread releasing its last all-reduce's tensors needs the GIL,
     Python ends that thread with ``pthread_exit`` because it is finalizing, and the forced
     unwind through C++ aborts the finished worker ("terminate called without an active
-    exception", exit -6; 4 clean runs in 129 on this 2-core machine, core dumps show that
-    stack).  An ``atexit`` collection frees the group first, while its threads can still
-    finish and be joined.  Registered once, by ``init_distributed`` and by the ``Checkpointer``
-    (whose state-dict calls make the cycles, also under a process group started elsewhere).
+    exception", exit -6; core dumps show that stack).  An ``atexit`` collection frees the
+    group first, while its threads can still finish and be joined.  Registered once, by
+    ``init_distributed`` and by the ``Checkpointer`` (whose state-dict calls make the cycles,
+    also under a process group started elsewhere).
     """
     global _backend_cleanup_registered
     if not _backend_cleanup_registered:

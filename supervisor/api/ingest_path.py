@@ -4,10 +4,10 @@ Every node agent posts a batch a second: at thousands of agents the ingest route
 all of the supervisor's requests, and each layer of the stack (body limits, JSON bodies,
 cookies, ETags, request metrics, security headers, routing, dependency resolution) costs it
 time per request that none of them needs to spend on it; so do FastAPI's own layers (its
-error pages, its telemetry, its body limit: 18% of the ingest request's time at 2,048 agents).
-This middleware is the app's ``front`` (``trainwarden.supervisor.app.SupervisorApp``), ahead of
-them all,
-and does for the ingest route what those layers would, once:
+error pages, its telemetry, its body limit), together a noticeable share of each ingest
+request's time.  This middleware is the app's ``front``
+(``trainwarden.supervisor.app.SupervisorApp``), ahead of them all, and does for the ingest
+route what those layers would, once:
 
 * the body limit (``server.max_body_bytes``): 413 from the declared length or the bytes read;
 * the token check (``TokenCheck("agent")``, the route's dependency): 401/403 as the route;
@@ -16,7 +16,7 @@ and does for the ingest route what those layers would, once:
 * the request counter and the ingest latency histogram (``trainwarden.supervisor.metrics``);
 * an unexpected error: 500, logged with its traceback (FastAPI's error layer).
 
-Any other request, and any other method on the path, goes down the stack as before.
+Any other request, and any other method on the path, goes down the whole stack.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The agent's state belongs to the supervisor's identity of the run (its uuid), not to the
 run's name: in the default state location (``XDG_STATE_HOME``, no ``--state-dir``) a second
-run with the same name archives the first one's state before any worker starts (issue 11,
-item 1)."""
+run with the same name archives the first one's state before any worker starts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The agent's credential (issue 10, item 1): the real ``Uplink`` against the real supervisor
+"""The agent's credential: the real ``Uplink`` against the real supervisor
 (uvicorn on SQLite, the supervisor's clock in the test's hands).  The credential is kept in
 the state dir, a restarted agent keeps its node by presenting it, an agent whose state was
 lost waits until its old incarnation is called lost, and an agent taken over stops."""

@@ -1,4 +1,4 @@
-"""An agent that knows several supervisor addresses (issue 13, item 2): the real ``Uplink``
+"""An agent that knows several supervisor addresses: the real ``Uplink``
 against two real supervisor processes sharing one Postgres.  The first is killed; the batches
 spooled meanwhile go to the second, in order, under the same registration and credential,
 each stored once.  And against a real supervisor beside an address that answers 503 (moved

@@ -1,7 +1,7 @@
-"""The run page's loss chart reads at a glance (issue 14 item 6), in a real browser: a loss
+"""The run page's loss chart reads at a glance, in a real browser: a loss
 spike of 1e4 leaves the normal curve a readable band (log axis), the labels of markers close
 together (a spike, restarts, rollbacks a few steps apart) never overlap, and the goodput bar
-(item 1) stands beside the chart."""
+stands beside the chart."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The run page shows each restart's phases, the checkpoint-interval advice and the MFU
-diagnosis (issue 14 items 2-4), the same figures as the API; ``/metrics`` has the phases as
+diagnosis, the same figures as the API; ``/metrics`` has the phases as
 a histogram.  The scripted run is ``synth.efficiency_script``'s (phases 1.5, 1, 2.5, 2 and
 2 s, 9 s in all)."""
 

@@ -1,4 +1,4 @@
-"""The live ETTR of a run (issue 14 item 1) on a scripted history whose every part is known:
+"""The live ETTR of a run on a scripted history whose every part is known:
 the evaluator's incremental accounting, on ``GET /api/v1/runs/{run}`` and ``/metrics``.
 
 The history (seconds after the run's registration at T0; 4 ranks on 2 nodes, rank 3 slow):

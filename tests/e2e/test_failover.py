@@ -1,4 +1,4 @@
-"""Two supervisor replicas on one Postgres (issue 13, item 2): a real 2-worker torchrun run
+"""Two supervisor replicas on one Postgres: a real 2-worker torchrun run
 under an agent that knows both addresses; the replica that leads the evaluator is SIGKILLed
 mid-run, then a worker crashes.  The standby takes the evaluator lease within the lease's
 bound and handles the crash exactly once (one incident, one restart action), and the run
@@ -84,7 +84,7 @@ def test_the_standby_takes_over_from_a_killed_leader_and_handles_a_crash_once(
                          "replica b to take the evaluator lease", interval=0.1)
         takeover_s = time.monotonic() - killed
         print(f"takeover after SIGKILL: {takeover_s:.2f} s")
-        # The lease's bound (7 s by default) with room for a loaded machine: the issue's 10 s.
+        # The lease's bound (7 s by default) with room for a loaded machine: 10 s.
         assert LeaseConfig().takeover_bound_s <= 7.0
         assert takeover_s <= 10.0
         assert led["epoch"] == 2

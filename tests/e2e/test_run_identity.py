@@ -1,4 +1,4 @@
-"""A reused run name is another run (issue 11, item 1), through the default state location
+"""A reused run name is another run, through the default state location
 (``XDG_STATE_HOME``, no ``--state-dir``): a first run restarts once (attempt 1, a resume plan
 naming its own checkpoint), then the same name is started again with its own checkpoint
 directory, on the same supervisor (refused: the run has ended) and on a fresh one (it starts

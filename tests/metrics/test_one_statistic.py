@@ -72,7 +72,7 @@ def feed_two_ranks(run: SynthRun, clock: FakeClock, steps: range,
 
 
 @pytest.mark.parametrize(("case", "compute", "score", "slow"), [
-    # the example: two ranks, one 1.5x slower (the median of all ranks read 0.833)
+    # two ranks, one 1.5x slower (against the median of all ranks it would score 0.833)
     ("slow", (0.2, 0.3), 2 / 3, True),
     ("mild", (0.2, 0.24), 0.2 / 0.24, False),
     # 1.5x as slow but only 1 ms slower: scheduler noise at millisecond steps, not a straggler

@@ -88,7 +88,7 @@ def test_at_most_sixteen_roots(client: TestClient) -> None:
     assert r.status_code == 422
 
 
-# ---- the failures -------------------------------------------------------------------
+# ---- checkpoint paths outside the agent's roots ---------------------------------------------
 
 
 @pytest.mark.parametrize("path", ["/etc/ssh", "../../../../etc", "/ck/../etc",

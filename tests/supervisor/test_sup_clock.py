@@ -56,9 +56,9 @@ def skew_events(client: TestClient, run: str = "r1") -> list[dict[str, Any]]:
 
 def test_the_newest_checkpoint_is_the_highest_step_whatever_the_agent_clock_says(
         client: TestClient, evaluator: Evaluator, db: Database, clock: FakeClock) -> None:
-    """The issue's failure: a step-1 checkpoint stamped in the future was the "newest" and a
-    crash restart resumed 98 steps back.  Stamped within the allowed skew (an hour ahead), so
-    the time is kept as reported: the ordering alone must not use it."""
+    """A step-1 checkpoint stamped in the future must not be the "newest" (a crash restart
+    would resume 98 steps back).  Stamped within the allowed skew (an hour ahead), so the time
+    is kept as reported: the ordering alone must not use it."""
     a = register(client)["agent_id"]
     now = clock()
     ingest(client, a, 0, [step(0, s, world_size=1, t=now) for s in range(100)]

@@ -1,6 +1,6 @@
-"""Per-agent credentials and node takeover (issue 10, item 1): the agent token alone no
-longer lets one agent speak for another.  A holder registered only on run B tries what the
-issue lists against run A's agent: each attempt is 403 and stores nothing."""
+"""Per-agent credentials and node takeover: the agent token alone does not let one agent
+speak for another.  A holder registered only on run B tries each way of speaking for run A's
+agent: each attempt is 403 and stores nothing."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_a_pre_claim_cannot_make_the_real_batch_a_duplicate(
 
 def test_another_agents_commands_cannot_be_acknowledged(
         client: TestClient, evaluator: Evaluator, two_runs: tuple[int, int, str]) -> None:
-    """(f): the restart queued for A's agent stays pending until A itself acknowledges it."""
+    """The restart queued for A's agent stays pending until A itself acknowledges it."""
     a_id, seq, b_cred = two_runs
     ingest(client, a_id, seq, [crash()])
     evaluator.tick()

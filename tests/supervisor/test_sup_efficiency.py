@@ -1,4 +1,4 @@
-"""Restart anatomy, checkpoint-interval advice and MFU/scaling (issue 14 items 2-4) on a
+"""Restart anatomy, checkpoint-interval advice and MFU/scaling on a
 scripted run whose every answer is known, through the store reads and the API, on SQLite
 and Postgres.
 

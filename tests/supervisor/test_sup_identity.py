@@ -1,6 +1,6 @@
 """A run is itself: every run has a uuid issued at creation, a finished run is not reopened by
 a new agent, and an agent whose reports carry another attempt than the run's is realigned
-within seconds, or an incident says why (issue 11, item 1)."""
+within seconds, or an incident says why."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The evaluator lease (issue 13, item 2): the store's lease functions on SQLite and Postgres,
+"""The evaluator lease: the store's lease functions on SQLite and Postgres,
 the fence a deposed leader's decision meets, and the leadership of replicas on one store."""
 
 from __future__ import annotations

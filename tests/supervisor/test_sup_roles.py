@@ -1,4 +1,4 @@
-"""Tokens with roles (issue 10, item 1): viewer, agent, operator, admin, optionally scoped to
+"""Tokens with roles: viewer, agent, operator, admin, optionally scoped to
 runs; the settings' tokens as bootstrap tokens; the token routes and CLI; and a token x route
 x role matrix over every route the app has (API, dashboard, /metrics)."""
 

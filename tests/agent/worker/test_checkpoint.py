@@ -297,9 +297,9 @@ def test_iterating_a_restored_loader_leaves_the_global_rngs_as_resume_left_them(
 
 def test_a_plan_left_by_an_earlier_run_of_the_name_never_loads_its_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 11: a second run with a reused name was handed the first run's resume plan and
-    resumed from the first run's checkpoint directory.  The plan is refused, whether its
-    directory is a sibling or merely shares the name's prefix, and nothing is loaded."""
+    """A second run with a reused name must not resume from the first run's checkpoint
+    directory through a resume plan handed to it: the plan is refused, whether its directory
+    is a sibling or merely shares the name's prefix, and nothing is loaded."""
     first, second = tmp_path / "first" / "ckpt", tmp_path / "second" / "ckpt"
     prefix = tmp_path / "second" / "ckpt-old"  # "second/ckpt" is a string prefix of it
     for root in (first, prefix):
