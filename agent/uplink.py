@@ -74,6 +74,7 @@ from typing import Any
 import httpx
 
 from trainwarden.agent import deadletter, protocol
+from trainwarden.agent.core.names import supervisor_urls
 from trainwarden.agent.deadletter import DeadLetters
 from trainwarden.agent.spool import Spool
 from trainwarden.agent.statefile import load_json, save_json
@@ -126,11 +127,8 @@ class Uplink:
             headers["Authorization"] = f"Bearer {token}"
         # One address, or the replicas' (a comma-separated string or a list): see
         # ``_unavailable`` for how the sender moves between them.
-        self.urls = [u.strip().rstrip("/") for u in (
-            supervisor_url.split(",") if isinstance(supervisor_url, str) else supervisor_url)
-            if u.strip()]
-        if not self.urls:
-            raise ValueError("no supervisor address")
+        self.urls = supervisor_urls(
+            supervisor_url if isinstance(supervisor_url, str) else ",".join(supervisor_url))
         self._url_i = 0
         self._moved = 0  # addresses moved on since the last answer (backoff after a round)
         # Short timeouts: the agent must never stall on a slow supervisor.

@@ -9,8 +9,14 @@ as before (no migration), and a value read back from the store compares equal to
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal, get_args
 
 from trainwarden.agent.core.findings import FindingKind
+
+# A token's role: viewer (reads), agent (registers node agents and posts their batches),
+# operator (acts on runs), admin (everything, the tokens included).
+Role = Literal["viewer", "agent", "operator", "admin"]
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 class RunStatus(StrEnum):

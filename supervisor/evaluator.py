@@ -177,12 +177,10 @@ class Evaluator:
                 conn, ended_before=now - grace):
             with self._contained(conn, run_id, JudgeStage.UPKEEP, now):
                 revoked = credentials.revoke_run(conn, run_id=run_id, now=now)
-                attempt = registry.get_run(conn, run_id=run_id)["attempt"]
-                rec.insert_event(
-                    conn, run_id=run_id, agent_id=None, attempt=attempt, rank=None, t=now,
-                    name=SupervisorEvent.CREDENTIALS_REVOKED, step=None,
-                    message=f"the run has ended: the credentials of its {len(revoked)} "
-                            "agent(s) are revoked", details={"agents": revoked})
+                self._supervisor_event(
+                    conn, run_id, SupervisorEvent.CREDENTIALS_REVOKED, now,
+                    f"the run has ended: the credentials of its {len(revoked)} agent(s) are "
+                    "revoked", {"agents": revoked})
                 if self.on_revoked is not None:
                     self.on_revoked(revoked)
 
@@ -211,32 +209,32 @@ class Evaluator:
         log.exception("run %s: judging it failed at %s (retried next tick; other runs are "
                       "judged as usual)", run_id, stage)
         what = untrusted.clean(f"{type(error).__name__}: {error}", 2000)
-        try:
-            with conn.begin_nested():
-                attempt = registry.get_run(conn, run_id=run_id)["attempt"]
-                rec.insert_event(
-                    conn, run_id=run_id, agent_id=None, attempt=attempt, rank=None, t=now,
-                    name=SupervisorEvent.JUDGE_FAILED, step=None,
-                    message=f"the supervisor failed to judge this run ({stage}): {what}; it "
-                            "retries on every tick, and other runs are judged as usual",
-                    details={"stage": str(stage), "error": what})
-        except Exception:
-            log.exception("run %s: recording the failure failed too", run_id)
+        self._supervisor_event(
+            conn, run_id, SupervisorEvent.JUDGE_FAILED, now,
+            f"the supervisor failed to judge this run ({stage}): {what}; it retries on every "
+            "tick, and other runs are judged as usual", {"stage": str(stage), "error": what})
 
     def _recovered(self, conn: Connection, now: float) -> None:
         """Runs whose failing episode ended this tick: an event says so."""
         for run_id in [r for r in self._failing if r not in self._failed_this_tick]:
             since = self._failing.pop(run_id)
-            try:
-                with conn.begin_nested():
-                    attempt = registry.get_run(conn, run_id=run_id)["attempt"]
-                    rec.insert_event(
-                        conn, run_id=run_id, agent_id=None, attempt=attempt, rank=None, t=now,
-                        name=SupervisorEvent.JUDGE_RECOVERED, step=None,
-                        message=f"the supervisor judges this run again (it failed for "
-                                f"{now - since:.1f} s)", details={"failed_since": since})
-            except Exception:
-                log.exception("run %s: recording the recovery failed", run_id)
+            self._supervisor_event(
+                conn, run_id, SupervisorEvent.JUDGE_RECOVERED, now,
+                f"the supervisor judges this run again (it failed for {now - since:.1f} s)",
+                {"failed_since": since})
+
+    def _supervisor_event(self, conn: Connection, run_id: int, name: SupervisorEvent,
+                          now: float, message: str, details: dict[str, Any]) -> None:
+        """One event about the supervisor's own handling of a run, in a savepoint of its own
+        (recording it must not take the rest of the tick down with it)."""
+        try:
+            with conn.begin_nested():
+                attempt = registry.get_run(conn, run_id=run_id)["attempt"]
+                rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=attempt,
+                                 rank=None, t=now, name=name, step=None, message=message,
+                                 details=details)
+        except Exception:
+            log.exception("run %s: recording the %s event failed", run_id, name)
 
     # -- overload ----------------------------------------------------------------------------
 

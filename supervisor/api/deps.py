@@ -19,6 +19,7 @@ from fastapi import Depends, HTTPException, Request, status
 
 from trainwarden.supervisor.config import AuthConfig, SupervisorSettings
 from trainwarden.supervisor.detect.straggler import StragglerConfig
+from trainwarden.supervisor.enums import Role
 from trainwarden.supervisor.evaluator import Clock
 from trainwarden.supervisor.ingest import IngestWriter
 from trainwarden.supervisor.store import credentials, tokens
@@ -55,7 +56,6 @@ async def get_settings(request: Request) -> SupervisorSettings:
     return s
 
 
-Role = Literal["viewer", "agent", "operator", "admin"]
 # The roles each need admits: reads any token; agent routes an agent's, an operator's (and
 # the admin's); operator routes an operator's (and the admin's); the token routes the admin's.
 ADMITS: dict[str, frozenset[str]] = {
@@ -69,7 +69,7 @@ SETTINGS_TOKEN = "settings"  # the name a bootstrap token from the settings goes
 
 @dataclass(frozen=True)
 class Principal:
-    role: Literal["viewer", "agent", "operator", "admin", "anonymous"]
+    role: Role | Literal["anonymous"]
     token: str = SETTINGS_TOKEN  # the token's name ("settings": a bootstrap token)
     scope: str | None = None  # a run name, or a prefix ending in "*"; None: every run
 

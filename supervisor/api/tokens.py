@@ -3,7 +3,7 @@ them (never their secrets), revoke one."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, status
 from pydantic import BaseModel, Field
@@ -12,6 +12,7 @@ from trainwarden.agent.core.names import RUN_SCOPE_PATTERN
 from trainwarden.supervisor.api.deps import DB, AdminAuth, ClockDep
 from trainwarden.supervisor.api.errors import ERROR_RESPONSES
 from trainwarden.supervisor.api.responses import NewToken, TokenList, TokenRevoked, documented
+from trainwarden.supervisor.enums import Role
 from trainwarden.supervisor.limits import TokenName
 from trainwarden.supervisor.store import tokens
 
@@ -20,7 +21,7 @@ router = APIRouter(tags=["tokens"], responses=ERROR_RESPONSES)
 
 class TokenRequest(BaseModel):
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-    role: Literal["viewer", "agent", "operator", "admin"]
+    role: Role
     scope: str | None = Field(
         default=None, max_length=201, pattern=RUN_SCOPE_PATTERN,
         description="viewer, agent and operator tokens: one run's name, or a run-name "

@@ -9,10 +9,11 @@ from typing import TypedDict
 
 from sqlalchemy import Connection, delete, select, update
 
+from trainwarden.supervisor import enums
 from trainwarden.supervisor.store.credentials import digest
 from trainwarden.supervisor.store.tables import api_tokens
 
-ROLES = ("viewer", "agent", "operator", "admin")
+ROLES = enums.ROLES
 SECRET_PREFIX = "twt_"
 
 
