@@ -13,10 +13,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainwarden.agent import deadletter
+from trainwarden.agent import deadletter, uplink
 from trainwarden.agent.core.hang import HangConfig
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
-from trainwarden.agent.uplink import MAX_5XX_TRIES
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
 
@@ -52,21 +51,21 @@ class AgentConfig:
     batch_interval_s: float = 1.0
     # Main loop period: how often the socket is drained and torchrun polled.
     tick_interval_s: float = 0.1
-    http_timeout_s: float = 3.0
+    http_timeout_s: float = uplink.HTTP_TIMEOUT_S
     # Before launching, how long to try registering: the reply says which run this is (its
     # uuid and attempt), so the workers never start from another run's state.  A supervisor
     # that does not answer in time delays training by this much at most.
     register_wait_s: float = 10.0
     # Spool bound (undelivered batches on disk); the oldest go first when it is full.
-    spool_max_bytes: int = 256 * 1024 * 1024
-    spool_max_batches: int = 20_000
+    spool_max_bytes: int = uplink.SPOOL_MAX_BYTES
+    spool_max_batches: int = uplink.SPOOL_MAX_BATCHES
     # Batches the supervisor refused, kept for a human (``dead-letter/`` in the state dir).
     dead_letter_max_bytes: int = deadletter.MAX_BYTES
     dead_letter_max_batches: int = deadletter.MAX_BATCHES
     # 5xx answers in a row before a batch steps out of line for the newer ones.
-    max_5xx_tries: int = MAX_5XX_TRIES
+    max_5xx_tries: int = uplink.MAX_5XX_TRIES
     # Items per batch: a burst of step reports is split so no request grows unbounded.
-    max_items_per_batch: int = 5_000
+    max_items_per_batch: int = uplink.MAX_ITEMS_PER_BATCH
     # In-memory queue of worker datagrams between two ticks.
     queue_max: int = 100_000
     # On exit (completed / stopped), how long to try delivering what is left in the spool.

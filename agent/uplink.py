@@ -97,8 +97,14 @@ _BACKOFF_MIN_S = 0.5
 _BACKOFF_MAX_S = 10.0
 _RETRY_4XX = {401, 403, 408, 429}
 _UNAVAILABLE = {502, 503, 504}
-# Tries of a batch answered 5xx before it steps out of line (AgentConfig's default too).
+# The uplink's defaults, written once (AgentConfig's are these): tries of a batch answered
+# 5xx before it steps out of line; the spool's bounds (the oldest go first when it is full);
+# items per batch (a burst of step reports is split); the HTTP timeout of one request.
 MAX_5XX_TRIES = 5
+SPOOL_MAX_BYTES = 256 * 1024 * 1024
+SPOOL_MAX_BATCHES = 20_000
+MAX_ITEMS_PER_BATCH = 5_000
+HTTP_TIMEOUT_S = 3.0
 # Announcements of batches set aside, waiting for the next batch; beyond this many the
 # oldest go (each one carries the running count, so the total is never lost).
 _MAX_NOTICES = 100
@@ -112,13 +118,13 @@ class Uplink:
         token: str | None,
         state_dir: Path,
         register_request: protocol.RegisterRequest,
-        spool_max_bytes: int = 256 * 1024 * 1024,
-        spool_max_batches: int = 20_000,
-        max_items_per_batch: int = 5_000,
+        spool_max_bytes: int = SPOOL_MAX_BYTES,
+        spool_max_batches: int = SPOOL_MAX_BATCHES,
+        max_items_per_batch: int = MAX_ITEMS_PER_BATCH,
         max_5xx_tries: int = MAX_5XX_TRIES,
         dead_letter_max_bytes: int = deadletter.MAX_BYTES,
         dead_letter_max_batches: int = deadletter.MAX_BATCHES,
-        http_timeout_s: float = 3.0,
+        http_timeout_s: float = HTTP_TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
