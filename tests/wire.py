@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from trainwarden.agent.protocol import decode_datagrams
@@ -42,10 +40,3 @@ class Receiver:
         self.sock.close()
 
 
-def wait_for(cond: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll ``cond`` until it is true; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.02)

@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,6 @@ FAKE_TORCHRUN = HERE / "fake_torchrun.py"
 REPO = HERE.parents[1]
 
 
-def wait_for(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02,
-             what: str = "condition") -> Any:
-    """Poll ``cond`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class FakeSupervisor:

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_fakes import FakeRun, FakeSupervisor, wait_for
+from agent_fakes import FakeRun, FakeSupervisor
 
+from tests.waiting import wait_for
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig, default_state_dir
 from trainwarden.agent.loop import EXIT_REFUSED, Agent

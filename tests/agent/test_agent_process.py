@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_fakes import REPO, FakeRun, FakeSupervisor, wait_for
+from agent_fakes import REPO, FakeRun, FakeSupervisor
 
+from tests.waiting import wait_for
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.core.hang import HangConfig

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.agent.agent_fakes import FakeRun, FakeSupervisor, wait_for
+from tests.agent.agent_fakes import FakeRun, FakeSupervisor
+from tests.waiting import wait_for
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.loop import Agent

@@ -13,14 +13,15 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.waiting import wait_for
 
 CHROMIUM = os.environ.get("TRAINWARDEN_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -92,15 +93,6 @@ def wait_for_charts(page: Any, timeout_ms: int = 15_000) -> None:
     page.wait_for_selector("#chart-loss canvas", timeout=timeout_ms)
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @dataclass

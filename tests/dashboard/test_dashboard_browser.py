@@ -20,11 +20,11 @@ from tests.dashboard.browser import (
     screenshot,
     serve_in_thread,
     supervisor_process,
-    wait_for,
     wait_for_charts,
     wait_for_rollback,
 )
 from tests.dashboard.synth import OPERATOR, OPERATOR_TOKEN, SynthRun
+from tests.waiting import wait_for
 from trainwarden.supervisor.store.db import Database
 
 

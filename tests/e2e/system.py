@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.torchrun import EXAMPLES, TORCHRUN, worker_env
+from tests.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT_TOKEN = "e2e-agent-token"
@@ -30,15 +30,9 @@ def free_port() -> int:
 
 
 def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Poll ``cond()`` until it returns something truthy; fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    """``tests.waiting.wait_for`` at the pace of real processes (each poll is an HTTP read
+    or a process listing)."""
+    return wait_for(cond, timeout, what, interval=interval)
 
 
 @contextlib.contextmanager

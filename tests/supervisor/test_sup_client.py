@@ -15,7 +15,8 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from tests.dashboard.browser import serve_in_thread, wait_for
+from tests.dashboard.browser import serve_in_thread
+from tests.waiting import wait_for
 from trainwarden.supervisor import cli
 from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings

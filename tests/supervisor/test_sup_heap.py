@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.dashboard.browser import supervisor_process, wait_for
+from tests.dashboard.browser import supervisor_process
+from tests.waiting import wait_for
 from trainwarden.supervisor import heap
 
 REPO = Path(__file__).resolve().parents[2]

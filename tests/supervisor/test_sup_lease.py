@@ -21,6 +21,7 @@ from sup_helpers import (
     step,
 )
 
+from tests.waiting import wait_for
 from trainwarden.supervisor.evaluator import Evaluator
 from trainwarden.supervisor.leader import Leadership, LeaseConfig, LedEvaluator
 from trainwarden.supervisor.observer import ObserverProcess
@@ -177,13 +178,6 @@ def test_the_lease_settings_are_validated() -> None:
 FAST = LeaseConfig(duration_s=0.6, renew_s=0.2)
 
 
-def _wait(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s: {what}")
-        time.sleep(0.05)
-    return value
 
 
 @pytest.fixture
@@ -198,7 +192,7 @@ def test_one_replica_leads_and_a_standby_takes_over_after_expiry(pg_db: Database
     assert a.step() is True
     assert b.step() is False
     # a stops renewing (killed): b leads once the lease has expired, under the next epoch.
-    _wait(b.step, 5, "the standby to take the expired lease")
+    wait_for(b.step, 5, "the standby to take the expired lease")
     assert b.status()["epoch"] == 2
 
 
@@ -225,7 +219,7 @@ def test_an_old_leader_coming_back_has_its_decision_refused(
     la, lb = Leadership(pg_db, FAST, holder="a"), Leadership(pg_db, FAST, holder="b")
     led_a, led_b = LedEvaluator(evaluators[0], la, 0.5), LedEvaluator(evaluators[1], lb, 0.5)
     assert la.step() is True
-    _wait(lb.step, 5, "b to take the lease a stopped renewing")
+    wait_for(lb.step, 5, "b to take the lease a stopped renewing")
     # a still believes it leads (its renewal is not due yet): its late tick is fenced.
     assert la.leading
     with pytest.raises(lease.Fenced):
@@ -253,7 +247,7 @@ def test_a_late_tick_inside_the_loop_is_refused_logged_and_steps_down(
     la, lb = Leadership(pg_db, FAST, holder="a"), Leadership(pg_db, FAST, holder="b")
     led_a = LedEvaluator(ev, la, 0.5)
     la.step()
-    _wait(lb.step, 5, "b to take the lease")
+    wait_for(lb.step, 5, "b to take the lease")
     la._next_try = float("inf")  # a's renewal not due: it ticks as the leader it thinks it is
     led_a.once(tick=True)
     assert led_a.fenced == 1

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
-from test_sup_process import wait_for
+
+from tests.waiting import wait_for
 
 AGENT, OPERATOR = "agent-token", "operator-token"
 NODE_LOST_S = 4.0

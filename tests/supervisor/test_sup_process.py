@@ -5,26 +5,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
 
+from tests.waiting import wait_for
+
 T = TypeVar("T")
 
 
-def wait_for(cond: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Poll ``cond`` until it returns a truthy value or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)  # poll interval, not a wait for a fixed outcome
 
 
 def test_supervisor_subprocess_answers_healthz(tmp_path: Path, repo_root: Path) -> None:

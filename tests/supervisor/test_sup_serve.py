@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-from tests.dashboard.browser import supervisor_process, wait_for
+from tests.dashboard.browser import supervisor_process
+from tests.waiting import wait_for
 from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings
 from trainwarden.supervisor.httpguard import HttpConfig

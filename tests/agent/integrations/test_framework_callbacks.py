@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.wire import Receiver, wait_for
+from tests.waiting import wait_for
+from tests.wire import Receiver
 from trainwarden.agent.protocol import ENV_AGENT_SOCKET, ENV_RESUME_PLAN, PIN_FILE
 from trainwarden.agent.worker.report import Reporter, set_reporter
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_for
 from trainwarden.agent.protocol import decode_datagrams
 from trainwarden.agent.worker.report import (
     PhaseTimer,
@@ -47,7 +48,7 @@ def test_step_report_reaches_the_agent(receiver, tmp_path: Path) -> None:  # typ
                   grad_norm=torch.tensor(2.0), data_s=timer.data_s, compute_s=timer.compute_s,
                   step_s=timer.step_s, batch_index=9)
     r.event("custom", "hello", step=7)
-    _wait(lambda: len(receiver.messages) == 2)  # sent by the reporter's own thread
+    wait_for(lambda: len(receiver.messages) == 2)  # sent by the reporter's own thread
     step, event = receiver.messages
     assert step["type"] == "step" and step["rank"] == 1 and step["step"] == 7
     assert step["loss"] != step["loss"]  # NaN survives the wire: it is the signal
@@ -69,7 +70,7 @@ def test_flops_declaration_reaches_the_agent_and_bad_numbers_are_refused(
                 declare_flops(peak_flops_per_rank=1e11, **bad)
         with pytest.raises(ValueError, match="peak_flops_per_rank"):
             declare_flops(flops_per_sample=1.0, peak_flops_per_rank=0)
-        _wait(lambda: len(receiver.messages) == 1)
+        wait_for(lambda: len(receiver.messages) == 1)
     finally:
         set_reporter(None)
     (ev,) = receiver.messages
@@ -95,13 +96,6 @@ def test_full_agent_queue_drops_instead_of_blocking(tmp_path: Path) -> None:
         sink.close()
 
 
-def _wait(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.01)
 
 
 def test_control_characters_in_an_event_message_go_escaped(  # type: ignore[no-untyped-def]
@@ -110,5 +104,5 @@ def test_control_characters_in_an_event_message_go_escaped(  # type: ignore[no-u
     batch): a colourised message reaches it escaped, its line breaks kept."""
     r = Reporter(receiver.path, rank=0, local_rank=0, world_size=1)
     r.event("custom", "\x1b[31mred\x1b[0m\tand\nmore\x00")
-    _wait(lambda: len(receiver.messages) == 1)
+    wait_for(lambda: len(receiver.messages) == 1)
     assert receiver.messages[0]["message"] == "\\x1b[31mred\\x1b[0m\tand\nmore\\x00"
