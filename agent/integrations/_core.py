@@ -40,12 +40,12 @@ from trainwarden.agent.worker.checkpoint import (
     META_FILE,
     CheckpointInfo,
     Validation,
-    _fsync_dir,
-    _rng_state,
-    _set_rng_state,
+    fsync_dir,
     list_checkpoints,
     load_resume_plan,
     meta_lr,
+    rng_state,
+    set_rng_state,
     share_resume_choice,
 )
 from trainwarden.agent.worker.distributed import collect_garbage_at_exit
@@ -95,7 +95,7 @@ def write_manifest(path: Path, meta: dict[str, Any]) -> int:
     tmp = path / f"{META_FILE}.tmp{os.getpid()}"
     tmp.write_text(json.dumps({**meta, "files": files}, indent=1))
     os.replace(tmp, path / META_FILE)
-    _fsync_dir(path)
+    fsync_dir(path)
     return sum(files.values())
 
 
@@ -312,7 +312,7 @@ class RunSession:
         (its own RNG restore, a DataLoader iterator drawing its base seed), so nothing drawn
         between the restore and the step shifts the random streams (dropout)."""
         if self._rng_to_restore is not None:
-            _set_rng_state(self._rng_to_restore)
+            set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
 
     # ---- per step ---------------------------------------------------------------------------
@@ -363,7 +363,7 @@ class RunSession:
         rank 0 writes the manifest, reports the checkpoint and applies retention."""
         position = self.batch_index(step) if step >= self.resumed.start_step else 0
         (path / RANK_FILE.format(rank=self.rank)).write_text(
-            json.dumps({"rng": _rng_state(), "position": position}))
+            json.dumps({"rng": rng_state(), "position": position}))
         self.barrier()
         if self.rank != 0:
             return

@@ -374,7 +374,7 @@ class Checkpointer:
         if p.final.exists():  # a step redone after a rollback: the new branch replaces it
             shutil.rmtree(p.final)
         os.replace(p.partial, p.final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         save_s = time.monotonic() - p.started
         stall_s = p.stall_s if p.stall_s is not None else save_s  # (synchronous: all of it)
         log.info("trainwarden: checkpoint step_%d complete (%d bytes, %.2fs)", p.step, v.nbytes,
@@ -399,7 +399,7 @@ class Checkpointer:
 
     def _state_dict(self, meta: dict[str, Any]) -> dict[str, Any]:
         msd, osd = get_state_dict(self.model, self.optimizer)
-        rank_state = {"rng": _rng_state(),
+        rank_state = {"rng": rng_state(),
                       "data": self.loader.state_dict() if self.loader is not None else None}
         return {"model": msd, "optim": osd, "trainwarden/meta": json.dumps(meta),
                 f"trainwarden/rank{self.rank}": json.dumps(rank_state)}
@@ -485,7 +485,7 @@ class Checkpointer:
                        optim_state_dict=state["optim"])
         meta: dict[str, Any] = json.loads(state["trainwarden/meta"])
         rank_state = json.loads(state[rank_key])
-        _set_rng_state(rank_state["rng"])
+        set_rng_state(rank_state["rng"])
         if self.loader is not None and rank_state.get("data") is not None:
             self.loader.load_state_dict(rank_state["data"])
         self.last_loss = meta.get("loss")
@@ -592,7 +592,10 @@ def meta_lr(s: LRSchedule | None) -> dict[str, Any] | None:
             "start_step": s.start_step}
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """Every random generator a training step may draw from (torch, CUDA, NumPy, Python), as
+    JSON-able lists: saved per rank beside each checkpoint, so a resume draws exactly what an
+    uninterrupted run would have (the framework callbacks save it the same way)."""
     np_state: Any = np.random.get_state()
     py_state = random.getstate()
     return {
@@ -604,7 +607,8 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
-def _set_rng_state(s: dict[str, Any]) -> None:
+def set_rng_state(s: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` saved."""
     torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
     if s.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda"]])
@@ -614,7 +618,9 @@ def _set_rng_state(s: dict[str, Any]) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's new entries durable (a checkpoint's files renamed into place must
+    survive a crash of the node); a file system that cannot says nothing."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
