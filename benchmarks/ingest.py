@@ -159,6 +159,15 @@ class Supervisor:
 # load generator
 
 
+def bulk_insert_rank_steps(conn: Any, *, rows: list[dict[str, Any]]) -> None:
+    """The baseline the ingest path is compared with: a raw bulk insert of the same per-rank
+    step rows, in one statement (benchmark-only: nothing in the package writes rows this
+    way)."""
+    from trainwarden.supervisor.store.tables import rank_steps
+
+    conn.execute(rank_steps.insert(), rows)
+
+
 def step_items(step: int, now: float, attempt: int = 0, node: int = 0,
                world: int = RANKS) -> list[dict[str, Any]]:
     """The 8 step reports of node ``node``: global ranks 8*node .. 8*node+7 of ``world``."""
@@ -443,7 +452,7 @@ def check_stored(db_url: str, run: str, acked_steps: dict[int, int]) -> tuple[in
 def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
     sys.path.insert(0, str(REPO))
     from trainwarden.supervisor import migrate
-    from trainwarden.supervisor.store import ingest, registry
+    from trainwarden.supervisor.store import registry
     from trainwarden.supervisor.store.db import make_database
     from trainwarden.supervisor.wire import RegisterRequest
 
@@ -468,7 +477,7 @@ def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
         t = time.perf_counter()
         for i in range(0, len(payload), 10_000):
             with db.write() as conn:
-                ingest.bulk_insert_rank_steps(conn, rows=payload[i:i + 10_000])
+                bulk_insert_rank_steps(conn, rows=payload[i:i + 10_000])
         return (time.perf_counter() - t) / len(payload)
     finally:
         db.dispose()

@@ -144,7 +144,7 @@ def test_ingest_benchmark_checks_every_acknowledged_row_against_the_store(
     twice (a level with either has not met its target)."""
     bench = _ingest_bench()
     from trainwarden.supervisor import migrate
-    from trainwarden.supervisor.store import ingest, registry
+    from trainwarden.supervisor.store import registry
     from trainwarden.supervisor.store.db import make_database
     from trainwarden.supervisor.wire import RegisterRequest
 
@@ -157,7 +157,7 @@ def test_ingest_benchmark_checks_every_acknowledged_row_against_the_store(
                                           now=1000.0)
             rows = [{"run_id": reg["run_id"], "attempt": 0, "step": st, "rank": rank,
                      "t": 1000.0 + st} for rank in range(bench.RANKS) for st in range(3)]
-            ingest.bulk_insert_rank_steps(conn, rows=rows)
+            bench.bulk_insert_rank_steps(conn, rows=rows)
     finally:
         db.dispose()
     assert bench.check_stored(url, "r", {0: 3}) == (0, 0)
@@ -165,7 +165,7 @@ def test_ingest_benchmark_checks_every_acknowledged_row_against_the_store(
     db = make_database(url, pool_size=1)
     try:
         with db.write() as conn:
-            ingest.bulk_insert_rank_steps(conn, rows=rows[:1])
+            bench.bulk_insert_rank_steps(conn, rows=rows[:1])
     finally:
         db.dispose()
     assert bench.check_stored(url, "r", {0: 3}) == (0, 1)

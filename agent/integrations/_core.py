@@ -39,6 +39,7 @@ from trainwarden.agent.worker.checkpoint import (
     FORMAT_VERSION,
     META_FILE,
     CheckpointInfo,
+    ResumeChoice,
     Validation,
     fsync_dir,
     list_checkpoints,
@@ -249,9 +250,7 @@ class RunSession:
         """Apply the plan named by ``TRAINWARDEN_RESUME_PLAN`` (or resume from the newest
         complete checkpoint under ``root``).  Collective when distributed."""
         plan = self.plan = load_resume_plan()
-        chosen: list[Any] = [None, []]
-        if self.rank == 0:
-            chosen[:] = _choose(root, pattern, plan)
+        chosen = _choose(root, pattern, plan) if self.rank == 0 else None
         r = self.resumed = Resumed()
         target = share_resume_choice(chosen, rank=self.rank, world_size=self.world_size,
                                      reporter=self.reporter, passed_over=r.passed_over)
@@ -386,14 +385,14 @@ class RunSession:
             self.retention.apply(surplus())
 
 
-def _choose(root: Path, pattern: re.Pattern[str], plan: ResumePlan | None) -> list[Any]:
-    """[checkpoint or None or ("error", why), [(passed over, reason)]] (the rule
-    ``Checkpointer.resume`` follows for DCP checkpoints)."""
+def _choose(root: Path, pattern: re.Pattern[str], plan: ResumePlan | None) -> ResumeChoice:
+    """What to resume from under ``root`` (the rule ``Checkpointer.resume`` follows for DCP
+    checkpoints)."""
     if plan is not None and plan.checkpoint:
         named = Path(plan.checkpoint)
         v = validate_manifest(named)
         if v.ok:
-            return [str(named), []]
+            return ResumeChoice(str(named))
         m = pattern.match(named.name)
         older = None
         if m is not None:  # gone or damaged: roll back further, never forward past it
@@ -402,15 +401,16 @@ def _choose(root: Path, pattern: re.Pattern[str], plan: ResumePlan | None) -> li
                     older = c.path
                     break
         if older is None:
-            return [("error", f"resume plan names checkpoint {named}, which is not complete "
-                              f"({v.reason}), and no complete checkpoint precedes it"), []]
-        return [str(older), [(str(named), v.reason)]]
+            return ResumeChoice(error=f"resume plan names checkpoint {named}, which is not "
+                                      f"complete ({v.reason}), and no complete checkpoint "
+                                      "precedes it")
+        return ResumeChoice(str(older), [(str(named), v.reason)])
     passed: list[tuple[str, str]] = []
     for c in reversed(list_step_checkpoints(root, pattern)):
         if c.complete:
-            return [str(c.path), passed]
+            return ResumeChoice(str(c.path), passed)
         passed.append((str(c.path), c.reason))
-    return [None, passed]
+    return ResumeChoice(None, passed)
 
 
 # ---- the optimiser --------------------------------------------------------------------------

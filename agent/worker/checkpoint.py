@@ -169,25 +169,36 @@ def load_resume_plan(path: str | None = None) -> ResumePlan | None:
         raise ValueError(f"resume plan {path} is invalid: {e}") from None
 
 
-def share_resume_choice(chosen: list[Any], *, rank: int, world_size: int, reporter: Reporter,
-                        passed_over: list[tuple[Path, str]]) -> str | None:
-    """Every rank's copy of rank 0's choice ``[target, passed over]`` (collective when
-    distributed): the checkpoint to load (None: start fresh), or the ValueError rank 0 found
-    (``target`` an ``("error", why)`` pair).  The incomplete checkpoints passed over are
-    logged, appended to ``passed_over`` and (rank 0) reported."""
+@dataclass
+class ResumeChoice:
+    """What rank 0 chose to resume from, as every rank receives it."""
+
+    checkpoint: str | None = None  # the checkpoint to load; None: start fresh
+    # The incomplete checkpoints passed over on the way to it: (path, why)
+    passed_over: list[tuple[str, str]] = field(default_factory=list)
+    error: str | None = None  # why nothing may be resumed (every rank raises it)
+
+
+def share_resume_choice(choice: ResumeChoice | None, *, rank: int, world_size: int,
+                        reporter: Reporter, passed_over: list[tuple[Path, str]]) -> str | None:
+    """Every rank's copy of rank 0's ``choice`` (collective when distributed; the other ranks
+    pass None): the checkpoint to load (None: start fresh); raises ``ValueError`` with the
+    error rank 0 found.  The incomplete checkpoints passed over are logged, appended to
+    ``passed_over`` and (rank 0) reported."""
+    box: list[Any] = [choice if choice is not None else ResumeChoice()]
     if world_size > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    target, passed = chosen
-    if isinstance(target, tuple | list):
-        raise ValueError(target[1])
-    for p, reason in passed:
+        dist.broadcast_object_list(box, src=0)
+    chosen: ResumeChoice = box[0]
+    if chosen.error is not None:
+        raise ValueError(chosen.error)
+    for p, reason in chosen.passed_over:
         passed_over.append((Path(p), reason))
         log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
         if rank == 0:
             reporter.event(WorkerEventName.CHECKPOINT_SKIPPED,
                            f"incomplete checkpoint {p}: {reason}",
                            details={"path": p, "reason": reason})
-    return target  # type: ignore[no-any-return]
+    return chosen.checkpoint
 
 
 @dataclass
@@ -504,30 +515,30 @@ class Checkpointer:
             plan = load_resume_plan()
         assert plan is None or isinstance(plan, ResumePlan)
         info = ResumeInfo(start_step=0, plan=plan)
-        chosen: list[Any] = [None, []]
+        chosen: ResumeChoice | None = None
         if self.rank == 0:
             refused = self._outside(plan.checkpoint) if plan is not None and plan.checkpoint \
                 else None
             if refused is not None:
-                chosen[:] = [("error", f"resume plan refused: {refused}"), []]
+                chosen = ResumeChoice(error=f"resume plan refused: {refused}")
             elif plan is not None and plan.checkpoint:
                 v = validate_checkpoint(plan.checkpoint)
                 if v.ok:
-                    chosen[:] = [str(plan.checkpoint), []]
+                    chosen = ResumeChoice(str(plan.checkpoint))
                 else:
                     # Gone (pruned before the pin arrived) or damaged: roll back further, to
                     # the newest complete checkpoint before it, never forward past it.
                     older = self._complete_at_or_before(plan.checkpoint)
                     if older is None:
-                        chosen[:] = [("error", f"resume plan names checkpoint "
-                                      f"{plan.checkpoint}, which is not complete "
-                                      f"({v.reason}), and no complete checkpoint precedes it"),
-                                     []]
+                        chosen = ResumeChoice(error=(
+                            f"resume plan names checkpoint {plan.checkpoint}, which is not "
+                            f"complete ({v.reason}), and no complete checkpoint precedes it"))
                     else:
-                        chosen[:] = [str(older), [(str(plan.checkpoint), v.reason)]]
+                        chosen = ResumeChoice(str(older), [(str(plan.checkpoint), v.reason)])
             else:
                 path, passed = self.newest_complete()
-                chosen[:] = [str(path) if path else None, [(str(p), r) for p, r in passed]]
+                chosen = ResumeChoice(str(path) if path else None,
+                                      [(str(p), r) for p, r in passed])
         target = share_resume_choice(chosen, rank=self.rank, world_size=self.world_size,
                                      reporter=self.reporter, passed_over=info.passed_over)
         meta: dict[str, Any] = {}

@@ -852,8 +852,3 @@ def _pending_many(
         _mark_sent(conn, ids=[c["id"] for cs in out.values() for c in cs], now=now)
     return out
 
-
-def bulk_insert_rank_steps(conn: Connection, *, rows: list[dict[str, Any]]) -> None:
-    """Raw bulk insert of per-rank step rows: the baseline ``benchmarks/ingest.py`` compares
-    the hot path with."""
-    conn.execute(rank_steps.insert(), rows)

@@ -340,7 +340,7 @@ def test_the_goodput_step_read_returns_every_value_exactly(db: Database) -> None
                     "step_s": None if s == 2 else rng.random() * 1e-9,
                     "loss": 1.0, "loss_special": None, "grad_norm": 1.0,
                     "grad_norm_special": None, "lr": 1e-3})
-        ingest.bulk_insert_rank_steps(conn, rows=rows)
+        conn.execute(tables.rank_steps.insert(), rows)
     c = rank_steps.c
     with db.read() as conn:
         plain = [tuple(x) for x in conn.execute(
