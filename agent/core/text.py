@@ -60,7 +60,10 @@ def without_surrogates(value: Any) -> Any:
     since a supervisor cannot read a batch holding one (it is not UTF-8) and would refuse
     the whole batch."""
     if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+        # (every step report passes here: plain ASCII, the common case, is not scanned)
+        if value.isascii() or not _SURROGATE.search(value):
+            return value
+        return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
         return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -16,8 +16,10 @@ from trainwarden.supervisor.store.models import metadata
 
 AGENT_TOKEN = "agent-secret"
 OPERATOR_TOKEN = "operator-secret"
+ADMIN_TOKEN = "admin-secret"  # (given to make_settings(admin_token=...) where a test needs it)
 AGENT = {"Authorization": f"Bearer {AGENT_TOKEN}"}
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 class FakeClock:

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text as sql_text
-from sup_helpers import OPERATOR, OPERATOR_TOKEN, make_settings
+from sup_helpers import ADMIN, ADMIN_TOKEN, OPERATOR, OPERATOR_TOKEN, make_settings
 
 from trainwarden.supervisor import cli
 from trainwarden.supervisor import client as cli_client
@@ -162,8 +162,6 @@ def store_hostile(db: Database, postgres: bool) -> list[str]:
     return names
 
 
-ADMIN_TOKEN = "admin-secret"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}  # every route reads with it (/tokens too)
 
 
 @pytest.fixture

@@ -10,14 +10,20 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sup_helpers import AGENT, OPERATOR, FakeClock, make_settings, register, step
+from sup_helpers import (
+    ADMIN,
+    ADMIN_TOKEN,
+    AGENT,
+    OPERATOR,
+    FakeClock,
+    make_settings,
+    register,
+    step,
+)
 from sup_helpers import ingest as ingest_batch
 
 from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.store.db import Database
-
-ADMIN_TOKEN = "admin-secret"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sup_helpers import (
+    ADMIN,
+    ADMIN_TOKEN,
     AGENT,
     OPERATOR,
     FakeClock,
@@ -29,9 +31,6 @@ from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.evaluator import Evaluator
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Database
-
-ADMIN_TOKEN = "admin-secret"
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 @pytest.fixture
