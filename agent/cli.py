@@ -1,6 +1,6 @@
 """``trainwarden agent`` command line.
 
-The ``trainwarden`` console script (supervisor/cli.py) delegates its ``agent`` sub-command
+The ``trainwarden`` console script (supervisor/cli/main.py) delegates its ``agent`` sub-command
 here through ``add_arguments`` and ``run``; ``python -m trainwarden.agent.cli ...`` works on its
 own.
 

@@ -451,10 +451,9 @@ def check_stored(db_url: str, run: str, acked_steps: dict[int, int]) -> tuple[in
 
 def raw_insert_cost_per_row(db_url: str, rows: int) -> float:
     sys.path.insert(0, str(REPO))
-    from trainwarden.supervisor import migrate
-    from trainwarden.supervisor.store import registry
+    from trainwarden.supervisor.contract.wire import RegisterRequest
+    from trainwarden.supervisor.store import migrate, registry
     from trainwarden.supervisor.store.db import make_database
-    from trainwarden.supervisor.wire import RegisterRequest
 
     migrate.upgrade(db_url)
     db = make_database(db_url, pool_size=1)

@@ -99,10 +99,9 @@ def row_counts(path: Path, tables: list[str]) -> dict[str, int]:
 def simulate(path: Path, *, agents: int, steps: int, retention: Any, tick_every: int
              ) -> dict[str, Any]:
     """Write the slice into a fresh store at ``path``; what it measured."""
-    from trainwarden.supervisor import migrate
-    from trainwarden.supervisor.store import ingest, registry
+    from trainwarden.supervisor.contract.wire import IngestBatch, RegisterRequest
+    from trainwarden.supervisor.store import ingest, migrate, registry
     from trainwarden.supervisor.store.db import make_database
-    from trainwarden.supervisor.wire import IngestBatch, RegisterRequest
 
     url = f"sqlite:///{path}"
     migrate.upgrade(url)
@@ -147,7 +146,7 @@ def per_row(m: dict[str, Any], table: str) -> float:
 
 
 def bytes_report(args: argparse.Namespace) -> tuple[float, float]:
-    from trainwarden.supervisor.retention import Retention, RetentionConfig
+    from trainwarden.supervisor.control.retention import Retention, RetentionConfig
 
     ranks = args.agents * RANKS_PER_AGENT
     cfg = RetentionConfig(keep_steps=args.keep_steps, bucket_steps=args.bucket_steps)
@@ -202,7 +201,7 @@ def rss_report(args: argparse.Namespace) -> float:
     import httpx
     import psutil
 
-    from trainwarden.supervisor.retention import RetentionConfig
+    from trainwarden.supervisor.control.retention import RetentionConfig
 
     with tempfile.TemporaryDirectory(prefix="rollup-rss-") as tmp:
         port_file = Path(tmp) / "port"

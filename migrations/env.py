@@ -1,5 +1,5 @@
 """Alembic environment.  The URL comes from the Alembic config the code builds
-(``trainwarden.supervisor.migrate.alembic_config``) or, when alembic is run by hand, from the
+(``trainwarden.supervisor.store.migrate.alembic_config``) or, when alembic is run by hand, from the
 supervisor's
 settings (``TRAINWARDEN_DB_URL`` / config file)."""
 

@@ -1,15 +1,21 @@
 """trainwarden supervisor: the central service that stores what the node agents report, decides
 (policy) and sends commands back.
 
-Layout: ``config`` (settings: one section per component; ``settings_reference`` prints
-them), ``enums`` (statuses and kinds), ``store/`` (models, engines, every SQL statement by
-concern), ``wire`` (request models mirroring ``trainwarden.agent.protocol``), ``api/`` (routes and
-dependencies), ``ingest`` (group-commit writer, Postgres), ``detect/`` (the detectors; the hang
-statistic is in the shared core, ``trainwarden.agent.core``), ``observe`` (their windows),
-``policy`` (the
-one place that decides), ``actions`` (decisions -> audited rows and commands), ``evaluator``
-(tick: store -> policy -> actions), ``migrate`` (Alembic), ``app`` (create_app), ``serve`` and
-``cli``.
+Layout, one folder per concern:
+
+* ``config`` (the settings model: one section per component's own config) and ``enums``
+  (statuses, kinds, event names), used throughout;
+* ``contract/``: the HTTP contract with the agents (wire models, bounds, checkpoint paths);
+* ``api/``: the routes under ``/api/v1`` and their dependencies;
+* ``ingest/``: the ingest fast path, the group-commit writer, delivery observation;
+* ``control/``: the control loop (evaluator, detection windows, observer, policy, actions,
+  leadership, retention);
+* ``detect/`` and ``goodput/``: pure statistics and accounting, no I/O;
+* ``store/``: every SQL statement, by concern, and the migrations driver;
+* ``observability/``: the Prometheus collector and the efficiency figures;
+* ``dashboard/``: the HTML pages;
+* ``server/``: the app, uvicorn, HTTP hardening, the GC schedule;
+* ``cli/``: the ``trainwarden`` console script and its API clients.
 
 Design choices worth knowing (measured, see ``benchmarks/ingest.py``):
 

@@ -4,16 +4,16 @@ configs.
 Each section is the config class of the component it configures, and holds its defaults:
 
 * ``server``, ``auth``: the HTTP service (this module); ``http``: its deadlines for slow and
-  idle clients (``httpguard.HttpConfig``);
+  idle clients (``server.httpguard.HttpConfig``);
 * ``db``: the store (``store.db.StoreConfig``); ``ingest``: what agent batches must satisfy
   (``store.ingest.IngestConfig``: the agent-clock rule); ``evaluator``: the loop
-  (``evaluator.EvaluatorConfig``); ``lease``: which of several replicas on one Postgres runs
-  the evaluator (``leader.LeaseConfig``); ``retention``: how long per-rank rows are kept
-  before they are rolled up (``retention.RetentionConfig``);
+  (``control.evaluator.EvaluatorConfig``); ``lease``: which of several replicas on one
+  Postgres runs the evaluator (``control.leader.LeaseConfig``); ``retention``: how long
+  per-rank rows are kept before they are rolled up (``control.retention.RetentionConfig``);
 * ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
-  configs as ``observe.DetectionConfig`` holds them; ``detection``: its other fields (how
-  much and how often the windows are read);
-* ``restart``, ``rollback``: the fields of ``policy.PolicyConfig`` (``rollback_X`` is
+  configs as ``control.detection.DetectionConfig`` holds them; ``detection``: its other
+  fields (how much and how often the windows are read);
+* ``restart``, ``rollback``: the fields of ``control.policy.PolicyConfig`` (``rollback_X`` is
   ``rollback.X``, the others are ``restart``'s, ``restart_budget`` as ``restart.budget``).
 
 Every field is set the same three ways, highest first: a flag (``--SECTION-FIELD``, see
@@ -22,7 +22,7 @@ Every field is set the same three ways, highest first: a flag (``--SECTION-FIELD
 ``TRAINWARDEN_CONFIG``).  The flat names of the first versions (``TRAINWARDEN_AGENT_TOKEN``,
 ``TRAINWARDEN_NODE_LOST_S``, ``port = 8765`` in a file...) keep working: ``LEGACY_NAMES``.
 ``trainwarden settings --markdown`` prints every setting
-(``trainwarden.supervisor.settings_reference``).
+(``trainwarden.supervisor.cli.settings_reference``).
 """
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from trainwarden.supervisor.control.detection import DetectionConfig
+from trainwarden.supervisor.control.evaluator import EvaluatorConfig
+from trainwarden.supervisor.control.leader import LeaseConfig
+from trainwarden.supervisor.control.policy import PolicyConfig
+from trainwarden.supervisor.control.retention import RetentionConfig
+from trainwarden.supervisor.control.retention import check as check_retention
 from trainwarden.supervisor.detect import (
     HangConfig,
     LossSpikeConfig,
@@ -60,13 +66,7 @@ from trainwarden.supervisor.detect import (
 )
 from trainwarden.supervisor.detect.disk import DiskConfig
 from trainwarden.supervisor.detect.overload import OverloadConfig
-from trainwarden.supervisor.evaluator import EvaluatorConfig
-from trainwarden.supervisor.httpguard import HttpConfig
-from trainwarden.supervisor.leader import LeaseConfig
-from trainwarden.supervisor.observe import DetectionConfig
-from trainwarden.supervisor.policy import PolicyConfig
-from trainwarden.supervisor.retention import RetentionConfig
-from trainwarden.supervisor.retention import check as check_retention
+from trainwarden.supervisor.server.httpguard import HttpConfig
 from trainwarden.supervisor.store.db import StoreConfig
 from trainwarden.supervisor.store.ingest import IngestConfig
 

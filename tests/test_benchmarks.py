@@ -85,7 +85,7 @@ def test_ingest_load_generator_sends_what_step_items_describe() -> None:
     import json
 
     bench = _ingest_bench()
-    from trainwarden.supervisor import wire
+    from trainwarden.supervisor.contract import wire
 
     body = bench.encode_batch(7, 3, 1000.5, 999.25, range(4, 6), node=2, world=64)
     got = json.loads(body)
@@ -143,10 +143,9 @@ def test_ingest_benchmark_checks_every_acknowledged_row_against_the_store(
     """``check_stored`` counts an acknowledged row missing from the store and a row stored
     twice (a level with either has not met its target)."""
     bench = _ingest_bench()
-    from trainwarden.supervisor import migrate
-    from trainwarden.supervisor.store import registry
+    from trainwarden.supervisor.contract.wire import RegisterRequest
+    from trainwarden.supervisor.store import migrate, registry
     from trainwarden.supervisor.store.db import make_database
-    from trainwarden.supervisor.wire import RegisterRequest
 
     url = f"sqlite:///{tmp_path}/b.db"
     migrate.upgrade(url)

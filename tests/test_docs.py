@@ -74,3 +74,43 @@ def test_the_docs_build_strict(tmp_path: Path) -> None:
     assert proc.returncode == 0, (
         f"mkdocs build --strict failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     assert (tmp_path / "site" / "index.html").exists()
+
+
+def _layout_block() -> str:
+    page = (REPO / "docs" / "development.md").read_text()
+    section = page.split("## Repository layout", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_development_pages_folder_map_matches_the_tree() -> None:
+    """Every module and folder the map names under agent/ and supervisor/ exists, and every
+    one that exists is named: the map is what ``ls`` shows.  A folder's line may name its own
+    modules (``control/  ...: evaluator.py, policy.py``): then it names all of them."""
+    named: dict[str, set[str]] = {"agent": set(), "supervisor": set()}
+    listed: dict[str, set[str]] = {}  # a folder whose line names its modules: all of them
+    top = ""
+    for line in _layout_block().splitlines():
+        if line and not line.startswith(" "):
+            top = line.split()[0].rstrip("/")
+            continue
+        if top not in named or not line.strip():
+            continue
+        words = re.findall(r"[\w./]+", line)
+        sub = words[0] if words[0].endswith("/") else ""
+        for word in words:
+            if "/" in word.rstrip("/"):
+                continue  # a path in the description (store/ingest.py), not an entry
+            if (word.endswith("/") and word == words[0]) or (word.endswith(".py") and not sub):
+                named[top].add(word)
+            elif word.endswith(".py"):
+                listed.setdefault(f"{top}/{sub}", set()).add(word)
+    for top, names in named.items():
+        folder = REPO / top
+        present = {p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+                   if p.name not in {"__init__.py", "__pycache__", "__main__.py"}
+                   and (p.is_dir() or p.suffix == ".py")}
+        assert names - present == set(), f"{top}/: the map names what is not there"
+        assert present - names == set(), f"{top}/: not in the development page's map"
+    for sub, modules in listed.items():
+        present = {p.name for p in (REPO / sub).glob("*.py")} - {"__init__.py", "__main__.py"}
+        assert modules == present, f"{sub}: the map's modules are not what is there"

@@ -1,6 +1,7 @@
 """The walls between the packages (the import-linter contracts in pyproject.toml): the agent
 never imports the supervisor, the in-training library none of the service's packages, the
-shared core and the detectors and policy nothing impure, and only the store talks SQL."""
+shared core and the detectors and policy nothing impure, the store and the HTTP contract
+nothing above them, the control loop no request handling, and only the store talks SQL."""
 
 from __future__ import annotations
 
@@ -21,19 +22,23 @@ def lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_code_keeps_every_wall(repo_root: Path) -> None:
     r = lint(repo_root)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "5 kept, 0 broken" in r.stdout
+    assert "7 kept, 0 broken" in r.stdout
 
 
 # One forbidden import for each contract: file, the line added to it.
 BREACHES = {
     "the agent never imports the supervisor": (
-        "agent/watchdog.py", "import trainwarden.supervisor.wire"),
+        "agent/watchdog.py", "import trainwarden.supervisor.contract.wire"),
     "the in-training library imports nothing of the service": (
         "agent/worker/report.py", "import httpx"),
     "the shared core is pure": ("agent/core/stats.py", "import socket"),
     "detectors and policy are pure": (
         "supervisor/detect/disk.py", "import trainwarden.supervisor.store.db"),
-    "only the store talks SQL": ("supervisor/metrics.py", "import sqlalchemy"),
+    "only the store talks SQL": ("supervisor/observability/metrics.py", "import sqlalchemy"),
+    "the store and the HTTP contract import nothing above them": (
+        "supervisor/store/tokens.py", "import trainwarden.supervisor.api.deps"),
+    "the control loop serves no request": (
+        "supervisor/control/leader.py", "import trainwarden.supervisor.server.app"),
 }
 
 
@@ -54,7 +59,7 @@ def test_each_wall_catches_a_forbidden_import(repo_root: Path, tmp_path: Path) -
         f.write_text(f.read_text() + f"\n{line}  # noqa\n")
     r = lint(tmp_path)
     assert r.returncode != 0
-    assert "0 kept, 5 broken" in r.stdout, r.stdout
+    assert "0 kept, 7 broken" in r.stdout, r.stdout
     for name, (path, _line) in BREACHES.items():
         assert name in r.stdout
         assert path.removesuffix(".py").replace("/", ".") in r.stdout

@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from pydantic import ValidationError
 
-from trainwarden.supervisor import checkpoint_paths, wire
 from trainwarden.supervisor.api.deps import (
     DB,
     AgentAuth,
@@ -28,8 +27,9 @@ from trainwarden.supervisor.api.errors import (
     validation_error_response,
 )
 from trainwarden.supervisor.api.responses import TakeoverDone, documented
-from trainwarden.supervisor.ingest import IngestWriter
-from trainwarden.supervisor.limits import NodeName, RunName
+from trainwarden.supervisor.contract import checkpoint_paths, wire
+from trainwarden.supervisor.contract.limits import NodeName, RunName
+from trainwarden.supervisor.ingest.writer import IngestWriter
 from trainwarden.supervisor.store import credentials, registry
 from trainwarden.supervisor.store.db import Database
 from trainwarden.supervisor.store.ingest import CheckpointRefused, SeqConflict, UnknownAgent
@@ -132,16 +132,16 @@ async def ingest(request: Request, auth: AgentAuth) -> Response:
     must keep (``protect``).
 
     The hot path, kept lean on purpose: it is answered ahead of the middleware stack
-    (``trainwarden.supervisor.api.ingest_path``), the body is validated straight from its bytes by
+    (``trainwarden.supervisor.ingest.fast_path``), the body is validated straight from its bytes by
     pydantic (NaN/Infinity tokens accepted), batches are stored by the ingest writer's group
-    commit (``trainwarden.supervisor.ingest``), and the reply is rendered here."""
+    commit (``trainwarden.supervisor.ingest.writer``), and the reply is rendered here."""
     return await store_batch(request, await request.body(), auth)
 
 
 async def store_batch(request: Request, body: bytes, principal: Principal) -> Response:
     """The ingest route's work once its token is checked: validate ``body``, check the
     agent's credential, store the batch and render the reply.
-    ``trainwarden.supervisor.api.ingest_path``
+    ``trainwarden.supervisor.ingest.fast_path``
     calls it ahead of the middleware stack; the route above is the same for a caller that
     reaches the router.  ``principal``: the token's (its scope must cover the agent's run).
     Raises ``HTTPException`` (403, 404) as a route does."""

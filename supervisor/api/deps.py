@@ -18,10 +18,10 @@ from typing import Annotated, Literal
 from fastapi import Depends, HTTPException, Request, status
 
 from trainwarden.supervisor.config import AuthConfig, SupervisorSettings
+from trainwarden.supervisor.control.evaluator import Clock
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import Role
-from trainwarden.supervisor.evaluator import Clock
-from trainwarden.supervisor.ingest import IngestWriter
+from trainwarden.supervisor.ingest.writer import IngestWriter
 from trainwarden.supervisor.store import credentials, tokens
 from trainwarden.supervisor.store.credentials import NodeHolder
 from trainwarden.supervisor.store.db import Database
@@ -148,7 +148,7 @@ class TokenCheck:
 
     It reads the header and the settings itself instead of through sub-dependencies: on the
     ingest path every resolved dependency costs measurable time per request.  The bearer
-    scheme is declared in the OpenAPI document by ``trainwarden.supervisor.app``."""
+    scheme is declared in the OpenAPI document by ``trainwarden.supervisor.server.app``."""
 
     def __init__(self, need: Need) -> None:
         self.need = need

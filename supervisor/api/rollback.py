@@ -10,12 +10,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from trainwarden.agent.protocol import LRSchedule, normalize_ranges
-from trainwarden.supervisor import actions, efficiency, policy
 from trainwarden.supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from trainwarden.supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, can_read
 from trainwarden.supervisor.api.errors import ERROR_RESPONSES
 from trainwarden.supervisor.api.responses import ActionRecord, RollbackAccepted, documented
-from trainwarden.supervisor.limits import U31, U63, RunName, Text, text
+from trainwarden.supervisor.contract.limits import U31, U63, RunName, Text, text
+from trainwarden.supervisor.control import actions, policy
+from trainwarden.supervisor.observability import efficiency
 from trainwarden.supervisor.store import reads, registry
 
 router = APIRouter(tags=["recovery"], responses=ERROR_RESPONSES)

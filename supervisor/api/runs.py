@@ -7,7 +7,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from trainwarden.supervisor import actions, efficiency, observe, policy
 from trainwarden.supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from trainwarden.supervisor.api.deps import (
     DB,
@@ -32,7 +31,9 @@ from trainwarden.supervisor.api.responses import (
     StepSeries,
     documented,
 )
-from trainwarden.supervisor.limits import U31, RunName, Text, text
+from trainwarden.supervisor.contract.limits import U31, RunName, Text, text
+from trainwarden.supervisor.control import actions, detection, policy
+from trainwarden.supervisor.observability import efficiency
 from trainwarden.supervisor.store import reads, registry
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store import retention as retention_store
@@ -170,7 +171,7 @@ def get_ranks(run: RunName, db: DB, straggler: Straggler, _auth: ReadAuth) -> di
     with db.read() as conn:
         r = _run_or_404(conn, run)
         newest = reads.newest_step(conn, run_id=r["id"])
-        return {"run": run, "ranks": observe.rank_rows(conn, r["id"], newest, straggler),
+        return {"run": run, "ranks": detection.rank_rows(conn, r["id"], newest, straggler),
                 "straggler": {"threshold": straggler.threshold,
                               "window_steps": straggler.window_steps,
                               "min_steps": straggler.min_steps,

@@ -12,8 +12,8 @@ from trainwarden.agent.core.names import RUN_SCOPE_PATTERN
 from trainwarden.supervisor.api.deps import DB, AdminAuth, ClockDep
 from trainwarden.supervisor.api.errors import ERROR_RESPONSES
 from trainwarden.supervisor.api.responses import NewToken, TokenList, TokenRevoked, documented
+from trainwarden.supervisor.contract.limits import TokenName
 from trainwarden.supervisor.enums import Role
-from trainwarden.supervisor.limits import TokenName
 from trainwarden.supervisor.store import tokens
 
 router = APIRouter(tags=["tokens"], responses=ERROR_RESPONSES)

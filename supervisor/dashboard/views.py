@@ -6,12 +6,13 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainwarden.supervisor import efficiency, metrics, observe
+from trainwarden.supervisor.control import detection
 from trainwarden.supervisor.detect.findings import FindingKind
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import ActionKind, IncidentKind, RestartCause
 from trainwarden.supervisor.goodput.anatomy import PHASES
 from trainwarden.supervisor.goodput.mfu import mfu, mfu_factor
+from trainwarden.supervisor.observability import efficiency, metrics
 from trainwarden.supervisor.store import reads, registry, windows
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection
@@ -76,7 +77,7 @@ def run_tables(conn: Connection, run: RunRow, now: float,
                                     if k != "stacks"}}
                  for inc in reads.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT)]
     newest = reads.newest_step(conn, run_id=run_id)
-    ranks = observe.rank_rows(conn, run_id, newest, straggler)
+    ranks = detection.rank_rows(conn, run_id, newest, straggler)
     protected = set(run.get("protected") or [])
     checkpoints = [{**c, "protected": c["path"] in protected}
                    for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
@@ -183,7 +184,7 @@ def rank_series(conn: Connection, run_id: int, straggler: StragglerConfig) -> di
     nodes = windows.rank_nodes(conn, run_id=run_id)
     n_ranks = max(1, len(nodes))
     window = max(straggler.window_steps,
-                 min(observe.RANK_CHART_MAX_STEPS, RANK_POINTS_BUDGET // n_ranks))
+                 min(detection.RANK_CHART_MAX_STEPS, RANK_POINTS_BUDGET // n_ranks))
     rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=int(newest["attempt"]),
                                 step_from=int(newest["step"]) - window + 1)
     by_step: dict[int, dict[int, float]] = {}
@@ -194,7 +195,7 @@ def rank_series(conn: Connection, run_id: int, straggler: StragglerConfig) -> di
             float(r["data_s"] or 0.0) + float(r["compute_s"] or 0.0)
     steps = sorted(by_step)
     # the same scores as the table's, the API's and /metrics'
-    scores = observe.run_scores(conn, run_id, newest, straggler)
+    scores = detection.run_scores(conn, run_id, newest, straggler)
     shown = sorted(scores, key=lambda k: (scores[k].score, k))[:RANK_SERIES_SHOWN]
     return {
         "attempt": newest["attempt"],

@@ -7,7 +7,8 @@ backlog the run's fault.  While this detector says the supervisor is overloaded,
 evaluator holds back the hang, node-lost and straggler verdicts, and once it recovers it
 judges them afresh from the time it recovered (as after a supervisor restart).
 
-Signals (``DeliveryReport``, gathered by ``trainwarden.supervisor.delivery.DeliveryMonitor``):
+Signals (``DeliveryReport``, gathered by
+``trainwarden.supervisor.ingest.delivery.DeliveryMonitor``):
 
 * lateness: how much later than usual batches arrive.  Each batch carries the agent's send
   time (``sent_at``, stamped as it is sent); receive time minus send time is the network and

@@ -33,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from trainwarden.supervisor.text import duration
+from trainwarden.supervisor.cli.tables import duration
 
 # Where the failure rate comes from: the run's own failures, the prior, or neither.
 RateSource = Literal["observed", "prior", "none"]

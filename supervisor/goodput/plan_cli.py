@@ -1,7 +1,7 @@
 """``trainwarden plan``: the capacity planner's command line (tables, ``--json``, ``--check``).
 
 Standard library only, except ``--check RUN``, which reads the run from the supervisor's
-REST API through ``trainwarden.supervisor.client`` (httpx) and is imported only then.
+REST API through ``trainwarden.supervisor.cli.client`` (httpx) and is imported only then.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from trainwarden.supervisor.cli.tables import duration as _dur
+from trainwarden.supervisor.cli.tables import printable, table
 from trainwarden.supervisor.goodput import plan as pl
-from trainwarden.supervisor.text import duration as _dur
-from trainwarden.supervisor.text import printable, table
 
 _DEFAULTS = pl.PlanInputs(params=1.0)  # the planner's defaults, read for the help texts
 
@@ -173,7 +173,7 @@ def render_check(rows: Sequence[pl.CheckRow], run: str) -> str:
 def _fetch(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    from trainwarden.supervisor import client
+    from trainwarden.supervisor.cli import client
 
     url = args.supervisor or os.environ.get(client.ENV_URL, client.DEFAULT_URL)
     try:

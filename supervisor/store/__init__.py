@@ -10,7 +10,8 @@ keyword-only functions taking a ``Connection``:
 * ``credentials``: each agent's credential digest, who holds a (run, node), takeovers;
 * ``tokens``: the stored tokens with roles;
 * ``recovery``: exits, incidents, audited actions and commands, the checkpoint lineage;
-* ``windows``: the measurements the detectors judge every tick (``trainwarden.supervisor.observe``);
+* ``windows``: the measurements the detectors judge every tick
+  (``trainwarden.supervisor.control.detection``);
 * ``reads``: what the API, the dashboard and the metrics collector show.
 
 ``_sql`` holds helpers the modules share.

@@ -1,5 +1,6 @@
 """What the restart anatomy, the checkpoint-interval advice and the MFU diagnosis read
-(``trainwarden.supervisor.efficiency`` turns these rows into the pure modules' inputs).  Read at
+(``trainwarden.supervisor.observability.efficiency`` turns these rows into the pure modules'
+inputs).  Read at
 request
 or scrape time, never by the evaluator's tick.  Keyword-only functions taking a
 ``Connection``."""

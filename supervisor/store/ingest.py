@@ -34,7 +34,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from trainwarden.agent.core.states import CommandStatus
-from trainwarden.supervisor import checkpoint_paths, wire
+from trainwarden.supervisor.contract import checkpoint_paths, wire
 from trainwarden.supervisor.enums import SupervisorEvent
 from trainwarden.supervisor.store._sql import finite, greatest, json_safe, least, nsum, split_float
 from trainwarden.supervisor.store.health import gpu_health, worker_stats
@@ -161,7 +161,7 @@ def ingest_batches(
     is answered as a duplicate when its content is the same (``IngestBatch.content_digest``),
     with ``SeqConflict`` when it differs.  A batch of an unregistered agent gets
     ``UnknownAgent`` and stores nothing.  A batch reporting a checkpoint path outside the
-    agent's registered roots (``trainwarden.supervisor.checkpoint_paths``) gets
+    agent's registered roots (``trainwarden.supervisor.contract.checkpoint_paths``) gets
     ``CheckpointRefused`` and
     stores nothing (a replay of a batch stored before is still a duplicate); the paths of the
     others are stored normalised.  Rows of all batches go in one multi-row statement per

@@ -153,7 +153,7 @@ class Agent(Base):
     checkpoint_root: Mapped[str | None] = mapped_column(Text, nullable=True)  # the first root
     # The directories the agent's checkpoints are saved in, normalised (registration): every
     # checkpoint path it reports must lie strictly inside one
-    # (``trainwarden.supervisor.checkpoint_paths``)
+    # (``trainwarden.supervisor.contract.checkpoint_paths``)
     checkpoint_roots: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True),
                                                                nullable=True)
     agent_version: Mapped[str] = mapped_column(String(50), default="")
@@ -252,7 +252,7 @@ class RankStep(Base):
 class RankRollup(Base):
     """Per-rank summary of the ``rank_steps`` rows of one bucket of ``bucket_steps`` steps
     (``bucket_start``: its first step, a multiple of ``bucket_steps``) that retention deleted
-    (``trainwarden.supervisor.retention``).
+    (``trainwarden.supervisor.control.retention``).
     Merged additively: rows that arrive late for a bucket already rolled up add to it.  Each
     measure has its own count of non-NULL values (``*_n``); ``loss_nonfinite`` counts the
     NaN/Inf losses (not in the loss sums)."""

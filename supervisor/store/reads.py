@@ -10,8 +10,8 @@ from typing import Any, cast
 from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
 from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.supervisor.contract.limits import BASELINE_PER_DEVICE_MAX
 from trainwarden.supervisor.enums import ActionKind, IncidentStatus
-from trainwarden.supervisor.limits import BASELINE_PER_DEVICE_MAX
 from trainwarden.supervisor.store._sql import row, with_specials
 from trainwarden.supervisor.store.health import number
 from trainwarden.supervisor.store.rows import (

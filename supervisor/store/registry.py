@@ -11,7 +11,7 @@ from sqlalchemy import Connection, func, or_, select, update
 
 from trainwarden.agent.core.launch import declared_nnodes
 from trainwarden.agent.core.states import AgentState
-from trainwarden.supervisor import wire
+from trainwarden.supervisor.contract import wire
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
 from trainwarden.supervisor.store import credentials
 from trainwarden.supervisor.store._sql import insert, row

@@ -1,4 +1,5 @@
-"""The rollup of old per-rank rows (what ``trainwarden.supervisor.retention`` runs): ``rank_steps``
+"""The rollup of old per-rank rows (what ``trainwarden.supervisor.control.retention`` runs):
+``rank_steps``
 rows
 beyond the kept window are deleted in bounded slices, each slice's rows summarised per rank
 and bucket of steps into ``rank_rollups`` and rank 0's batch indexes kept in

@@ -1,4 +1,5 @@
-"""Windows of measurements the detectors judge (what ``trainwarden.supervisor.observe`` reads every
+"""Windows of measurements the detectors judge (what
+``trainwarden.supervisor.control.detection`` reads every
 tick): progress, step times, per-rank timings, losses, worker events.  Keyword-only functions
 taking a ``Connection``; the hot ones are built from plain tuples."""
 

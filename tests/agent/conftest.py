@@ -32,8 +32,8 @@ def served_supervisor(tmp_path: Path) -> Iterator[tuple[str, SupervisorClock, An
     """The real supervisor app (uvicorn on SQLite in a thread, evaluator not started: the
     test ticks it): its base URL, its clock and the app."""
     from tests.dashboard.browser import serve_in_thread
-    from trainwarden.supervisor.app import create_app
     from trainwarden.supervisor.config import SupervisorSettings
+    from trainwarden.supervisor.server.app import create_app
 
     settings = SupervisorSettings(agent_token=AGENT_TOKEN, operator_token=OPERATOR_TOKEN,
                                   data_dir=tmp_path / "sup")

@@ -22,8 +22,8 @@ from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.loop import Agent
 from trainwarden.agent.uplink import Uplink
-from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.server.app import create_app
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-token", "operator-token"
 HEARTBEAT = {"type": "heartbeat", "state": "running", "workers": []}

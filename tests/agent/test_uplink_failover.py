@@ -18,8 +18,8 @@ import pytest
 from tests.dashboard.browser import serve_in_thread
 from tests.e2e.system import AGENT_TOKEN, Supervisor, postgres_schema, wait_until
 from trainwarden.agent.uplink import Uplink
-from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.server.app import create_app
 
 RUN = "failover"
 

@@ -16,8 +16,8 @@ import pytest
 
 from tests.dashboard.browser import serve_in_thread
 from trainwarden.agent.uplink import Uplink
-from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.server.app import create_app
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"
 OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}

@@ -12,9 +12,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.dashboard.synth import AGENT_TOKEN, OPERATOR_TOKEN
-from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.store.db import Database, make_database
 from trainwarden.supervisor.store.models import metadata
 

@@ -110,7 +110,7 @@ class Supervisor:
 def supervisor_process(data_dir: Path, *, agent_token: str, operator_token: str,
                        extra_args: list[str] | None = None,
                        env: dict[str, str] | None = None) -> Iterator[Supervisor]:
-    """``python -m trainwarden.supervisor.cli supervisor`` on a free port (read from its port
+    """``python -m trainwarden.supervisor.cli.main supervisor`` on a free port (read from its port
     file)."""
     port_file = data_dir / "port"
     full_env = {**os.environ, **(env or {}), "TRAINWARDEN_AGENT_TOKEN": agent_token,

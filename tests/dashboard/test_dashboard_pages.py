@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import AGENT, OPERATOR, OPERATOR_TOKEN, SynthRun
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store import registry
 from trainwarden.supervisor.store.db import Database

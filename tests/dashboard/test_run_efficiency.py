@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.dashboard.apps import FakeClock
 from tests.dashboard.synth import OPERATOR, SynthRun, efficiency_script
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.dashboard.routes import fmt_num, fmt_pct
-from trainwarden.supervisor.evaluator import Evaluator
 
 PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "load_checkpoint": 2.0,
            "first_step": 2.0}

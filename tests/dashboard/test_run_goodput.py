@@ -19,7 +19,7 @@ from sqlalchemy import event
 
 from tests.dashboard.apps import T0, FakeClock
 from tests.dashboard.synth import OPERATOR, SynthRun
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.store import goodput as goodput_store
 from trainwarden.supervisor.store import registry
 from trainwarden.supervisor.store.db import Database

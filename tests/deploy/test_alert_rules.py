@@ -28,7 +28,8 @@ ALERTS_TEST = PROM / "alerts_test.yml"
 PROM_CONFIG = PROM / "prometheus.yml"
 DASHBOARD = REPO / "deploy" / "grafana" / "trainwarden.json"
 
-# The metrics the supervisor exports (supervisor/metrics.py): the contract the rules and the
+# The metrics the supervisor exports (supervisor/observability/metrics.py): the contract the
+# rules and the
 # dashboard are written against.
 CONTRACT = {
     "trainwarden_run_info",

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from trainwarden.agent import cli as agent_cli
-from trainwarden.supervisor import cli as supervisor_cli
+from trainwarden.supervisor.cli import main as supervisor_cli
 from trainwarden.supervisor.config import flag_values
 
 REPO = Path(__file__).resolve().parents[2]

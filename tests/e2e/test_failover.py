@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.system import Agent, Supervisor, ddp_script, postgres_schema, wait_until
-from trainwarden.supervisor.leader import LeaseConfig
+from trainwarden.supervisor.control.leader import LeaseConfig
 
 pytestmark = pytest.mark.e2e
 

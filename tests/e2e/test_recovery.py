@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.system import OPERATOR_TOKEN, REPO, Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
+from trainwarden.supervisor.control.policy import PolicyConfig
 from trainwarden.supervisor.detect import LossSpikeConfig
-from trainwarden.supervisor.policy import PolicyConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import OPERATOR, SynthRun
 from tests.deploy.test_alert_rules import CONTRACT
-from trainwarden.supervisor.evaluator import Evaluator
-from trainwarden.supervisor.metrics import INCIDENT_KINDS, RESTART_CAUSES, STRAGGLER_TOP
+from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.observability.metrics import (
+    INCIDENT_KINDS,
+    RESTART_CAUSES,
+    STRAGGLER_TOP,
+)
 from trainwarden.supervisor.store.db import Database
 
 Sample = tuple[str, dict[str, str], float]

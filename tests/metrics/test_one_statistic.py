@@ -18,7 +18,7 @@ from tests.dashboard.apps import T0, FakeClock, build_app
 from tests.dashboard.synth import OPERATOR, SynthRun, step_item
 from tests.deploy.test_alert_rules import ALERTS, _alert_blocks, _key_value, _run_promtool
 from tests.metrics.test_metrics_export import Sample, scrape, series, value
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
 
 # The series the alert rules read, as the supervisor exports them.
 ALERT_INPUTS = (

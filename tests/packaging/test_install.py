@@ -253,8 +253,9 @@ def test_the_wheel_lives_beside_supervisord_in_one_environment(
     r = _run([supervisor_venv / "bin" / "python", "-m", "pip", "install", "-q", "supervisor"],
              tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    probe = ("import supervisor.supervisord, supervisor.options, trainwarden.supervisor.app, "
-             "trainwarden.supervisor.cli; print(supervisor.__file__)")
+    probe = ("import supervisor.supervisord, supervisor.options, "
+             "trainwarden.supervisor.server.app, "
+             "trainwarden.supervisor.cli.main; print(supervisor.__file__)")
     r = _run([supervisor_venv / "bin" / "python", "-c", probe], tmp_path)
     # (supervisord's own package, not anything of trainwarden's)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -13,9 +13,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from trainwarden.supervisor.app import create_app
 from trainwarden.supervisor.config import SupervisorSettings
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.store.db import Database, make_database
 from trainwarden.supervisor.store.models import metadata
 
@@ -23,7 +23,7 @@ from trainwarden.supervisor.store.models import metadata
 # package named "supervisor" here would shadow the real one).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sup_helpers import FakeClock, make_settings, schema_url
+from tests.supervisor.sup_helpers import FakeClock, make_settings, schema_url
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 

@@ -7,8 +7,16 @@ import math
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import AGENT, OPERATOR, count_rows, ingest, register, step, stored_rank_steps
 
+from tests.supervisor.sup_helpers import (
+    AGENT,
+    OPERATOR,
+    count_rows,
+    ingest,
+    register,
+    step,
+    stored_rank_steps,
+)
 from trainwarden.supervisor.store.db import Database
 
 
@@ -183,9 +191,8 @@ def test_auth(client: TestClient) -> None:
 
 
 def test_public_reads(db: Database, clock: object) -> None:
-    from sup_helpers import make_settings
-
-    from trainwarden.supervisor.app import create_app
+    from tests.supervisor.sup_helpers import make_settings
+    from trainwarden.supervisor.server.app import create_app
 
     app = create_app(make_settings(public_reads=True), db=db, clock=clock,  # type: ignore[arg-type]
                      upgrade_schema=False, start_evaluator=False)

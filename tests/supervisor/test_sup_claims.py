@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from sup_helpers import (
+
+from tests.supervisor.sup_helpers import (
     AGENT,
     OPERATOR,
     FakeClock,
@@ -22,9 +23,8 @@ from sup_helpers import (
     run_with_checkpoints,
     step,
 )
-
-from trainwarden.supervisor import wire
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.contract import wire
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.store import ingest as store_ingest
 from trainwarden.supervisor.store import tables
 from trainwarden.supervisor.store.db import Database

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainwarden.supervisor import cli
+from trainwarden.supervisor.cli import main as cli
+from trainwarden.supervisor.cli.settings_reference import markdown, rows
 from trainwarden.supervisor.config import (
     LEGACY_NAMES,
     SupervisorSettings,
@@ -19,10 +20,9 @@ from trainwarden.supervisor.config import (
     load_settings,
     settings_fields,
 )
+from trainwarden.supervisor.control.detection import DetectionConfig
+from trainwarden.supervisor.control.policy import PolicyConfig
 from trainwarden.supervisor.detect import HangConfig, NodeLostConfig
-from trainwarden.supervisor.observe import DetectionConfig
-from trainwarden.supervisor.policy import PolicyConfig
-from trainwarden.supervisor.settings_reference import markdown, rows
 
 TOKENS = {"auth": {"agent_token": "a", "operator_token": "o"}}
 
@@ -225,7 +225,7 @@ def test_settings_command_prints_the_reference(capsys: pytest.CaptureFixture[str
 
 def test_spike_and_rollback_settings_reach_the_detector_and_the_policy(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainwarden.supervisor.app import create_app
+    from trainwarden.supervisor.server.app import create_app
 
     env = {"LOSS_RECOVERY_WINDOW_STEPS": "80", "LOSS_SUSTAIN_STEPS": "12",
            "ROLLBACK_BUDGET": "5", "ROLLBACK_MARGIN_STEPS": "20",

@@ -22,14 +22,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import FakeClock
 
 from tests.dashboard.synth import OPERATOR, SynthRun
 from tests.dashboard.synth import efficiency_script as script
-from trainwarden.supervisor import efficiency
-from trainwarden.supervisor.evaluator import Evaluator
+from tests.supervisor.sup_helpers import FakeClock
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.goodput import interval as iv
 from trainwarden.supervisor.goodput.anatomy import MILESTONES, PHASES
+from trainwarden.supervisor.observability import efficiency
 from trainwarden.supervisor.store import efficiency as eff
 from trainwarden.supervisor.store import goodput as goodput_store
 from trainwarden.supervisor.store.db import Database

@@ -8,10 +8,11 @@ import enum
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from sup_helpers import crash, ingest, register, step
 
+from tests.supervisor.sup_helpers import crash, ingest, register, step
 from trainwarden.agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import AgentEventName, WorkerEventName
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
@@ -23,7 +24,6 @@ from trainwarden.supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
-from trainwarden.supervisor.evaluator import Evaluator
 from trainwarden.supervisor.store import tables
 from trainwarden.supervisor.store.db import Database
 
@@ -68,7 +68,7 @@ def test_what_the_policy_writes_reads_back_as_the_plain_strings(
 
 
 def test_which_incidents_interrupt_training_is_said_once() -> None:
-    from trainwarden.supervisor import policy
+    from trainwarden.supervisor.control import policy
     from trainwarden.supervisor.enums import INTERRUPTING, NEVER_INTERRUPTING, ROLLED_BACK, WATCHED
     from trainwarden.supervisor.goodput.ettr import EttrConfig
 

@@ -20,14 +20,14 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
-from sup_helpers import (  # (conftest: on sys.path)
+
+from tests.supervisor.sup_helpers import (  # (conftest: on sys.path)
     AGENT,
     OPERATOR,
     make_settings,
     run_with_checkpoints,
 )
-
-from trainwarden.supervisor.app import create_app
+from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.store.db import make_database
 from trainwarden.supervisor.store.models import metadata
 

@@ -7,11 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.testclient import TestClient
-from sup_helpers import AGENT, FakeClock, crash, ingest, make_settings, register, step
 
-from trainwarden.supervisor import policy
-from trainwarden.supervisor.app import create_app
-from trainwarden.supervisor.evaluator import Evaluator
+from tests.supervisor.sup_helpers import (
+    AGENT,
+    FakeClock,
+    crash,
+    ingest,
+    make_settings,
+    register,
+    step,
+)
+from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.store.db import Database, make_database
 from trainwarden.supervisor.store.models import metadata
 
@@ -19,7 +27,7 @@ CFG = policy.PolicyConfig()
 
 
 def _get(client: TestClient, path: str = "") -> Any:
-    from sup_helpers import OPERATOR
+    from tests.supervisor.sup_helpers import OPERATOR
 
     r = client.get(f"/api/v1/runs/r1{path}", headers=OPERATOR)
     assert r.status_code == 200, r.text

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from tests.dashboard.apps import FakeClock, build_app, sqlite_db
 from tests.dashboard.synth import OPERATOR, SynthRun, efficiency_script
 from trainwarden.supervisor.api import responses
-from trainwarden.supervisor.retention import Retention, RetentionConfig
+from trainwarden.supervisor.control.retention import Retention, RetentionConfig
 
 ADMIN_TOKEN = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

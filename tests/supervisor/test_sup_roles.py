@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sup_helpers import (
+
+from tests.supervisor.sup_helpers import (
     ADMIN,
     ADMIN_TOKEN,
     AGENT,
@@ -20,9 +21,8 @@ from sup_helpers import (
     register,
     step,
 )
-from sup_helpers import ingest as ingest_batch
-
-from trainwarden.supervisor.app import create_app
+from tests.supervisor.sup_helpers import ingest as ingest_batch
+from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.store.db import Database
 
 
@@ -207,7 +207,7 @@ def test_a_scoped_operator_acts_only_on_its_run_and_its_actions_name_it(
 def test_the_token_cli_goes_through_the_api(app: FastAPI, monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     from tests.dashboard.browser import serve_in_thread
-    from trainwarden.supervisor import cli
+    from trainwarden.supervisor.cli import main as cli
 
     monkeypatch.setenv("TRAINWARDEN_ADMIN_TOKEN", ADMIN_TOKEN)
     with serve_in_thread(app) as base:

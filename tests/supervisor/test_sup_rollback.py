@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sup_helpers import (
+
+from tests.supervisor.sup_helpers import (
     AGENT,
     OPERATOR,
     FakeClock,
@@ -15,9 +16,8 @@ from sup_helpers import (
     run_with_checkpoints,
     step,
 )
-
-from trainwarden.supervisor import policy
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.store.db import Database
 
 CFG = policy.PolicyConfig(rollback_budget=2, rollback_margin_steps=10, rollback_skip_before=5,
@@ -255,9 +255,8 @@ def test_a_recurring_spike_is_sized_on_the_current_attempts_batches(
     it was detected) are looked up in attempt 1 only: rank 0's row of the detection step may
     not be stored yet (rank 1's showed the spike), and attempt 0's batch for that step would
     shrink the widened skip to nothing (a CI run skipped batches 241-242 instead of 241-362)."""
-    from sup_helpers import register
-
-    from trainwarden.supervisor import actions
+    from tests.supervisor.sup_helpers import register
+    from trainwarden.supervisor.control import actions
     from trainwarden.supervisor.store import registry
     from trainwarden.supervisor.store.tables import runs
 

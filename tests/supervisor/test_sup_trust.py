@@ -12,7 +12,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import text
-from sup_helpers import (
+
+from tests.supervisor.sup_helpers import (
     ADMIN,
     ADMIN_TOKEN,
     AGENT,
@@ -26,9 +27,8 @@ from sup_helpers import (
     step,
     store_snapshot,
 )
-
-from trainwarden.supervisor.app import create_app
-from trainwarden.supervisor.evaluator import Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Database
 

@@ -47,7 +47,7 @@ def test_the_agent_and_the_client_parse_addresses_alike(
     assert cfg.supervisor_url == "http://a,http://b"
     with pytest.raises(ValueError, match="got 'a:1'"):
         AgentConfig(supervisor_url="a:1", run="r", command=["x"])
-    from trainwarden.supervisor import cli
+    from trainwarden.supervisor.cli import main as cli
     assert cli.main(["runs", "--supervisor", "a:1"]) == 1
     assert "got 'a:1'" in capsys.readouterr().err
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from trainwarden.supervisor.delivery import DeliveryMonitor
 from trainwarden.supervisor.detect.overload import DeliveryReport, OverloadConfig, judge_overload
+from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
 
 CFG = OverloadConfig()
 
@@ -98,7 +98,7 @@ def test_the_monitor_counts_the_agents_that_sent_in_the_window() -> None:
 ])
 def test_the_advised_batch_interval(agents: int, overloaded_ago: float | None,
                                     want: float | None) -> None:
-    from trainwarden.supervisor.policy import advised_batch_interval
+    from trainwarden.supervisor.control.policy import advised_batch_interval
 
     got = advised_batch_interval(
         last_overloaded_at=None if overloaded_ago is None else 1000.0 - overloaded_ago,

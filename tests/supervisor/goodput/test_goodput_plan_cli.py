@@ -61,7 +61,7 @@ def test_runs_without_the_supervisor_packages() -> None:
         "        if name.split('.')[0] in BLOCKED:\n"
         "            raise ImportError(f'{name} is not installed here')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import trainwarden.supervisor.cli as c\n"
+        "import trainwarden.supervisor.cli.main as c\n"
         "raise SystemExit(c.main(['plan', '--params', '7B', '--seq-len', '2048']))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,

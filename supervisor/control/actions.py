@@ -1,0 +1,227 @@
+"""Carry out policy decisions in the store: incident, audited action row, commands, run status.
+
+Also advances an action's progress from what the agents report:
+restart: queued -> delivered (every agent acknowledged) -> restarted (every agent reports
+"done") -> resumed (first step report of the new attempt; the step is recorded);
+stop: queued -> delivered -> done.  Any agent reporting "failed" marks the action failed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trainwarden.agent.core.states import CommandKind, CommandStatus
+from trainwarden.agent.protocol import ResumePlan
+from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.control.policy import (
+    Complete,
+    Decision,
+    FindingDecision,
+    IncidentSpec,
+    Note,
+    OpenIncident,
+    RecordEvent,
+    Restart,
+    Stop,
+)
+from trainwarden.supervisor.enums import (
+    ActionKind,
+    ActionStatus,
+    Actor,
+    RestartCause,
+    RunStatus,
+    SupervisorEvent,
+)
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store import registry, windows
+from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.rows import ActionRow, RunRow
+
+
+def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
+             ) -> policy.RecoveryFacts:
+    """The run's history a restart or rollback decision needs (see ``policy.RecoveryFacts``);
+    ``steps``: steps whose batch index the decision may name."""
+    run_id = int(run["id"])
+    ckpts = [(s, p) for s, _, p in rec.lineage_checkpoints(conn, run_id=run_id)]
+    history = [h for h in rec.restart_history(conn, run_id=run_id)
+               if h["actor"] == Actor.POLICY]
+    by_cause: dict[str, int] = {}
+    for h in history:
+        cause = h["cause"] or RestartCause.CRASH
+        by_cause[cause] = by_cause.get(cause, 0) + 1
+    # A checkpoint's step: its batch in the newest attempt that trained it.  A step the
+    # decision names (a spike's start, where it was detected): its batch in the run's
+    # current attempt only.  An earlier attempt trained that step on another batch where a
+    # rollback skipped some, and rank 0's row of the step may not be stored yet when another
+    # rank's already showed the spike: then the policy counts on from the start's batch.
+    named = sorted(set(steps or []))
+    batch_index = rec.batch_indexes(conn, run_id=run_id,
+                                    steps=sorted({s for s, _ in ckpts} - set(named)))
+    batch_index.update(rec.batch_indexes(conn, run_id=run_id, steps=named,
+                                         attempt=int(run["attempt"])))
+    return policy.RecoveryFacts(
+        checkpoints=tuple(ckpts),
+        batch_index=batch_index,
+        restarts_by_cause=by_cause,
+        high_step=_high_step(conn, run_id),
+        high_at_restarts=tuple(h["high_step"] for h in history),
+    )
+
+
+def _high_step(conn: Connection, run_id: int) -> int | None:
+    """The highest step the run ever reported (any attempt)."""
+    return max(rec.max_steps(conn, run_id=run_id).values(), default=None)
+
+
+def facts(run: RunRow) -> policy.RunFacts:
+    return policy.RunFacts(id=run["id"], name=run["name"], status=run["status"],
+                           attempt=run["attempt"], restarts=run["restarts"])
+
+
+def _incident(conn: Connection, run_id: int, spec: IncidentSpec | None, now: float) -> int | None:
+    if spec is None:
+        return None
+    return rec.open_incident(
+        conn, run_id=run_id, kind=spec.kind, cause=spec.cause, attempt=spec.attempt,
+        agent_id=spec.agent_id, node=spec.node, rank=spec.rank, exit_code=spec.exit_code,
+        signal=spec.signal, details=spec.details, opened_at=now, updated_at=now, step=spec.step,
+    )
+
+
+def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision,
+          now: float) -> int | None:
+    """Write what ``decision`` means; returns the action id when one was created."""
+    run_id = int(run["id"])
+    if isinstance(decision, Note):
+        return None
+    if isinstance(decision, OpenIncident):
+        _incident(conn, run_id, decision.incident, now)
+        return None
+    if isinstance(decision, RecordEvent):
+        rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=int(run["attempt"]),
+                          rank=decision.rank, t=now, name=decision.name, step=decision.step,
+                          message=decision.message, details=decision.details)
+        return None
+    if isinstance(decision, Complete):
+        registry.set_run_status(conn, run_id=run_id, status=RunStatus.COMPLETED, now=now,
+                                reason=decision.reason)
+        rec.resolve_incidents(conn, run_id=run_id, now=now)
+        # A restart that never reached the workers is moot now.
+        rec.supersede_commands(conn, run_id=run_id, now=now)
+        for a in rec.actions_in_progress(conn):
+            if a["run_id"] == run_id:
+                rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
+                                   updated_at=now, progress={**a["progress"],
+                                                             ActionStatus.SUPERSEDED: now})
+        return None
+    agent_ids = [a["id"] for a in registry.run_agents(conn, run_id=run_id)]
+    incident_id = _incident(conn, run_id, decision.incident, now)
+    # A new decision replaces whatever the agents have not picked up yet.
+    rec.supersede_commands(conn, run_id=run_id, now=now)
+    for a in rec.actions_in_progress(conn):
+        if a["run_id"] == run_id:
+            rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
+                              updated_at=now,
+                              progress={**a["progress"], ActionStatus.SUPERSEDED: now})
+    if isinstance(decision, Restart):
+        action_id = rec.create_action(
+            conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.RESTART,
+            reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
+            attempt=decision.attempt, not_before=decision.not_before, created_at=now,
+            cause=decision.cause, high_step=_high_step(conn, run_id),
+            rollback_to_step=decision.rollback_to_step,
+        )
+        if decision.rollback_to_step is not None:
+            # The branch beyond the rollback point is abandoned: its checkpoints are never
+            # offered as the newest again (the new attempt writes its own).
+            rec.abandon_branches(conn, run_id=run_id)
+        plan = decision.plan(action_id=action_id)
+        rec.update_action(conn, action_id=action_id, plan=plan)
+        rec.create_commands(conn, rows=[
+            {"run_id": run_id, "agent_id": aid, "action_id": action_id,
+             "kind": CommandKind.RESTART,
+             "attempt": decision.attempt, "plan": plan, "not_before": decision.not_before,
+             "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
+             "detail": "", "collect_stacks": decision.collect_stacks, "created_at": now,
+             "updated_at": now}
+            for aid in agent_ids
+        ])
+        restarts = int(run["restarts"]) + (1 if decision.counts_against_budget else 0)
+        registry.set_run_status(conn, run_id=run_id, status=RunStatus.RESTARTING, now=now,
+                                reason=decision.reason, attempt=decision.attempt,
+                                restarts=restarts)
+        return action_id
+    assert isinstance(decision, Stop)
+    action_id = rec.create_action(
+        conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.STOP,
+        reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
+        attempt=int(run["attempt"]), created_at=now,
+    )
+    rec.create_commands(conn, rows=[
+        {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": CommandKind.STOP,
+         "attempt": int(run["attempt"]), "plan": None, "not_before": None,
+         "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
+         "detail": "", "created_at": now, "updated_at": now}
+        for aid in agent_ids
+    ])
+    registry.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
+                            reason=decision.reason)
+    return action_id
+
+
+def realign(conn: Connection, *, run: RunRow, node: str, decision: policy.Realign,
+            now: float) -> None:
+    """One command for one agent, outside any action: relaunch as the run's attempt.  No
+    checkpoint is named (each worker resumes from the newest complete one of its own
+    directory); an event on the run says why."""
+    plan = json.loads(ResumePlan(attempt=decision.attempt, reason=decision.reason).to_json())
+    rec.create_commands(conn, rows=[{
+        "run_id": run["id"], "agent_id": decision.agent_id, "action_id": None,
+        "kind": CommandKind.RESTART, "attempt": decision.attempt, "plan": plan,
+        "not_before": None, "reason": decision.reason, "status": CommandStatus.PENDING,
+        "sent_count": 0, "detail": "", "collect_stacks": False, "created_at": now,
+        "updated_at": now}])
+    rec.insert_event(conn, run_id=run["id"], agent_id=decision.agent_id,
+                     attempt=int(run["attempt"]), rank=None, t=now,
+                     name=SupervisorEvent.ATTEMPT_REALIGN, step=None, message=decision.reason,
+                     details={"node": node, "attempt": decision.attempt})
+
+
+def advance(conn: Connection, *, action: ActionRow, now: float) -> str:
+    """Move one in-progress action forward from the store's facts; returns its status."""
+    status = action["status"]
+    progress = dict(action["progress"] or {})
+    statuses = rec.action_command_statuses(conn, action_id=action["id"])
+    new = status
+    values: dict[str, Any] = {}
+    if CommandStatus.FAILED in statuses:
+        new = ActionStatus.FAILED
+    else:
+        acked = all(s in (CommandStatus.DELIVERED, CommandStatus.DONE) for s in statuses)
+        done = all(s == CommandStatus.DONE for s in statuses)
+        if new == ActionStatus.QUEUED and acked:
+            new = ActionStatus.DELIVERED
+            progress[ActionStatus.DELIVERED] = now
+        if new == ActionStatus.DELIVERED and done:
+            new = (ActionStatus.RESTARTED if action["kind"] == ActionKind.RESTART
+                   else ActionStatus.DONE)
+            progress[new] = now
+        if action["kind"] == ActionKind.RESTART:
+            span = windows.step_range(conn, run_id=action["run_id"], attempt=action["attempt"])
+            if span is not None:
+                first = span[0]
+                new = ActionStatus.RESUMED
+                values["resumed_step"] = first
+                run = registry.get_run(conn, run_id=action["run_id"])
+                if (run["status"] == RunStatus.RESTARTING
+                        and run["attempt"] == action["attempt"]):
+                    registry.set_run_status(conn, run_id=run["id"], status=RunStatus.RUNNING,
+                                            now=now, reason=f"resumed at step {first}")
+                rec.resolve_incidents(conn, run_id=action["run_id"], now=now)
+    if new != status:
+        progress[new] = now
+        rec.update_action(conn, action_id=action["id"], status=new, progress=progress,
+                           updated_at=now, **values)
+    return new

@@ -1,0 +1,727 @@
+"""The evaluation loop: ``tick()`` reads the store, asks the policy, writes actions.
+
+``tick`` observes first, in a read transaction: the detectors' windows (per-rank timings of
+the newest steps, losses, progress) are the expensive part, thousands of rows for a big run,
+and reading them inside the write transaction held the store's one writer (and with it every
+agent's ingest) for the whole tick.  Then one short write transaction, in steps: the agents'
+exit reports (``_exits``), the progress of the actions under way, the workers' failure events
+and stack dumps, the findings (a finding observed for an attempt the run has left by then is
+dropped: the next tick observes the new one), and last the checkpoints to protect.  What the
+evaluator keeps of a run between ticks is one ``RunState``.  ``run`` is a thin loop around
+``tick`` (a daemon thread started by the app); the clock is injected so tests drive exactly
+one tick at a chosen time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainwarden.agent import protocol
+from trainwarden.agent.core import text as untrusted
+from trainwarden.agent.core.findings import FindingKind, Severity
+from trainwarden.supervisor.control import actions, policy
+from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
+from trainwarden.supervisor.control.observer import (
+    Observation,
+    Observer,
+    ObserveRequest,
+    ObserverProcess,
+)
+from trainwarden.supervisor.control.retention import Retention, RetentionConfig
+from trainwarden.supervisor.detect import Finding
+from trainwarden.supervisor.detect.node_lost import agents_gone
+from trainwarden.supervisor.detect.overload import DeliveryReport, Overload, judge_overload
+from trainwarden.supervisor.detect.stacks import hang_culprit
+from trainwarden.supervisor.enums import (
+    ActionKind,
+    ActionStatus,
+    IncidentKind,
+    IncidentStatus,
+    JudgeStage,
+    SupervisorEvent,
+    Verdict,
+)
+from trainwarden.supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
+from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
+from trainwarden.supervisor.store import credentials, registry, windows
+from trainwarden.supervisor.store import goodput as goodput_store
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection, Database
+from trainwarden.supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
+
+log = logging.getLogger("trainwarden.evaluator")
+
+Clock = Callable[[], float]
+
+
+# Worker events that end an attempt, with the incident kind they open.  A "distributed_error"
+# (connection reset by a peer, ...) is left out on purpose: it is what the survivors see when
+# a peer dies, and the agent's exit report that follows names the rank that really failed.
+_FAILURE_EVENTS: dict[str, IncidentKind] = {
+    protocol.WorkerEventName.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
+_STACKS_EVENT = protocol.AgentEventName.STACKS
+# Event findings whose detector already reports each episode once (from the store's events).
+_EPISODE_EVENTS = frozenset({FindingKind.DISK_LOW, FindingKind.DISK_RECOVERED})
+
+
+@dataclass
+class TickReport:
+    exits: int = 0
+    decisions: int = 0
+    advanced: int = 0
+    findings: int = 0
+
+
+@dataclass(frozen=True)
+class EvaluatorConfig:
+    interval_s: float = 0.5  # seconds between two ticks of the evaluation loop
+    # where the detectors run: "process" (a child process of their own, so their CPU never
+    # competes with ingest) or "thread" (the evaluator's own, in the supervisor's process)
+    observer: Literal["process", "thread"] = "process"
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"evaluator interval_s must be > 0 seconds (got {self.interval_s})")
+        if self.observer not in ("process", "thread"):
+            raise ValueError(f"evaluator observer must be 'process' or 'thread' (got "
+                             f"{self.observer!r})")
+
+
+@dataclass
+class RunState:
+    """What the evaluator keeps about one active run between ticks; it goes when the run
+    stops being active (completed, failed, stopped)."""
+
+    # agent id -> (the other attempt it reports, since when): see ``_attempt_mismatches``
+    mismatch: dict[int, tuple[int, float]] = field(default_factory=dict)
+    goodput: LiveGoodput | None = None  # the live ETTR, fed with the rows new each tick
+    newest_heartbeat: float | None = None  # of any of its agents, as read this tick
+
+
+class Evaluator:
+    def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
+                 detection: DetectionConfig | None = None,
+                 delivery: DeliveryMonitor | None = None,
+                 retention: RetentionConfig | None = None) -> None:
+        self.db = db
+        self.delivery = delivery  # how late batches arrive (None: not watched)
+        self.overload: Overload | None = None  # the supervisor is behind (this tick's verdict)
+        self.overload_since: float | None = None
+        self.last_overloaded_at: float | None = None  # the newest tick that found it behind
+        self._advice: float | None = None  # the batch interval replies ask for (each tick)
+        self._last_tick: float | None = None  # (monotonic) start of the previous tick
+        self.cfg = cfg
+        self.clock = clock
+        self.detection = detection or DetectionConfig()
+        # the detectors, in this thread; the app puts them in a process of their own
+        self.observer: Observer | ObserverProcess = Observer(self.detection)
+        # Called while the tick waits on the observer process (a leader renews its lease).
+        self.keepalive: Callable[[], object] | None = None
+        self.retention = Retention(retention, self.detection)  # old per-rank rows rolled up
+        # Hangs and lost nodes are judged on what this process could observe: a supervisor
+        # that was down must not call a hang on data it could not receive.
+        self.observing_since = clock()
+        self._event_cursor = 0  # worker events are read once, in id order
+        self._unattached: list[NodeEventRow] = []  # stack dumps that came before their incident
+        self._runs: dict[int, RunState] = {}  # run id -> its state (active runs only)
+        # The goodput of runs that ended while this process watched them (newest kept).
+        self._ended_goodput: dict[int, LiveGoodput] = {}
+        self._goodput_lock = threading.Lock()  # the API reads what the loop feeds
+        # Runs the tick failed to judge: run id -> how many times (``/metrics``), and the
+        # runs failing now -> since when (one event per episode).
+        self.run_failures: dict[int, int] = {}
+        self._failing: dict[int, float] = {}
+        self._failed_this_tick: set[int] = set()
+        self._retry_events: list[NodeEventRow] = []  # failure events a failed tick left
+        # Told the agents whose credentials the tick revoked (the app's credential cache).
+        self.on_revoked: Callable[[list[int]], object] | None = None
+
+    def tick(self) -> TickReport:
+        now = self.clock()
+        rep = TickReport()
+        started, ended = self._judge_overload(now)
+        observed = self._observe_active(now)
+        self._failed_this_tick = set()
+        with self.db.write() as conn:
+            if started or ended is not None:
+                self._record_overload(conn, now, ended)
+            self._exits(conn, now, rep)
+            for action in rec.actions_in_progress(conn):
+                with self._contained(conn, int(action["run_id"]), JudgeStage.ACTIONS, now):
+                    if actions.advance(conn, action=action, now=now) != action["status"]:
+                        rep.advanced += 1
+            self._worker_events(conn, now, rep)
+            for run in registry.active_runs(conn):
+                obs = observed.get(int(run["id"]))
+                if obs is not None and obs.attempt == int(run["attempt"]):
+                    with self._contained(conn, int(run["id"]), JudgeStage.FINDINGS, now):
+                        self._act_on(conn, run, obs, now, rep)
+            busy = {int(a["run_id"]) for a in rec.actions_in_progress(conn)}
+            for run in registry.active_runs(conn):
+                with self._contained(conn, int(run["id"]), JudgeStage.UPKEEP, now):
+                    rec.abandon_branches(conn, run_id=run["id"])  # late checkpoints of old ones
+                    self._protect(conn, run)
+                    self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
+                    self._presence(conn, run, now)
+            self._revoke_ended(conn, now)
+            self._recovered(conn, now)
+        self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
+        return rep
+
+    def _revoke_ended(self, conn: Connection, now: float) -> None:
+        """A run that ended writes nothing more: once its agents had the node-lost deadline
+        to take their last commands (a stop's) and report, their credentials are revoked
+        (an agent still sending is refused, registers again, and is told the run ended)."""
+        grace = self.detection.node_lost.deadline_s
+        for run_id in credentials.ended_runs_holding_credentials(
+                conn, ended_before=now - grace):
+            with self._contained(conn, run_id, JudgeStage.UPKEEP, now):
+                revoked = credentials.revoke_run(conn, run_id=run_id, now=now)
+                self._supervisor_event(
+                    conn, run_id, SupervisorEvent.CREDENTIALS_REVOKED, now,
+                    f"the run has ended: the credentials of its {len(revoked)} agent(s) are "
+                    "revoked", {"agents": revoked})
+                if self.on_revoked is not None:
+                    self.on_revoked(revoked)
+
+    # -- one run's failure stays that run's ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _contained(self, conn: Connection, run_id: int, stage: JudgeStage, now: float
+                   ) -> Iterator[None]:
+        """Run one run's share of the tick in a savepoint of its own: an error there (a row
+        the store refuses, a bug met by one run's data) is rolled back to the savepoint,
+        recorded against that run (``_judge_failed``) and retried on the next tick, while
+        every other run is judged on this one."""
+        try:
+            with conn.begin_nested():
+                yield
+        except Exception as e:
+            self._judge_failed(conn, run_id, stage, e, now)
+
+    def _judge_failed(self, conn: Connection, run_id: int, stage: JudgeStage, error: Exception,
+                      now: float) -> None:
+        self._failed_this_tick.add(run_id)
+        self.run_failures[run_id] = self.run_failures.get(run_id, 0) + 1
+        if run_id in self._failing:  # (logged and recorded once per episode)
+            return
+        self._failing[run_id] = now
+        log.exception("run %s: judging it failed at %s (retried next tick; other runs are "
+                      "judged as usual)", run_id, stage)
+        what = untrusted.clean(f"{type(error).__name__}: {error}", 2000)
+        self._supervisor_event(
+            conn, run_id, SupervisorEvent.JUDGE_FAILED, now,
+            f"the supervisor failed to judge this run ({stage}): {what}; it retries on every "
+            "tick, and other runs are judged as usual", {"stage": str(stage), "error": what})
+
+    def _recovered(self, conn: Connection, now: float) -> None:
+        """Runs whose failing episode ended this tick: an event says so."""
+        for run_id in [r for r in self._failing if r not in self._failed_this_tick]:
+            since = self._failing.pop(run_id)
+            self._supervisor_event(
+                conn, run_id, SupervisorEvent.JUDGE_RECOVERED, now,
+                f"the supervisor judges this run again (it failed for {now - since:.1f} s)",
+                {"failed_since": since})
+
+    def _supervisor_event(self, conn: Connection, run_id: int, name: SupervisorEvent,
+                          now: float, message: str, details: dict[str, Any]) -> None:
+        """One event about the supervisor's own handling of a run, in a savepoint of its own
+        (recording it must not take the rest of the tick down with it)."""
+        try:
+            with conn.begin_nested():
+                attempt = registry.get_run(conn, run_id=run_id)["attempt"]
+                rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=attempt,
+                                 rank=None, t=now, name=name, step=None, message=message,
+                                 details=details)
+        except Exception:
+            log.exception("run %s: recording the %s event failed", run_id, name)
+
+    # -- overload ----------------------------------------------------------------------------
+
+    def _judge_overload(self, now: float) -> tuple[bool, float | None]:
+        """This tick's overload verdict (``trainwarden.supervisor.detect.overload``); returns
+        whether an
+        overload has just started, and the length of one that has just ended.  While
+        overloaded, the hang, node-lost and straggler verdicts are held back (``_observe``);
+        once it ends they are judged from then on, as after a supervisor restart: what
+        arrived late says nothing of when."""
+        mono = time.monotonic()
+        gap = None if self._last_tick is None else mono - self._last_tick
+        self._last_tick = mono
+        rep = (self.delivery.report(now, tick_gap_s=gap) if self.delivery is not None
+               else DeliveryReport(tick_gap_s=gap))
+        self.overload = judge_overload(rep, self.detection.overload)
+        if self.overload is not None:
+            self.last_overloaded_at = now
+        self._advice = policy.advised_batch_interval(
+            last_overloaded_at=self.last_overloaded_at, now=now, sending_agents=rep.agents,
+            cfg=self.detection.overload)
+        if self.overload is not None:
+            if self.overload_since is None:
+                self.overload_since = now
+                log.warning("supervisor overloaded: %s; hang, node-lost and straggler "
+                            "verdicts are held back until it keeps up", self.overload.reason)
+                return True, None
+            return False, None
+        if self.overload_since is None:
+            return False, None
+        lasted = now - self.overload_since
+        self.overload_since = None
+        self.observing_since = max(self.observing_since, now)
+        log.warning("supervisor keeps up again after %.1f s overloaded; hang and node-lost "
+                    "deadlines count from now", lasted)
+        return False, lasted
+
+    def observe_from_now(self) -> None:
+        """Judge hangs and lost nodes from now on (a replica that has just become the
+        leader: the time no evaluator ran is no run's fault, nor an overload of this one)."""
+        self.observing_since = self.clock()
+        self._last_tick = None
+
+    def advised_batch_interval(self) -> float | None:
+        """What the ingest reply asks agents to batch at (``policy.advised_batch_interval``,
+        decided at the last tick: ingest reads it for every batch)."""
+        return self._advice
+
+    def overload_state(self) -> tuple[bool, float | None]:
+        """(overloaded at the last tick, batch lateness now): what /metrics exports."""
+        rep = self.delivery.report(self.clock()) if self.delivery is not None else None
+        return self.overload is not None, rep.lateness_s if rep is not None else None
+
+    def _record_overload(self, conn: Connection, now: float, ended: float | None) -> None:
+        """One event per active run when an overload starts and when it ends."""
+        for run in registry.active_runs(conn):
+            decision = policy.on_overload(
+                reason=self.overload.reason if self.overload is not None else None,
+                lateness_s=self.overload.lateness_s if self.overload is not None else None,
+                ended_after_s=ended)
+            actions.apply(conn, run=run, decision=decision, now=now)
+
+    # -- presence (the goodput's idle time) ---------------------------------------------------
+
+    def _presence(self, conn: Connection, run: RunRow, now: float) -> None:
+        """Record when no agent of the run runs any more (``agents_down``: silent for the
+        node-lost deadline) and, without a registration to end it, when one is heard from
+        again (``agents_up``).  Not while overloaded: late batches are not absent agents."""
+        state = self._runs.get(int(run["id"]))
+        g = state.goodput if state is not None else None
+        if state is None or g is None or self.overload is not None:
+            return
+        beat = state.newest_heartbeat
+        if g.down_since is None:
+            lost = lost_deadline(self.detection, self.advised_batch_interval())
+            if beat is not None and agents_gone(beat, now, lost,
+                                                observing_since=self.observing_since):
+                actions.apply(conn, run=run, now=now, decision=policy.on_agents_gone(
+                    since=beat, deadline_s=lost.deadline_s))
+        elif beat is not None and beat > g.down_since:
+            actions.apply(conn, run=run, now=now, decision=policy.on_agents_back(at=beat))
+
+    # -- attempt mismatch --------------------------------------------------------------------
+
+    def _attempt_mismatches(self, conn: Connection, run: RunRow, busy: bool, now: float,
+                            rep: TickReport) -> None:
+        """Agents whose reports carry another attempt than the run's: none of what they
+        report counts for the run's attempt, so the policy realigns them within seconds, or
+        opens an incident that says why (``policy.on_attempt_mismatch``).  A restart under
+        way (an action in progress, a command in flight to the agent) is not a mismatch."""
+        state = self._state(run)
+        attempt = int(run["attempt"])
+        open_incidents = {i["agent_id"]: i for i in rec.incidents_of(
+            conn, run_id=run["id"], kinds=[IncidentKind.ATTEMPT_MISMATCH],
+            status=IncidentStatus.OPEN)}
+        tracked = set()
+        off = registry.agents_off_attempt(conn, run_id=run["id"], attempt=attempt)
+        off_ids = {ag["id"] for ag in off}
+        for aid in [k for k in open_incidents if k is not None and k not in off_ids]:
+            rec.resolve_incident(conn, incident_id=open_incidents[aid]["id"], now=now)
+        for ag in off:
+            aid = ag["id"]
+            cmds = rec.agent_commands(conn, agent_id=aid)
+            if busy or any(c["action_id"] is not None for c in cmds):
+                continue
+            reported = ag["attempt"]
+            prev = state.mismatch.get(aid)
+            if prev is None or prev[0] != reported:
+                prev = state.mismatch[aid] = (reported, now)
+            tracked.add(aid)
+            sent = [c for c in cmds if c["action_id"] is None and c["attempt"] == attempt
+                    and float(c["created_at"]) >= prev[1]]
+            facts = policy.MismatchFacts(
+                agent_id=aid, node=ag["node"], agent_attempt=reported, run_attempt=attempt,
+                mismatch_s=now - prev[1], agent_state=ag["state"] or "",
+                last_seen_s=now - float(ag["last_seen_at"] or now),
+                realign=policy.RealignSent(status=sent[-1]["status"],
+                                           age_s=now - float(sent[-1]["created_at"]),
+                                           detail=sent[-1]["detail"] or "") if sent else None,
+                incident_open=aid in open_incidents)
+            decision = policy.on_attempt_mismatch(facts, self.cfg)
+            if isinstance(decision, policy.Realign):
+                rep.decisions += 1
+                log.warning("run %s: %s", run["name"], decision.reason)
+                actions.realign(conn, run=run, node=ag["node"], decision=decision, now=now)
+            elif isinstance(decision, policy.OpenIncident):
+                rep.decisions += 1
+                log.error("run %s: %s", run["name"], decision.incident.cause)
+                actions.apply(conn, run=run, decision=decision, now=now)
+        for gone in state.mismatch.keys() - tracked:
+            del state.mismatch[gone]
+
+    def _observe_active(self, now: float) -> dict[int, Observation]:
+        """Feed the goodput accounting, then have the observer run the detectors on every
+        active run (reads only); the state of runs that are no longer active goes."""
+        with self.db.read() as conn:
+            active = registry.active_runs(conn)
+            for gone in self._runs.keys() - {int(r["id"]) for r in active}:
+                self._goodput_ended(conn, gone, self._runs.pop(gone))
+            for run in active:
+                state = self._state(run)
+                try:
+                    self._goodput_update(conn, run, state, now=now)
+                except Exception:  # the accounting must never stop the fault handling
+                    log.exception("run %s: goodput accounting failed; it starts over",
+                                  run["name"])
+                    with self._goodput_lock:
+                        state.goodput = None
+        req = ObserveRequest(now=now, observing_since=self.observing_since,
+                             held=self.overload is not None,  # (_judge_overload)
+                             batch_interval_s=self.advised_batch_interval())
+        return self.observer.observe(self.db, req, keepalive=self.keepalive) or {}
+
+    # -- goodput -----------------------------------------------------------------------------
+
+    ENDED_GOODPUT_KEPT = 256
+
+    def _goodput_update(self, conn: Connection, run: RunRow, state: RunState,
+                        ended_at: float | None = None, now: float | None = None) -> None:
+        """Feed the run's live ETTR with the rows it gained since the last tick."""
+        run_id = int(run["id"])
+        g = state.goodput
+        if g is None:
+            g = state.goodput = LiveGoodput(start=float(run["created_at"]))
+        upto, steps = goodput_store.rank_step_groups_after(
+            conn, run_id=run_id, after_id=g.step_id, limit=STEP_ROWS_PER_TICK)
+        if sum(len(x[3]) for x in steps) == STEP_ROWS_PER_TICK:
+            ended_at = None  # still catching up: end it once every step is in
+        world = goodput_store.rank_count(conn, run_id=run_id)
+        ckpts = goodput_store.checkpoints_after(conn, run_id=run_id, after_id=g.checkpoint_id)
+        incs = goodput_store.incidents_after(conn, run_id=run_id, after_id=g.incident_id)
+        acts = goodput_store.restart_actions_after(conn, run_id=run_id, after_id=g.action_id,
+                                                   pending=g.pending_actions)
+        presence_upto, presence = goodput_store.presence_events_after(
+            conn, run_id=run_id, after_id=g.event_id)
+        state.newest_heartbeat = goodput_store.newest_heartbeat(conn, run_id=run_id)
+        with self._goodput_lock:
+            g.update(steps=steps, steps_upto=upto, world=world, checkpoints=ckpts, incidents=incs,
+                     actions=acts, presence=presence, presence_upto=presence_upto,
+                     ended_at=ended_at, now=now)
+
+    def _goodput_ended(self, conn: Connection, run_id: int, state: RunState) -> None:
+        run = registry.get_run(conn, run_id=run_id)
+        if run is None or state.goodput is None:
+            return
+        self._goodput_update(conn, run, state, ended_at=float(run["updated_at"]))
+        with self._goodput_lock:
+            self._ended_goodput[run_id] = state.goodput
+            while len(self._ended_goodput) > self.ENDED_GOODPUT_KEPT:
+                self._ended_goodput.pop(next(iter(self._ended_goodput)))
+
+    def _goodput_of(self, run_id: int) -> LiveGoodput | None:
+        state = self._runs.get(run_id)
+        return state.goodput if state is not None else self._ended_goodput.get(run_id)
+
+    def goodput_series(self, run_id: int, window_s: float) -> dict[str, Any] | None:
+        """``LiveGoodput.series`` now; None when this process has not accounted the run."""
+        now = self.clock()
+        with self._goodput_lock:
+            g = self._goodput_of(run_id)
+            return None if g is None else g.series(now, window_s)
+
+    def goodput(self, run_id: int) -> dict[str, Any] | None:
+        """The run's live ETTR and badput by cause (``LiveGoodput.as_dict``) now; None when
+        this process has not accounted the run (not yet ticked, or it ended before)."""
+        now = self.clock()
+        with self._goodput_lock:
+            g = self._goodput_of(run_id)
+            return None if g is None else g.as_dict(now)
+
+    def _state(self, run: RunRow) -> RunState:
+        state = self._runs.get(int(run["id"]))
+        if state is None:
+            state = self._runs[int(run["id"])] = RunState()
+        return state
+
+    # -- exits -------------------------------------------------------------------------------
+
+    def _exits(self, conn: Connection, now: float, rep: TickReport) -> None:
+        """Every agent exit report not handled yet, in the order they arrived."""
+        for ex in rec.unhandled_exits(conn):
+            run_id = int(ex["run_id"])
+            if run_id in self._failed_this_tick:
+                continue  # a run's exits are judged in order: its later ones wait
+            rep.exits += 1
+            with self._contained(conn, run_id, JudgeStage.EXITS, now):
+                # Fresh run state each time: an earlier exit in this tick may have moved it.
+                run = registry.get_run(conn, run_id=run_id)
+                decision = self._on_exit(conn, run, ex, now)
+                if not isinstance(decision, policy.Note):
+                    rep.decisions += 1
+                    log.info("run %s: %s", run["name"], decision)
+                actions.apply(conn, run=run, decision=decision, now=now)
+                verdict = decision.verdict if isinstance(decision, policy.Note) else (
+                    Verdict.COMPLETED if isinstance(decision, policy.Complete) else Verdict.FAILURE
+                )
+                rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
+
+    def _on_exit(self, conn: Connection, run: RunRow, ex: ExitRow, now: float
+                 ) -> policy.Decision:
+        """The policy's decision on one exit, given the run's state in the store."""
+        agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"]))
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+        pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+        restart_pending = pending is not None and pending["status"] in (
+            ActionStatus.QUEUED, ActionStatus.DELIVERED) and ex["attempt"] == run["attempt"] - 1
+        attempt = int(ex["attempt"])
+        facts = policy.ExitFacts(
+            id=ex["id"], agent_id=ex["agent_id"], node=ex["node"], attempt=attempt,
+            outcome=ex["outcome"], exit_code=ex["exit_code"], signal=ex["signal"],
+            failed_ranks=list(ex["failed_ranks"] or []),
+            rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
+                conn, run_id=run["id"], attempt=attempt)},
+            peer_error_ranks=windows.ranks_with_event(
+                conn, run_id=run["id"], attempt=attempt,
+                name=protocol.WorkerEventName.DISTRIBUTED_ERROR),
+        )
+        completed = rec.completed_agents(
+            conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])
+        return policy.on_exit(
+            actions.facts(run), facts, agent_ids=agent_ids,
+            completed_agent_ids=frozenset(completed), restart_pending=restart_pending,
+            recovery=actions.recovery(conn, run), checkpoint=ckpt["path"] if ckpt else None,
+            cfg=self.cfg, now=now)
+
+    def _protect(self, conn: Connection, run: RunRow) -> None:
+        """Publish what the workers' retention must keep (every ingest reply carries it)."""
+        facts = policy.ProtectFacts(
+            checkpoints=tuple(rec.lineage_checkpoints(conn, run_id=run["id"])),
+            open_incidents=tuple(
+                (i["kind"], i["step"], float(i["opened_at"]))
+                for i in rec.incidents_of(conn, run_id=run["id"],
+                                          status=IncidentStatus.OPEN)),
+            pending_targets=tuple(
+                str((a["plan"] or {})["checkpoint"]) for a in rec.actions_in_progress(conn)
+                if a["run_id"] == run["id"] and a["kind"] == ActionKind.RESTART
+                and isinstance((a["plan"] or {}).get("checkpoint"), str)),
+        )
+        paths = policy.protected_checkpoints(facts, self.cfg)
+        if paths != list(run.get("protected") or []):
+            registry.set_protected(conn, run_id=run["id"], paths=paths)
+
+    # -- detection ---------------------------------------------------------------------------
+
+    def _worker_events(self, conn: Connection, now: float, rep: TickReport) -> None:
+        """Distributed failures reported by workers end their attempt; stack dumps are
+        attached to the incident they were taken for."""
+        names = [*_FAILURE_EVENTS, _STACKS_EVENT]
+        retry, self._unattached = self._unattached, []
+        for ev in retry:
+            if now - float(ev["t"]) < 300:  # an incident that never comes: give up in time
+                self._attach_stacks(conn, registry.get_run(conn, run_id=ev["run_id"]), ev, now)
+        failed, self._retry_events = self._retry_events, []
+        fresh = windows.events_after(conn, after_id=self._event_cursor, names=names)
+        for ev in [*(e for e in failed if now - float(e["t"]) < 300), *fresh]:
+            self._event_cursor = max(self._event_cursor, int(ev["id"]))
+            run_id = int(ev["run_id"])
+            if run_id in self._failed_this_tick:
+                self._retry_events.append(ev)  # in order, after the one that failed
+                continue
+            with self._contained(conn, run_id, JudgeStage.EVENTS, now):
+                self._worker_event(conn, ev, now, rep)
+            if run_id in self._failed_this_tick:
+                self._retry_events.append(ev)
+
+    def _worker_event(self, conn: Connection, ev: NodeEventRow, now: float,
+                      rep: TickReport) -> None:
+        run = registry.get_run(conn, run_id=ev["run_id"])
+        if ev["name"] == _STACKS_EVENT:
+            self._attach_stacks(conn, run, ev, now)
+            return
+        details = dict(ev.get("details") or {})
+        collective = details.get("collective", "unknown")
+        rank = ev["rank"]
+        if ev["step"] is None and rank is not None:
+            # The step it was stuck in: the one after the last its rank reported.
+            last = {int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
+                conn, run_id=run["id"], attempt=int(ev["attempt"]))}.get(rank)
+            ev = {**ev, "step": None if last is None else last + 1}
+        where = f"rank {ev['rank']}" + (f" on node {ev['node']}" if ev.get("node") else "")
+        finding = policy.FindingFacts(
+            kind=_FAILURE_EVENTS[ev["name"]], severity=Severity.INCIDENT,
+            message=f"{ev['name'].replace('_', ' ')} in {collective} on {where}: "
+                    f"{ev['message']}",
+            attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
+            node=ev.get("node"), details={"collective": collective, "event_id": ev["id"],
+                                          **details})
+        rep.findings += 1
+        self._decide(conn, run, finding, now, rep)
+
+    def _attach_stacks(self, conn: Connection, run: RunRow, ev: NodeEventRow, now: float) -> None:
+        details = ev.get("details") or {}
+        incident_id = None
+        if isinstance(details.get("command_id"), int):
+            incident_id = rec.incident_for_command(conn, command_id=details["command_id"])
+        if incident_id is None:  # the agent's own watchdog: the hang of that attempt
+            hangs = rec.incidents_of(conn, run_id=run["id"], attempt=ev["attempt"],
+                                      kinds=[IncidentKind.HANG])
+            incident_id = hangs[-1]["id"] if hangs else None
+        if incident_id is None:
+            self._unattached.append(ev)  # the exit that opens the hang incident may follow
+            return
+        inc = rec.get_incident(conn, incident_id=incident_id)
+        assert inc is not None
+        before = inc["details"] or {}
+        merged = {**before,
+                  "stacks": {**(before.get("stacks") or {}), **(details.get("stacks") or {})},
+                  "stacks_node": ev.get("node"),
+                  "stacks_nodes": sorted({*(before.get("stacks_nodes") or []),
+                                          *([ev["node"]] if ev.get("node") else [])})}
+        values = _name_culprit(inc, merged, windows.rank_nodes(conn, run_id=run["id"]))
+        rec.update_incident(conn, incident_id=incident_id, updated_at=now, **values)
+
+    def _act_on(self, conn: Connection, run: RunRow, obs: Observation, now: float,
+                rep: TickReport) -> None:
+        """Hand one run's findings to the policy and apply its decisions."""
+        if obs.stragglers is not None:
+            self._resolve_ended_stragglers(conn, run, obs.stragglers, now)
+        for f in obs.findings:
+            if f.kind == FindingKind.RANK_STALLED:
+                continue  # its hang (if it is one) is judged by the hang finding
+            rep.findings += 1
+            facts = policy.FindingFacts(
+                kind=f.kind, severity=f.severity, message=f.message,
+                attempt=obs.attempt, step=f.step, rank=f.rank, node=f.node,
+                details=_jsonable(f.details))
+            self._decide(conn, run, facts, now, rep)
+            run = registry.get_run(conn, run_id=run["id"])  # a decision may have moved it
+
+    def _resolve_ended_stragglers(self, conn: Connection, run: RunRow,
+                                  slow: dict[int | None, Finding], now: float) -> None:
+        """One episode, one incident: while its rank is flagged the incident is updated;
+        it is resolved once the rank has not been flagged for a whole hold window (a score
+        near the threshold flickers, and that must not open and close incidents)."""
+        span = windows.step_range(conn, run_id=run["id"], attempt=run["attempt"])
+        newest = span[1] if span else None
+        hold = max(self.detection.straggler.hold_steps, self.detection.straggler.window_steps)
+        for inc in rec.incidents_of(conn, run_id=run["id"], kinds=[IncidentKind.STRAGGLER],
+                                     status=IncidentStatus.OPEN):
+            details = dict(inc["details"] or {})
+            f = slow.get(inc["rank"])
+            if f is not None:
+                fresh = {**details, "last_flagged_step": newest,
+                         "score": f.details.get("score")}
+                if fresh != details:  # touch the row only when the episode moved on
+                    rec.update_incident(conn, incident_id=inc["id"], details=fresh,
+                                         updated_at=now)
+                continue
+            last = details.get("last_flagged_step", details.get("flagged_at_step"))
+            if inc["attempt"] != run["attempt"] or newest is None or last is None \
+                    or newest - int(last) >= hold:
+                rec.resolve_incident(conn, incident_id=inc["id"], now=now)
+
+    def _decide(self, conn: Connection, run: RunRow, finding: policy.FindingFacts, now: float,
+                rep: TickReport) -> None:
+        this_attempt = rec.incidents_of(conn, run_id=run["id"], attempt=run["attempt"])
+        open_watch = frozenset(
+            (i["kind"], i["rank"] if i["kind"] == IncidentKind.STRAGGLER else None)
+            for i in rec.incidents_of(conn, run_id=run["id"], status=IncidentStatus.OPEN)
+            if i["kind"] in policy.WATCH_KINDS)
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+        decision = policy.on_finding(
+            actions.facts(run), finding,
+            incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
+            open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
+            cfg=self.cfg, now=now,
+            recovery=actions.recovery(conn, run, _named_steps(finding)))
+        if isinstance(decision, policy.Note):
+            return
+        if not isinstance(decision, policy.RecordEvent):
+            rep.decisions += 1
+            log.info("run %s: %s", run["name"], decision)
+        elif decision.name not in _EPISODE_EVENTS and _seen_event(conn, run, decision):
+            return
+        actions.apply(conn, run=run, decision=decision, now=now)
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        """Tick until ``stop`` is set; an error in one tick is logged, the loop goes on."""
+        try:
+            while not stop.wait(interval_s):
+                try:
+                    self.tick()
+                except Exception:
+                    log.exception("evaluator tick failed")
+        finally:
+            self.observer.close()
+
+    def start(self, interval_s: float) -> tuple[threading.Thread, threading.Event]:
+        stop = threading.Event()
+        th = threading.Thread(target=self.run, args=(stop, interval_s),
+                              name="trainwarden-evaluator", daemon=True)
+        th.start()
+        return th, stop
+
+
+def _name_culprit(inc: IncidentRow, details: dict, rank_nodes: dict[int, str]) -> dict:
+    """The incident's new values once (more) stacks are in: the culprit analysis in its
+    details, the culprit's rank and node where the hang detector named none (no rank was
+    behind), and its cause followed by the verdict, which says why when nobody is named."""
+    stacks = {int(k): str(v) for k, v in (details.get("stacks") or {}).items()
+              if str(k).isdigit()}
+    culprit = hang_culprit(stacks, rank_nodes, details.get("stacks_nodes") or [])
+    base = details.setdefault("cause_before_stacks", inc["cause"])
+    details["culprit"] = culprit.as_details()
+    values: dict = {"details": details, "cause": f"{base}; {culprit.reason}"}
+    if culprit.ranks and (inc["rank"] is None or details.get("rank_from") == "stacks"):
+        details["rank_from"] = "stacks"
+        values["rank"] = culprit.ranks[0]
+        values["node"] = rank_nodes.get(culprit.ranks[0])
+    return values
+
+
+def _named_steps(f: policy.FindingFacts) -> list[int]:
+    """The steps whose batch index a decision on ``f`` may name: its step, the start of a
+    spike before it (a loss that climbed to NaN) and where it was detected (a rollback skips
+    from the start through the detection)."""
+    steps = [f.step, f.details.get("start_step"), f.details.get("detected_at_step")]
+    return sorted({s for s in steps if isinstance(s, int) and not isinstance(s, bool)})
+
+
+def _seen_event(conn: Connection, run: RunRow, d: policy.RecordEvent) -> bool:
+    """An event finding is recorded once per episode (same name and start step)."""
+    prev = windows.latest_event(conn, run_id=run["id"], attempt=run["attempt"], name=d.name)
+    return prev is not None and prev.get("step") == d.step
+
+
+def _jsonable(d: dict) -> dict:
+    """Finding details as JSON the store accepts (no NaN/Inf, no tuples)."""
+    import json
+    import math
+
+    def clean(x: object) -> object:
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    out = clean(d)
+    json.dumps(out)
+    assert isinstance(out, dict)
+    return out
