@@ -119,8 +119,25 @@ class TrainwardenLoader:
         self.collate = collate_fn or default_collate
         self.transform = transform
         self.micro = 1
-        self.next_step = 0
+        self._trained_to: int | None = None  # the next step once a step was trained
         self.issued: deque[tuple[int, int]] = deque()
+
+    @property
+    def next_step(self) -> int:
+        """The step whose batch an iterator starts at: the resumed step, read from the
+        session when iterated (so a loader made after ``tw.ckpt_path()`` starts there too),
+        then the step after the last one trained."""
+        if self._trained_to is not None:
+            return self._trained_to
+        return self.session.resumed.start_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self._trained_to = step
+
+    def rewind(self) -> None:
+        """Start again at the session's resumed step (a new resume was chosen)."""
+        self._trained_to = None
 
     def _collate(self, items: list[tuple[int, Any]]) -> Any:
         g = items[0][0]
@@ -249,7 +266,7 @@ class TrainwardenCallback(Callback):
         self._resumed = True
         self._step = resumed.start_step
         for loader in self.loaders:
-            loader.next_step = resumed.start_step
+            loader.rewind()
         return str(resumed.checkpoint / CKPT_FILE) if resumed.checkpoint is not None else None
 
     @property
