@@ -30,11 +30,23 @@ What it does:
 * **LR.** The plan's factor multiplies the LR the schedulers set, for the optimiser step only.
 * **Reports.** Every optimiser step: step, loss (this rank's mean over its micro-batches), LR,
   grad norm, samples, data/compute/step times, the global batch index.
+* **Stop.** Under the trainwarden agent (``TRAINWARDEN_AGENT_SOCKET`` set), SIGTERM does what
+  it did before ``fit`` (by default: the process ends at once), as in a hand-written loop.
+  Lightning's own handler only sets a flag for the next batch and broadcasts it from inside
+  the handler; the agent's stop sends each worker several SIGTERMs (it signals every process
+  and process group of the tree, and torchrun forwards its own), and the extra broadcasts
+  leave the ranks waiting on each other until the agent's SIGKILL after its grace period.
+  The agent resumes from the newest complete checkpoint, so ending at once loses nothing that
+  was saved (a save cut short has no manifest and is never resumed from).  Without the agent
+  (a plain ``torchrun``), Lightning's handling is left as it is.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,6 +66,7 @@ from trainwarden.agent.integrations._core import (
     attach_grad_timer,
     report,
 )
+from trainwarden.agent.protocol import ENV_AGENT_SOCKET
 from trainwarden.agent.worker.data import GlobalBatchOrder
 from trainwarden.agent.worker.report import PhaseTimer, Reporter, training_done
 
@@ -230,6 +243,7 @@ class TrainwardenCallback(Callback):
         self.optimizer_plan = OptimizerPlan(self.session, lambda: self._step,
                                             grad_norm=grad_norm)
         self._resumed = False
+        self._sigterm_before: Any = None  # SIGTERM's handler before Lightning installed its own
         self._first = True
         self._hooks: list[Any] = []
         self._loss: torch.Tensor | None = None
@@ -291,6 +305,8 @@ class TrainwardenCallback(Callback):
                                "it applies the resume plan and positions the data")
         for loader in self.loaders:
             loader.micro = trainer.accumulate_grad_batches
+        # Lightning installs its SIGTERM handler after this hook and before on_train_start.
+        self._sigterm_before = signal.getsignal(signal.SIGTERM)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self.session.resumed.start_step:
@@ -298,10 +314,23 @@ class TrainwardenCallback(Callback):
                 f"trainwarden: Lightning is at step {trainer.global_step} but the checkpoint "
                 f"chosen is at step {self.session.resumed.start_step}: pass "
                 "ckpt_path=tw.ckpt_path() to trainer.fit()")
+        self._restore_sigterm(trainer)
         self.optimizer_plan.attach(trainer.optimizers[0])
         self._hooks = attach_grad_timer(pl_module, self.timer)
         self._first = True
         self.timer.start()
+
+    def _restore_sigterm(self, trainer: pl.Trainer) -> None:
+        """Under the agent, SIGTERM ends the worker as it would have before ``fit`` (see the
+        module's docstring); Lightning's teardown puts the same handler back after ``fit``."""
+        if not os.environ.get(ENV_AGENT_SOCKET):
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works on the main thread only (Lightning skips it too)
+        before = self._sigterm_before
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        if trainer.received_sigterm:  # one came in between Lightning's handler and this hook
+            signal.raise_signal(signal.SIGTERM)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:

@@ -5,6 +5,7 @@ save_total_limit, Lightning's top-k) that never deletes a checkpoint the supervi
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,3 +239,39 @@ def test_lightning_resume_does_not_depend_on_the_order_of_the_two_calls(
     wait_for(lambda: len(agent.of("step")) == 16, what="16 step reports")
     resumed_steps = agent.of("step")[12:]
     assert [(m["step"], m["batch_index"]) for m in resumed_steps] == [(s, s) for s in range(4, 8)]
+
+
+@pytest.mark.parametrize("under_agent", [True, False], ids=["under-agent", "plain"])
+def test_lightning_sigterm_during_training_is_the_handler_from_before_fit_under_the_agent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, under_agent: bool) -> None:
+    """Under the agent, SIGTERM keeps the handler it had before ``fit`` (the user's, or the
+    default that ends the process) while training; a plain run keeps Lightning's.  Either way
+    the handler from before ``fit`` is back after it."""
+    import lightning.pytorch as pl
+
+    if under_agent:
+        monkeypatch.setenv(ENV_AGENT_SOCKET, str(tmp_path / "absent.sock"))
+    else:
+        monkeypatch.delenv(ENV_AGENT_SOCKET, raising=False)
+    monkeypatch.delenv(ENV_RESUME_PLAN, raising=False)
+    seen: list[Any] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    def users_handler(signum: int, frame: Any) -> None:
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, users_handler)
+    try:
+        lightning_run(tmp_path, grace=0.0, extra=[Watch()])
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(seen) == 8
+    if under_agent:
+        assert all(h is users_handler for h in seen), seen
+    else:  # Lightning's own handler, which chains to the user's
+        assert all(type(h).__name__ == "_HandlersCompose" for h in seen), seen
+    assert after is users_handler
