@@ -1,8 +1,10 @@
 """trainwarden for PyTorch Lightning (``pip install trainwarden[lightning]``).
 
     info = init_distributed(timeout=60)             # before the Trainer: Lightning uses it
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))   # torchrun's --nproc_per_node
     tw = TrainwardenCallback(ckpt_dir)
-    trainer = L.Trainer(max_steps=N, strategy=DDPStrategy(process_group_backend="gloo"),
+    trainer = L.Trainer(max_steps=N, devices=per_node, num_nodes=info.world_size // per_node,
+                        strategy=DDPStrategy(process_group_backend=info.backend),
                         callbacks=[tw, tw.model_checkpoint(every_n_train_steps=50, save_top_k=3)])
     trainer.fit(module, train_dataloaders=tw.dataloader(train_ds, batch_size=32),
                 ckpt_path=tw.ckpt_path())
