@@ -9,6 +9,7 @@ CPU/gloo by default (Lightning's DDP strategy), CUDA/NCCL where available.  Take
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -93,11 +94,13 @@ def main() -> None:
     checkpoints = tw.model_checkpoint(every_n_train_steps=args.checkpoint_every_steps,
                                       train_time_interval=every)
     cuda = torch.cuda.is_available()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
     trainer = pl.Trainer(
-        max_steps=args.steps, accelerator="gpu" if cuda else "cpu", devices=info.world_size,
+        max_steps=args.steps, accelerator="gpu" if cuda else "cpu", devices=per_node,
+        num_nodes=info.world_size // per_node,
         strategy=ModelParallelStrategy(data_parallel_size=info.world_size,
                                        tensor_parallel_size=1) if args.fsdp
-        else DDPStrategy(process_group_backend=info.backend), num_nodes=1,
+        else DDPStrategy(process_group_backend=info.backend),
         callbacks=[tw, checkpoints, ExampleHooks(tw, faults, common.BatchLog(args.batch_log,
                                                                              info.rank))],
         logger=False, enable_progress_bar=False, enable_model_summary=False,

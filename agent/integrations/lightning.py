@@ -1,8 +1,10 @@
 """trainwarden for PyTorch Lightning (``pip install trainwarden[lightning]``).
 
     info = init_distributed(timeout=60)             # before the Trainer: Lightning uses it
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))   # torchrun's --nproc_per_node
     tw = TrainwardenCallback(ckpt_dir)
-    trainer = L.Trainer(max_steps=N, strategy=DDPStrategy(process_group_backend="gloo"),
+    trainer = L.Trainer(max_steps=N, devices=per_node, num_nodes=info.world_size // per_node,
+                        strategy=DDPStrategy(process_group_backend=info.backend),
                         callbacks=[tw, tw.model_checkpoint(every_n_train_steps=50, save_top_k=3)])
     trainer.fit(module, train_dataloaders=tw.dataloader(train_ds, batch_size=32),
                 ckpt_path=tw.ckpt_path())
@@ -30,11 +32,23 @@ What it does:
 * **LR.** The plan's factor multiplies the LR the schedulers set, for the optimiser step only.
 * **Reports.** Every optimiser step: step, loss (this rank's mean over its micro-batches), LR,
   grad norm, samples, data/compute/step times, the global batch index.
+* **Stop.** Under the trainwarden agent (``TRAINWARDEN_AGENT_SOCKET`` set), SIGTERM does what
+  it did before ``fit`` (by default: the process ends at once), as in a hand-written loop.
+  Lightning's own handler only sets a flag for the next batch and broadcasts it from inside
+  the handler; the agent's stop sends each worker several SIGTERMs (it signals every process
+  and process group of the tree, and torchrun forwards its own), and the extra broadcasts
+  leave the ranks waiting on each other until the agent's SIGKILL after its grace period.
+  The agent resumes from the newest complete checkpoint, so ending at once loses nothing that
+  was saved (a save cut short has no manifest and is never resumed from).  Without the agent
+  (a plain ``torchrun``), Lightning's handling is left as it is.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,6 +68,7 @@ from trainwarden.agent.integrations._core import (
     attach_grad_timer,
     report,
 )
+from trainwarden.agent.protocol import ENV_AGENT_SOCKET
 from trainwarden.agent.worker.data import GlobalBatchOrder
 from trainwarden.agent.worker.report import PhaseTimer, Reporter, training_done
 
@@ -119,8 +134,25 @@ class TrainwardenLoader:
         self.collate = collate_fn or default_collate
         self.transform = transform
         self.micro = 1
-        self.next_step = 0
+        self._trained_to: int | None = None  # the next step once a step was trained
         self.issued: deque[tuple[int, int]] = deque()
+
+    @property
+    def next_step(self) -> int:
+        """The step whose batch an iterator starts at: the resumed step, read from the
+        session when iterated (so a loader made after ``tw.ckpt_path()`` starts there too),
+        then the step after the last one trained."""
+        if self._trained_to is not None:
+            return self._trained_to
+        return self.session.resumed.start_step
+
+    @next_step.setter
+    def next_step(self, step: int) -> None:
+        self._trained_to = step
+
+    def rewind(self) -> None:
+        """Start again at the session's resumed step (a new resume was chosen)."""
+        self._trained_to = None
 
     def _collate(self, items: list[tuple[int, Any]]) -> Any:
         g = items[0][0]
@@ -213,6 +245,7 @@ class TrainwardenCallback(Callback):
         self.optimizer_plan = OptimizerPlan(self.session, lambda: self._step,
                                             grad_norm=grad_norm)
         self._resumed = False
+        self._sigterm_before: Any = None  # SIGTERM's handler before Lightning installed its own
         self._first = True
         self._hooks: list[Any] = []
         self._loss: torch.Tensor | None = None
@@ -249,7 +282,7 @@ class TrainwardenCallback(Callback):
         self._resumed = True
         self._step = resumed.start_step
         for loader in self.loaders:
-            loader.next_step = resumed.start_step
+            loader.rewind()
         return str(resumed.checkpoint / CKPT_FILE) if resumed.checkpoint is not None else None
 
     @property
@@ -274,6 +307,8 @@ class TrainwardenCallback(Callback):
                                "it applies the resume plan and positions the data")
         for loader in self.loaders:
             loader.micro = trainer.accumulate_grad_batches
+        # Lightning installs its SIGTERM handler after this hook and before on_train_start.
+        self._sigterm_before = signal.getsignal(signal.SIGTERM)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self.session.resumed.start_step:
@@ -281,10 +316,23 @@ class TrainwardenCallback(Callback):
                 f"trainwarden: Lightning is at step {trainer.global_step} but the checkpoint "
                 f"chosen is at step {self.session.resumed.start_step}: pass "
                 "ckpt_path=tw.ckpt_path() to trainer.fit()")
+        self._restore_sigterm(trainer)
         self.optimizer_plan.attach(trainer.optimizers[0])
         self._hooks = attach_grad_timer(pl_module, self.timer)
         self._first = True
         self.timer.start()
+
+    def _restore_sigterm(self, trainer: pl.Trainer) -> None:
+        """Under the agent, SIGTERM ends the worker as it would have before ``fit`` (see the
+        module's docstring); Lightning's teardown puts the same handler back after ``fit``."""
+        if not os.environ.get(ENV_AGENT_SOCKET):
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works on the main thread only (Lightning skips it too)
+        before = self._sigterm_before
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        if trainer.received_sigterm:  # one came in between Lightning's handler and this hook
+            signal.raise_signal(signal.SIGTERM)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:

@@ -5,6 +5,7 @@ save_total_limit, Lightning's top-k) that never deletes a checkpoint the supervi
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,94 @@ def test_lightning_refuses_a_plain_model_checkpoint(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="plain ModelCheckpoint"):
         lightning_run(tmp_path, grace=0.0, extra=[ModelCheckpoint(dirpath=str(tmp_path / "x"))])
+
+
+def lightning_fit(ckdir: Path, steps: int, *, ckpt_path_first: bool) -> tuple[Any, Any]:
+    """A Lightning run of ``steps`` optimiser steps that resumes from ``ckdir``; the loader and
+    the resume call made in either order.  Returns the callback and the module."""
+    import lightning.pytorch as pl
+
+    from trainwarden.agent.integrations.lightning import TrainwardenCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g),
+                                          torch.randn(64, 1, generator=g))
+    torch.manual_seed(0)
+    module = Module()
+    tw = TrainwardenCallback(ckdir, keep=10, seed=3)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[tw, tw.model_checkpoint(every_n_train_steps=2)])
+    if ckpt_path_first:
+        ckpt_path = tw.ckpt_path()
+        loader = tw.dataloader(data, batch_size=4)
+    else:
+        loader = tw.dataloader(data, batch_size=4)
+        ckpt_path = tw.ckpt_path()
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+    return tw, module
+
+
+@pytest.mark.parametrize("ckpt_path_first", [False, True], ids=["loader-first", "ckpt-first"])
+def test_lightning_resume_does_not_depend_on_the_order_of_the_two_calls(
+        tmp_path: Path, agent: Receiver, ckpt_path_first: bool) -> None:
+    """``tw.ckpt_path()`` before ``tw.dataloader(...)`` resumes as the docs' order does: the
+    loader made after the resume call starts at the resumed step's batch, and the weights end
+    bit-identical to an uninterrupted run's."""
+    _, clean = lightning_fit(tmp_path / "clean", 8, ckpt_path_first=False)
+    lightning_fit(tmp_path / "ck", 4, ckpt_path_first=ckpt_path_first)
+    tw, resumed = lightning_fit(tmp_path / "ck", 8, ckpt_path_first=ckpt_path_first)
+    assert tw.session.resumed.start_step == 4
+    for a, b in zip(clean.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    wait_for(lambda: len(agent.of("step")) == 16, what="16 step reports")
+    resumed_steps = agent.of("step")[12:]
+    assert [(m["step"], m["batch_index"]) for m in resumed_steps] == [(s, s) for s in range(4, 8)]
+
+
+@pytest.mark.parametrize("under_agent", [True, False], ids=["under-agent", "plain"])
+def test_lightning_sigterm_during_training_is_the_handler_from_before_fit_under_the_agent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, under_agent: bool) -> None:
+    """Under the agent, SIGTERM keeps the handler it had before ``fit`` (the user's, or the
+    default that ends the process) while training; a plain run keeps Lightning's.  Either way
+    the handler from before ``fit`` is back after it."""
+    import lightning.pytorch as pl
+
+    if under_agent:
+        monkeypatch.setenv(ENV_AGENT_SOCKET, str(tmp_path / "absent.sock"))
+    else:
+        monkeypatch.delenv(ENV_AGENT_SOCKET, raising=False)
+    monkeypatch.delenv(ENV_RESUME_PLAN, raising=False)
+    seen: list[Any] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    def users_handler(signum: int, frame: Any) -> None:
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, users_handler)
+    try:
+        lightning_run(tmp_path, grace=0.0, extra=[Watch()])
+        after = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(seen) == 8
+    if under_agent:
+        assert all(h is users_handler for h in seen), seen
+    else:  # Lightning's own handler, which chains to the user's
+        assert all(type(h).__name__ == "_HandlersCompose" for h in seen), seen
+    assert after is users_handler
