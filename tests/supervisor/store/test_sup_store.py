@@ -387,7 +387,7 @@ def test_the_goodput_step_read_returns_every_value_exactly(db: Database) -> None
 def test_numbered_placeholders_for_the_raw_cursor() -> None:
     """Postgres multi-row statements go unparsed on a raw cursor: each %s becomes the next
     $n and an escaped %% a literal percent sign."""
-    from trainwarden.supervisor.store.ingest import _numbered
+    from trainwarden.supervisor.store.ingest.statements import numbered as _numbered
 
     assert _numbered("INSERT INTO t (a, b) VALUES (%s, %s), (%s, %s)") == (
         "INSERT INTO t (a, b) VALUES ($1, $2), ($3, $4)")
