@@ -40,6 +40,7 @@ from trainwarden.agent.executor import Executor
 from trainwarden.agent.launcher import ExitInfo, Launcher, PopenFactory
 from trainwarden.agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
 from trainwarden.agent.pins import CheckpointPins
+from trainwarden.agent.roots import CheckpointRoots
 from trainwarden.agent.schedule import batch_due
 from trainwarden.agent.statefile import load_json, save_json
 from trainwarden.agent.uplink import Uplink
@@ -50,17 +51,6 @@ log = logging.getLogger(__name__)
 
 AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
-# Checkpoint directories learned from the workers' reports, kept (newest last) for the pins.
-_MAX_LEARNED_ROOTS = 8
-_MAX_REGISTERED_ROOTS = 16  # what the supervisor accepts
-
-
-def _resolved(p: Path) -> Path:
-    try:
-        return p.resolve()
-    except (OSError, RuntimeError):  # a symlink loop: the path as given only
-        return p
-
 
 # The supervisor refused the registration (the run has ended): nothing was launched.
 EXIT_REFUSED = 3
@@ -150,10 +140,10 @@ class Agent:
         self._attempt = int(saved.get("attempt", 0))
         plan = saved.get("plan")
         self.plan_path: Path | None = Path(plan) if plan and Path(plan).exists() else None
-        # Checkpoint directories the workers reported (the registration names them too).
-        learned = saved.get("checkpoint_roots")
-        self.learned_roots: list[str] = [r for r in learned if isinstance(r, str)] \
-            if isinstance(learned, list) else []
+        # Where checkpoints go: registered, pinned, read for free space (``roots``).
+        self.roots = CheckpointRoots(checkpoint_root=self.cfg.checkpoint_root,
+                                     command_checkpoint_dir=self.cfg.command_checkpoint_dir,
+                                     learned=saved.get("checkpoint_roots"))
         config, clock = self.cfg, self.clock
         self.uplink = Uplink(
             supervisor_url=config.supervisor_url, token=config.token,
@@ -167,13 +157,10 @@ class Agent:
         )
         self.uplink.check_identity = self._is_our_run
         self.executor = Executor(self.state_dir, self, self._emit, clock)
-        # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
-        # directory of the checkpoints the workers report.
-        self.checkpoint_root: Path | None = config.checkpoint_root
         pins = saved.get("pins")
         # (an agent of an earlier version saved its restart pins as a plain list)
         self.pins = CheckpointPins({"restart": pins} if isinstance(pins, list) else pins,
-                                   roots=self._pin_roots())
+                                   roots=self.roots.pin_roots())
 
     # -- the run's identity ------------------------------------------------------------------
 
@@ -238,55 +225,18 @@ class Agent:
         pins = self.pins.state() if hasattr(self, "pins") else {}
         save_json(self.state_path, {"run_uuid": self.run_uuid, "attempt": self._attempt,
                                     "plan": plan, "pins": pins,
-                                    "checkpoint_roots": self.learned_roots})
-
-    def _pin_roots(self) -> list[Path]:
-        """Where pins may be written: --checkpoint-root, else the directories of the
-        checkpoints this node's workers reported (never a path the network names)."""
-        if self.cfg.checkpoint_root is not None:
-            return [self.cfg.checkpoint_root]
-        return [Path(r) for r in self.learned_roots]
+                                    "checkpoint_roots": self.roots.learned})
 
     def _learn_checkpoint(self, msg: dict[str, Any]) -> None:
-        path = msg.get("path")
-        if not isinstance(path, str) or not path.startswith("/"):
+        learned, registered = self.roots.learn(msg.get("path"))
+        if not learned:
             return
-        parent = Path(path).parent
-        if self.cfg.checkpoint_root is None:
-            self.checkpoint_root = parent
-        if str(parent) in self.learned_roots[-1:]:
-            return
-        before = self._checkpoint_roots()
-        self.learned_roots = [r for r in self.learned_roots if r != str(parent)]
-        self.learned_roots = [*self.learned_roots, str(parent)][-_MAX_LEARNED_ROOTS:]
-        self.pins.roots = self._pin_roots()
+        self.pins.roots = self.roots.pin_roots()
         self._save_state()
-        if set(self._checkpoint_roots()) != set(before):
+        if registered:
             # The supervisor refuses a checkpoint outside the roots this agent registered:
             # register again (before the batch carrying this checkpoint goes out).
             self.uplink.update_registration(self._register_request())
-
-    def _checkpoint_roots(self) -> list[str]:
-        """The roots this agent registers: --checkpoint-root (the user's word: that one
-        only, as the pins), else the training command's --checkpoint-dir and the directories
-        of the checkpoints its workers reported.  Each as given and as resolved (a symlinked
-        directory); only absolute directories below ``/``, which the supervisor accepts."""
-        found: list[Path] = []
-        if self.cfg.checkpoint_root is not None:
-            found.append(self.cfg.checkpoint_root)
-        else:
-            cmd_dir = self.cfg.command_checkpoint_dir
-            if cmd_dir is not None:
-                found.append(cmd_dir)
-            found += [Path(r) for r in self.learned_roots]
-        out: list[str] = []
-        for p in found:
-            for q in (p, _resolved(p)):
-                text = str(q)
-                if (q.is_absolute() and text != "/" and ".." not in q.parts
-                        and text.isprintable() and text not in out):
-                    out.append(text)
-        return out[:_MAX_REGISTERED_ROOTS]
 
     def _report_refused_pins(self) -> None:
         for path, why in self.pins.take_refused():
@@ -297,7 +247,7 @@ class Agent:
                                     "refused": self.pins.refused}})
 
     def _register_request(self) -> protocol.RegisterRequest:
-        roots = self._checkpoint_roots()
+        roots = self.roots.registered()
         return {
             "run": self.cfg.run,
             "node": self.cfg.node,
@@ -539,7 +489,7 @@ class Agent:
         if workers and self.state == AgentState.STARTING:
             self.state = AgentState.RUNNING
         now = self.clock()
-        disk = disk_usage(self.checkpoint_root)
+        disk = disk_usage(self.roots.free_space_at)
         hb: dict[str, Any] = {
             "type": "heartbeat", "t": now, "attempt": self._attempt,
             "state": self.state,

@@ -4,6 +4,8 @@
   its own savepoint;
 * ``detection``: reads the detectors' windows from the store and runs the detectors
   (``DetectionConfig``);
+* ``overload``: whether the supervisor keeps up (held-back verdicts, the advised batch
+  interval);
 * ``observer``: the detectors over every active run, in the evaluator's thread or in a
   process of its own;
 * ``policy``: the one place that decides (pure: facts in, typed decisions out);

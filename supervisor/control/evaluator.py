@@ -33,10 +33,11 @@ from trainwarden.supervisor.control.observer import (
     ObserveRequest,
     ObserverProcess,
 )
+from trainwarden.supervisor.control.overload import OverloadWatch
 from trainwarden.supervisor.control.retention import Retention, RetentionConfig
 from trainwarden.supervisor.detect import Finding
 from trainwarden.supervisor.detect.node_lost import agents_gone
-from trainwarden.supervisor.detect.overload import DeliveryReport, Overload, judge_overload
+from trainwarden.supervisor.detect.overload import Overload
 from trainwarden.supervisor.detect.stacks import hang_culprit
 from trainwarden.supervisor.enums import (
     ActionKind,
@@ -110,15 +111,10 @@ class Evaluator:
                  delivery: DeliveryMonitor | None = None,
                  retention: RetentionConfig | None = None) -> None:
         self.db = db
-        self.delivery = delivery  # how late batches arrive (None: not watched)
-        self.overload: Overload | None = None  # the supervisor is behind (this tick's verdict)
-        self.overload_since: float | None = None
-        self.last_overloaded_at: float | None = None  # the newest tick that found it behind
-        self._advice: float | None = None  # the batch interval replies ask for (each tick)
-        self._last_tick: float | None = None  # (monotonic) start of the previous tick
         self.cfg = cfg
         self.clock = clock
         self.detection = detection or DetectionConfig()
+        self.overload_watch = OverloadWatch(self.detection.overload, delivery)
         # the detectors, in this thread; the app puts them in a process of their own
         self.observer: Observer | ObserverProcess = Observer(self.detection)
         # Called while the tick waits on the observer process (a leader renews its lease).
@@ -245,54 +241,33 @@ class Evaluator:
     # -- overload ----------------------------------------------------------------------------
 
     def _judge_overload(self, now: float) -> tuple[bool, float | None]:
-        """This tick's overload verdict (``trainwarden.supervisor.detect.overload``); returns
-        whether an
-        overload has just started, and the length of one that has just ended.  While
-        overloaded, the hang, node-lost and straggler verdicts are held back (``_observe``);
-        once it ends they are judged from then on, as after a supervisor restart: what
-        arrived late says nothing of when."""
-        mono = time.monotonic()
-        gap = None if self._last_tick is None else mono - self._last_tick
-        self._last_tick = mono
-        rep = (self.delivery.report(now, tick_gap_s=gap) if self.delivery is not None
-               else DeliveryReport(tick_gap_s=gap))
-        self.overload = judge_overload(rep, self.detection.overload)
-        if self.overload is not None:
-            self.last_overloaded_at = now
-        self._advice = policy.advised_batch_interval(
-            last_overloaded_at=self.last_overloaded_at, now=now, sending_agents=rep.agents,
-            cfg=self.detection.overload)
-        if self.overload is not None:
-            if self.overload_since is None:
-                self.overload_since = now
-                log.warning("supervisor overloaded: %s; hang, node-lost and straggler "
-                            "verdicts are held back until it keeps up", self.overload.reason)
-                return True, None
-            return False, None
-        if self.overload_since is None:
-            return False, None
-        lasted = now - self.overload_since
-        self.overload_since = None
-        self.observing_since = max(self.observing_since, now)
-        log.warning("supervisor keeps up again after %.1f s overloaded; hang and node-lost "
-                    "deadlines count from now", lasted)
-        return False, lasted
+        """This tick's overload verdict (``OverloadWatch.judge``).  While overloaded, the hang,
+        node-lost and straggler verdicts are held back (``_observe_active``); once it ends
+        they are judged from then on, as after a supervisor restart."""
+        started, ended = self.overload_watch.judge(now)
+        if ended is not None:
+            self.observing_since = max(self.observing_since, now)
+        return started, ended
+
+    @property
+    def overload(self) -> Overload | None:
+        """The last tick's verdict: the supervisor is behind (None: it keeps up)."""
+        return self.overload_watch.verdict
 
     def observe_from_now(self) -> None:
         """Judge hangs and lost nodes from now on (a replica that has just become the
         leader: the time no evaluator ran is no run's fault, nor an overload of this one)."""
         self.observing_since = self.clock()
-        self._last_tick = None
+        self.overload_watch.forget_gap()
 
     def advised_batch_interval(self) -> float | None:
         """What the ingest reply asks agents to batch at (``policy.advised_batch_interval``,
         decided at the last tick: ingest reads it for every batch)."""
-        return self._advice
+        return self.overload_watch.advice
 
     def overload_state(self) -> tuple[bool, float | None]:
         """(overloaded at the last tick, batch lateness now): what /metrics exports."""
-        rep = self.delivery.report(self.clock()) if self.delivery is not None else None
-        return self.overload is not None, rep.lateness_s if rep is not None else None
+        return self.overload_watch.state(self.clock())
 
     def _record_overload(self, conn: Connection, now: float, ended: float | None) -> None:
         """One event per active run when an overload starts and when it ends."""
