@@ -110,6 +110,17 @@ HTTP_TIMEOUT_S = 3.0
 _MAX_NOTICES = 100
 
 
+def _client(url: str, token: str | None, timeout_s: float,
+            transport: httpx.BaseTransport | None) -> httpx.Client:
+    """The HTTP client: short timeouts (the agent must never stall on a slow supervisor)."""
+    headers = {"User-Agent": "trainwarden-agent"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return httpx.Client(base_url=url, headers=headers,
+                        timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
+                        transport=transport)
+
+
 class Uplink:
     def __init__(
         self,
@@ -128,31 +139,29 @@ class Uplink:
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        headers = {"User-Agent": "trainwarden-agent"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
         # One address, or the replicas' (a comma-separated string or a list): see
         # ``_unavailable`` for how the sender moves between them.
         self.urls = supervisor_urls(
             supervisor_url if isinstance(supervisor_url, str) else ",".join(supervisor_url))
         self._url_i = 0
         self._moved = 0  # addresses moved on since the last answer (backoff after a round)
-        # Short timeouts: the agent must never stall on a slow supervisor.
-        self.client = httpx.Client(
-            base_url=self.urls[0],
-            headers=headers,
-            timeout=httpx.Timeout(http_timeout_s, connect=min(http_timeout_s, 2.0)),
-            transport=transport,
-        )
+        self.client = _client(self.urls[0], token, http_timeout_s, transport)
         self.register_request = register_request
         self.clock = clock
         self.max_items = max_items_per_batch
+        self.max_5xx_tries = max_5xx_tries
+        # What is not sent yet (the spool) and what the supervisor refused (dead letters).
         self.state_path = state_dir / "uplink.json"
         self.dead = DeadLetters(state_dir / "dead-letter", max_bytes=dead_letter_max_bytes,
                                 max_batches=dead_letter_max_batches)
         self.spool = Spool(state_dir / "spool", max_bytes=spool_max_bytes,
                            max_batches=spool_max_batches, dead_letters=self.dead)
-        self.max_5xx_tries = max_5xx_tries
+        self._replies_start()
+        self._sender_start()
+        self._restore()
+
+    def _replies_start(self) -> None:
+        """What the supervisor's replies tell the agent, as known so far (nothing)."""
         self.commands: queue.Queue[protocol.Command] = queue.Queue()
         # The checkpoints the supervisor's newest reply says to protect (None: no reply yet).
         self.protect: list[str] | None = None
@@ -169,6 +178,9 @@ class Uplink:
         # next batch goes out.
         self._reregister = False
         self._register_status: int | None = None  # the last registration's HTTP status
+
+    def _sender_start(self) -> None:
+        """The sender thread's state: nothing sent, no failure, the shortest backoff."""
         self.sent = 0
         self.last_ok: float | None = None  # when the supervisor last answered
         self.last_error: str | None = None
@@ -183,6 +195,10 @@ class Uplink:
         self._fails: tuple[int, int] | None = None  # (seq, count)
         self._suspect: tuple[int, int, str] | None = None  # (seq, status, reply)
         self._suspect_due = False  # a newer batch was accepted: the suspect's last try
+
+    def _restore(self) -> None:
+        """What the uplink's state file kept: sequence numbers (never below a spooled
+        batch's), drop counts, notices not sent yet, the credential."""
         state = self._load_state()
         self.next_seq: int = max(state.get("next_seq", 0), max(self.spool.seqs(), default=-1) + 1)
         self._dropped_before: int = int(state.get("dropped", 0))
