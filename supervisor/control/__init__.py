@@ -4,6 +4,7 @@
   its own savepoint;
 * ``detection``: reads the detectors' windows from the store and runs the detectors
   (``DetectionConfig``);
+* ``goodput_feed``: every active run's live goodput, fed each tick, read by the API;
 * ``overload``: whether the supervisor keeps up (held-back verdicts, the advised batch
   interval);
 * ``observer``: the detectors over every active run, in the evaluator's thread or in a

@@ -27,6 +27,7 @@ from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
+from trainwarden.supervisor.control.goodput_feed import GoodputFeed
 from trainwarden.supervisor.control.observer import (
     Observation,
     Observer,
@@ -48,10 +49,8 @@ from trainwarden.supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
-from trainwarden.supervisor.goodput.live import STEP_ROWS_PER_TICK, LiveGoodput
 from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
 from trainwarden.supervisor.store import credentials, registry, windows
-from trainwarden.supervisor.store import goodput as goodput_store
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection, Database
 from trainwarden.supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
@@ -101,8 +100,6 @@ class RunState:
 
     # agent id -> (the other attempt it reports, since when): see ``_attempt_mismatches``
     mismatch: dict[int, tuple[int, float]] = field(default_factory=dict)
-    goodput: LiveGoodput | None = None  # the live ETTR, fed with the rows new each tick
-    newest_heartbeat: float | None = None  # of any of its agents, as read this tick
 
 
 class Evaluator:
@@ -127,8 +124,7 @@ class Evaluator:
         self._unattached: list[NodeEventRow] = []  # stack dumps that came before their incident
         self._runs: dict[int, RunState] = {}  # run id -> its state (active runs only)
         # The goodput of runs that ended while this process watched them (newest kept).
-        self._ended_goodput: dict[int, LiveGoodput] = {}
-        self._goodput_lock = threading.Lock()  # the API reads what the loop feeds
+        self.goodput_feed = GoodputFeed()
         # Runs the tick failed to judge: run id -> how many times (``/metrics``), and the
         # runs failing now -> since when (one event per episode).
         self.run_failures: dict[int, int] = {}
@@ -284,11 +280,10 @@ class Evaluator:
         """Record when no agent of the run runs any more (``agents_down``: silent for the
         node-lost deadline) and, without a registration to end it, when one is heard from
         again (``agents_up``).  Not while overloaded: late batches are not absent agents."""
-        state = self._runs.get(int(run["id"]))
-        g = state.goodput if state is not None else None
-        if state is None or g is None or self.overload is not None:
+        g = self.goodput_feed.live(int(run["id"]))
+        if g is None or self.overload is not None:
             return
-        beat = state.newest_heartbeat
+        beat = self.goodput_feed.newest_heartbeat.get(int(run["id"]))
         if g.down_since is None:
             lost = lost_deadline(self.detection, self.advised_batch_interval())
             if beat is not None and agents_gone(beat, now, lost,
@@ -354,16 +349,16 @@ class Evaluator:
         with self.db.read() as conn:
             active = registry.active_runs(conn)
             for gone in self._runs.keys() - {int(r["id"]) for r in active}:
-                self._goodput_ended(conn, gone, self._runs.pop(gone))
+                self._runs.pop(gone)
+                self.goodput_feed.end(conn, gone)
             for run in active:
-                state = self._state(run)
+                self._state(run)
                 try:
-                    self._goodput_update(conn, run, state, now=now)
+                    self.goodput_feed.update(conn, run, now=now)
                 except Exception:  # the accounting must never stop the fault handling
                     log.exception("run %s: goodput accounting failed; it starts over",
                                   run["name"])
-                    with self._goodput_lock:
-                        state.goodput = None
+                    self.goodput_feed.start_over(int(run["id"]))
         req = ObserveRequest(now=now, observing_since=self.observing_since,
                              held=self.overload is not None,  # (_judge_overload)
                              batch_interval_s=self.advised_batch_interval())
@@ -371,60 +366,13 @@ class Evaluator:
 
     # -- goodput -----------------------------------------------------------------------------
 
-    ENDED_GOODPUT_KEPT = 256
-
-    def _goodput_update(self, conn: Connection, run: RunRow, state: RunState,
-                        ended_at: float | None = None, now: float | None = None) -> None:
-        """Feed the run's live ETTR with the rows it gained since the last tick."""
-        run_id = int(run["id"])
-        g = state.goodput
-        if g is None:
-            g = state.goodput = LiveGoodput(start=float(run["created_at"]))
-        upto, steps = goodput_store.rank_step_groups_after(
-            conn, run_id=run_id, after_id=g.step_id, limit=STEP_ROWS_PER_TICK)
-        if sum(len(x[3]) for x in steps) == STEP_ROWS_PER_TICK:
-            ended_at = None  # still catching up: end it once every step is in
-        world = goodput_store.rank_count(conn, run_id=run_id)
-        ckpts = goodput_store.checkpoints_after(conn, run_id=run_id, after_id=g.checkpoint_id)
-        incs = goodput_store.incidents_after(conn, run_id=run_id, after_id=g.incident_id)
-        acts = goodput_store.restart_actions_after(conn, run_id=run_id, after_id=g.action_id,
-                                                   pending=g.pending_actions)
-        presence_upto, presence = goodput_store.presence_events_after(
-            conn, run_id=run_id, after_id=g.event_id)
-        state.newest_heartbeat = goodput_store.newest_heartbeat(conn, run_id=run_id)
-        with self._goodput_lock:
-            g.update(steps=steps, steps_upto=upto, world=world, checkpoints=ckpts, incidents=incs,
-                     actions=acts, presence=presence, presence_upto=presence_upto,
-                     ended_at=ended_at, now=now)
-
-    def _goodput_ended(self, conn: Connection, run_id: int, state: RunState) -> None:
-        run = registry.get_run(conn, run_id=run_id)
-        if run is None or state.goodput is None:
-            return
-        self._goodput_update(conn, run, state, ended_at=float(run["updated_at"]))
-        with self._goodput_lock:
-            self._ended_goodput[run_id] = state.goodput
-            while len(self._ended_goodput) > self.ENDED_GOODPUT_KEPT:
-                self._ended_goodput.pop(next(iter(self._ended_goodput)))
-
-    def _goodput_of(self, run_id: int) -> LiveGoodput | None:
-        state = self._runs.get(run_id)
-        return state.goodput if state is not None else self._ended_goodput.get(run_id)
-
     def goodput_series(self, run_id: int, window_s: float) -> dict[str, Any] | None:
-        """``LiveGoodput.series`` now; None when this process has not accounted the run."""
-        now = self.clock()
-        with self._goodput_lock:
-            g = self._goodput_of(run_id)
-            return None if g is None else g.series(now, window_s)
+        """``LiveGoodput.series`` now (``GoodputFeed.series``)."""
+        return self.goodput_feed.series(run_id, self.clock(), window_s)
 
     def goodput(self, run_id: int) -> dict[str, Any] | None:
-        """The run's live ETTR and badput by cause (``LiveGoodput.as_dict``) now; None when
-        this process has not accounted the run (not yet ticked, or it ended before)."""
-        now = self.clock()
-        with self._goodput_lock:
-            g = self._goodput_of(run_id)
-            return None if g is None else g.as_dict(now)
+        """The run's live ETTR and badput by cause now (``GoodputFeed.snapshot``)."""
+        return self.goodput_feed.snapshot(run_id, self.clock())
 
     def _state(self, run: RunRow) -> RunState:
         state = self._runs.get(int(run["id"]))

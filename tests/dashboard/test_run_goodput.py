@@ -102,14 +102,15 @@ def test_goodput_is_incremental(client: TestClient, clock: FakeClock,
     nothing (the step cursor stays) and the parts only grow by the open time."""
     script(client, clock, evaluator)
     run_id = client.get("/api/v1/runs/alpha", headers=OPERATOR).json()["id"]
-    state = evaluator._runs[run_id]
-    assert state.goodput is not None
-    cursor = state.goodput.step_id
+    live = evaluator.goodput_feed.live(run_id)
+    assert live is not None
+    cursor = live.step_id
     before = evaluator.goodput(run_id)
     clock.now = T0 + END + 10
     evaluator.tick()
     after = evaluator.goodput(run_id)
-    assert state.goodput.step_id == cursor
+    assert evaluator.goodput_feed.live(run_id) is live
+    assert live.step_id == cursor
     assert before is not None and after is not None
     assert after["wall_s"] == pytest.approx(before["wall_s"] + 10)
     assert after["productive_s"] == pytest.approx(before["productive_s"])
