@@ -174,7 +174,7 @@ def test_precedence_flags_then_env_then_file(tmp_path: Path,
     ({"auth": {"insecure_no_auth": True, "agent_token": "a"}}, "drop --insecure-no-auth"),
     ({**TOKENS, "server": {"port": 70000}}, "server.port"),
     ({**TOKENS, "rollback": {"lr_scale": 2.0}}, "rollback_lr_scale"),
-    ({**TOKENS, "hang": {"floor_s": 0}}, "HangConfig.floor_s"),
+    ({**TOKENS, "hang": {"floor_s": 0}}, r"hang\.floor_s must be > 0 \(got 0"),
     ({**TOKENS, "straggler": {"hold_steps": 5}}, "hold_steps"),
 ])
 def test_bad_settings_name_the_fix(kw: dict[str, object], needle: str) -> None:
