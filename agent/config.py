@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainwarden.agent import deadletter, uplink
+from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.hang import HangConfig
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
 
@@ -46,35 +47,35 @@ class AgentConfig:
     state_dir: Path | None = None  # None: default_state_dir(run, node)
     checkpoint_root: Path | None = None
     # Seconds between a group SIGTERM and the group SIGKILL on stop.
-    stop_grace_s: float = 5.0
+    stop_grace_s: float = bounded(5.0, ge=0)
     # Upper bound between two batches (each carries a heartbeat).
-    batch_interval_s: float = 1.0
+    batch_interval_s: float = bounded(1.0, gt=0)
     # Main loop period: how often the socket is drained and torchrun polled.
-    tick_interval_s: float = 0.1
+    tick_interval_s: float = bounded(0.1, gt=0)
     http_timeout_s: float = uplink.HTTP_TIMEOUT_S
     # Before launching, how long to try registering: the reply says which run this is (its
     # uuid and attempt), so the workers never start from another run's state.  A supervisor
     # that does not answer in time delays training by this much at most.
-    register_wait_s: float = 10.0
+    register_wait_s: float = bounded(10.0, ge=0)
     # Spool bound (undelivered batches on disk); the oldest go first when it is full.
-    spool_max_bytes: int = uplink.SPOOL_MAX_BYTES
-    spool_max_batches: int = uplink.SPOOL_MAX_BATCHES
+    spool_max_bytes: int = bounded(uplink.SPOOL_MAX_BYTES, gt=0)
+    spool_max_batches: int = bounded(uplink.SPOOL_MAX_BATCHES, gt=0)
     # Batches the supervisor refused, kept for a human (``dead-letter/`` in the state dir).
-    dead_letter_max_bytes: int = deadletter.MAX_BYTES
-    dead_letter_max_batches: int = deadletter.MAX_BATCHES
+    dead_letter_max_bytes: int = bounded(deadletter.MAX_BYTES, gt=0)
+    dead_letter_max_batches: int = bounded(deadletter.MAX_BATCHES, gt=0)
     # 5xx answers in a row before a batch steps out of line for the newer ones.
-    max_5xx_tries: int = uplink.MAX_5XX_TRIES
+    max_5xx_tries: int = bounded(uplink.MAX_5XX_TRIES, ge=1)
     # Items per batch: a burst of step reports is split so no request grows unbounded.
-    max_items_per_batch: int = uplink.MAX_ITEMS_PER_BATCH
+    max_items_per_batch: int = bounded(uplink.MAX_ITEMS_PER_BATCH, gt=0)
     # In-memory queue of worker datagrams between two ticks.
-    queue_max: int = 100_000
+    queue_max: int = bounded(100_000, gt=0)
     # On exit (completed / stopped), how long to try delivering what is left in the spool.
     flush_timeout_s: float = 10.0
     # The local hang watchdog (acts only while the supervisor is unreachable): the same
     # statistic and defaults as the supervisor's hang detector.
     hang: HangConfig = field(default_factory=HangConfig)
     # GPU health (NVML) is read at most this often; heartbeats in between carry none.
-    gpu_interval_s: float = 5.0
+    gpu_interval_s: float = bounded(5.0, gt=0)
 
     def __post_init__(self) -> None:
         # The supervisor's rules (trainwarden.agent.core.names), checked here so a bad address or
@@ -94,24 +95,10 @@ class AgentConfig:
                 "trainwarden agent --supervisor URL --run NAME -- torchrun "
                 "--nproc_per_node=2 train.py"
             )
-        if self.stop_grace_s < 0:
-            raise ValueError("stop grace must be >= 0 seconds")
-        if self.gpu_interval_s <= 0:
-            raise ValueError("the GPU reading interval must be > 0 seconds")
-        if self.batch_interval_s <= 0 or self.tick_interval_s <= 0:
-            raise ValueError("batch and tick intervals must be > 0 seconds")
-        if self.tick_interval_s > self.batch_interval_s:
-            raise ValueError("the tick interval must not be longer than the batch interval")
-        if self.spool_max_bytes <= 0 or self.spool_max_batches <= 0:
-            raise ValueError("spool bounds must be > 0")
-        if self.dead_letter_max_bytes <= 0 or self.dead_letter_max_batches <= 0:
-            raise ValueError("dead-letter bounds must be > 0")
-        if self.register_wait_s < 0:
-            raise ValueError("the registration wait must be >= 0 seconds")
-        if self.max_5xx_tries < 1:
-            raise ValueError("max_5xx_tries must be >= 1")
-        if self.max_items_per_batch <= 0 or self.queue_max <= 0:
-            raise ValueError("batch and queue sizes must be > 0")
+        check(self)
+        cross_check(self.tick_interval_s <= self.batch_interval_s, self, "tick_interval_s",
+                    f"<= batch_interval_s = {self.batch_interval_s:g}",
+                    got=self.tick_interval_s)
         if self.state_dir is None:
             self.state_dir = default_state_dir(self.run, self.node)
         self.state_dir = Path(self.state_dir).expanduser().absolute()

@@ -51,6 +51,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.supervisor.control.detection import DetectionConfig
 from trainwarden.supervisor.control.evaluator import EvaluatorConfig
 from trainwarden.supervisor.control.leader import LeaseConfig
@@ -87,24 +88,23 @@ def hash_token(token: str) -> str:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    SECTION: ClassVar[str] = "server"
+
     host: str = "127.0.0.1"  # listen address
-    port: int = 8765  # listen port (0: any free port)
-    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies are refused with 413
-    heartbeat_interval_s: float = 1.0  # told to agents at registration
+    port: int = bounded(8765, ge=0, le=65535)  # listen port (0: any free port)
+    # larger request bodies are refused with 413
+    max_body_bytes: int = bounded(4 * 1024 * 1024, ge=1024)
+    heartbeat_interval_s: float = bounded(1.0, gt=0)  # told to agents at registration
     log_level: str = "info"  # uvicorn's and the supervisor's log level
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"server.port must be in [0, 65535] (got {self.port})")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"server.max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
-        if not self.heartbeat_interval_s > 0:
-            raise ValueError("server.heartbeat_interval_s must be > 0 seconds "
-                             f"(got {self.heartbeat_interval_s})")
+        check(self)
 
 
 @dataclass(frozen=True)
 class AuthConfig:
+    SECTION: ClassVar[str] = "auth"
+
     # The token node agents write with (plain, or "sha256:<hex>" of it; hashed at load)
     agent_token: str | None = None
     # The token of operators: every read and write (plain or "sha256:<hex>")
@@ -119,29 +119,27 @@ class AuthConfig:
     checkpoint_roots_allowed: str = ""
 
     def __post_init__(self) -> None:
-        if self.insecure_no_auth and (self.agent_token or self.operator_token
-                                      or self.admin_token):
-            raise ValueError(
-                "insecure_no_auth is set together with a token: drop --insecure-no-auth "
-                "(tokens are then required) or drop the tokens"
-            )
-        if (self.agent_token and self.operator_token
-                and hash_token(self.agent_token) == hash_token(self.operator_token)):
-            raise ValueError(
-                "agent_token and operator_token are the same: the agent token would grant "
-                "operator rights; choose two different tokens"
-            )
+        # (the tokens themselves are never shown in a refusal)
+        cross_check(not (self.insecure_no_auth and (self.agent_token or self.operator_token
+                                                    or self.admin_token)),
+                    self, "insecure_no_auth", "false when a token is set", got=True,
+                    hint="drop --insecure-no-auth (tokens are then required) or drop the tokens")
+        cross_check(not (self.agent_token and self.operator_token
+                         and hash_token(self.agent_token) == hash_token(self.operator_token)),
+                    self, "operator_token", "different from agent_token",
+                    hint="the same token would grant agents operator rights; choose two "
+                         "different tokens")
         for prefix in self.checkpoint_roots_allowed.split(":"):
-            if prefix.strip() and not prefix.strip().startswith("/"):
-                raise ValueError(
-                    f"auth.checkpoint_roots_allowed holds {prefix!r}, not an absolute path: "
-                    "list absolute directories separated by ':' (for example /data:/scratch)")
-        if self.admin_token and any(
-                t and hash_token(t) == hash_token(self.admin_token)
-                for t in (self.agent_token, self.operator_token)):
-            raise ValueError(
-                "admin_token is the same as the agent or the operator token: it would grant "
-                "admin rights; choose a different token")
+            cross_check(not prefix.strip() or prefix.strip().startswith("/"), self,
+                        "checkpoint_roots_allowed", "absolute directories separated by ':'",
+                        got=self.checkpoint_roots_allowed,
+                        hint=f"{prefix.strip()!r} is not an absolute path (for example "
+                             "/data:/scratch)")
+        cross_check(not (self.admin_token and any(
+                        t and hash_token(t) == hash_token(self.admin_token)
+                        for t in (self.agent_token, self.operator_token))),
+                    self, "admin_token", "different from the agent and the operator token",
+                    hint="the same token would grant admin rights; choose a different token")
 
     @property
     def agent_token_hash(self) -> str | None:
@@ -359,19 +357,18 @@ class SupervisorSettings(BaseSettings):
         self.policy_config()  # its own rules (budgets, backoff, LR scale) raise ValueError
         check_retention(self.retention, self.detection_config())  # the kept window's floor
         auth = self.auth
-        if not auth.agent_token and not auth.operator_token and not auth.admin_token \
-                and not auth.insecure_no_auth:
-            raise ValueError(
-                "no token configured: set TRAINWARDEN_AGENT_TOKEN and TRAINWARDEN_OPERATOR_TOKEN "
-                "(or agent_token/operator_token in the [auth] table of the config file), or "
-                "pass --insecure-no-auth to run without authentication on a loopback address"
-            )
-        if auth.insecure_no_auth and not _is_loopback(self.server.host):
-            raise ValueError(
-                f"--insecure-no-auth is only allowed on a loopback host, not "
-                f"{self.server.host!r}: configure agent_token and operator_token to listen on "
-                "other addresses"
-            )
+        cross_check(bool(auth.agent_token or auth.operator_token or auth.admin_token
+                         or auth.insecure_no_auth), auth, "agent_token",
+                    "set (no token is configured)",
+                    hint="set TRAINWARDEN_AGENT_TOKEN and TRAINWARDEN_OPERATOR_TOKEN (or "
+                         "agent_token/operator_token in the [auth] table of the config file), "
+                         "or pass --insecure-no-auth to run without authentication on a "
+                         "loopback address")
+        cross_check(not auth.insecure_no_auth or _is_loopback(self.server.host), self.server,
+                    "host", "a loopback address with --insecure-no-auth",
+                    got=self.server.host,
+                    hint="configure agent_token and operator_token to listen on other "
+                         "addresses")
         return self
 
     def policy_config(self) -> PolicyConfig:

@@ -54,46 +54,40 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import ClassVar
 
+from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.agent.core.findings import EVENT, INCIDENT, Finding, FindingKind
-from trainwarden.agent.core.stats import median, quantile, require
+from trainwarden.agent.core.stats import median, quantile
 
 
 @dataclass(frozen=True)
 class HangConfig:
     """Deadlines, in seconds.  Every one can go down to about a second for tests."""
 
-    k: float = 8.0  # x p99 of recent step intervals
-    quantile: float = 0.99  # the quantile of recent step intervals that k multiplies
+    SECTION: ClassVar[str] = "hang"  # the settings section: errors name hang.<field>
+
+    k: float = bounded(8.0, gt=0, hint="try 8")  # x p99 of recent step intervals
+    # the quantile of recent step intervals that k multiplies
+    quantile: float = bounded(0.99, ge=0.5, le=1.0, hint="try 0.99")
     # The learned deadline is never shorter.  25 s: with the evaluator's tick and the
     # agents' one-second batches on top, a hang is called within the 30 s target.
-    floor_s: float = 25.0
-    min_intervals: int = 5  # intervals needed before the learned deadline is trusted
-    startup_s: float = 600.0  # attempt start -> first step report
-    warmup_steps: int = 5  # the first steps of an attempt get warmup_s
-    warmup_s: float = 300.0  # the deadline of those first steps
-    checkpoint_s: float = 600.0  # a save in progress gets this much from its start ...
-    save_k: float = 3.0  # ... or save_k x the longest recent save, whichever is longer
-    longest_k: float = 1.5  # x the longest interval the run survived (if passed)
-    finish_s: float = 600.0  # the training loop reported done -> the workers exit
-    rank_lag_steps: int = 1  # "behind" for rank_stalled: more than this many steps
+    floor_s: float = bounded(25.0, gt=0)
+    # intervals needed before the learned deadline is trusted
+    min_intervals: int = bounded(5, ge=1)
+    startup_s: float = bounded(600.0, gt=0)  # attempt start -> first step report
+    warmup_steps: int = bounded(5, ge=0)  # the first steps of an attempt get warmup_s
+    warmup_s: float = bounded(300.0, gt=0)  # the deadline of those first steps
+    # a save in progress gets this much from its start ...
+    checkpoint_s: float = bounded(600.0, gt=0)
+    # ... or save_k x the longest recent save, whichever is longer
+    save_k: float = bounded(3.0, ge=0)
+    longest_k: float = bounded(1.5, ge=0)  # x the longest interval the run survived (if passed)
+    finish_s: float = bounded(600.0, gt=0)  # the training loop reported done -> the workers exit
+    rank_lag_steps: int = bounded(1, ge=0)  # "behind" for rank_stalled: more than this many steps
 
     def __post_init__(self) -> None:
-        require(self.k > 0, f"HangConfig.k must be > 0 (got {self.k}); try 8")
-        require(0.5 <= self.quantile <= 1.0,
-                f"HangConfig.quantile must be in [0.5, 1] (got {self.quantile}); try 0.99")
-        for name in ("floor_s", "startup_s", "warmup_s", "checkpoint_s", "finish_s"):
-            v = getattr(self, name)
-            require(v > 0, f"HangConfig.{name} must be > 0 seconds (got {v})")
-        require(self.min_intervals >= 1,
-                f"HangConfig.min_intervals must be >= 1 (got {self.min_intervals})")
-        require(self.warmup_steps >= 0,
-                f"HangConfig.warmup_steps must be >= 0 (got {self.warmup_steps})")
-        require(self.save_k >= 0, f"HangConfig.save_k must be >= 0 (got {self.save_k})")
-        require(self.longest_k >= 0,
-                f"HangConfig.longest_k must be >= 0 (got {self.longest_k})")
-        require(self.rank_lag_steps >= 0,
-                f"HangConfig.rank_lag_steps must be >= 0 (got {self.rank_lag_steps})")
+        check(self)
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,3 @@ def quantile(xs: Iterable[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def require(ok: bool, message: str) -> None:
-    """Config validation: raise ``ValueError(message)`` unless ``ok``."""
-    if not ok:
-        raise ValueError(message)

@@ -84,6 +84,19 @@ def build_parser(with_settings: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def _reasons(errors: Sequence[Any]) -> str:
+    """pydantic's errors as one line.  A config's own refusal already names its setting
+    (``hang.k must be > 0 (got -1.0); try 8``, ``trainwarden.agent.core.bounds``) and is
+    shown as it is; pydantic's own (a wrong type, an unknown field) get the setting's name."""
+    out = []
+    for x in errors:
+        if x["type"] == "value_error" and "error" in x.get("ctx", {}):
+            out.append(str(x["ctx"]["error"]))
+        else:
+            out.append(f"{'.'.join(map(str, x['loc'])) or 'settings'}: {x['msg']}")
+    return "; ".join(out)
+
+
 def _settings(args: argparse.Namespace) -> Any:
     from pydantic import ValidationError
 
@@ -99,9 +112,7 @@ def _settings(args: argparse.Namespace) -> Any:
                                                     "operator_token": None}, **fields)
         return load_settings(args.config, **fields)
     except ValidationError as e:
-        msgs = "; ".join(f"{'.'.join(map(str, x['loc'])) or 'settings'}: {x['msg']}"
-                         for x in e.errors())
-        raise SystemExit(f"trainwarden: bad settings: {msgs}") from None
+        raise SystemExit(f"trainwarden: bad settings: {_reasons(e.errors())}") from None
     except ValueError as e:
         raise SystemExit(f"trainwarden: bad settings: {e}") from None
 

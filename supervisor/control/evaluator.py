@@ -20,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from trainwarden.agent import protocol
 from trainwarden.agent.core import text as untrusted
+from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
@@ -80,17 +81,15 @@ class TickReport:
 
 @dataclass(frozen=True)
 class EvaluatorConfig:
-    interval_s: float = 0.5  # seconds between two ticks of the evaluation loop
+    SECTION: ClassVar[str] = "evaluator"
+
+    interval_s: float = bounded(0.5, gt=0)  # seconds between two ticks of the evaluation loop
     # where the detectors run: "process" (a child process of their own, so their CPU never
     # competes with ingest) or "thread" (the evaluator's own, in the supervisor's process)
-    observer: Literal["process", "thread"] = "process"
+    observer: Literal["process", "thread"] = bounded("process", one_of=("process", "thread"))
 
     def __post_init__(self) -> None:
-        if not self.interval_s > 0:
-            raise ValueError(f"evaluator interval_s must be > 0 seconds (got {self.interval_s})")
-        if self.observer not in ("process", "thread"):
-            raise ValueError(f"evaluator observer must be 'process' or 'thread' (got "
-                             f"{self.observer!r})")
+        check(self)
 
 
 @dataclass

@@ -30,8 +30,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, ClassVar, TypedDict
 
+from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.supervisor.control.evaluator import Clock, Evaluator
 from trainwarden.supervisor.store import lease
 from trainwarden.supervisor.store.db import Connection, Database
@@ -41,21 +42,20 @@ log = logging.getLogger("trainwarden.leader")
 
 @dataclass(frozen=True)
 class LeaseConfig:
+    SECTION: ClassVar[str] = "lease"
+
     # Postgres replicas: a leader that has not renewed for this long (killed, wedged, cut off
     # from the database) loses the evaluator lease to a standby
-    duration_s: float = 6.0
+    duration_s: float = bounded(6.0, gt=0)
     # Postgres replicas: how often the leader renews the lease and a standby tries to take it
-    renew_s: float = 1.0
+    renew_s: float = bounded(1.0, gt=0)
 
     def __post_init__(self) -> None:
-        if not self.renew_s > 0:
-            raise ValueError(f"lease.renew_s must be > 0 seconds (got {self.renew_s})")
-        if not self.duration_s >= 2 * self.renew_s:
-            raise ValueError(
-                f"lease.duration_s ({self.duration_s}) must be at least twice lease.renew_s "
-                f"({self.renew_s}), so that one late renewal does not hand the evaluator to "
-                f"a standby: raise duration_s to {2 * self.renew_s:g} or more, or lower "
-                "renew_s")
+        check(self)
+        cross_check(self.duration_s >= 2 * self.renew_s, self, "duration_s",
+                    f">= 2 x renew_s = {2 * self.renew_s:g}", got=self.duration_s,
+                    hint="so that one late renewal does not hand the evaluator to a standby: "
+                         f"raise duration_s to {2 * self.renew_s:g} or more, or lower renew_s")
 
     @property
     def takeover_bound_s(self) -> float:

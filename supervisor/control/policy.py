@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.findings import Severity
 from trainwarden.agent.core.states import CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
@@ -43,59 +44,66 @@ from trainwarden.supervisor.enums import (
 )
 
 
+def setting_name(field: str) -> str:
+    """The setting a field of ``PolicyConfig`` is set by: ``rollback_X`` is ``rollback.X``,
+    the others are ``restart``'s (``restart_budget`` as ``restart.budget``)."""
+    if field.startswith("rollback_"):
+        return "rollback." + field.removeprefix("rollback_")
+    return "restart." + field.removeprefix("restart_")
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
-    restart_budget: int = 10  # per cause: crash, hang (collective timeouts too), node_lost
-    backoff_s: float = 1.0  # the first restart waits this long, each next one twice as long
+    SECTION: ClassVar[Callable[[str], str]] = setting_name
+
+    # per cause: crash, hang (collective timeouts too), node_lost
+    restart_budget: int = bounded(10, ge=0)
+    # the first restart waits this long, each next one twice as long
+    backoff_s: float = bounded(1.0, ge=0)
     backoff_max_s: float = 60.0  # ... up to this
     # Loss-spike / NaN rollback: to the newest checkpoint at least rollback_margin_steps
     # before the spike, skipping what was observed to be bad and lowering the LR for a while
     # in proportion.  A rollback that costs more than the spike did is a loss of its own.
-    rollback_budget: int = 3  # rollbacks per run before it is stopped
-    rollback_margin_steps: int = 10  # the checkpoint must be this far before the spike start
+    rollback_budget: int = bounded(3, ge=0)  # rollbacks per run before it is stopped
+    # the checkpoint must be this far before the spike start
+    rollback_margin_steps: int = bounded(10, ge=0)
     # The skip runs from the spike's first batch through the batch of the step where it was
     # detected, widened on both sides; it doubles on each recurrence.
-    rollback_skip_before: int = 10  # batches skipped before the spike's first batch
-    rollback_skip_after: int = 0  # batches skipped after the one where it was detected
-    rollback_skip_batches: int | None = None  # a fixed length instead (doubled likewise)
-    rollback_lr_scale: float = 0.5  # LR x this (squared, cubed... on each recurrence)
+    rollback_skip_before: int = bounded(10, ge=0)  # batches skipped before the spike's first batch
+    # batches skipped after the one where it was detected
+    rollback_skip_after: int = bounded(0, ge=0)
+    # a fixed length instead (doubled likewise)
+    rollback_skip_batches: int | None = bounded(
+        None, ge=1, hint="or leave it unset to skip what was observed")
+    # LR x this (squared, cubed... on each recurrence)
+    rollback_lr_scale: float = bounded(0.5, gt=0, le=1, hint="e.g. 0.5 halves the LR")
     # LR x scale for rollback_lr_ratio x the batches skipped, then back to 1.0 over half as
     # many steps; rollback_lr_steps / rollback_lr_ramp_steps fix either instead.
-    rollback_lr_ratio: float = 0.25  # steps at the lowered LR per batch skipped
-    rollback_lr_steps: int | None = None  # a fixed number of steps at the lowered LR instead
-    rollback_lr_ramp_steps: int | None = None  # a fixed ramp back to 1.0 instead
+
+    # steps at the lowered LR per batch skipped
+    rollback_lr_ratio: float = bounded(0.25, ge=0, hint="0: no LR reduction")
+    # a fixed number of steps at the lowered LR instead
+    rollback_lr_steps: int | None = bounded(
+        None, ge=0, hint="or leave it unset to size it from the skip")
+    # a fixed ramp back to 1.0 instead
+    rollback_lr_ramp_steps: int | None = bounded(
+        None, ge=0, hint="or leave it unset to size it from the skip")
     # A run that restarts this many times in a row without passing its highest step is
     # stopped and flagged, not restarted forever.
-    no_progress_restarts: int = 3
+    no_progress_restarts: int = bounded(3, ge=1)
     # An agent reporting another attempt than the run's (a restart in progress aside) is told
     # to relaunch as the run's attempt; if that fails, an incident says why.
-    realign_after_s: float = 5.0  # seconds of another attempt before the realign command
-    realign_timeout_s: float = 60.0  # seconds after that command before an incident opens
+
+    # seconds of another attempt before the realign command
+    realign_after_s: float = bounded(5.0, ge=0)
+    # seconds after that command before an incident opens
+    realign_timeout_s: float = bounded(60.0, gt=0)
 
     def __post_init__(self) -> None:
-        if not (self.realign_after_s >= 0 and self.realign_timeout_s > 0):
-            raise ValueError("realign_after_s must be >= 0 and realign_timeout_s > 0 seconds")
-        if self.rollback_budget < 0 or self.restart_budget < 0:
-            raise ValueError("restart and rollback budgets must be >= 0")
-        if not 0 < self.rollback_lr_scale <= 1:
-            raise ValueError("rollback_lr_scale must be in (0, 1]: e.g. 0.5 halves the LR")
-        if self.rollback_skip_before < 0 or self.rollback_skip_after < 0:
-            raise ValueError("rollback_skip_before and rollback_skip_after must be >= 0")
-        if self.rollback_skip_batches is not None and self.rollback_skip_batches < 1:
-            raise ValueError("rollback_skip_batches must be >= 1, or unset to skip what was "
-                             "observed")
-        if self.rollback_lr_ratio < 0:
-            raise ValueError("rollback_lr_ratio must be >= 0 (0: no LR reduction)")
-        for name in ("rollback_lr_steps", "rollback_lr_ramp_steps"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name} must be >= 0, or unset to size it from the skip")
-        if self.no_progress_restarts < 1:
-            raise ValueError("no_progress_restarts must be >= 1")
-        if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
-            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) must be >= backoff_s "
-                             f"({self.backoff_s}) >= 0: raise the maximum or lower the base")
-        if self.rollback_margin_steps < 0:
-            raise ValueError("rollback_margin_steps must be >= 0")
+        check(self)
+        cross_check(self.backoff_max_s >= self.backoff_s, self, "backoff_max_s",
+                    f">= backoff_s = {self.backoff_s:g}", got=self.backoff_max_s,
+                    hint="raise the maximum or lower the base")
 
 
 # The cause a restart is counted against (each has its own budget).  A collective timeout

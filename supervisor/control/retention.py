@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
+from trainwarden.agent.core.bounds import bounded, cross_check
+from trainwarden.agent.core.bounds import check as check_bounds
 from trainwarden.supervisor.control.detection import RANK_CHART_MAX_STEPS, DetectionConfig
 from trainwarden.supervisor.store import goodput as goodput_store
 from trainwarden.supervisor.store import retention as store
@@ -38,22 +41,25 @@ log = logging.getLogger("trainwarden.retention")
 
 @dataclass(frozen=True)
 class RetentionConfig:
+    SECTION: ClassVar[str] = "retention"
+
     enabled: bool = True  # roll up and delete per-rank rows beyond the kept window
-    keep_steps: int = 1000  # newest steps of per-rank rows kept (each run's newest attempt)
-    bucket_steps: int = 1000  # steps summarised by one per-rank rollup row
-    chunk_rows: int = 2000  # per-rank rows deleted by one write transaction, at most
-    chunks_per_tick: int = 8  # write transactions of rollup work per evaluator tick, at most
-    batch_keys_kept: int = 1000  # newest stored-batch keys kept per agent (replay detection)
+    # newest steps of per-rank rows kept (each run's newest attempt)
+    keep_steps: int = bounded(1000, ge=1, integer=True)
+    # steps summarised by one per-rank rollup row
+    bucket_steps: int = bounded(1000, ge=1, integer=True)
+    # per-rank rows deleted by one write transaction, at most
+    chunk_rows: int = bounded(2000, ge=1, integer=True)
+    # write transactions of rollup work per evaluator tick, at most
+    chunks_per_tick: int = bounded(8, ge=1, integer=True)
+    # newest stored-batch keys kept per agent (replay detection)
+    batch_keys_kept: int = bounded(1000, ge=1, integer=True)
     # agents whose older batch keys one tick deletes, at most (each a statement in the tick's
     # write transaction, which ingest waits behind: 2,048 agents are gone through in a minute)
-    agents_per_tick: int = 16
+    agents_per_tick: int = bounded(16, ge=1, integer=True)
 
     def __post_init__(self) -> None:
-        for name in ("keep_steps", "bucket_steps", "chunk_rows", "chunks_per_tick",
-                     "batch_keys_kept", "agents_per_tick"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"retention {name} must be an integer >= 1 (got {v!r})")
+        check_bounds(self)
 
 
 def required_steps(detection: DetectionConfig) -> dict[str, int]:
@@ -72,11 +78,10 @@ def check(cfg: RetentionConfig, detection: DetectionConfig) -> None:
         return
     need = required_steps(detection)
     name, steps = max(need.items(), key=lambda kv: kv[1])
-    if cfg.keep_steps < steps:
-        raise ValueError(
-            f"retention keep_steps ({cfg.keep_steps}) is shorter than the {steps} newest steps "
-            f"of per-rank rows that {name} reads: raise retention.keep_steps "
-            f"(--retention-keep-steps) to {steps} or more")
+    cross_check(cfg.keep_steps >= steps, cfg, "keep_steps",
+                f">= {steps}, the newest steps of per-rank rows that {name} reads",
+                got=cfg.keep_steps,
+                hint=f"raise retention.keep_steps (--retention-keep-steps) to {steps} or more")
 
 
 class Retention:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from trainwarden.agent.core.stats import median, median_sorted, quantile, require
+from trainwarden.agent.core.stats import median, median_sorted, quantile
 
 __all__ = ["MAD_TO_SIGMA", "is_finite", "mad", "median", "median_excluding", "median_sorted",
-           "quantile", "require"]
+           "quantile"]
 
 # MAD x 1.4826 estimates the standard deviation of normally distributed data.
 MAD_TO_SIGMA = 1.4826

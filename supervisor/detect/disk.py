@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
+from typing import ClassVar
 
-from trainwarden.supervisor.detect._stats import require
+from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.supervisor.detect.findings import EVENT, Finding, FindingKind
 
 __all__ = ["DiskConfig", "detect_disk"]
@@ -21,14 +22,17 @@ __all__ = ["DiskConfig", "detect_disk"]
 
 @dataclass(frozen=True)
 class DiskConfig:
-    low_ratio: float = 0.10  # free share of the checkpoint disk below which it is low
-    hysteresis: float = 0.02  # recovered only above low_ratio + this
+    SECTION: ClassVar[str] = "disk"
+
+    # free share of the checkpoint disk below which it is low
+    low_ratio: float = bounded(0.10, gt=0, lt=1, hint="try 0.1")
+    hysteresis: float = bounded(0.02, ge=0)  # recovered only above low_ratio + this
 
     def __post_init__(self) -> None:
-        require(0 < self.low_ratio < 1,
-                f"DiskConfig.low_ratio must be in (0, 1) (got {self.low_ratio}); try 0.1")
-        require(0 <= self.hysteresis < 1 - self.low_ratio,
-                f"DiskConfig.hysteresis must be in [0, 1 - low_ratio) (got {self.hysteresis})")
+        check(self)
+        cross_check(self.hysteresis < 1 - self.low_ratio, self, "hysteresis",
+                    f"< 1 - low_ratio = {1 - self.low_ratio:g}", got=self.hysteresis,
+                    hint="lower hysteresis or low_ratio")
 
 
 def detect_disk(usage: Mapping[str, tuple[int, int]], low: Set[str],

@@ -70,9 +70,10 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from trainwarden.supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted, require
+from trainwarden.agent.core.bounds import bounded, check, cross_check
+from trainwarden.supervisor.detect._stats import MAD_TO_SIGMA, mad, median, median_sorted
 from trainwarden.supervisor.detect.findings import (
     EVENT,
     INCIDENT,
@@ -98,52 +99,46 @@ class LossSample:
 
 @dataclass(frozen=True)
 class LossSpikeConfig:
-    window_steps: int = 50  # baseline: the last W non-spike steps
-    min_history: int = 20  # baseline steps needed before any step is judged
-    z: float = 6.0  # robust z-score a high step must exceed ...
-    min_rel: float = 0.5  # ... and the median by this fraction
-    min_abs: float = 1e-6  # ... and by this much in absolute terms (a loss stuck at 0)
+    SECTION: ClassVar[str] = "loss"
+
+    window_steps: int = bounded(50, ge=3, hint="try 50")  # baseline: the last W non-spike steps
+    # baseline steps needed before any step is judged
+    min_history: int = bounded(20, ge=3)
+    z: float = bounded(6.0, gt=0, hint="try 6")  # robust z-score a high step must exceed ...
+    min_rel: float = bounded(0.5, ge=0)  # ... and the median by this fraction
+    # ... and by this much in absolute terms (a loss stuck at 0)
+    min_abs: float = bounded(1e-6, ge=0)
     # Back: the median of the newest recover_steps losses within recover_z standard errors
     # of a median of that many (1.2533 x 1.4826 x MAD / sqrt(n)) or recover_rel x |median|
     # of the baseline's median.
-    recover_z: float = 2.0  # "back": within this many standard errors of the baseline ...
-    recover_rel: float = 0.25  # ... or within this share of its median
-    recover_steps: int = 5  # judged on the median of this many newest losses
+
+    # "back": within this many standard errors of the baseline ...
+    recover_z: float = bounded(2.0, gt=0)
+    recover_rel: float = bounded(0.25, ge=0)  # ... or within this share of its median
+    recover_steps: int = bounded(5, ge=1)  # judged on the median of this many newest losses
     recovery_window_steps: int = 50  # a spike back within this many steps is transient
-    sustain_steps: int = 10  # high steps a spike not back in the window needs to be one
-    rise_steps: int = 10  # a spike whose newest N steps are all high and rising ...
-    rise_factor: float = 2.0  # ... by this factor (newer half's median / older half's)
-    transient_min_steps: int = 2  # fewer high steps: a single outlier, ignored
+    # high steps a spike not back in the window needs to be one
+    sustain_steps: int = bounded(10, ge=1)
+    # a spike whose newest N steps are all high and rising ...
+    rise_steps: int = bounded(10, ge=4, hint="try 10")
+    # ... by this factor (newer half's median / older half's)
+    rise_factor: float = bounded(2.0, gt=1, hint="try 2")
+    transient_min_steps: int = bounded(2, ge=1)  # fewer high steps: a single outlier, ignored
 
     def __post_init__(self) -> None:
-        require(self.window_steps >= 3,
-                f"LossSpikeConfig.window_steps must be >= 3 (got {self.window_steps}); try 50")
-        require(3 <= self.min_history <= self.window_steps,
-                f"LossSpikeConfig.min_history must be in [3, window_steps={self.window_steps}] "
-                f"(got {self.min_history})")
-        require(self.z > 0, f"LossSpikeConfig.z must be > 0 (got {self.z}); try 6")
-        require(self.min_rel >= 0, f"LossSpikeConfig.min_rel must be >= 0 (got {self.min_rel})")
-        require(self.min_abs >= 0, f"LossSpikeConfig.min_abs must be >= 0 (got {self.min_abs})")
-        require(0 < self.recover_z <= self.z,
-                f"LossSpikeConfig.recover_z must be in (0, z={self.z}] (got {self.recover_z})")
-        require(0 <= self.recover_rel <= self.min_rel,
-                f"LossSpikeConfig.recover_rel must be in [0, min_rel={self.min_rel}] "
-                f"(got {self.recover_rel})")
-        require(self.recover_steps >= 1,
-                f"LossSpikeConfig.recover_steps must be >= 1 (got {self.recover_steps})")
-        require(self.sustain_steps >= 1,
-                f"LossSpikeConfig.sustain_steps must be >= 1 (got {self.sustain_steps})")
-        require(self.recovery_window_steps >= self.sustain_steps,
-                "LossSpikeConfig.recovery_window_steps must be >= sustain_steps="
-                f"{self.sustain_steps} (got {self.recovery_window_steps}): a spike cannot "
-                "have more high steps than the window holds")
-        require(self.rise_steps >= 4,
-                f"LossSpikeConfig.rise_steps must be >= 4 (got {self.rise_steps}); try 10")
-        require(self.rise_factor > 1,
-                f"LossSpikeConfig.rise_factor must be > 1 (got {self.rise_factor}); try 2")
-        require(1 <= self.transient_min_steps <= self.sustain_steps,
-                "LossSpikeConfig.transient_min_steps must be in [1, sustain_steps="
-                f"{self.sustain_steps}] (got {self.transient_min_steps})")
+        check(self)
+        cross_check(self.min_history <= self.window_steps, self, "min_history",
+                    f"<= window_steps = {self.window_steps}", got=self.min_history)
+        cross_check(self.recover_z <= self.z, self, "recover_z", f"<= z = {self.z:g}",
+                    got=self.recover_z)
+        cross_check(self.recover_rel <= self.min_rel, self, "recover_rel",
+                    f"<= min_rel = {self.min_rel:g}", got=self.recover_rel)
+        cross_check(self.recovery_window_steps >= self.sustain_steps, self,
+                    "recovery_window_steps", f">= sustain_steps = {self.sustain_steps}",
+                    got=self.recovery_window_steps,
+                    hint="a spike cannot have more high steps than the window holds")
+        cross_check(self.transient_min_steps <= self.sustain_steps, self, "transient_min_steps",
+                    f"<= sustain_steps = {self.sustain_steps}", got=self.transient_min_steps)
 
     @property
     def lookback_steps(self) -> int:

@@ -17,18 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-from trainwarden.supervisor.detect._stats import require
+from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 
 @dataclass(frozen=True)
 class NodeLostConfig:
-    deadline_s: float = 30.0  # seconds without a heartbeat before a node is lost
+    SECTION: ClassVar[str] = "node_lost"
+
+    # seconds without a heartbeat before a node is lost
+    deadline_s: float = bounded(30.0, gt=0, hint="try 30")
 
     def __post_init__(self) -> None:
-        require(self.deadline_s > 0,
-                f"NodeLostConfig.deadline_s must be > 0 seconds (got {self.deadline_s}); try 30")
+        check(self)
 
 
 def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,

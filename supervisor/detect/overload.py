@@ -27,50 +27,40 @@ Pure: a report and a config in, a verdict out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from trainwarden.supervisor.detect._stats import require
+from trainwarden.agent.core.bounds import bounded, check
 
 
 @dataclass(frozen=True)
 class OverloadConfig:
+    SECTION: ClassVar[str] = "overload"
+
     # batches arriving this much later than each agent's usual (lateness_quantile over the
     # last window_s): the supervisor is behind
-    lateness_s: float = 3.0  # seconds later than usual that mean the supervisor is behind
-    lateness_quantile: float = 0.9  # of the recent batches' lateness (0.9: most are late)
-    window_s: float = 10.0  # seconds of recent batches the lateness is taken over
-    min_batches: int = 3  # fewer recent batches than this: lateness not judged
-    loop_lag_s: float = 2.0  # the event loop ran its timer this late, or not for this long
-    tick_gap_s: float = 10.0  # seconds between two evaluator ticks beyond which it was stalled
-    batch_interval_s: float = 4.0  # agents are told to batch this often while it is behind
-    backoff_hold_s: float = 60.0  # ... and for this long after its last overloaded tick
+
+    # seconds later than usual that mean the supervisor is behind
+    lateness_s: float = bounded(3.0, gt=0, hint="try 3")
+    # of the recent batches' lateness (0.9: most are late)
+    lateness_quantile: float = bounded(0.9, gt=0, le=1, hint="try 0.9")
+    # seconds of recent batches the lateness is taken over
+    window_s: float = bounded(10.0, gt=0, hint="try 10")
+    # fewer recent batches than this: lateness not judged
+    min_batches: int = bounded(3, ge=1, hint="try 3")
+    # the event loop ran its timer this late, or not for this long
+    loop_lag_s: float = bounded(2.0, gt=0, hint="try 2")
+    # seconds between two evaluator ticks beyond which it was stalled
+    tick_gap_s: float = bounded(10.0, gt=0, hint="try 10")
+    # agents are told to batch this often while it is behind
+    batch_interval_s: float = bounded(4.0, gt=0, hint="try 4")
+    # ... and for this long after its last overloaded tick
+    backoff_hold_s: float = bounded(60.0, ge=0, hint="try 60")
     # batches a second the supervisor asks for at most: with more agents sending, each is
     # told to batch every agents / this seconds (0: no limit)
-    max_batches_per_s: float = 500.0
+    max_batches_per_s: float = bounded(500.0, ge=0, hint="try 500, or 0 for no limit")
 
     def __post_init__(self) -> None:
-        require(self.lateness_s > 0,
-                f"OverloadConfig.lateness_s must be > 0 seconds (got {self.lateness_s}); try 3")
-        require(0 < self.lateness_quantile <= 1,
-                f"OverloadConfig.lateness_quantile must be in (0, 1] (got "
-                f"{self.lateness_quantile}); try 0.9")
-        require(self.window_s > 0,
-                f"OverloadConfig.window_s must be > 0 seconds (got {self.window_s}); try 10")
-        require(self.min_batches >= 1,
-                f"OverloadConfig.min_batches must be >= 1 (got {self.min_batches}); try 3")
-        require(self.loop_lag_s > 0,
-                f"OverloadConfig.loop_lag_s must be > 0 seconds (got {self.loop_lag_s}); try 2")
-        require(self.batch_interval_s > 0,
-                f"OverloadConfig.batch_interval_s must be > 0 seconds (got "
-                f"{self.batch_interval_s}); try 4")
-        require(self.backoff_hold_s >= 0,
-                f"OverloadConfig.backoff_hold_s must be >= 0 seconds (got "
-                f"{self.backoff_hold_s}); try 60")
-        require(self.max_batches_per_s >= 0,
-                f"OverloadConfig.max_batches_per_s must be >= 0 (got "
-                f"{self.max_batches_per_s}); try 500, or 0 for no limit")
-        require(self.tick_gap_s > 0,
-                f"OverloadConfig.tick_gap_s must be > 0 seconds (got {self.tick_gap_s}); "
-                "try 10")
+        check(self)
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,10 @@ import bisect
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from trainwarden.supervisor.detect._stats import median, median_excluding, require
+from trainwarden.agent.core.bounds import bounded, check, cross_check
+from trainwarden.supervisor.detect._stats import median, median_excluding
 from trainwarden.supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 # step -> rank -> seconds before the first blocking collective (data_s + compute_s)
@@ -63,38 +64,30 @@ PreCollectiveTable = Mapping[int, Mapping[int, float]]
 
 @dataclass(frozen=True)
 class StragglerConfig:
-    threshold: float = 0.75  # flag when the sustained score is below this
-    window_steps: int = 20  # the sustained window (newest steps of the table)
-    hold_steps: int = 60  # the longer window that keeps a flag up (0: none)
-    min_steps: int = 10  # scores a rank needs in the window to be judged
-    self_threshold: float = 0.75  # baseline / recent below this: slower than its own past
-    min_baseline_steps: int = 10  # older steps needed for an own-history baseline
-    onset_gap: int = 3  # this many consecutive normal steps end the slow stretch (onset search)
+    SECTION: ClassVar[str] = "straggler"
+
+    # flag when the sustained score is below this
+    threshold: float = bounded(0.75, gt=0, lt=1, hint="try 0.75")
+    window_steps: int = bounded(20, ge=1)  # the sustained window (newest steps of the table)
+    hold_steps: int = bounded(60, ge=0)  # the longer window that keeps a flag up (0: none)
+    min_steps: int = bounded(10, ge=1)  # scores a rank needs in the window to be judged
+    # baseline / recent below this: slower than its own past
+    self_threshold: float = bounded(0.75, gt=0, lt=1, hint="try 0.75")
+    min_baseline_steps: int = bounded(10, ge=1)  # older steps needed for an own-history baseline
+    # this many consecutive normal steps end the slow stretch (onset search)
+    onset_gap: int = bounded(3, ge=1)
     # A rank must also be slower than its peers (or, alone, than its own past) by this many
     # seconds (median over the window): with steps of a few milliseconds, scheduler noise
     # alone makes 2x ratios.
-    min_excess_s: float = 0.01
+    min_excess_s: float = bounded(0.01, ge=0)
 
     def __post_init__(self) -> None:
-        require(0 < self.threshold < 1,
-                f"StragglerConfig.threshold must be in (0, 1) (got {self.threshold}); try 0.75")
-        require(0 < self.self_threshold < 1,
-                "StragglerConfig.self_threshold must be in (0, 1) "
-                f"(got {self.self_threshold}); try 0.75")
-        require(self.window_steps >= 1,
-                f"StragglerConfig.window_steps must be >= 1 (got {self.window_steps})")
-        require(self.hold_steps == 0 or self.hold_steps >= self.window_steps,
-                f"StragglerConfig.hold_steps must be 0 or >= window_steps={self.window_steps} "
-                f"(got {self.hold_steps}); try 3 x window_steps")
-        require(1 <= self.min_steps <= self.window_steps,
-                f"StragglerConfig.min_steps must be in [1, window_steps={self.window_steps}] "
-                f"(got {self.min_steps})")
-        require(self.min_baseline_steps >= 1,
-                f"StragglerConfig.min_baseline_steps must be >= 1 (got {self.min_baseline_steps})")
-        require(self.onset_gap >= 1,
-                f"StragglerConfig.onset_gap must be >= 1 (got {self.onset_gap})")
-        require(self.min_excess_s >= 0,
-                f"StragglerConfig.min_excess_s must be >= 0 seconds (got {self.min_excess_s})")
+        check(self)
+        cross_check(self.hold_steps == 0 or self.hold_steps >= self.window_steps, self,
+                    "hold_steps", f"0 or >= window_steps = {self.window_steps}",
+                    got=self.hold_steps, hint="try 3 x window_steps")
+        cross_check(self.min_steps <= self.window_steps, self, "min_steps",
+                    f"<= window_steps = {self.window_steps}", got=self.min_steps)
 
 
 def pre_collective_table(rows: Iterable[Mapping[str, Any]]) -> dict[int, dict[int, float]]:

@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from trainwarden.supervisor.detect._stats import median, require
+from trainwarden.agent.core.bounds import bounded, check, cross_check
+from trainwarden.supervisor.detect._stats import median
 from trainwarden.supervisor.detect.findings import EVENT, Finding, FindingKind
 
 
@@ -40,26 +41,24 @@ class ThroughputPoint:
 
 @dataclass(frozen=True)
 class ThroughputConfig:
-    drop: float = 0.30  # recent below (1 - drop) x reference -> event
-    warmup_steps: int = 20  # first steps of the run left out of the reference
+    SECTION: ClassVar[str] = "throughput"
+
+    # recent below (1 - drop) x reference -> event
+    drop: float = bounded(0.30, gt=0, lt=1, hint="try 0.3 for 30%")
+    warmup_steps: int = bounded(20, ge=0)  # first steps of the run left out of the reference
     reference_steps: int = 100  # the reference window, after warm-up
     window_steps: int = 50  # the recent window
-    min_points: int = 20  # rates needed in each window
+    min_points: int = bounded(20, ge=1)  # rates needed in each window
     unit: str = "tokens/s"  # for messages only
-    onset_gap: int = 3  # consecutive normal steps that end the slow stretch (onset search)
+    # consecutive normal steps that end the slow stretch (onset search)
+    onset_gap: int = bounded(3, ge=1)
 
     def __post_init__(self) -> None:
-        require(0 < self.drop < 1,
-                f"ThroughputConfig.drop must be in (0, 1) (got {self.drop}); try 0.3 for 30%")
-        require(self.warmup_steps >= 0,
-                f"ThroughputConfig.warmup_steps must be >= 0 (got {self.warmup_steps})")
-        require(self.reference_steps >= self.min_points and self.window_steps >= self.min_points,
-                "ThroughputConfig.reference_steps and window_steps must be >= min_points "
-                f"({self.min_points}); got {self.reference_steps} and {self.window_steps}")
-        require(self.min_points >= 1,
-                f"ThroughputConfig.min_points must be >= 1 (got {self.min_points})")
-        require(self.onset_gap >= 1,
-                f"ThroughputConfig.onset_gap must be >= 1 (got {self.onset_gap})")
+        check(self)
+        for name in ("reference_steps", "window_steps"):
+            cross_check(getattr(self, name) >= self.min_points, self, name,
+                        f">= min_points = {self.min_points}", got=getattr(self, name),
+                        hint="lower min_points or widen the window")
 
 
 def reference_range(first_step: int, cfg: ThroughputConfig | None = None) -> tuple[int, int]:

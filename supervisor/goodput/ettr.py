@@ -51,6 +51,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
+from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.supervisor.detect._stats import median
 from trainwarden.supervisor.enums import NEVER_INTERRUPTING
 
@@ -289,13 +290,14 @@ _GAP = "gap"  # non-step time of a running attempt: checkpoint stall, else other
 
 @dataclass(frozen=True)
 class EttrConfig:
-    ring_steps: int = 512  # newest lineage steps whose cumulative parts are kept
-    max_marks: int = 1024  # checkpoint steps whose cumulative parts are kept (newest)
+    # newest lineage steps whose cumulative parts are kept
+    ring_steps: int = bounded(512, ge=1, hint="try 512")
+    # checkpoint steps whose cumulative parts are kept (newest)
+    max_marks: int = bounded(1024, ge=1, hint="try 1024")
     non_interrupting: frozenset[str] = NON_INTERRUPTING
 
     def __post_init__(self) -> None:
-        if self.ring_steps < 1 or self.max_marks < 1:
-            raise ValueError("EttrConfig.ring_steps and max_marks must be >= 1 (try 512, 1024)")
+        check(self)
 
 
 @dataclass

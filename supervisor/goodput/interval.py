@@ -30,9 +30,10 @@ and the advice says why, with the ETTR the saves alone cost at the current inter
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from trainwarden.agent.core.bounds import bound, bounded, check
 from trainwarden.supervisor.cli.tables import duration
 
 # Where the failure rate comes from: the run's own failures, the prior, or neither.
@@ -79,28 +80,18 @@ class IntervalInputs:
     training-again time (detection plus restart) of the run's restarts; ``interval_s``: the
     current mean time between saves (None before two saves)."""
 
-    nodes: int
-    failures: int
-    observed_s: float
-    save_stall_s: float
-    restart_s: float
-    interval_s: float | None = None
-    prior_per_node_day: float | None = None
-    min_failures: int = 1
+    nodes: int = field(metadata=bound(ge=1))
+    failures: int = field(metadata=bound(ge=0))
+    observed_s: float = field(metadata=bound(ge=0, finite=True))
+    save_stall_s: float = field(metadata=bound(ge=0, finite=True))
+    restart_s: float = field(metadata=bound(ge=0, finite=True))
+    interval_s: float | None = bounded(None, gt=0)
+    prior_per_node_day: float | None = bounded(
+        None, gt=0, hint=f"or unset; e.g. {META_RSC_PER_NODE_DAY:g}")
+    min_failures: int = bounded(1, ge=1)
 
     def __post_init__(self) -> None:
-        for name in ("observed_s", "save_stall_s", "restart_s"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"IntervalInputs.{name} must be finite and >= 0, got {v}")
-        if self.nodes < 1 or self.failures < 0 or self.min_failures < 1:
-            raise ValueError("IntervalInputs: nodes and min_failures must be >= 1, failures "
-                             ">= 0")
-        if self.interval_s is not None and not self.interval_s > 0:
-            raise ValueError(f"IntervalInputs.interval_s must be > 0, got {self.interval_s}")
-        if self.prior_per_node_day is not None and not self.prior_per_node_day > 0:
-            raise ValueError("IntervalInputs.prior_per_node_day must be > 0 (or None), e.g. "
-                             f"{META_RSC_PER_NODE_DAY:g}")
+        check(self)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from trainwarden.supervisor.detect._stats import median, require
+from trainwarden.agent.core.bounds import bounded, check
+from trainwarden.supervisor.detect._stats import median
 
 
 @dataclass(frozen=True)
@@ -184,17 +185,17 @@ def diagnose_mfu(mfu: float | None, ranks: Sequence[RankPhases], *,
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    data_share: float = 0.10  # median data wait above this share of the step: a cause
-    small_compute_s: float = 0.05  # a step's compute shorter than this: fixed costs dominate
-    comm_share: float = 0.25  # median comm share above this (with real compute): a cause
-    straggler_share: float = 0.10  # slowest - median pre-collective, as a share of the step
+    # median data wait above this share of the step: a cause
+    data_share: float = bounded(0.10, gt=0, lt=1)
+    # a step's compute shorter than this: fixed costs dominate
+    small_compute_s: float = bounded(0.05, gt=0)
+    # median comm share above this (with real compute): a cause
+    comm_share: float = bounded(0.25, gt=0, lt=1)
+    # slowest - median pre-collective, as a share of the step
+    straggler_share: float = bounded(0.10, gt=0, lt=1)
 
     def __post_init__(self) -> None:
-        for name in ("data_share", "comm_share", "straggler_share"):
-            v = getattr(self, name)
-            require(0 < v < 1, f"ScalingConfig.{name} must be in (0, 1), got {v}")
-        require(self.small_compute_s > 0,
-                f"ScalingConfig.small_compute_s must be > 0, got {self.small_compute_s}")
+        check(self)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from trainwarden.agent.core.bounds import bound, bounded, check, cross_check
 from trainwarden.supervisor.goodput.ettr import (
     Breakdown,
     CheckpointSaved,
@@ -45,23 +46,23 @@ class FaultKind:
 
 @dataclass(frozen=True)
 class SimConfig:
-    mtbf_s: float  # of the whole job; math.inf: no faults
-    days: float
-    step_s: float
-    interval_s: float
-    stall_s: float
+    mtbf_s: float = field(metadata=bound(gt=0))  # of the whole job; math.inf: no faults
+    days: float = field(metadata=bound(gt=0))
+    step_s: float = field(metadata=bound(gt=0))
+    interval_s: float = field(metadata=bound(gt=0))
+    stall_s: float = field(metadata=bound(ge=0))
     kinds: tuple[FaultKind, ...]
     startup_s: float = 0.0
     seed: int = 0
-    write_s: float = 0.0  # an asynchronous save's background write (0: a synchronous save)
+    # an asynchronous save's background write (0: a synchronous save)
+    write_s: float = bounded(0.0, ge=0)
 
     def __post_init__(self) -> None:
-        if not self.mtbf_s > 0 or not self.days > 0 or not self.step_s > 0:
-            raise ValueError("SimConfig: mtbf_s, days and step_s must be > 0")
-        if not self.interval_s > 0 or self.stall_s < 0 or self.write_s < 0:
-            raise ValueError("SimConfig: interval_s must be > 0, stall_s and write_s >= 0")
-        if not self.kinds or abs(sum(k.share for k in self.kinds) - 1.0) > 1e-6:
-            raise ValueError("SimConfig.kinds: the shares must add up to 1")
+        check(self)
+        shares = sum(k.share for k in self.kinds)
+        cross_check(bool(self.kinds) and abs(shares - 1.0) <= 1e-6, self, "kinds",
+                    "fault kinds whose shares add up to 1", got=round(shares, 6),
+                    hint="scale the shares")
 
     @property
     def restart_overhead_s(self) -> float:

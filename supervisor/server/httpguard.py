@@ -26,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from trainwarden.agent.core.bounds import bounded, check
 
 log = logging.getLogger("trainwarden.supervisor")
 
@@ -35,16 +37,17 @@ log = logging.getLogger("trainwarden.supervisor")
 class HttpConfig:
     """Slow and idle clients (the settings' ``http`` section)."""
 
-    header_timeout_s: float = 10.0  # a request's headers complete within this (else 408)
-    body_timeout_s: float = 30.0  # its body within this of the headers (else 408)
-    keep_alive_s: int = 5  # an idle keep-alive connection is closed after this
-    max_connections: int = 2048  # past this many open connections requests get 503
+    SECTION: ClassVar[str] = "http"
+
+    # a request's headers complete within this (else 408)
+    header_timeout_s: float = bounded(10.0, gt=0)
+    body_timeout_s: float = bounded(30.0, gt=0)  # its body within this of the headers (else 408)
+    keep_alive_s: int = bounded(5, ge=1)  # an idle keep-alive connection is closed after this
+    # past this many open connections requests get 503
+    max_connections: int = bounded(2048, ge=1)
 
     def __post_init__(self) -> None:
-        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
-            raise ValueError("http.header_timeout_s and http.body_timeout_s must be > 0 seconds")
-        if self.keep_alive_s < 1 or self.max_connections < 1:
-            raise ValueError("http.keep_alive_s and http.max_connections must be >= 1")
+        check(self)
 
 _408_BODY = b"request not received in time\n"
 _408 = (b"HTTP/1.1 408 Request Timeout\r\n"

@@ -85,6 +85,13 @@ def test_config_rules_name_the_fix(tmp_path: Path) -> None:
     for bad in (" ", "-x", "a b", "a/b"):
         with pytest.raises(ValueError, match="--run"):
             AgentConfig(supervisor_url="http://s", run=bad, command=["x"], state_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"^AgentConfig\.stop_grace_s must be >= 0 \(got -1\)$"):
+        AgentConfig(supervisor_url="http://s", run="r", command=["x"], state_dir=tmp_path,
+                    stop_grace_s=-1)
+    with pytest.raises(ValueError, match=r"^AgentConfig\.tick_interval_s must be <= "
+                                         r"batch_interval_s = 1 \(got 2\)$"):
+        AgentConfig(supervisor_url="http://s", run="r", command=["x"], state_dir=tmp_path,
+                    tick_interval_s=2)
 
 
 def test_config_socket_path_fits_and_nproc(tmp_path: Path) -> None:

@@ -4,16 +4,23 @@ cross-field rules; and the generated reference covering every field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from trainwarden.agent.core.bounds import BOUND_KEY, Bound
 from trainwarden.supervisor.cli import main as cli
 from trainwarden.supervisor.cli.settings_reference import markdown, rows
 from trainwarden.supervisor.config import (
     LEGACY_NAMES,
+    Setting,
     SupervisorSettings,
     flag_values,
     hash_token,
@@ -167,19 +174,72 @@ def test_precedence_flags_then_env_then_file(tmp_path: Path,
 
 
 @pytest.mark.parametrize("kw, needle", [
-    ({}, "no token configured"),
+    ({}, r"auth\.agent_token must be set \(no token is configured\)"),
     ({**TOKENS, "restart": {"backoff_s": 10, "backoff_max_s": 5}}, "raise the maximum"),
     ({"auth": {"agent_token": "same", "operator_token": "same"}}, "the same"),
     ({"auth": {"insecure_no_auth": True}, "server": {"host": "0.0.0.0"}}, "loopback"),
     ({"auth": {"insecure_no_auth": True, "agent_token": "a"}}, "drop --insecure-no-auth"),
     ({**TOKENS, "server": {"port": 70000}}, "server.port"),
-    ({**TOKENS, "rollback": {"lr_scale": 2.0}}, "rollback_lr_scale"),
-    ({**TOKENS, "hang": {"floor_s": 0}}, "HangConfig.floor_s"),
+    ({**TOKENS, "rollback": {"lr_scale": 2.0}}, r"rollback\.lr_scale must be in \(0, 1\]"),
+    ({**TOKENS, "hang": {"floor_s": 0}}, r"hang\.floor_s must be > 0 \(got 0"),
     ({**TOKENS, "straggler": {"hold_steps": 5}}, "hold_steps"),
 ])
 def test_bad_settings_name_the_fix(kw: dict[str, object], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         SupervisorSettings(**kw)
+
+
+def _bound(s: Setting) -> Bound | None:
+    """The bound the component declares on a setting's field (None: no bound)."""
+    field = {f.name: f for f in dataclasses.fields(s.owner)}[s.owner_field]
+    return field.metadata.get(BOUND_KEY)
+
+
+def _outside(b: Bound, tp: type) -> object:
+    """A value of type ``tp`` just outside ``b``."""
+    if b.finite:
+        return math.inf
+    if b.ge is not None:
+        return tp(b.ge - 1)
+    if b.gt is not None:
+        return tp(b.gt)
+    if b.le is not None:
+        return tp(b.le + 1)
+    assert b.lt is not None
+    return tp(b.lt)
+
+
+BOUNDED = [(s, b) for s in settings_fields() if (b := _bound(s)) is not None and b.one_of is None]
+
+
+def test_every_section_has_bounded_fields() -> None:
+    sections = {s.section for s, _ in BOUNDED}
+    assert sections >= {"server", "http", "ingest", "evaluator", "lease", "retention", "hang",
+                        "node_lost", "disk", "straggler", "loss", "throughput", "overload",
+                        "restart", "rollback"}
+
+
+@pytest.mark.parametrize("s, b", BOUNDED, ids=[f"{s.section}.{s.name}" for s, _ in BOUNDED])
+def test_a_bad_value_names_section_and_field(s: Setting, b: Bound,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Every bounded field of every section, set out of bounds as a value and as a flag: one
+    message, ``<section>.<field> must be <bound> (got <value>)``, and a plain exit."""
+    bad = _outside(b, s.type)
+    text = f"{s.section}.{s.name} must be {b.describe()} (got "
+    with pytest.raises(ValueError, match=re.escape(text)):
+        SupervisorSettings(**TOKENS, **{s.section: {s.name: bad}})
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["supervisor", "--insecure-no-auth", s.flag, str(bad)])
+    assert str(exit_.value.code).startswith(f"trainwarden: bad settings: {text}")
+
+
+def test_a_bad_flag_exits_with_the_message_and_no_traceback(repo_root: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINWARDEN_")}
+    r = subprocess.run([sys.executable, "-m", "trainwarden.supervisor.cli", "supervisor",
+                        "--insecure-no-auth", "--hang-k", "-1"],
+                       cwd=repo_root, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr == "trainwarden: bad settings: hang.k must be > 0 (got -1.0); try 8\n"
 
 
 def test_bad_config_file(tmp_path: Path) -> None:

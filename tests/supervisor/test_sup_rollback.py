@@ -93,9 +93,11 @@ def test_default_nan_after_a_climb_skips_from_where_the_climb_started() -> None:
 
 
 def test_rollback_settings_are_validated_with_the_fix_named() -> None:
-    with pytest.raises(ValueError, match="rollback_skip_batches must be >= 1, or unset"):
+    with pytest.raises(ValueError,
+                       match=r"^rollback\.skip_batches must be >= 1 \(got 0\); or leave it unset"):
         policy.PolicyConfig(rollback_skip_batches=0)
-    with pytest.raises(ValueError, match="rollback_lr_ratio must be >= 0"):
+    with pytest.raises(ValueError,
+                       match=r"^rollback\.lr_ratio must be >= 0 \(got -1\); 0: no LR reduction$"):
         policy.PolicyConfig(rollback_lr_ratio=-1)
 
 

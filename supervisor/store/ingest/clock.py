@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from sqlalchemy import (
     Connection,
@@ -13,6 +14,7 @@ from sqlalchemy import (
     update,
 )
 
+from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.supervisor.enums import SupervisorEvent
 from trainwarden.supervisor.store.tables import (
     events,
@@ -21,22 +23,20 @@ from trainwarden.supervisor.store.tables import (
 
 @dataclass(frozen=True)
 class IngestConfig:
+    SECTION: ClassVar[str] = "ingest"
+
     # An agent timestamp (t of a step, event, checkpoint, exit, heartbeat; a batch's sent_at)
     # more than this many seconds ahead of the supervisor's clock is replaced by the receive
     # time (and counted in a clock_skew event).  1 day: a clock an hour or a time zone off
     # (up to 14 h) still passes, a clock years ahead does not
-    clock_ahead_s: float = 86_400.0
+    clock_ahead_s: float = bounded(86_400.0, gt=0, finite=True)
     # An agent timestamp more than this many seconds behind the supervisor's clock is
     # replaced the same way.  30 days: an agent cut off for weeks replays its spool with the
     # true times; a clock at 1970 (no RTC, no NTP) is caught
-    clock_behind_s: float = 30 * 86_400.0
+    clock_behind_s: float = bounded(30 * 86_400.0, gt=0, finite=True)
 
     def __post_init__(self) -> None:
-        for name in ("clock_ahead_s", "clock_behind_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"ingest.{name} must be a positive number of seconds "
-                                 f"(got {v})")
+        check(self)
 
 
 

@@ -188,8 +188,9 @@ def test_supervisor_downtime_does_not_count_as_a_stall() -> None:
 
 
 def test_config_is_validated_with_the_fix_named() -> None:
-    with pytest.raises(ValueError, match="floor_s must be > 0"):
+    with pytest.raises(ValueError, match=r"hang\.floor_s must be > 0 \(got 0\)"):
         HangConfig(floor_s=0)
-    with pytest.raises(ValueError, match="quantile"):
+    with pytest.raises(ValueError, match=r"hang\.quantile must be in \[0\.5, 1\] \(got 2\.0\); try"
+                       r" 0\.99"):
         HangConfig(quantile=2.0)
     assert HangConfig(floor_s=2.0, startup_s=3.0, warmup_s=2.0, checkpoint_s=2.0).floor_s == 2.0

@@ -166,7 +166,8 @@ def test_on_sqlite_the_lease_is_trivially_held(db: Database) -> None:
 
 
 def test_lease_config_needs_the_duration_above_two_renewals() -> None:
-    with pytest.raises(ValueError, match=r"at least twice lease\.renew_s"):
+    with pytest.raises(ValueError,
+                       match=r"^lease\.duration_s must be >= 2 x renew_s = 2 \(got 1\.5\); so"):
         LeaseConfig(duration_s=1.5, renew_s=1.0)
 
 

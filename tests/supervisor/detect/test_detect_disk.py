@@ -25,7 +25,8 @@ def test_a_node_going_low_is_found_once_and_recovers_past_the_hysteresis() -> No
 
 def test_unknown_totals_are_passed_over_and_bad_configs_refused() -> None:
     assert detect_disk({"n0": (0, 0)}, set()) == []
-    with pytest.raises(ValueError, match="low_ratio"):
+    with pytest.raises(ValueError, match=r"disk\.low_ratio must be in \(0, 1\) \(got 1\.5\)"):
         DiskConfig(low_ratio=1.5)
-    with pytest.raises(ValueError, match="hysteresis"):
+    with pytest.raises(ValueError, match=r"disk\.hysteresis must be < 1 - low_ratio = 0\.5 \(got"
+                       r" 0\.6\)"):
         DiskConfig(low_ratio=0.5, hysteresis=0.6)

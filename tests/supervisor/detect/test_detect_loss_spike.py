@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -268,11 +269,13 @@ def test_none_loss_is_missing_not_nonfinite() -> None:
 
 
 def test_config_is_validated_with_the_fix_named() -> None:
-    with pytest.raises(ValueError, match="min_history must be in"):
+    with pytest.raises(ValueError, match=re.escape(
+            "loss.min_history must be <= window_steps = 10 (got 20)")):
         LossSpikeConfig(window_steps=10, min_history=20)
-    with pytest.raises(ValueError, match="z must be > 0"):
+    with pytest.raises(ValueError, match=re.escape("loss.z must be > 0 (got 0); try 6")):
         LossSpikeConfig(z=0)
-    with pytest.raises(ValueError, match="recovery_window_steps must be >= sustain_steps"):
+    with pytest.raises(ValueError, match=re.escape(
+            "loss.recovery_window_steps must be >= sustain_steps = 10 (got 5); a spike cannot")):
         LossSpikeConfig(recovery_window_steps=5)
     assert LossSpikeConfig(sustain_steps=3, transient_min_steps=2).lookback_steps > 0
 

@@ -24,7 +24,7 @@ def test_deadline_is_configurable() -> None:
     beats = {"a": NOW - 3.0, "b": NOW - 1.0}
     assert [f.node for f in detect_lost_nodes(beats, NOW, NodeLostConfig(deadline_s=2.0))] == ["a"]
     assert detect_lost_nodes(beats, NOW) == []
-    with pytest.raises(ValueError, match="deadline_s must be > 0"):
+    with pytest.raises(ValueError, match=r"node_lost\.deadline_s must be > 0 \(got 0\); try 30"):
         NodeLostConfig(deadline_s=0)
 
 

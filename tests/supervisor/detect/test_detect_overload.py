@@ -35,7 +35,7 @@ def test_lateness_of_too_few_batches_is_not_judged() -> None:
 
 
 def test_a_bad_setting_names_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"lateness_s must be > 0 seconds.*try 3"):
+    with pytest.raises(ValueError, match=r"overload\.lateness_s must be > 0 \(got 0\); try 3"):
         OverloadConfig(lateness_s=0)
 
 

@@ -146,9 +146,11 @@ def test_table_from_store_rows() -> None:
 
 
 def test_config_is_validated_with_the_fix_named() -> None:
-    with pytest.raises(ValueError, match="threshold must be in"):
+    with pytest.raises(ValueError,
+                       match=r"straggler\.threshold must be in \(0, 1\) \(got 1\.5\); try 0\.75"):
         StragglerConfig(threshold=1.5)
-    with pytest.raises(ValueError, match="min_steps"):
+    with pytest.raises(ValueError,
+                       match=r"straggler\.min_steps must be <= window_steps = 10 \(got 20\)"):
         StragglerConfig(window_steps=10, min_steps=20)
 
 

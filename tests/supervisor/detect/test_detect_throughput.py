@@ -84,7 +84,8 @@ def test_reference_from_the_points_themselves() -> None:
 
 
 def test_config_is_validated_with_the_fix_named() -> None:
-    with pytest.raises(ValueError, match="drop must be in"):
+    with pytest.raises(ValueError, match=r"throughput\.drop must be in \(0, 1\) \(got 30\)"):
         ThroughputConfig(drop=30)
-    with pytest.raises(ValueError, match="min_points"):
+    with pytest.raises(ValueError,
+                       match=r"throughput\.window_steps must be >= min_points = 20 \(got 5\)"):
         ThroughputConfig(window_steps=5)

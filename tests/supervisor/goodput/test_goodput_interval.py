@@ -112,5 +112,5 @@ def test_published_rates() -> None:
 def test_bad_inputs_name_the_field(field: str, value: float) -> None:
     kw = {"nodes": 1, "failures": 0, "observed_s": 1.0, "save_stall_s": 1.0,
           "restart_s": 1.0, field: value}
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^IntervalInputs\.{field} must be "):
         IntervalInputs(**kw)  # type: ignore[arg-type]

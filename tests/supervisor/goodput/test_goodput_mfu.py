@@ -111,5 +111,6 @@ def test_missing_phase_times_are_unknown_not_against() -> None:
 
 
 def test_scaling_config_validates() -> None:
-    with pytest.raises(ValueError, match="comm_share"):
+    with pytest.raises(ValueError,
+                       match=r"^ScalingConfig\.comm_share must be in \(0, 1\) \(got 1\.5\)$"):
         ScalingConfig(comm_share=1.5)

@@ -61,7 +61,8 @@ def test_deterministic_for_a_seed() -> None:
 
 
 def test_shares_must_add_up() -> None:
-    with pytest.raises(ValueError, match="shares"):
+    with pytest.raises(ValueError, match=r"^SimConfig\.kinds must be fault kinds whose shares "
+                                         r"add up to 1 \(got 0\.5\)"):
         SimConfig(mtbf_s=1.0, days=1, step_s=1.0, interval_s=1.0, stall_s=0.0,
                   kinds=(FaultKind("crash", 0.5, 1.0, 1.0),))
 
