@@ -19,10 +19,14 @@ failure summary.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import re
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -34,6 +38,8 @@ from typing import IO, Any
 import psutil
 
 from trainwarden.agent import protocol
+from trainwarden.agent.core import rootcause
+from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.statefile import load_json, save_json
 
 log = logging.getLogger(__name__)
@@ -45,6 +51,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 # How much of torchrun's output is kept for parsing the failure summary at exit.
 _TAIL_BYTES = 256 * 1024
+# How much of this attempt's stderr is read for the workers' tracebacks, and the most of an
+# error file read.
+_STDERR_TAIL_BYTES = 512 * 1024
+_ERROR_FILE_MAX_BYTES = 1024 * 1024
 # A process that survives SIGKILL this long is stuck in the kernel (D state): give up waiting.
 _KILL_VERIFY_S = 10.0
 
@@ -118,6 +128,61 @@ def parse_failure_summary(text: str) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------
+# The root cause of each failed rank (``trainwarden.agent.core.rootcause``)
+
+# torchrun's error files: <log dir>/<run id>/attempt_<n>/<local rank>/error.json.  A path read
+# from the summary is only followed when it has this shape (the summary is in the same stream
+# the workers write to).
+_ERROR_FILE_RE = re.compile(r"/attempt_\d+/\d+/error\.json$")
+
+
+def read_error_file(path: str) -> rootcause.RootCause | None:
+    """The root cause in torchrun's error file at ``path`` (None when it is not one)."""
+    if not (os.path.isabs(path) and _ERROR_FILE_RE.search(path)):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _ERROR_FILE_MAX_BYTES:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = json.loads(f.read(_ERROR_FILE_MAX_BYTES).decode(errors="replace"))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return rootcause.from_error_file(data)
+
+
+def attach_root_causes(failed: list[dict[str, Any]], output: str, stderr: str) -> None:
+    """Give each failed rank its ``root_cause`` (``RootCause.as_dict``, cleaned), from
+    torchrun's error file, else its failure summary, else the node's stderr; its
+    ``message`` becomes the exception line ("To enable traceback see ..." says nothing)."""
+    details = rootcause.summary_details(output)
+    coded = [f for f in failed if isinstance(f.get("exit_code"), int) and f["exit_code"] > 0]
+    for f in failed:
+        rank = f.get("rank")
+        if not isinstance(rank, int):
+            continue
+        d = details.get(rank, {})
+        rc = read_error_file(d["error_file"]) if "error_file" in d else None
+        if rc is None and "traceback" in d:
+            rc = rootcause.from_summary(d["traceback"])
+        if rc is None and stderr:
+            rc = rootcause.from_stderr(stderr, rank=rank,
+                                       sole_failure=len(coded) == 1 and f is coded[0])
+        if rc is None:
+            continue
+        rc = dataclasses.replace(rc, rank=rank, host=d.get("host") or socket.gethostname())
+        f["root_cause"] = untrusted.clean_json(rc.as_dict())
+        f["message"] = untrusted.clean(
+            f"{rc.exc_type}: {rc.message}" if rc.message else rc.exc_type)
+
+
+# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -164,6 +229,7 @@ class Launcher:
         self.proc: subprocess.Popen[bytes] | None = None
         self.attempt = 0
         self._outputs: list[tuple[Path, int, IO[bytes]]] = []  # path, offset, echo stream
+        self._stderr_start: tuple[Path, int] | None = None  # this attempt's part of the log
         self._tail = bytearray()
         self._exit: ExitInfo | None = None
         self._stop_started: float | None = None
@@ -264,6 +330,7 @@ class Launcher:
                 stderr=err,
                 start_new_session=True,  # its own group: the agent's terminal signals skip it
             )
+        self._stderr_start = (err_path, offsets[1])
         self._outputs = [
             (out_path, offsets[0], sys.stdout.buffer),
             (err_path, offsets[1], sys.stderr.buffer),
@@ -326,7 +393,9 @@ class Launcher:
         if rc is None:
             return None
         self.pump_output()  # the summary is the last thing torchrun wrote
-        failed = parse_failure_summary(self._tail.decode(errors="replace"))
+        tail = self._tail.decode(errors="replace")
+        failed = parse_failure_summary(tail)
+        attach_root_causes(failed, tail, self._attempt_stderr())
         self._exit = ExitInfo(
             t=self._clock(),
             attempt=self.attempt,
@@ -338,6 +407,19 @@ class Launcher:
         log.info("torchrun attempt %d exited: code=%s signal=%s failed=%s", self.attempt,
                  self._exit.exit_code, self._exit.signal, failed)
         return self._exit
+
+    def _attempt_stderr(self) -> str:
+        """The end of what this attempt's torchrun and workers wrote to stderr."""
+        if self._stderr_start is None:
+            return ""
+        path, start = self._stderr_start
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(start, size - _STDERR_TAIL_BYTES))
+                return f.read(_STDERR_TAIL_BYTES).decode(errors="replace")
+        except OSError:
+            return ""
 
     # -- evidence ----------------------------------------------------------------------------
 

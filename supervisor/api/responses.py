@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.supervisor.enums import ActionStatus, IncidentStatus, RunStatus
 
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
@@ -429,6 +430,14 @@ class IncidentRecord(_Answer):
     opened_at: float
     updated_at: float | None
     resolved_at: float | None
+    failure_class: FailureClass | None = Field(
+        None, description="a crash's: user_code (an exception raised from the training "
+                          "script's own code), machine (a signal, OOM, NCCL/gloo, a lost "
+                          "node) or unknown; null for other incidents")
+    root_cause: dict[str, Any] | None = Field(
+        None, description="a crash's: the failed rank's exception (exc_type, message), its "
+                          "innermost frame and innermost frame of the user's code (file, "
+                          "line, function), the traceback's last lines, rank, host, source")
 
 
 class IncidentList(_Answer):

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from trainwarden.agent.core import rootcause
 from trainwarden.supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
 from trainwarden.supervisor.api.deps import (
     DB,
@@ -222,7 +223,16 @@ def get_checkpoints(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) 
 @router.get("/runs/{run}/incidents", response_model=None,
             responses=documented(IncidentList))
 def get_incidents(run: RunName, db: DB, _auth: ReadAuth, limit: Limit = 1000) -> dict[str, Any]:
-    return _listing(db, run, "incidents", reads.list_incidents, limit)
+    """Newest first; a crash names its root cause and whose fault it is at the top level."""
+    out = _listing(db, run, "incidents", reads.list_incidents, limit)
+    out["incidents"] = [_with_root_cause(i) for i in out["incidents"]]
+    return out
+
+
+def _with_root_cause(incident: dict[str, Any]) -> dict[str, Any]:
+    cls, rc = rootcause.of_incident(incident.get("details"))
+    return {**incident, "failure_class": cls,
+            "root_cause": None if rc is None else rc.as_dict()}
 
 
 @router.get("/runs/{run}/actions", response_model=None, responses=documented(ActionList))

@@ -185,10 +185,31 @@ def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
 def _incidents(client: httpx.Client, args: argparse.Namespace) -> int:
     incs = _get(client, run_path(args.run, "/incidents"))["incidents"]
     rows = [[i["id"], i["kind"], i["status"], i["attempt"], i.get("step"), i.get("node"),
-             i.get("rank"), _age(i["opened_at"]), _short(i["cause"])] for i in incs]
-    print(table(rows, ["ID", "KIND", "STATUS", "ATTEMPT", "STEP", "NODE", "RANK", "OPENED",
-                       "CAUSE"]))
+             i.get("rank"), i.get("failure_class"), _age(i["opened_at"]), _short(i["cause"])]
+            for i in incs]
+    print(table(rows, ["ID", "KIND", "STATUS", "ATTEMPT", "STEP", "NODE", "RANK", "FAULT",
+                       "OPENED", "CAUSE"]))
+    for i in incs:
+        print(_root_cause_block(i), end="")
     return 0
+
+
+ROOT_CAUSE_LINES = 15  # of a traceback, under the incidents table
+
+
+def _root_cause_block(incident: dict[str, Any]) -> str:
+    """An incident's root cause under the table: its cause whole, whose fault, the end of
+    the traceback (every line printable: the worker wrote it)."""
+    rc = incident.get("root_cause")
+    if not isinstance(rc, dict):
+        return ""
+    fault = {"user_code": "the training script", "machine": "the machine"}.get(
+        str(incident.get("failure_class")), "unknown")
+    out = [f"\nincident {incident['id']}: {printable(incident['cause'])}",
+           f"  fault: {fault}"]
+    tb = str(rc.get("traceback") or "").splitlines()[-ROOT_CAUSE_LINES:]
+    out += [f"  | {printable(ln)}" for ln in tb]
+    return "\n".join(out) + "\n"
 
 
 def _checkpoints(client: httpx.Client, args: argparse.Namespace) -> int:

@@ -13,12 +13,14 @@ clock); loss and grad norm keep NaN/Infinity (a NaN loss is a signal).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_PATTERN
+from trainwarden.agent.core.rootcause import RootCauseSource
 from trainwarden.agent.core.states import CommandKind, ExitOutcome
 from trainwarden.supervisor.contract import checkpoint_paths
 from trainwarden.supervisor.contract.limits import (
@@ -162,6 +164,53 @@ class HeartbeatItem(_Wire):
     gpus: dict[str, Any] | None = None  # absent: not read this time (the last one stands)
 
 
+def _cut_to(max_length: int, *, multiline: bool = True) -> Callable[[str], str]:
+    """Free text from a worker is kept: cleaned and cut to ``max_length``, never refused."""
+    def clean(v: str) -> str:
+        return untrusted.clean(v, max_length, multiline=multiline)
+    return clean
+
+
+_KEPT = "a worker's text: controls shown as escapes, cut with a marker to "
+WorkerName = Annotated[str, AfterValidator(_cut_to(300, multiline=False)),
+                       Field(description=_KEPT + "300 characters")]
+WorkerPath = Annotated[str, AfterValidator(_cut_to(MAX_PATH, multiline=False)),
+                       Field(description=_KEPT + f"{MAX_PATH} characters")]
+WorkerHost = Annotated[str, AfterValidator(_cut_to(255, multiline=False)),
+                       Field(description=_KEPT + "255 characters")]
+WorkerMessage = Annotated[str, AfterValidator(_cut_to(2000)),
+                          Field(description=_KEPT + "2000 characters")]
+WorkerTraceback = Annotated[str, AfterValidator(_cut_to(8000)),
+                            Field(description=_KEPT + "8000 characters")]
+
+
+class RootFrame(_Wire):
+    """A traceback frame: file, line, function."""
+
+    file: WorkerPath
+    line: U31
+    function: WorkerName
+
+
+class RootCause(_Wire):
+    """Why a rank failed, as the agent read it from what the worker left
+    (``trainwarden.agent.core.rootcause.RootCause``)."""
+
+    exc_type: WorkerName
+    message: WorkerMessage = ""
+    frame: RootFrame | None = None  # the innermost frame
+    user_frame: RootFrame | None = None  # the innermost frame of the user's code
+    traceback: WorkerTraceback = ""  # its last lines
+    source: RootCauseSource | None = None
+    rank: U31 | None = None
+    host: WorkerHost | None = None
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _source(cls, v: Any) -> Any:
+        return v if v in set(RootCauseSource) else None  # a newer agent's: not refused
+
+
 class FailedRank(_Wire):
     """One failed worker of an exit, as torchrun's error summary names it (more keys kept)."""
 
@@ -174,6 +223,17 @@ class FailedRank(_Wire):
     # The worker's own last words (parsed from its stderr): kept, their control characters
     # (colour codes, a NUL) as visible escapes.
     message: AgentText | None = None
+    root_cause: RootCause | None = None
+
+    @field_validator("root_cause", mode="wrap")
+    @classmethod
+    def _root_cause(cls, v: Any, handler: Any) -> Any:
+        # Evidence, not a claim: a root cause that does not validate is dropped, and the
+        # exit (the crash) is kept.
+        try:
+            return handler(v)
+        except ValueError:
+            return None
 
     @model_validator(mode="after")
     def _clean_extra(self) -> FailedRank:

@@ -29,6 +29,7 @@ from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
     Actor,
+    IncidentKind,
     RestartCause,
     RunStatus,
     SupervisorEvent,
@@ -67,7 +68,22 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
         restarts_by_cause=by_cause,
         high_step=_high_step(conn, run_id),
         high_at_restarts=tuple(h["high_step"] for h in history),
+        previous_failure=previous_failure(conn, run),
     )
+
+
+def previous_failure(conn: Connection, run: RunRow) -> str | None:
+    """The fingerprint of the user-code failure that ended the run's previous attempt (the
+    policy put it on that attempt's crash incident), or None."""
+    attempt = int(run["attempt"]) - 1
+    if attempt < 0:
+        return None
+    for inc in rec.incidents_of(conn, run_id=int(run["id"]), attempt=attempt,
+                                kinds=[IncidentKind.CRASH]):
+        fp = (inc.get("details") or {}).get("fingerprint")
+        if isinstance(fp, str):
+            return fp
+    return None
 
 
 def _high_step(conn: Connection, run_id: int) -> int | None:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from trainwarden.agent.core import rootcause
 from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.findings import Severity
+from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.agent.core.states import CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
 from trainwarden.supervisor.detect.overload import OverloadConfig
@@ -98,6 +100,12 @@ class PolicyConfig:
     realign_after_s: float = bounded(5.0, ge=0)
     # seconds after that command before an incident opens
     realign_timeout_s: float = bounded(60.0, gt=0)
+    # A run whose workers fail twice in a row on the same error in the training script (same
+    # exception type raised at the same line of the user's code, whatever the step) is stopped
+    # with the traceback on the incident, not restarted until a budget runs out: a
+    # deterministic bug does not go away by itself.  Failures of the machine (signals, OOM,
+    # NCCL/gloo, a lost node) are retried as before.
+    stop_on_repeated_user_error: bool = True
 
     def __post_init__(self) -> None:
         check(self)
@@ -125,6 +133,10 @@ def restart_cause(actor: str | None, cause: str | None) -> str:
     if actor != Actor.POLICY:
         return OPERATOR_CAUSE
     return cause or RestartCause.CRASH
+
+
+# The rule named on a Stop's incident when a user-code failure repeats.
+STOP_REPEATED_USER_ERROR = "repeated_user_error"
 
 
 @dataclass(frozen=True)
@@ -231,6 +243,9 @@ class RecoveryFacts:
     high_step: int | None = None  # the highest step the run has ever reported
     # The run's highest step when each earlier restart was decided, oldest first.
     high_at_restarts: tuple[int | None, ...] = ()
+    # The fingerprint (``rootcause.fingerprint``) of the user-code failure that ended the
+    # run's previous attempt; None when that attempt ended otherwise.
+    previous_failure: str | None = None
 
 
 def budget_of(cause: str, cfg: PolicyConfig) -> int:
@@ -306,9 +321,44 @@ def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | Non
         what = f"ended ({ex.outcome})"
     msg = first.get("message")
     cause = f"worker on {where} {what}" + (f": {msg}" if msg else "")
+    rc = rootcause.from_dict(first.get("root_cause"))
+    if rc is not None:  # the exception and where first: what the person paged reads
+        cause = f"{rootcause.headline(rc, rank=rank, host=rc.host or ex.node)}; " \
+                f"worker on {where} {what}"
     if ex.outcome == ExitOutcome.STOPPED:
         cause = f"worker group on node {ex.node} was stopped outside the supervisor ({what})"
     return cause, rank, code, sig
+
+
+@dataclass(frozen=True)
+class CrashCause:
+    """What an exit's blamed rank left: its root cause, whose fault, and the fingerprint of a
+    failure of the user's code (None for any other)."""
+
+    root_cause: rootcause.RootCause | None
+    failure_class: FailureClass
+    fingerprint: str | None
+
+    def details(self) -> dict[str, Any]:
+        """The incident's details: the traceback tail is in ``root_cause``."""
+        return {"root_cause": None if self.root_cause is None else self.root_cause.as_dict(),
+                "failure_class": str(self.failure_class), "fingerprint": self.fingerprint}
+
+
+def crash_cause(ex: ExitFacts, rank: int | None, code: int | None, sig: int | None
+                ) -> CrashCause:
+    """The root cause of the rank ``describe_exit`` blamed, classified and fingerprinted."""
+    first = next((f for f in ex.failed_ranks if _int_or_none(f.get("rank")) == rank), None)
+    rc = rootcause.from_dict(first.get("root_cause")) if first is not None else None
+    return CrashCause(rc, rootcause.classify(rc, exit_code=code, signal=sig),
+                      rootcause.fingerprint(rc, exit_code=code, signal=sig))
+
+
+def repeated_user_error(cause: CrashCause, recovery: RecoveryFacts | None, cfg: PolicyConfig
+                        ) -> bool:
+    """The rule: the same failure of the user's code ended the previous attempt too."""
+    return (cfg.stop_on_repeated_user_error and cause.fingerprint is not None
+            and recovery is not None and recovery.previous_failure == cause.fingerprint)
 
 
 def _int_or_none(x: Any) -> int | None:
@@ -365,6 +415,14 @@ def on_exit(
         details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
                  "failed_ranks": ex.failed_ranks},
     )
+    if kind == IncidentKind.CRASH:
+        crash = crash_cause(ex, rank, code, sig)
+        incident = replace(incident, details={**incident.details, **crash.details()})
+        if repeated_user_error(crash, recovery, cfg):
+            reason = (f"the same error in the training script ended two attempts in a row "
+                      f"(a bug in the script, not restarted again): {cause}")
+            return Stop(status=RunStatus.FAILED, reason=reason, incident=replace(
+                incident, details={**incident.details, "stop_rule": STOP_REPEATED_USER_ERROR}))
     may, why = budget_left(CAUSE_OF_KIND[kind], run, recovery, cfg)
     if not may:
         return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {cause}",

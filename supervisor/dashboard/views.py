@@ -6,6 +6,8 @@ import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainwarden.agent.core import rootcause
+from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.supervisor.control import detection
 from trainwarden.supervisor.detect.findings import FindingKind
 from trainwarden.supervisor.detect.straggler import StragglerConfig
@@ -67,14 +69,24 @@ def stacks_of(incident: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [(str(k), str(stacks[k])) for k in sorted(stacks, key=key)]
 
 
+def root_cause_of(incident: Mapping[str, Any]) -> dict[str, Any]:
+    """A crash incident's root cause and whose fault it is, for the page (None: not kept)."""
+    cls, rc = rootcause.of_incident(incident.get("details"))
+    fault = {FailureClass.USER_CODE: "the training script", FailureClass.MACHINE: "the machine",
+             FailureClass.UNKNOWN: "unknown"}
+    return {"failure_class": cls, "fault": fault.get(cls) if cls else None,
+            "root_cause": None if rc is None else rc.as_dict(),
+            "stopped_by_rule": (incident.get("details") or {}).get("stop_rule")}
+
+
 def run_tables(conn: Connection, run: RunRow, now: float,
                straggler: StragglerConfig) -> dict[str, Any]:
     """Incidents, actions, checkpoints, nodes and ranks of a run (``straggler``: the
     detector's configuration, which the ranks' scores are computed with)."""
     run_id = run["id"]
-    incidents = [{**inc, "stacks": stacks_of(inc),
+    incidents = [{**inc, "stacks": stacks_of(inc), **root_cause_of(inc),
                   "details_other": {k: v for k, v in (inc["details"] or {}).items()
-                                    if k != "stacks"}}
+                                    if k not in ("stacks", "root_cause")}}
                  for inc in reads.list_incidents(conn, run_id=run_id, limit=LIST_LIMIT)]
     newest = reads.newest_step(conn, run_id=run_id)
     ranks = detection.rank_rows(conn, run_id, newest, straggler)
@@ -83,6 +95,8 @@ def run_tables(conn: Connection, run: RunRow, now: float,
                    for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
     return {
         "incidents": incidents,
+        # The newest failure with a root cause: first on the run's page.
+        "failure": next((i for i in incidents if i["root_cause"] is not None), None),
         # each restart with its anatomy (the same seconds as the API's and the histogram's)
         "actions": efficiency.with_anatomy(
             conn, reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT)),

@@ -293,3 +293,29 @@ def test_api_docs_load_swagger_ui_from_the_supervisor_itself(client: TestClient)
         assert asset in srcs
         assert client.get(asset).status_code == 200, asset
     assert client.get("/redoc").status_code == 404  # FastAPI's CDN page is gone
+
+
+def test_run_page_shows_why_it_failed_first(client: TestClient, clock: FakeClock,
+                                            evaluator: Evaluator) -> None:
+    """The newest crash's root cause, whose fault and its traceback come before the charts;
+    the worker's text escaped."""
+    run = SynthRun(client, "beta").register()
+    run.train(range(10), t0=T0)
+    frame = {"file": "/home/u/train.py", "line": 57, "function": "collate"}
+    run.send(0, [{"type": "exit", "attempt": 0, "t": T0 + 11, "exit_code": 1, "signal": None,
+                  "outcome": "crashed", "failed_ranks": [{
+                      "rank": 1, "exit_code": 1, "message": "KeyError: 'label'",
+                      "root_cause": {"exc_type": "KeyError", "message": "'label'",
+                                     "frame": frame, "user_frame": frame, "rank": 1,
+                                     "host": "node1", "source": "stderr",
+                                     "traceback": "Traceback (most recent call last):\n"
+                                                  "  File \"/home/u/train.py\", line 57, in "
+                                                  "collate\n    x = d['label'] # <b>\n"
+                                                  "KeyError: 'label'"}}]}])
+    clock.now = T0 + 12
+    evaluator.tick()
+    html = client.get("/runs/beta", headers=OPERATOR).text
+    assert 'id="failure"' in html and html.index('id="failure"') < html.index('id="chart-loss"')
+    assert "KeyError: &#39;label&#39; at train.py:57 in collate (rank 1, host node1)" in html
+    assert "the training script" in html
+    assert "x = d[&#39;label&#39;] # &lt;b&gt;" in html and "<b>" not in html

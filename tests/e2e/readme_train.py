@@ -5,7 +5,7 @@ crop (Python ``random``) and additive noise (NumPy) in the dataset.
 
     torchrun --nproc_per_node=2 tests/e2e/readme_train.py --wrap ddp|fsdp --steps N \
         --checkpoint-dir DIR --checkpoint-every SECONDS [--kill-after-checkpoint K] \
-        --summary-json PATH
+        [--key-error-at-step K] --summary-json PATH
 
 Lines added to the README's (none changed but one): what the README leaves to the user
 (``build_model``, ``dataset``, ``loss_fn``, ``args``, ``base_lr``, ``n``, ``n_params`` and
@@ -53,6 +53,7 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--checkpoint-dir", required=True)
 p.add_argument("--checkpoint-every", type=float, default=0.2, metavar="SECONDS")
 p.add_argument("--kill-after-checkpoint", type=int, default=None, metavar="K")
+p.add_argument("--key-error-at-step", type=int, default=None, metavar="K")
 p.add_argument("--summary-json", default=None)
 args = p.parse_args()
 torch.set_num_threads(1)
@@ -148,7 +149,14 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if (_first_checkpoint_seen_at is not None
                 and step_now >= _first_checkpoint_seen_at + args.kill_after_checkpoint):
             os.kill(os.getpid(), signal.SIGKILL)
+    if args.key_error_at_step is not None and info.rank == 1 and step_now == args.key_error_at_step:
+        label_of({"input": out})  # a deterministic bug: every attempt, at the same step
     return torch.nn.functional.mse_loss(out, target)
+
+
+def label_of(sample: dict[str, Any]) -> Any:
+    """A helper with a bug (``--key-error-at-step``): the sample has no "label"."""
+    return sample["label"]
 
 
 # ---- from here to ckpt.close(): the README's lines ------------------------------------------

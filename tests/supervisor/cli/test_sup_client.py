@@ -28,6 +28,11 @@ OPERATOR = {"Authorization": f"Bearer {OPERATOR_TOKEN}"}
 # Retitle the terminal (OSC), clear the screen (CSI), the same with the 8-bit CSI, a bell,
 # a backspace, a newline and a right-to-left override.
 HOSTILE = "\x1b]0;pwned\x07\x1b[2J\x9b31m\x08\n\u202etxt.exe"
+FRAME = {"file": "/home/u/train.py", "line": 57, "function": "collate"}
+ROOT_CAUSE = {"exc_type": "KeyError", "message": "'label'", "frame": FRAME, "user_frame": FRAME,
+              "traceback": 'Traceback (most recent call last):\n  File "/home/u/train.py", '
+                           'line 57, in collate\n    ' + HOSTILE + "\nKeyError: 'label'",
+              "source": "stderr", "rank": 0, "host": "h"}
 RAW = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -60,7 +65,8 @@ def feed(base: str) -> None:
         items.append({"type": "checkpoint", "step": 10, "path": "/ck/step_10",
                       "bytes": 5, "t": time.time(), "lineage": "a0"})
         items.append({"type": "exit", "attempt": 0, "exit_code": 1, "outcome": "crashed",
-                      "failed_ranks": [{"rank": 0, "exit_code": 1, "message": HOSTILE}]})
+                      "failed_ranks": [{"rank": 0, "exit_code": 1, "message": HOSTILE,
+                                        "root_cause": ROOT_CAUSE}]})
         body = json.dumps({"agent_id": a["agent_id"], "seq": 0, "items": items})
         r = c.post("/ingest", content=body,
                    headers={**AGENT, "content-type": "application/json",
@@ -98,3 +104,15 @@ def test_a_list_of_addresses_goes_on_to_the_next_when_one_cannot_be_reached(
     out = capsys.readouterr()
     assert "evil" in out.out
     assert f"cannot reach {dead}" in out.err
+
+
+def test_incidents_print_the_root_cause_and_the_traceback(
+        supervisor: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["incidents", "evil", "--supervisor", supervisor,
+                     "--token", OPERATOR_TOKEN]) == 0
+    out = capsys.readouterr().out
+    assert "user_code" in out.splitlines()[2]  # the FAULT column
+    assert "KeyError: 'label' at train.py:57 in collate (rank 0, host h)" in out
+    assert "fault: the training script" in out
+    assert "  | KeyError: 'label'" in out and '  |   File "/home/u/train.py", line 57' in out
+    assert RAW.findall(out) == []
