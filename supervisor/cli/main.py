@@ -127,8 +127,13 @@ def _cmd_supervisor(args: argparse.Namespace) -> int:
 def _cmd_db(args: argparse.Namespace) -> int:
     settings = _settings(args)
     from trainwarden.supervisor.store import migrate
+    from trainwarden.supervisor.store.db import open_error
 
     url = settings.db.database_url
+    problem = open_error(url)
+    if problem is not None:
+        print(f"trainwarden: {problem}", file=sys.stderr)
+        return 2
     if args.db_cmd == "upgrade":
         migrate.upgrade(url)
         print(f"schema at {migrate.current(url)} (head {migrate.head()})")

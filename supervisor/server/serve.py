@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from trainwarden.supervisor.config import SupervisorSettings
 from trainwarden.supervisor.server import heap
 from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.server.httpguard import guarded_protocol
+from trainwarden.supervisor.store.db import open_error
 
 log = logging.getLogger("trainwarden.supervisor")
 
@@ -56,6 +58,12 @@ def raise_fd_limit(connections: int) -> None:
 
 
 def serve(settings: SupervisorSettings, *, port_file: str | None = None) -> int:
+    """Run until stopped; 0 once served, 1 if the server did not start, 2 when the store
+    cannot be opened (said in one line on stderr)."""
+    problem = open_error(settings.db.database_url)
+    if problem is not None:
+        print(f"trainwarden: {problem}", file=sys.stderr)
+        return 2
     server_cfg = settings.server
     logging.basicConfig(level=server_cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

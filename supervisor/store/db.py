@@ -166,6 +166,51 @@ def make_engine(url: str, *, pool_size: int = 20, echo: bool = False) -> Engine:
     return engine
 
 
+def open_error(url: str) -> str | None:
+    """Why the store at ``url`` cannot be opened, in one line that names the fix (None: it
+    opens).  Checked before the server starts, so a wrong URL, a database that does not exist
+    or a server that is down is said at once instead of as a traceback from the start-up."""
+    try:
+        u = make_url(url)
+    except Exception as e:
+        return f"cannot read the database URL {url!r}: {e}"
+    shown = u.render_as_string(hide_password=True)
+    try:
+        engine = make_engine(url, pool_size=1)
+    except Exception as e:
+        return f"cannot open the database {shown}: {_first_line(e)}"
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except Exception as e:
+        why = _first_line(getattr(e, "orig", None) or e)
+        return f"cannot open the database {shown}: {why}{_fix(u, why)}"
+    finally:
+        engine.dispose()
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    """The driver's own words: its first line, without libpq's "connection to server at ...
+    failed:" preamble (the URL is said already)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if "failed: " in text:
+        text = text.rsplit("failed: ", 1)[1]
+    return " ".join(text.split())
+
+
+def _fix(u: Any, why: str) -> str:
+    if "does not exist" in why and u.database:
+        return (f"; create it (createdb {u.database}, or CREATE DATABASE {u.database}) or "
+                "point --db at one that exists")
+    if "refused" in why.lower() or "could not connect" in why.lower():
+        return (f"; is the database server running at {u.host or 'localhost'}:{u.port or 5432}"
+                "? start it, or point --db at one that is")
+    if "password" in why.lower() or "authentication" in why.lower():
+        return "; check the user and password in --db"
+    return ""
+
+
 # Postgres: a session left idle inside a transaction this long is ended by the server.  No
 # transaction of the supervisor waits between its statements; a replica that is paused (a
 # frozen VM, SIGSTOP) inside one would otherwise hold its row locks, and with them the other
