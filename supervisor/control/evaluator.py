@@ -138,6 +138,10 @@ class Evaluator:
         rep = TickReport()
         started, ended = self._judge_overload(now)
         observed = self._observe_active(now)
+        # What the write transaction reads (an exit, a worker event) may have been stored
+        # while the detectors ran (a new leader's first tick starts the observer process):
+        # what it decides is dated from now, never before what it acts on.
+        now = max(now, self.clock())
         self._failed_this_tick = set()
         with self.db.write() as conn:
             if started or ended is not None:

@@ -294,3 +294,30 @@ def test_budgets_left_and_the_cause_a_restart_counts_under() -> None:
     assert policy.CAUSE_OF_KIND["collective_timeout"] == "hang"
     assert policy.restart_cause("policy", "hang") == "hang"
     assert policy.restart_cause("operator", "crash") == "operator"
+
+
+def test_an_exit_that_arrives_while_the_detectors_run_is_not_dated_before_it(
+    client: TestClient, evaluator: Evaluator, clock: FakeClock
+) -> None:
+    """A tick's decisions are dated no earlier than what they act on: an exit stored while
+    the detectors ran (a new leader's first tick starts the observer process: a second or
+    more) gets an incident and a restart dated after it, not at the tick's start."""
+    a0, _a1 = two_nodes(client)
+    real = evaluator.observer
+    arrived: list[float] = []
+
+    class SlowObserver:
+        def observe(self, db: Database, req: Any, keepalive: Any = None) -> Any:
+            out = real.observe(db, req, keepalive=keepalive)
+            clock.advance(1.0)
+            arrived.append(clock.now)
+            ingest(client, a0, 2, [{**crash(attempt=0, rank=1, code=7), "t": clock.now}])
+            return out
+
+    evaluator.observer = SlowObserver()  # type: ignore[assignment]
+    evaluator.tick()
+    incidents = get(client, "/incidents")["incidents"]
+    assert len(incidents) == 1
+    assert incidents[0]["opened_at"] >= arrived[0]
+    acts = get(client, "/actions")["actions"]
+    assert len(acts) == 1 and acts[0]["created_at"] >= arrived[0]
