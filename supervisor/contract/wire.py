@@ -208,7 +208,8 @@ class RootCause(_Wire):
     @field_validator("source", mode="before")
     @classmethod
     def _source(cls, v: Any) -> Any:
-        return v if v in set(RootCauseSource) else None  # a newer agent's: not refused
+        # A newer agent's source (or any other value) is dropped, not refused.
+        return v if isinstance(v, str) and v in set(RootCauseSource) else None
 
 
 class FailedRank(_Wire):

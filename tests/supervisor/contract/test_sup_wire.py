@@ -192,3 +192,14 @@ def test_the_content_digest_ignores_when_and_how_a_batch_was_sent() -> None:
         {**items[0], "loss": None}]})
     assert one.content_digest() == later.content_digest()
     assert one.content_digest() != other.content_digest()  # a NaN loss is not a missing one
+
+
+@pytest.mark.parametrize("source", [{"a": 1}, ["x"], 3, None, "a-newer-agents-source"])
+def test_a_root_cause_source_the_supervisor_does_not_know_is_dropped_not_a_500(
+        source: Any) -> None:
+    """Whatever an agent puts in a failed rank's root cause ``source`` (a value of a newer
+    agent, or garbage), the exit is kept and only the source is dropped."""
+    from trainwarden.supervisor.contract.wire import RootCause
+
+    rc = RootCause.model_validate({"exc_type": "KeyError", "source": source})
+    assert rc.source is None and rc.exc_type == "KeyError"
