@@ -600,6 +600,10 @@ class FindingFacts:
     rank: int | None = None
     node: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    # When the condition began (unix time), where the detector knows it: a loss spike's first
+    # step's time.  Kept on a spike's or NaN's incident (``details["started_at"]``): the
+    # fault time of a fault the workers trained through, which no exit report dates.
+    started_at: float | None = None
 
 
 def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: frozenset[str],
@@ -619,6 +623,9 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
         return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
                            details=f.details)
     details = {**f.details, "message": f.message}
+    if f.kind in ROLLBACK_KINDS and f.started_at is not None and math.isfinite(f.started_at):
+        # the time of the spike's first step (a lost node's last heartbeat is in its details)
+        details["started_at"] = f.started_at
     incident = IncidentSpec(kind=f.kind, cause=f.message, attempt=f.attempt, node=f.node,
                             rank=f.rank, details=details, step=f.step)
     if f.kind in RESTART_KINDS:
