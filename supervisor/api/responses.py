@@ -87,7 +87,13 @@ class RunSummary(_Answer):
     status: RunStatus
     reason: str
     attempt: int
-    restarts: int
+    restarts: int = Field(description="every time the run's workers were restarted, whatever "
+                                      "the cause: the restart actions decided for it (a "
+                                      "crash's, a hang's, a spike's rollback, an operator's "
+                                      "restart or rollback)")
+    restarts_by_cause: dict[str, int] = Field(
+        description="``restarts`` by cause: crash, hang, node_lost, spike (the automatic "
+                    "ones, each against its budget) and operator")
     step: int | None = Field(description="the newest step of the current attempt")
     step_at: float | None
     throughput: Throughput
@@ -192,7 +198,9 @@ class IntervalMeasured(_Answer):
     checkpoints: int
     saves_timed: int
     intervals: int
-    restarts_timed: int
+    restarts_timed: int = Field(description="the restarts that reached their first step (the "
+                                            "restart cost is their mean)")
+    restarts: int = Field(description="the run's restarts (as on the run)")
     failure_kinds: list[str]
 
 
@@ -568,7 +576,7 @@ class RunState(_Answer):
     run: str
     status: RunStatus
     attempt: int
-    restarts: int
+    restarts: int = Field(description="as on the run")
     version: str
     now: float
 

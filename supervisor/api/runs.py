@@ -57,6 +57,7 @@ def _run_or_404(conn: Connection, name: str) -> RunRow:
 def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
     last = reads.newest_step(conn, run_id=run["id"], attempt=run["attempt"])
     ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+    restarts = efficiency.restart_counts(conn, int(run["id"]))
     return {
         "id": run["id"],
         "name": run["name"],
@@ -64,7 +65,8 @@ def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
         "status": run["status"],
         "reason": run["reason"],
         "attempt": run["attempt"],
-        "restarts": run["restarts"],
+        "restarts": restarts.total,
+        "restarts_by_cause": dict(restarts.by_cause),
         "step": last["step"] if last else None,
         "step_at": last["t_last"] if last else None,
         "throughput": reads.throughput(conn, run_id=run["id"], attempt=run["attempt"]),

@@ -30,7 +30,6 @@ from trainwarden.supervisor.enums import (
     ActionStatus,
     Actor,
     IncidentKind,
-    RestartCause,
     RunStatus,
     SupervisorEvent,
 )
@@ -46,12 +45,8 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
     ``steps``: steps whose batch index the decision may name."""
     run_id = int(run["id"])
     ckpts = [(s, p) for s, _, p in rec.lineage_checkpoints(conn, run_id=run_id)]
-    history = [h for h in rec.restart_history(conn, run_id=run_id)
-               if h["actor"] == Actor.POLICY]
-    by_cause: dict[str, int] = {}
-    for h in history:
-        cause = h["cause"] or RestartCause.CRASH
-        by_cause[cause] = by_cause.get(cause, 0) + 1
+    every = rec.restart_history(conn, run_id=run_id)
+    history = [h for h in every if h["actor"] == Actor.POLICY]
     # A checkpoint's step: its batch in the newest attempt that trained it.  A step the
     # decision names (a spike's start, where it was detected): its batch in the run's
     # current attempt only.  An earlier attempt trained that step on another batch where a
@@ -65,7 +60,7 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
     return policy.RecoveryFacts(
         checkpoints=tuple(ckpts),
         batch_index=batch_index,
-        restarts_by_cause=by_cause,
+        restarts_by_cause=policy.restart_counts(every).automatic,
         high_step=_high_step(conn, run_id),
         high_at_restarts=tuple(h["high_step"] for h in history),
         previous_failure=previous_failure(conn, run),

@@ -532,7 +532,7 @@ class Evaluator:
             facts = policy.FindingFacts(
                 kind=f.kind, severity=f.severity, message=f.message,
                 attempt=obs.attempt, step=f.step, rank=f.rank, node=f.node,
-                details=_jsonable(f.details))
+                details=_jsonable(f.details), started_at=f.started_at)
             self._decide(conn, run, facts, now, rep)
             run = registry.get_run(conn, run_id=run["id"])  # a decision may have moved it
 

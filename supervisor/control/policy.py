@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -135,6 +135,41 @@ def restart_cause(actor: str | None, cause: str | None) -> str:
     return cause or RestartCause.CRASH
 
 
+RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE)
+
+
+@dataclass(frozen=True)
+class RestartCounts:
+    """A run's restarts: every restart action decided for it (each gang-restarts the
+    workers as a new attempt: a crash's or a hang's restart, a spike's rollback, an
+    operator's restart or rollback), by the cause it counts under (``restart_cause``).
+
+    ``total`` is the run's "restarts" wherever it is shown (the runs list of the API, the CLI
+    and the dashboard, the run page); ``by_cause`` is that count split by cause (the
+    ``trainwarden_run_restarts{cause}`` counters); ``automatic`` leaves the operator's out:
+    what the budgets count (``budgets_left``)."""
+
+    by_cause: Mapping[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_cause.values())
+
+    @property
+    def automatic(self) -> dict[str, int]:
+        return {c: n for c, n in self.by_cause.items() if c != OPERATOR_CAUSE}
+
+
+def restart_counts(history: Iterable[Mapping[str, Any]]) -> RestartCounts:
+    """The counts of a run's restart actions (each with its ``actor`` and ``cause``), every
+    cause of ``RESTART_CAUSES`` present (0 when none)."""
+    by_cause: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
+    for a in history:
+        cause = restart_cause(a.get("actor"), a.get("cause"))
+        by_cause[cause] = by_cause.get(cause, 0) + 1
+    return RestartCounts(by_cause=by_cause)
+
+
 # The rule named on a Stop's incident when a user-code failure repeats.
 STOP_REPEATED_USER_ERROR = "repeated_user_error"
 
@@ -145,6 +180,8 @@ class RunFacts:
     name: str
     status: str
     attempt: int
+    # The automatic restarts so far (the run row's counter: the backoff's exponent), not the
+    # run's restarts as shown (``RestartCounts.total``, the operator's included).
     restarts: int
 
 
@@ -563,6 +600,10 @@ class FindingFacts:
     rank: int | None = None
     node: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    # When the condition began (unix time), where the detector knows it: a loss spike's first
+    # step's time.  Kept on a spike's or NaN's incident (``details["started_at"]``): the
+    # fault time of a fault the workers trained through, which no exit report dates.
+    started_at: float | None = None
 
 
 def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: frozenset[str],
@@ -582,6 +623,9 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
         return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
                            details=f.details)
     details = {**f.details, "message": f.message}
+    if f.kind in ROLLBACK_KINDS and f.started_at is not None and math.isfinite(f.started_at):
+        # the time of the spike's first step (a lost node's last heartbeat is in its details)
+        details["started_at"] = f.started_at
     incident = IncidentSpec(kind=f.kind, cause=f.message, attempt=f.attempt, node=f.node,
                             rank=f.rank, details=details, step=f.step)
     if f.kind in RESTART_KINDS:

@@ -21,6 +21,7 @@ from trainwarden.supervisor.api.deps import DB, ClockDep, Principal, ReadAuth, S
 from trainwarden.supervisor.api.responses import RunSeries, RunState, documented
 from trainwarden.supervisor.dashboard import auth, etag, views
 from trainwarden.supervisor.detect.straggler import StragglerConfig
+from trainwarden.supervisor.observability import efficiency
 from trainwarden.supervisor.store import reads, registry
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.rows import RunRow
@@ -249,12 +250,13 @@ def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAu
     with db.read() as conn:
         r = _run_or_404(conn, run)
         fp = reads.run_fingerprint(conn, run_id=r["id"])
+        restarts = efficiency.restart_counts(conn, int(r["id"])).total
     tag = '"' + hashlib.sha256(repr(fp).encode()).hexdigest()[:32] + '"'
     headers = {"ETag": tag, "Cache-Control": "private, no-cache", "Vary": "Authorization, Cookie"}
     if etag.matches(request.headers.get("if-none-match"), tag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=headers)
     body = {"run": run, "status": r["status"], "attempt": r["attempt"],
-            "restarts": r["restarts"], "version": tag.strip('"'), "now": clock()}
+            "restarts": restarts, "version": tag.strip('"'), "now": clock()}
     return JSONResponse(body, headers=headers)
 
 

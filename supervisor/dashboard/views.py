@@ -36,8 +36,13 @@ def run_row(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
         else {"samples_per_s": None, "tokens_per_s": None, "steps_per_s": None, "ranks": None})
     ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
     declared = reads.flops_declaration(conn, run_id=run["id"])
+    restarts = efficiency.restart_counts(conn, int(run["id"]))
     return {
         **run,
+        # the run's restarts as the API and /metrics count them (not the row's counter of
+        # automatic ones), with the causes that are not 0
+        "restarts": restarts.total,
+        "restarts_by_cause": {c: n for c, n in restarts.by_cause.items() if n},
         "step": newest["step"] if newest else None,
         "step_at": newest["t_last"] if newest else None,
         "loss": metrics.mean_loss(newest) if newest else None,

@@ -376,8 +376,10 @@ class LossSpikeTracker:
         """Record the first non-finite step, with the start of the spike open before it (a
         loss that climbed to NaN started going wrong there)."""
         if self._spike is not None:
-            nf = dataclasses.replace(nf, details={**nf.details,
-                                                  "start_step": self._spike.start.step})
+            start = self._spike.start
+            nf = dataclasses.replace(nf, details={**nf.details, "start_step": start.step},
+                                     started_at=start.t if start.t is not None
+                                     else nf.started_at)
         self._nonfinite = nf
 
     def findings(self) -> list[Finding]:

@@ -9,8 +9,10 @@ to exactly one part, so the parts add up to the wall time (to float rounding):
   restart counts once, on the lineage; the copy that was thrown away is lost), of steps an
   older attempt still reported after a newer one was decided, and the time between the last
   completed step and a fault (the step in flight when it hit);
-* ``detection``: non-step time from a fault to its incident (a hang's deadline, a crash's
-  exit reaching the supervisor);
+* ``detection``: the time from a fault to its incident (a hang's deadline, a crash's exit
+  reaching the supervisor, a loss spike's first step to its incident): its non-step time,
+  and the step time of the steps trained between the fault and the incident once a restore
+  throws them away (a spike's rollback);
 * ``restart``: non-step time from a restart decision to the first step of the new attempt
   (stopping the workers, backoff, torchrun, rendezvous, checkpoint load);
 * ``startup``: the same for the run's first launch (from the run's start to its first step);
@@ -27,8 +29,13 @@ to exactly one part, so the parts add up to the wall time (to float rounding):
 
 Priority where causes overlap: time inside a reported step is step time; of the rest,
 detection first (a fault is being detected whatever the phase), then the step in flight at a
-fault (``lost``), then the phase (idle over restart/startup/training gap).  A spike's
-detection time is therefore mostly step time, which the rollback turns into ``lost``.
+fault (``lost``), then the phase (idle over restart/startup/training gap).  A fault the
+workers trained through (a loss spike: its incident comes after the steps that showed it,
+``t_fault`` behind the cursor) is detection from ``t_fault`` to the incident all the same:
+the gaps between those steps move from ``other`` (or ``checkpoint``) to ``detection`` when
+the incident comes, and those steps' time goes to ``detection`` rather than ``lost`` when a
+restore throws them away; steps a restore keeps stay productive (the training was not
+lost).
 
 Incremental: ``EttrAccumulator.feed`` takes one event at a time in time order (sort by
 ``event_time``) and keeps a small state: running totals, a cursor (the time up to which wall
@@ -351,6 +358,10 @@ class EttrAccumulator:
         self._at_cursor = _State(STARTUP, False)
         self._changes: list[tuple[float, _State]] = []  # phase changes after the cursor
         self._windows: list[tuple[float, float, str]] = []  # (from, to, "detection"|"lost")
+        # The lineage's step time (cumulative, [from, to)) trained while a fault went
+        # undetected: detection, not lost, when a restore throws it away.
+        self._undetected: tuple[float, float] | None = None
+        self._ring_t: dict[int, float] = {}  # ring key -> when that step ended
         self._credit = 0.0  # checkpoint stall reported since the last step
         self._totals = dict.fromkeys(PARTS, 0.0)  # non-step parts and lost
         self._steps_lost = 0
@@ -458,24 +469,32 @@ class EttrAccumulator:
             return
         keep = self._cum_at(n)
         gone = self._cum.minus(keep)
-        self._totals["lost"] += max(0.0, gone.time)
+        detected = 0.0
+        if self._undetected is not None:
+            lo, hi = self._undetected
+            detected = max(0.0, min(hi, self._cum.time) - max(lo, keep.time))
+            self._undetected = None
+        self._totals["detection"] += detected
+        self._totals["lost"] += max(0.0, gone.time - detected)
         self._steps_lost += max(0, gone.steps)
         self._cum, self._head = keep, max(n, self._base)
         if n < self._base:
             self._base = self._head = n
-        for table in (self._marks, self._ring):
+        for table in (self._marks, self._ring, self._ring_t):
             for k in [k for k in table if k > n]:
                 del table[k]
 
-    def _append(self, step: int, productive: float, data: float, strag: float) -> None:
+    def _append(self, step: int, productive: float, data: float, strag: float,
+                t: float) -> None:
         if self._head is None:
             self._head = self._base = step
         self._cum = _Cum(self._cum.productive + productive, self._cum.data + data,
                          self._cum.straggler + strag, self._cum.steps + 1)
         self._head = step + 1
         self._ring[self._head] = self._cum.copy()
+        self._ring_t[self._head] = t
         while len(self._ring) > self.config.ring_steps:
-            self._ring.popitem(last=False)
+            self._ring_t.pop(self._ring.popitem(last=False)[0], None)
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -534,8 +553,28 @@ class EttrAccumulator:
         if t_fault > self._cursor and self._state_at(t_fault).label == _GAP:
             # The step in flight when the fault hit never completed.
             self._windows.append((self._cursor, t_fault, "lost"))
+        if t_fault < self._cursor and self._head is not None:
+            self._detected_late(t_fault)
         if e.t_detected > t_fault:
             self._windows.append((t_fault, e.t_detected, "detection"))
+
+    def _detected_late(self, t_fault: float) -> None:
+        """A fault behind the cursor: the steps after it were trained while it went
+        undetected (marked for the next restore) and the non-step time between them, already
+        attributed, is detection."""
+        assert self._head is not None
+        after = [k for k, t in self._ring_t.items() if t > t_fault]
+        # (a fault older than the ring: from the ring's oldest step)
+        first = min(after, default=self._head + 1) - 1
+        lo = self._cum_at(max(first, self._base)).time
+        hi = self._cum.time
+        self._undetected = (lo, hi)
+        gaps = max(0.0, (self._cursor - t_fault) - (hi - lo))
+        for part in ("other", "checkpoint"):
+            moved = min(gaps, self._totals[part])
+            self._totals[part] -= moved
+            self._totals["detection"] += moved
+            gaps -= moved
 
     def _step(self, e: StepDone) -> None:
         if self._attempt is None or e.attempt > self._attempt:
@@ -567,7 +606,7 @@ class EttrAccumulator:
             strag = max(0.0, e.straggler_s) * f if _finite(e.straggler_s) else 0.0
             strag = min(strag, credited)
             data = min(data, credited - strag)
-            self._append(e.step, credited - data - strag, data, strag)
+            self._append(e.step, credited - data - strag, data, strag, e.t)
             self._last_step = e.step
         self._move_cursor(max(e.t, self._cursor))
 

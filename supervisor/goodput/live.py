@@ -14,7 +14,9 @@ What becomes which event:
 * complete checkpoints -> ``CheckpointSaved`` (stall: ``ettr.save_stall_s``, the time the
   save call blocked the training loop as the worker measured it);
 * incidents -> ``Incident`` (fault time: the exit report of the incident's agent and attempt,
-  else the end of that attempt's newest step: when progress stopped);
+  else when the condition began as its detector saw it (``started_at``: a loss spike's first
+  step's time, the workers training on through it), else the end of that attempt's newest
+  step: when progress stopped);
 * restart actions -> ``RestartDecided`` at creation (a rollback's target as the resume step)
   and ``Resumed`` when it resumed;
 * the run's ``PresenceEvent`` rows -> ``AgentsDown`` at an ``agents_down``'s ``since`` (the
@@ -148,6 +150,8 @@ class LiveGoodput:
         for inc in incidents:
             self.incident_id = max(self.incident_id, int(inc["id"]))
             fault = inc.get("exit_t")
+            if fault is None:
+                fault = inc.get("started_at")
             if fault is None:
                 fault = self._last_step_t.get(int(inc["attempt"]))
             events.append(Incident(t_detected=float(inc["opened_at"]), kind=str(inc["kind"]),

@@ -7,12 +7,13 @@ The run trains back-to-back steps of ``step_s``, saves a checkpoint every ``inte
 fault is of one ``FaultKind`` (drawn by ``share``): detected ``detect_s`` after it hits, the
 new attempt's first step beginning ``restart_s`` after the detection.  A crash or a hang
 rolls back to the newest complete checkpoint; a loss spike keeps training until it is
-detected (those steps are thrown away) and rolls back to the newest checkpoint saved before
-it began (the step in flight at the detection still ends, and is lost).  A fault during a
-save loses that save.  With ``write_s`` the save is asynchronous: training stalls ``stall_s``
-(the staging), the checkpoint is written in the background and complete ``write_s`` later (a
-fault before then loses it, the restore takes the one before), and a save that falls due
-while the previous one is still being written waits for it (the wait is stall too).
+detected (those steps are thrown away: their time is the detection's) and rolls back to the
+newest checkpoint saved before it began (the step in flight at the detection still ends, and
+is lost).  A fault during a save loses that save.  With ``write_s`` the save is asynchronous:
+training stalls ``stall_s`` (the staging), the checkpoint is written in the background and
+complete ``write_s`` later (a fault before then loses it, the restore takes the one before),
+and a save that falls due while the previous one is still being written waits for it (the
+wait is stall too).
 Deterministic for a seed.
 """
 

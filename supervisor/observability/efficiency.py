@@ -17,6 +17,7 @@ import statistics
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
+from trainwarden.supervisor.control import policy
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, INTERRUPTING, ActionKind, IncidentKind
 from trainwarden.supervisor.goodput import interval as iv
 from trainwarden.supervisor.goodput.anatomy import Anatomy, anatomy
@@ -31,10 +32,21 @@ from trainwarden.supervisor.goodput.mfu import (
 )
 from trainwarden.supervisor.store import efficiency as eff
 from trainwarden.supervisor.store import reads
+from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.rows import RunRow
 
 MFU_WINDOW_STEPS = 50  # newest steps every rank delivered that the per-rank shares average
+
+
+# ---------------------------------------------------------------------------------------------
+# restart counts
+
+
+def restart_counts(conn: Connection, run_id: int) -> policy.RestartCounts:
+    """The run's restarts (``policy.restart_counts`` over its restart actions): the one count
+    the runs list, the run page, the CLI and ``/metrics`` show."""
+    return policy.restart_counts(rec.restart_history(conn, run_id=run_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +105,9 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     * current interval: the mean time between two consecutive complete checkpoints of the
       same attempt;
     * restart cost: the mean fault-to-first-step time of its restarts (the fault: the exit
-      report behind the incident, else the incident's opening, else the decision).
+      report behind the incident, else the incident's opening, else the decision), over
+      those that reached their first step (``measured.restarts_timed`` of
+      ``measured.restarts``, the run's restarts as ``restart_counts`` counts them).
 
     ``state`` is "ok" when a recommendation was made, else "not_enough_data" with what is
     missing in ``missing``."""
@@ -135,6 +149,7 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     out["missing"] = missing
     out["measured"] = {"checkpoints": len(ckpts), "saves_timed": len(stalls),
                        "intervals": len(gaps), "restarts_timed": len(costs),
+                       "restarts": restart_counts(conn, run_id).total,
                        "failure_kinds": [str(k) for k in IncidentKind if k in INTERRUPTING]}
     return out
 

@@ -11,8 +11,10 @@ per agent (node) six, per GPU four (at most ``GPUS_PER_NODE`` per node), and at 
 whose status changed in the last ``RECENT_S`` seconds, are exported.
 
 Derived values, each computed once, in the pure place the supervisor's decisions use it:
-a restart's ``cause`` is the one the policy recorded on its action (``policy.restart_cause``:
-its budget; "operator" for an operator's action); ``restart_budget_remaining{cause}`` is
+``restarts{cause}`` is ``policy.restart_counts`` (every restart action of the run, its sum
+over the causes the run's "restarts" of the API and the dashboard); a restart's ``cause`` is
+the one the policy recorded on its action (``policy.restart_cause``: its budget; "operator"
+for an operator's action); ``restart_budget_remaining{cause}`` is
 ``policy.budgets_left`` and ``restarts_without_progress`` is
 ``policy.restarts_without_progress``, the numbers the policy stops a run on, and
 ``restarts_without_progress_limit`` the setting it compares them with; the straggler
@@ -59,7 +61,7 @@ from trainwarden.supervisor.store.rows import AgentRow, RunRow
 
 RECENT_S = 24 * 3600.0
 INCIDENT_KINDS = tuple(IncidentKind)
-RESTART_CAUSES = (*policy.BUDGET_CAUSES, policy.OPERATOR_CAUSE)
+RESTART_CAUSES = policy.RESTART_CAUSES
 STRAGGLER_TOP = 16  # rank series exported per run: the lowest scores
 GPUS_PER_NODE = 16  # GPU series exported per node
 INGEST_PATH = "/api/v1/ingest"
@@ -68,19 +70,6 @@ INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # ---------------------------------------------------------------------------------------------
 # derived values (computed by the pure functions named above)
-
-
-def restart_counts(restarts: Sequence[Mapping[str, Any]]
-                   ) -> tuple[dict[str, int], dict[str, int]]:
-    """(every restart by cause, the automatic ones by cause: what the budgets count)."""
-    every: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
-    automatic: dict[str, int] = {}
-    for a in restarts:
-        cause = policy.restart_cause(a.get("actor"), a.get("cause"))
-        every[cause] = every.get(cause, 0) + 1
-        if cause != policy.OPERATOR_CAUSE:
-            automatic[cause] = automatic.get(cause, 0) + 1
-    return every, automatic
 
 
 def phase_buckets(xs: Sequence[float]) -> list[tuple[str, float]]:
@@ -248,10 +237,10 @@ class StoreCollector(Collector):
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))
         history = rec.restart_history(conn, run_id=run_id)
-        every, automatic = restart_counts(history)
-        for cause, n in every.items():
+        restarts = policy.restart_counts(history)
+        for cause, n in restarts.by_cause.items():
             f.restarts.add_metric([name, cause], n)
-        for cause, left in policy.budgets_left(automatic, self.policy_cfg).items():
+        for cause, left in policy.budgets_left(restarts.automatic, self.policy_cfg).items():
             f.budget.add_metric([name, cause], left)
         gp = self.goodput(run_id) if self.goodput is not None else None
         if gp is not None:

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, func, select
 from trainwarden.agent.core.states import CommandStatus
 from trainwarden.agent.protocol import AgentEventName, WorkerEventName
 from trainwarden.supervisor.enums import INTERRUPTING, ActionKind
+from trainwarden.supervisor.store.rows import started_at
 from trainwarden.supervisor.store.tables import (
     actions,
     agents,
@@ -115,18 +116,20 @@ def restart_milestones(conn: Connection, *, run_id: int,
 
 def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
     """Restart action id -> when the fault behind it happened: the exit report of the
-    incident's agent and attempt, else the incident's opening (restarts without an
-    incident, an operator's, are left out)."""
+    incident's agent and attempt, else when the incident's condition began (``started_at``:
+    a loss spike's first step), else the incident's opening (restarts without an incident,
+    an operator's, are left out)."""
     ac, i, ex = actions.c, incidents.c, exits.c
     exit_t = (select(func.min(ex.t))
               .where(ex.run_id == i.run_id, ex.agent_id == i.agent_id, ex.attempt == i.attempt)
               .scalar_subquery())
-    q = (select(ac.id, i.opened_at, exit_t.label("exit_t"))
+    q = (select(ac.id, i.opened_at, i.details, exit_t.label("exit_t"))
          .select_from(actions.join(incidents, incidents.c.id == ac.incident_id))
          .where(ac.run_id == run_id, ac.kind == ActionKind.RESTART))
     out = {}
-    for aid, opened, et in conn.execute(q):
-        t = float(et if et is not None else opened)
+    for aid, opened, details, et in conn.execute(q):
+        began = started_at(details)
+        t = float(et if et is not None else began if began is not None else opened)
         if math.isfinite(t):
             out[int(aid)] = t
     return out

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, Text, case, cast, func, or_, select
 
 from trainwarden.supervisor.enums import ActionKind, PresenceEvent
+from trainwarden.supervisor.store.rows import started_at
 from trainwarden.supervisor.store.tables import (
     actions,
     agents,
@@ -87,15 +88,21 @@ def checkpoints_after(conn: Connection, *, run_id: int, after_id: int) -> list[d
 
 def incidents_after(conn: Connection, *, run_id: int, after_id: int) -> list[dict[str, Any]]:
     """The run's incidents after ``after_id``, each with the time of its agent's exit report
-    of the same attempt (``exit_t``; None when the incident has none)."""
+    of the same attempt (``exit_t``; None when the incident has none) and when its condition
+    began as the detector saw it (``started_at``, ``rows.started_at``; None: not known)."""
     c = incidents.c
     exit_t = (select(func.min(exits.c.t))
               .where(exits.c.run_id == c.run_id, exits.c.agent_id == c.agent_id,
                      exits.c.attempt == c.attempt)
               .scalar_subquery())
-    q = (select(c.id, c.kind, c.attempt, c.opened_at, exit_t.label("exit_t"))
+    q = (select(c.id, c.kind, c.attempt, c.opened_at, c.details, exit_t.label("exit_t"))
          .where(c.run_id == run_id, c.id > after_id).order_by(c.id))
-    return [dict(r._mapping) for r in conn.execute(q)]
+    out = []
+    for r in conn.execute(q):
+        row = dict(r._mapping)
+        row["started_at"] = started_at(row.pop("details"))
+        out.append(row)
+    return out
 
 
 def restart_actions_after(conn: Connection, *, run_id: int, after_id: int,

@@ -127,6 +127,9 @@ class Run(Base):
                                       default=lambda: str(_uuid.uuid4()))
     status: Mapped[str] = mapped_column(String(20), default=RunStatus.RUNNING)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    # The automatic restarts decided so far (the policy's backoff grows with it).  Not the
+    # run's restarts as shown: those are counted from its restart actions
+    # (``policy.restart_counts``), an operator's restart or rollback included.
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     reason: Mapped[str] = mapped_column(Text, default="")  # why the status last changed
     # Checkpoint paths the workers' retention must keep (policy.protected_checkpoints, set

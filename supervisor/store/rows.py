@@ -7,6 +7,7 @@ selects.  Times are unix seconds; JSON columns come back decoded.
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypedDict
 
 from trainwarden.agent.core.states import AgentState, ExitOutcome
@@ -254,3 +255,13 @@ class Throughput(TypedDict):
     samples_per_s: float | None
     tokens_per_s: float | None
     ranks: int | None
+
+
+def started_at(details: Any) -> float | None:
+    """When an incident's condition began, as its detector saw it (``details["started_at"]``,
+    e.g. a loss spike's first step's time): a finite number, else None (not known, or an older
+    supervisor's incident)."""
+    v = details.get("started_at") if isinstance(details, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)

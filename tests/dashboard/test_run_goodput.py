@@ -275,3 +275,40 @@ def test_a_supervisor_that_just_started_calls_no_agent_gone(
     evaluator.observe_from_now()
     evaluator.tick()
     assert "agents_down" not in [n for n, _, _ in _presence(db)]
+
+
+SPIKE_STEP, SPIKE_DT = 120, 0.05  # the spike's first step; one step every 50 ms
+
+
+def test_a_spikes_detection_latency_runs_from_its_first_step_to_the_incident(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """The workers train through a loss spike: its detection latency is the time from the
+    spike's first step (that step's timestamp) to the incident, not 0 (no exit report, and
+    steps went on until the incident), and the same on the run, its goodput feed, the
+    dashboard's series feed and /metrics."""
+    run = SynthRun(client, "spiky").register()
+    t0 = T0 + 5
+    run.train(range(0, SPIKE_STEP + 54), t0=t0, dt=SPIKE_DT, checkpoint_every=20,
+              spike=(SPIKE_STEP, 10**6), clock=clock)
+    t_spike = t0 + SPIKE_STEP * SPIKE_DT
+    clock.now = t_incident = t0 + (SPIKE_STEP + 53) * SPIKE_DT + 0.1  # 2.75 s and 54 steps later
+    evaluator.tick()  # the spike: an incident and a rollback
+    (inc,) = client.get("/api/v1/runs/spiky/incidents", headers=OPERATOR).json()["incidents"]
+    assert inc["kind"] == "loss_spike" and inc["opened_at"] == pytest.approx(t_incident)
+    assert inc["details"]["start_step"] == SPIKE_STEP
+    assert inc["details"]["started_at"] == pytest.approx(t_spike)
+    clock.advance(5.0)
+    evaluator.tick()
+    want = pytest.approx(t_incident - t_spike, abs=1e-6)
+    g = client.get("/api/v1/runs/spiky", headers=OPERATOR).json()["goodput"]
+    assert g["badput_s"]["detection"] == want
+    assert sum(g["badput_s"].values()) + g["productive_s"] == pytest.approx(g["wall_s"])
+    cur = client.get("/api/v1/runs/spiky/goodput", headers=OPERATOR).json()["current"]
+    assert cur["badput_s"]["detection"] == want
+    feed = client.get("/dashboard/api/runs/spiky/series", headers=OPERATOR).json()["goodput"]
+    assert feed["badput_s"]["detection"] == want
+    text = client.get("/metrics", headers=OPERATOR).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    (det,) = [s.value for s in fams["trainwarden_run_badput_seconds"].samples
+              if s.labels["run"] == "spiky" and s.labels["cause"] == "detection"]
+    assert det == want

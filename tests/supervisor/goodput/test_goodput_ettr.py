@@ -64,10 +64,11 @@ def scripted_run() -> list[Event]:
     ev += steps(2, 20, 10, 91.0)                          # restart [74,76]+[86,91]
     ev += [CheckpointSaved(102.0, 30, stall_s=1.0)]
     ev += steps(2, 30, 8, 102.0)                          # steps 30-37 in [102, 110]
-    ev += [Incident(110.5, "loss_spike", t_fault=107.0),  # spike from step 35
+    ev += [Incident(110.5, "loss_spike", t_fault=108.0),  # spike from step 35 (ended 108)
            RestartDecided(110.5, 3)]
     ev += steps(2, 38, 1, 110.0)                          # old workers' step 38, late
-    ev += [Resumed(118.0, 3, 30)]                         # rollback: steps 30-37 lost
+    ev += [Resumed(118.0, 3, 30)]                         # rollback: steps 30-35 lost,
+    #                                                       36-37 trained undetected
     ev += steps(3, 30, 20, 120.0, slow=range(40, 45))     # restart [111, 120]; steps 30-49
     ev += [RunEnded(142.0)]                               # 2 s after the last step
     return ev
@@ -107,9 +108,11 @@ def test_scripted_run_every_part() -> None:
     assert b.startup == pytest.approx(10.0)
     assert b.checkpoint == pytest.approx(2.0 + 1.0 + 1.0)
     assert b.other == pytest.approx(0.5 + 2.0)  # evaluation gap, after the last step
-    # in flight at the crash 0.5, steps 10-14 5, steps 20-22 3, late step 38 1, steps 30-37 8
-    assert b.lost == pytest.approx(0.5 + 5 + 3 + 1 + 8)
-    assert b.detection == pytest.approx(1.0 + 25.0)  # the spike's is step time (lost)
+    # in flight at the crash 0.5, steps 10-14 5, steps 20-22 3, late step 38 1, steps 30-35 6
+    assert b.lost == pytest.approx(0.5 + 5 + 3 + 1 + 6)
+    # the crash's, the hang's, and the spike's: steps 36-37, trained after the spike's first
+    # step until the incident, thrown away by the rollback
+    assert b.detection == pytest.approx(1.0 + 25.0 + 2.0)
     assert b.idle == pytest.approx(10.0)
     assert b.restart == pytest.approx(6.0 + (2.0 + 5.0) + 9.0)
     # 50 lineage steps of 1 s: data 0.25 each, rank 2 0.25 s behind on steps 40-44
@@ -213,7 +216,7 @@ def test_window_of_two_snapshots() -> None:
     late = feed_all(scripted_run()).snapshot(now=142.0)
     w = window(early, late)
     assert w.wall_s == pytest.approx(142.0 - 45.0)
-    assert w.detection == pytest.approx(25.0)
+    assert w.detection == pytest.approx(25.0 + 2.0)  # the hang's, the spike's
     assert sum(w.parts().values()) == pytest.approx(w.wall_s)
 
 
@@ -292,3 +295,21 @@ def test_an_asynchronous_save_moves_its_staging_from_other_to_checkpoint() -> No
     assert b.checkpoint == pytest.approx(0.5)
     assert b.other == pytest.approx(0.0)
     assert sum(b.parts().values()) == pytest.approx(b.wall_s)
+
+
+def test_a_spike_trained_through_is_detection_from_its_first_step_to_the_incident() -> None:
+    """Steps 0-19 (step s ends at s + 1), a checkpoint of 5 steps, a loss spike from step 12
+    (ended at 13) whose incident opens at 20.5 with a rollback to the checkpoint: detection
+    is 20.5 - 13 (steps 13-19 and the gap after them), lost the steps 5-12."""
+    acc = feed_all([*steps(0, 0, 20, 0.0), CheckpointSaved(6.0, 5),
+                    Incident(t_detected=20.5, kind="loss_spike", t_fault=13.0)])
+    b = acc.snapshot(now=20.5)
+    assert b.detection == pytest.approx(0.5)  # the steps are still on the lineage
+    assert b.steps_final == 20
+    acc.feed(RestartDecided(20.5, 1, resume_step=5))
+    b = acc.snapshot(now=21.0)
+    assert b.detection == pytest.approx(20.5 - 13.0)
+    assert b.lost == pytest.approx(8.0)  # steps 5-12
+    assert b.restart == pytest.approx(0.5)
+    assert b.steps_final == 5
+    assert_adds_up(b)
