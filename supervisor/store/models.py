@@ -1,5 +1,5 @@
 """Table definitions (SQLAlchemy 2 declarative).  The schema is owned by Alembic migrations;
-``tests/supervisor/test_migrations.py`` checks that the two agree.
+``tests/supervisor/store/test_sup_migrations.py`` checks that the two agree.
 
 Conventions, and why:
 
