@@ -186,3 +186,35 @@ def test_a_login_form_on_another_site_is_refused(db: Database, tmp_path: Path) -
         finally:
             evil.shutdown()
             evil.server_close()
+
+
+def test_why_it_failed_appears_on_an_open_run_page_without_a_reload(tmp_path: Path) -> None:
+    """The person paged may have the run page open already: a crash with its root cause shows
+    in the "Why it failed" block, above the charts, at the page's next poll."""
+    require_browser()
+    env = {"TRAINWARDEN_HANG_FLOOR_S": "600", "TRAINWARDEN_NODE_LOST_S": "3600"}
+    with supervisor_process(tmp_path, agent_token="agent-secret", operator_token=OPERATOR_TOKEN,
+                            env=env) as sup, sup.client() as client:
+        t0 = time.time() - 60
+        run = SynthRun(client, "live").register()
+        run.train(range(30), t0=t0, checkpoint_every=10, dt=0.5)
+        with browser_page() as page:
+            login(page, sup.base_url, OPERATOR_TOKEN)
+            page.goto(f"{sup.base_url}/runs/live")
+            wait_for_charts(page)
+            assert page.locator("#failure").count() == 0
+            frame = {"file": "/home/u/train.py", "line": 57, "function": "collate"}
+            run.send(0, [{"type": "exit", "attempt": 0, "t": time.time(), "exit_code": 1,
+                          "signal": None, "outcome": "crashed", "failed_ranks": [{
+                              "rank": 1, "exit_code": 1, "message": "KeyError: 'label'",
+                              "root_cause": {"exc_type": "KeyError", "message": "'label'",
+                                             "frame": frame, "user_frame": frame, "rank": 1,
+                                             "host": "node1", "source": "stderr",
+                                             "traceback": "KeyError: 'label'"}}]}])
+            page.wait_for_selector("#failure", timeout=20_000)
+            text = page.locator("#failure").inner_text()
+            assert "KeyError: 'label' at train.py:57 in collate (rank 1, host node1)" in text
+            box, chart = (page.locator(s).bounding_box() for s in ("#failure", "#chart-loss"))
+            assert box is not None and chart is not None and box["y"] < chart["y"]
+            assert page.errors == [], page.errors
+            screenshot(page, "dashboard-why-it-failed")

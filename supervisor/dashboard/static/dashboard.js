@@ -404,6 +404,9 @@
           var open = {};
           document.querySelectorAll("#tables details[open]").forEach(function (d, i) { open[i] = true; });
           $("#tables").innerHTML = res[2].data;
+          // The "Why it failed" block rendered with the tables goes to the top of the page.
+          var fresh = $("#failure-fresh"), slot = $("#failure-slot");
+          if (fresh && slot) slot.innerHTML = fresh.innerHTML;
           document.querySelectorAll("#tables details").forEach(function (d, i) { if (open[i]) d.open = true; });
         }
         root.dataset.loaded = "1";
