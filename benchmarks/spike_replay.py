@@ -20,7 +20,7 @@ if str(REPO) not in sys.path:  # run as a script: the replay helpers live in the
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tests.loss_traces import Outcome, Replay, load_corpus  # noqa: E402
+from tests.loss_traces import Outcome, load_corpus, replay_in_process  # noqa: E402
 from tests.supervisor.sup_helpers import AGENT, OPERATOR, FakeClock, make_settings  # noqa: E402
 from trainwarden.supervisor.detect import LossSpikeConfig  # noqa: E402
 from trainwarden.supervisor.server.app import create_app  # noqa: E402
@@ -37,22 +37,14 @@ def replay(corpus: Path, steps_per_tick: int) -> dict[str, tuple[str, Outcome]]:
     clock = FakeClock()
     app = create_app(make_settings(), db=db, clock=clock, upgrade_schema=False,
                      start_evaluator=False)
-    out: dict[str, tuple[str, Outcome]] = {}
+    corpus_traces = load_corpus(corpus)
     with TestClient(app) as client:
-        evaluator = app.state.evaluator
-        for trace in load_corpus(corpus):
-            r = Replay(trace, run=trace.name, http=client, agent_headers=AGENT,
-                       operator_headers=OPERATOR, clock=clock)
-            while not r.done:
-                clock.advance(0.5)
-                r.feed(steps_per_tick)
-                evaluator.tick()
-                r.look()
-            r.finish()
-            evaluator.tick()
-            out[trace.name] = (trace.label, r.outcome(window))
+        outcomes = replay_in_process(corpus_traces, http=client, evaluator=app.state.evaluator,
+                                     clock=clock, agent_headers=AGENT,
+                                     operator_headers=OPERATOR,
+                                     steps_per_tick=steps_per_tick, window=window)
     db.dispose()
-    return out
+    return {t.name: (t.label, outcomes[t.name]) for t in corpus_traces}
 
 
 def main() -> None:

@@ -282,3 +282,24 @@ class Outcome:
     detected_delay: int | None  # steps from the label's start to where the rule held
     seen_delay: int | None  # ... to the newest step delivered when the incident was seen
     in_time: bool  # detected within the recovery window + 10 steps of the start
+
+
+def replay_in_process(traces: Sequence[Trace], *, http: Any, evaluator: Any, clock: Any,
+                      agent_headers: dict[str, str], operator_headers: dict[str, str],
+                      steps_per_tick: int, window: int) -> dict[str, Outcome]:
+    """Every trace replayed as its own run against one in-process supervisor, the evaluator
+    ticked by hand after each batch of ``steps_per_tick`` steps (half a second apart on
+    ``clock``, a ``FakeClock``); the outcomes by trace name."""
+    out: dict[str, Outcome] = {}
+    for trace in traces:
+        r = Replay(trace, run=trace.name, http=http, agent_headers=agent_headers,
+                   operator_headers=operator_headers, clock=clock)
+        while not r.done:
+            clock.advance(0.5)
+            r.feed(steps_per_tick)
+            evaluator.tick()
+            r.look()
+        r.finish()
+        evaluator.tick()
+        out[trace.name] = r.outcome(window)
+    return out

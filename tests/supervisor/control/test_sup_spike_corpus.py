@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.loss_traces import Outcome, Replay, load_corpus
+from tests.loss_traces import Outcome, load_corpus, replay_in_process
 from tests.supervisor.sup_helpers import AGENT, OPERATOR, FakeClock, make_settings
 from trainwarden.supervisor.detect import LossSpikeConfig
 from trainwarden.supervisor.server.app import create_app
@@ -39,21 +39,12 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Out
     clock = FakeClock()
     app = create_app(make_settings(), db=db, clock=clock, upgrade_schema=False,
                      start_evaluator=False)
-    out: dict[str, Outcome] = {}
     try:
         with TestClient(app) as client:
-            evaluator = app.state.evaluator
-            for trace in CORPUS:
-                replay = Replay(trace, run=trace.name, http=client, agent_headers=AGENT,
-                                operator_headers=OPERATOR, clock=clock)
-                while not replay.done:
-                    clock.advance(0.5)
-                    replay.feed(STEPS_PER_TICK)
-                    evaluator.tick()
-                    replay.look()
-                replay.finish()
-                evaluator.tick()
-                out[trace.name] = replay.outcome(WINDOW)
+            out = replay_in_process(CORPUS, http=client, evaluator=app.state.evaluator,
+                                    clock=clock, agent_headers=AGENT,
+                                    operator_headers=OPERATOR, steps_per_tick=STEPS_PER_TICK,
+                                    window=WINDOW)
         yield out
     finally:
         db.dispose()
