@@ -101,6 +101,23 @@ def _incident(conn: Connection, run_id: int, spec: IncidentSpec | None, now: flo
     )
 
 
+def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
+    """Before a new decision (or the run's end) replaces the run's actions in progress, each
+    is first moved on by the facts already stored: a restart whose attempt has reported steps
+    did resume (its steps and the exit that ends the run can reach the store between two
+    ticks), and only what is still in progress then is superseded, with the commands the
+    agents have not picked up."""
+    for a in rec.actions_in_progress(conn):
+        if a["run_id"] == run_id:
+            advance(conn, action=a, now=now)
+    rec.supersede_commands(conn, run_id=run_id, now=now)
+    for a in rec.actions_in_progress(conn):
+        if a["run_id"] == run_id:
+            rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
+                              updated_at=now,
+                              progress={**a["progress"], ActionStatus.SUPERSEDED: now})
+
+
 def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision,
           now: float) -> int | None:
     """Write what ``decision`` means; returns the action id when one was created."""
@@ -116,26 +133,14 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
                           message=decision.message, details=decision.details)
         return None
     if isinstance(decision, Complete):
+        _supersede_in_progress(conn, run_id, now)
         registry.set_run_status(conn, run_id=run_id, status=RunStatus.COMPLETED, now=now,
                                 reason=decision.reason)
-        rec.resolve_incidents(conn, run_id=run_id, now=now)
-        # A restart that never reached the workers is moot now.
-        rec.supersede_commands(conn, run_id=run_id, now=now)
-        for a in rec.actions_in_progress(conn):
-            if a["run_id"] == run_id:
-                rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
-                                   updated_at=now, progress={**a["progress"],
-                                                             ActionStatus.SUPERSEDED: now})
         return None
     agent_ids = [a["id"] for a in registry.run_agents(conn, run_id=run_id)]
-    incident_id = _incident(conn, run_id, decision.incident, now)
     # A new decision replaces whatever the agents have not picked up yet.
-    rec.supersede_commands(conn, run_id=run_id, now=now)
-    for a in rec.actions_in_progress(conn):
-        if a["run_id"] == run_id:
-            rec.update_action(conn, action_id=a["id"], status=ActionStatus.SUPERSEDED,
-                              updated_at=now,
-                              progress={**a["progress"], ActionStatus.SUPERSEDED: now})
+    _supersede_in_progress(conn, run_id, now)
+    incident_id = _incident(conn, run_id, decision.incident, now)
     if isinstance(decision, Restart):
         action_id = rec.create_action(
             conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.RESTART,

@@ -325,3 +325,27 @@ def test_an_exit_that_arrives_while_the_detectors_run_is_not_dated_before_it(
     assert incidents[0]["opened_at"] >= arrived[0]
     acts = get(client, "/actions")["actions"]
     assert len(acts) == 1 and acts[0]["created_at"] >= arrived[0]
+
+
+def test_a_restart_whose_attempt_trained_and_finished_within_one_tick_is_resumed(
+    client: TestClient, evaluator: Evaluator, clock: FakeClock
+) -> None:
+    """The new attempt's first steps and its clean exits reach the store between two ticks
+    (a short remainder, a slow tick): the restart did resume, so the action says so, with
+    the step it resumed at; it is not marked superseded by the run's completion."""
+    a0, a1 = two_nodes(client)
+    ingest(client, a0, 2, [crash()])
+    evaluator.tick()
+    c0 = ingest(client, a0, 3, [])["commands"][0]
+    c1 = ingest(client, a1, 1, [])["commands"][0]
+    done = {"type": "command_result", "t": 1.0, "status": "done", "detail": ""}
+    ingest(client, a0, 4, [{**done, "command_id": c0["id"]}])
+    ingest(client, a1, 2, [{**done, "command_id": c1["id"]}])
+    finished = {"type": "exit", "attempt": 1, "t": 300.0, "exit_code": 0, "signal": None,
+                "outcome": "completed", "failed_ranks": []}
+    ingest(client, a0, 5, [step(0, 1, attempt=1), step(0, 2, attempt=1), finished], attempt=1)
+    ingest(client, a1, 3, [step(1, 1, attempt=1), step(1, 2, attempt=1), finished], attempt=1)
+    evaluator.tick()
+    assert get(client, "")["status"] == "completed"
+    act = get(client, "/actions")["actions"][0]
+    assert act["status"] == "resumed" and act["resumed_step"] == 1, act
