@@ -26,6 +26,14 @@ LIVE_AGENT_STATES = frozenset({AgentState.REGISTERED, AgentState.STARTING, Agent
                                AgentState.STOPPING})
 
 
+class NodeRole(StrEnum):
+    """What a node is to its run, as the supervisor decides it (the registration reply and
+    every command carry it)."""
+
+    MEMBER = "member"  # holds a node rank of the run's world and runs its workers
+    SPARE = "spare"  # runs nothing, heartbeats, and takes a lost or cordoned member's rank
+
+
 class ExitOutcome(StrEnum):
     """How the local worker group (torchrun) ended."""
 

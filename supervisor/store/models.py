@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from trainwarden.agent.core.states import AgentState, CommandStatus
+from trainwarden.agent.core.states import AgentState, CommandStatus, NodeRole
 from trainwarden.supervisor.enums import ActionStatus, IncidentStatus, RunStatus
 
 # Stable constraint names so Alembic migrations can address them on every backend.
@@ -136,6 +136,12 @@ class Run(Base):
     # by the evaluator); every ingest reply carries them to the agents, who pin them.
     protected: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True),
                                                            nullable=True)
+    # The membership epoch: it grows whenever the policy changes the run's members (a spare
+    # takes a lost node's rank); a command carries it, and an agent outside the current
+    # members stops its workers.
+    epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The world the members' torchrun command declares (--nnodes), from the first member.
+    nnodes: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -171,6 +177,15 @@ class Agent(Base):
     workers: Mapped[list[Any] | None] = mapped_column(JSONList(nullable=True), nullable=True)
     gpus: Mapped[dict[str, Any] | None] = mapped_column(JSONDict(nullable=True), nullable=True)
     dropped: Mapped[int] = mapped_column(Integer, default=0)
+    # A member holds a node rank of the run's world; a spare runs nothing until the policy
+    # gives it the rank of a lost or cordoned member (``NodeRole``).
+    role: Mapped[str] = mapped_column(String(16), default=NodeRole.MEMBER,
+                                      server_default=NodeRole.MEMBER.value)
+    node_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Where this node's torchrun hosts the rendezvous when the policy picks it (an address
+    # the other nodes reach), and its capacity beside nproc_per_node: devices (GPUs) seen.
+    address: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    devices: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class AgentCredential(Base):
