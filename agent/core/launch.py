@@ -1,15 +1,32 @@
-"""What a training command declares about its world, read the way torchrun reads it.
+"""What a training command declares about its world, read the way torchrun reads it, and the
+command rewritten for the membership the supervisor decides.
 
-The supervisor admits into a run only as many nodes as its members' torchrun command
-declares (``--nnodes N`` or ``--nnodes MIN:MAX``): a node beyond them is not a member and
-steers nothing.  Only torchrun's own options count (those before the training script); the
-script's arguments are the script's.
+The supervisor admits as members only as many nodes as the members' torchrun command
+declares (``--nnodes N``); a node beyond them becomes a spare.  Only torchrun's own options
+count (those before the training script); the script's arguments are the script's.
+
+Each attempt's membership (which node is node rank k, where the rendezvous is) is the
+supervisor's: the agent rewrites torchrun's rendezvous options for it (``rewrite``) into a
+static rendezvous, the one torchrun rendezvous whose node ranks are fixed by the caller:
+
+* removed: ``--nnodes``, ``--node-rank``, ``--rdzv-backend``, ``--rdzv-endpoint``,
+  ``--rdzv-id``, ``--rdzv-conf``, ``--master-addr``, ``--master-port``, ``--standalone``,
+  ``--max-restarts`` (a restart is the supervisor's: a fresh torchrun each time);
+* added: ``--nnodes=N --node-rank=K --rdzv-backend=static --rdzv-endpoint=HOST:PORT
+  --max-restarts=0``, where HOST is the address of the member holding node rank 0 (it hosts
+  the store) and PORT the command's rendezvous port (``--rdzv-endpoint``'s, else
+  ``--master-port``, else 29500) plus the membership epoch (modulo 100): a node that was
+  replaced and still holds the old port, frozen, never blocks the next rendezvous.
+
+Everything else (the script, its arguments, ``--nproc-per-node``, ``--log-dir``...) is kept.
+A command that cannot be rewritten safely is refused at registration (``unrewritable``).
 """
 
 from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 # torchrun's options that take no value (every other option takes one, given as
 # ``--opt value`` or ``--opt=value``).
@@ -65,3 +82,134 @@ def declared_nnodes(command: Sequence[str]) -> int | None:
         return max(int(v) for v in value.split(":", 1))
     except ValueError:
         return None
+
+
+DEFAULT_PORT = 29500  # torchrun's --master-port default
+EPOCH_PORTS = 100  # the rendezvous port moves with the membership epoch, modulo this
+
+# torchrun's rendezvous options (either spelling), replaced by the membership's.
+_RENDEZVOUS = frozenset({
+    "--nnodes", "--node-rank", "--node_rank", "--rdzv-backend", "--rdzv_backend",
+    "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf",
+    "--rdzv_conf", "--master-addr", "--master_addr", "--master-port", "--master_port",
+    "--max-restarts", "--max_restarts", "--standalone"})
+_SUPPORTED_BACKENDS = frozenset({"c10d", "static"})
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One node's place in one attempt, as the supervisor decided it."""
+
+    epoch: int
+    nnodes: int
+    node_rank: int
+    endpoint: str  # HOST:PORT of the static rendezvous (node rank 0 hosts it)
+
+
+def _split(command: Sequence[str]) -> tuple[list[str], list[str], list[str]] | None:
+    """(the launcher's prefix: ``torchrun`` or ``python -m torch.distributed.run``, its
+    options, the training script and its arguments); None when not a torchrun launch."""
+    opts = launcher_args(command)
+    if opts is None:
+        return None
+    cmd = list(command)
+    start = 1 if posixpath.basename(cmd[0]) == "torchrun" else cmd.index("-m") + 2
+    return cmd[:start], opts, cmd[start + len(opts):]
+
+
+def _options(opts: Sequence[str]) -> list[tuple[str, str | None]]:
+    """torchrun's options as (name, value) pairs (``--opt=v`` and ``--opt v`` alike)."""
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(opts):
+        arg = opts[i]
+        if "=" in arg:
+            name, value = arg.split("=", 1)
+            out.append((name, value))
+            i += 1
+        elif arg in _FLAGS:
+            out.append((arg, None))
+            i += 1
+        else:
+            out.append((arg, opts[i + 1] if i + 1 < len(opts) else None))
+            i += 2
+    return out
+
+
+def _value(opts: Sequence[str], *names: str) -> str | None:
+    found = None
+    for name, value in _options(opts):
+        if name in names:
+            found = value
+    return found
+
+
+def rendezvous_port(command: Sequence[str]) -> int:
+    """The port the command's rendezvous uses: ``--rdzv-endpoint``'s, else ``--master-port``,
+    else torchrun's default (29500)."""
+    parts = _split(command)
+    if parts is None:
+        return DEFAULT_PORT
+    opts = parts[1]
+    endpoint = _value(opts, "--rdzv-endpoint", "--rdzv_endpoint")
+    if endpoint and ":" in endpoint:
+        port = endpoint.rsplit(":", 1)[1]
+        if port.isdigit():
+            return int(port)
+    master = _value(opts, "--master-port", "--master_port")
+    if master and master.isdigit():
+        return int(master)
+    return DEFAULT_PORT
+
+
+def unrewritable(command: Sequence[str]) -> str | None:
+    """Why the agent cannot rewrite ``command`` for a membership the supervisor decides (a
+    message that names the fix); None when it can.  A command that is not a torchrun launch
+    runs one node as it is: there is nothing to rewrite."""
+    parts = _split(command)
+    if parts is None:
+        return None
+    opts = parts[1]
+    nnodes = _value(opts, "--nnodes")
+    if nnodes is not None and ":" in nnodes:
+        low, _, high = nnodes.partition(":")
+        if low != high:
+            return (f"torchrun --nnodes={nnodes}: an elastic range cannot be rewritten for the "
+                    "members the supervisor chooses; give the full world, for example "
+                    f"--nnodes={high}, and start spares with trainwarden agent --spare")
+    if nnodes is not None and declared_nnodes(command) is None:
+        return f"torchrun --nnodes={nnodes}: not a number of nodes; give one, e.g. --nnodes=2"
+    backend = _value(opts, "--rdzv-backend", "--rdzv_backend")
+    if backend is not None and backend not in _SUPPORTED_BACKENDS:
+        return (f"torchrun --rdzv-backend={backend}: the agent rewrites only the c10d and "
+                "static rendezvous (the supervisor decides each attempt's members and its "
+                "endpoint); use --rdzv-backend=c10d")
+    port = rendezvous_port(command)
+    if not 1 <= port <= 65535 - EPOCH_PORTS:
+        return (f"rendezvous port {port}: the agent moves the port with the membership epoch "
+                f"(up to +{EPOCH_PORTS - 1}); use a port between 1 and {65535 - EPOCH_PORTS}")
+    return None
+
+
+def rewrite(command: Sequence[str], m: Membership) -> list[str]:
+    """``command`` with torchrun's rendezvous options replaced by ``m``'s (the module
+    docstring lists them).  A command that is not a torchrun launch is returned as it is."""
+    parts = _split(command)
+    if parts is None:
+        return list(command)
+    prefix, opts, script = parts
+    kept: list[str] = []
+    for name, value in _options(opts):
+        if name in _RENDEZVOUS:
+            continue
+        kept.append(name if value is None else f"{name}={value}")
+    ours = [f"--nnodes={m.nnodes}", f"--node-rank={m.node_rank}", "--rdzv-backend=static",
+            f"--rdzv-endpoint={m.endpoint}", "--max-restarts=0"]
+    return [*prefix, *ours, *kept, *script]
+
+
+def endpoint(host: str, base_port: int, epoch: int) -> str:
+    """The static rendezvous endpoint of an epoch: ``host`` (the node rank 0 member's
+    address) at the command's port moved by the epoch."""
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{h}:{base_port + epoch % EPOCH_PORTS}"

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from trainwarden.agent.core.launch import declared_nnodes, launcher_args
+from trainwarden.agent.core.launch import (
+    Membership,
+    declared_nnodes,
+    endpoint,
+    launcher_args,
+    rendezvous_port,
+    rewrite,
+    unrewritable,
+)
 
 
 @pytest.mark.parametrize("command, nnodes", [
@@ -27,3 +35,50 @@ def test_declared_nnodes(command: list[str], nnodes: int | None) -> None:
 def test_launcher_args_stop_at_the_script() -> None:
     assert launcher_args(["torchrun", "--standalone", "-m", "pkg.train", "--lr", "1"]) == [
         "--standalone", "-m"]
+
+
+README_CMD = ["torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+              "--rdzv-endpoint=node0.cluster:29400", "--rdzv-id=run7", "train.py",
+              "--nnodes", "9", "--lr", "1"]
+
+
+def test_rewrite_makes_a_static_rendezvous_at_the_membership_and_keeps_the_rest() -> None:
+    m = Membership(epoch=3, nnodes=2, node_rank=1, endpoint="10.0.0.5:29403")
+    assert rewrite(README_CMD, m) == [
+        "torchrun", "--nnodes=2", "--node-rank=1", "--rdzv-backend=static",
+        "--rdzv-endpoint=10.0.0.5:29403", "--max-restarts=0", "--nproc_per_node=1",
+        # the script's own --nnodes is the script's
+        "train.py", "--nnodes", "9", "--lr", "1"]
+    spaced = ["python", "-m", "torch.distributed.run", "--standalone", "--max-restarts", "3",
+              "--master_port", "1234", "--nproc-per-node", "2", "-m", "pkg.train", "--x"]
+    assert rewrite(spaced, m) == [
+        "python", "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1",
+        "--rdzv-backend=static", "--rdzv-endpoint=10.0.0.5:29403", "--max-restarts=0",
+        "--nproc-per-node=2", "-m", "pkg.train", "--x"]
+    assert rewrite(["python", "train.py"], m) == ["python", "train.py"]  # not torchrun
+
+
+def test_rendezvous_port_and_endpoint_move_with_the_epoch() -> None:
+    assert rendezvous_port(README_CMD) == 29400
+    assert rendezvous_port(["torchrun", "--master-port", "1234", "t.py"]) == 1234
+    assert rendezvous_port(["torchrun", "--standalone", "t.py"]) == 29500
+    assert endpoint("10.0.0.5", 29400, 0) == "10.0.0.5:29400"
+    assert endpoint("10.0.0.5", 29400, 103) == "10.0.0.5:29403"
+    assert endpoint("::1", 29400, 1) == "[::1]:29401"
+
+
+@pytest.mark.parametrize(("command", "fix"), [
+    (["torchrun", "--nnodes=1:4", "t.py"], "--nnodes=4"),
+    (["torchrun", "--nnodes=two", "t.py"], "e.g. --nnodes=2"),
+    (["torchrun", "--nnodes=2", "--rdzv-backend=etcd-v2", "t.py"], "--rdzv-backend=c10d"),
+    (["torchrun", "--nnodes=2", "--rdzv-endpoint=h:65500", "t.py"], "between 1 and"),
+])
+def test_unrewritable_commands_name_the_fix(command: list[str], fix: str) -> None:
+    why = unrewritable(command)
+    assert why is not None and fix in why, why
+
+
+def test_rewritable_commands() -> None:
+    for cmd in (README_CMD, ["torchrun", "--nnodes=2:2", "t.py"], ["python", "t.py"],
+                ["torchrun", "--standalone", "--nproc_per_node=2", "t.py"]):
+        assert unrewritable(cmd) is None, cmd
