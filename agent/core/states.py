@@ -19,6 +19,7 @@ class AgentState(StrEnum):
     STOPPED = "stopped"
     FINISHED = "finished"  # the workers completed the run
     FAILED = "failed"  # the workers failed; the agent waits for the supervisor's decision
+    SPARE = "spare"  # runs nothing: a spare, or a member standing by for a missing node
 
 
 # States of an agent that is supposed to be alive and training.

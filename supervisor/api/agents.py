@@ -52,9 +52,12 @@ def register(
     node-lost deadline) is refused with 409 unless the credential is presented or an
     operator takes over (``takeover: true`` with the operator token: the old credential is
     revoked, an audited action).  A run that has ended (completed, failed, stopped) is
-    refused with 409 and a message that says what to do: it is never silently reopened.  So
-    is a new node beyond the world the run's members declare (their torchrun ``--nnodes``):
-    it is not a member."""
+    refused with 409 and a message that says what to do: it is never silently reopened.
+    A new node beyond the world the run's members declare (their torchrun ``--nnodes``), or
+    one registering with ``spare: true``, is a spare: it runs nothing until the policy gives
+    it a lost or cordoned member's node rank (the reply's ``membership``).  A torchrun
+    command the agent cannot rewrite for the supervisor's membership is refused with 422 and
+    the fix."""
     outside = checkpoint_paths.outside_allowed(
         req.checkpoint_roots, checkpoint_paths.allowed_prefixes(
             settings.auth.checkpoint_roots_allowed))
@@ -71,20 +74,25 @@ def register(
                                live_s=settings.node_lost.deadline_s)
     try:
         with db.write() as conn:
-            r = registry.register_agent(conn, req=req, now=now, judge=judge)
+            r = registry.register_agent(conn, req=req, now=now, judge=judge,
+                                        peer=request.client.host if request.client else "")
             if r["claim"] == "takeover" and r["holder"] is not None:
                 credentials.record_takeover(conn, run_id=r["run_id"], attempt=r["attempt"],
                                             node=req.node, holder=r["holder"],
                                             hostname=req.hostname, actor=auth.actor, now=now)
-    except (registry.RunFinished, registry.NotAMember) as e:
+    except registry.RunFinished as e:
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
+    except registry.CommandRefused as e:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from None
     secret = r["credential"] or presented or ""
     if r["credential"] is not None:
         creds.remember(r["agent_id"], credentials.digest(secret), req.run)
     return wire.RegisterReply(
         agent_id=r["agent_id"], run_id=r["run_id"], run_uuid=r["run_uuid"],
         attempt=r["attempt"], next_seq=r["next_seq"], credential=secret,
-        heartbeat_interval_s=settings.server.heartbeat_interval_s)
+        heartbeat_interval_s=settings.server.heartbeat_interval_s,
+        membership=wire.MembershipOut(**r["membership"]),
+        node_lost_s=settings.node_lost.deadline_s)
 
 
 @router.post("/runs/{run}/nodes/{node:path}/takeover", response_model=None,
@@ -172,7 +180,8 @@ async def store_batch(request: Request, body: bytes, principal: Principal) -> Re
     # the network, our queue and the store) tells an overloaded supervisor from lost nodes.
     state.delivery.observe(batch.agent_id, batch.made_at(), now)
     reply = {"seq": batch.seq, "duplicate": res.duplicate, "attempt": res.attempt,
-             "commands": res.commands, "protect": res.protect}
+             "commands": res.commands, "protect": res.protect, "role": res.role,
+             "epoch": res.epoch}
     every = state.evaluator.advised_batch_interval()
     if every is not None:  # backpressure: fewer, larger batches while it is behind
         reply["batch_interval_s"] = every

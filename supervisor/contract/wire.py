@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_PATTERN
 from trainwarden.agent.core.rootcause import RootCauseSource
-from trainwarden.agent.core.states import CommandKind, ExitOutcome
+from trainwarden.agent.core.states import CommandKind, ExitOutcome, NodeRole
 from trainwarden.supervisor.contract import checkpoint_paths
 from trainwarden.supervisor.contract.limits import (
     I32,
@@ -65,6 +65,13 @@ class RegisterRequest(_Wire):
     # Replace the (run, node)'s live agent (its credential is revoked): the operator token
     # only, an audited action.
     takeover: bool = False
+    # A spare: registers, heartbeats and runs nothing until the supervisor gives it the node
+    # rank of a lost or cordoned member.
+    spare: bool = False
+    # Where this node's torchrun can host the rendezvous, as the other nodes reach it (a host
+    # name or an IP address); empty: the address the registration came from.
+    address: Line = line("", max_length=255)
+    devices: U31 | None = None  # GPUs this node has (its capacity, with nproc_per_node)
 
     @field_validator("checkpoint_root")
     @classmethod
@@ -86,6 +93,14 @@ class RegisterRequest(_Wire):
         return self
 
 
+class MembershipOut(BaseModel):
+    role: NodeRole
+    node_rank: int | None
+    nnodes: int | None
+    epoch: int
+    endpoint: str | None  # HOST:PORT; None: node rank 0 has no member yet (stand by)
+
+
 class RegisterReply(BaseModel):
     agent_id: int
     run_id: int
@@ -98,6 +113,13 @@ class RegisterReply(BaseModel):
     # The agent's secret: every ingest sends it in X-Trainwarden-Agent-Credential, and a
     # re-registration presenting it there keeps the node.  Shown once; stored hashed.
     credential: str
+    # What the node is in the run: a member (its node rank, the world, the rendezvous
+    # endpoint of the membership epoch, which the agent rewrites torchrun's command for) or
+    # a spare (runs nothing).
+    membership: MembershipOut
+    # A node silent this long is lost (and may be replaced): an agent that finds it was
+    # stopped longer stops its workers before anything else.
+    node_lost_s: float
 
 
 class StepItem(_Wire):
@@ -327,4 +349,8 @@ class IngestReply(BaseModel):
     # While the supervisor is behind (and a while after): send a batch this often, at most
     # (seconds); absent or null: the agent's own interval.  Nothing is dropped, batches grow.
     batch_interval_s: float | None = None
+    # What the node is in the run now, and the membership epoch: a node that is no longer a
+    # member (it was replaced while silent) stops its workers at once.
+    role: NodeRole = NodeRole.MEMBER
+    epoch: int = 0
 

@@ -9,11 +9,11 @@ from typing import Any, Literal, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
-from trainwarden.agent.core.launch import declared_nnodes
+from trainwarden.agent.core.launch import unrewritable
 from trainwarden.agent.core.states import AgentState
 from trainwarden.supervisor.contract import wire
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
-from trainwarden.supervisor.store import credentials
+from trainwarden.supervisor.store import credentials, membership
 from trainwarden.supervisor.store._sql import insert, row
 from trainwarden.supervisor.store.credentials import NodeHolder
 from trainwarden.supervisor.store.health import gpu_health, worker_stats
@@ -35,20 +35,10 @@ class RunFinished(Exception):
             "checkpoint directory (its workers resume from the newest complete checkpoint)")
 
 
-class NotAMember(Exception):
-    """Registration of a node beyond the world the run's members declare (their torchrun
-    ``--nnodes``): it is not a member, and nothing it would send is acted on."""
-
-    def __init__(self, run: str, node: str, world: int, nodes: list[str]) -> None:
-        self.run, self.node, self.world, self.nodes = run, node, world, nodes
-        held = ", ".join(repr(n) for n in nodes[:8]) + (" ..." if len(nodes) > 8 else "")
-        super().__init__(
-            f"run {run!r} has the {world} node(s) its members' torchrun command declares "
-            f"(--nnodes; nodes {held}): node {node!r} is not a member and is refused. To "
-            f"replace a node, register under that node's name once it is silent for the "
-            f"node-lost deadline, or take it over with the operator token (POST "
-            f"/api/v1/runs/{run}/nodes/NODE/takeover); to run more nodes, start a run "
-            "whose command declares them")
+class CommandRefused(Exception):
+    """Registration with a training command the agent cannot rewrite for the members the
+    supervisor decides (``trainwarden.agent.core.launch.unrewritable``): the message names
+    the fix, and nothing is changed."""
 
 
 Claim = Literal["new", "proven", "expired", "free", "takeover"]
@@ -59,14 +49,19 @@ operator revoked (or registered before agents had credentials), or an operator's
 
 
 def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
-                   judge: Callable[[NodeHolder | None], Claim] | None = None
-                   ) -> RegisteredAgent:
+                   judge: Callable[[NodeHolder | None], Claim] | None = None,
+                   peer: str = "") -> RegisteredAgent:
     """Create the run (with a new uuid) and the agent if new (an agent re-registering keeps
     its id).  ``judge`` decides on the (run, node)'s current holder (it raises to refuse: the
     caller's transaction then changes nothing; without one, every registration is a new
     incarnation).  Every claim but ``proven`` issues a new
     credential (the reply's ``credential``; None: the presented one stays valid) and revokes
-    the old one.  Raises ``RunFinished`` for a run that has ended: nothing is changed then."""
+    the old one.  A new node becomes a member while the declared world has a free node rank,
+    else a spare (``membership.admit``); its rendezvous address is the one it gives, else
+    ``peer`` (the address its request came from).  Raises ``RunFinished`` for a run that has
+    ended, ``CommandRefused`` for a command that cannot be rewritten: nothing is changed
+    then."""
+    address = req.address or peer
     ins = insert(conn, runs).values(
         name=req.run, uuid=str(uuid.uuid4()), status=RunStatus.RUNNING, attempt=0,
         restarts=0, reason="", created_at=now, updated_at=now,
@@ -78,9 +73,12 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     ).one()
     if run.status in FINAL_STATUSES:
         raise RunFinished(req.run, run.status, run.reason)
+    why = unrewritable(list(req.command))
+    if why is not None:
+        raise CommandRefused(f"run {req.run!r}, node {req.node!r}: {why}")
     holder = credentials.node_holder(conn, run_id=run.id, node=req.node)
-    if holder is None:
-        _admit_member(conn, run_id=run.id, run=req.run, node=req.node)
+    new = conn.execute(select(agents.c.id).where(agents.c.run_id == run.id,
+                                                 agents.c.node == req.node)).first() is None
     claim: Claim = judge(holder) if judge is not None else ("new" if holder is None
                                                              else "expired")
     values = {
@@ -91,6 +89,7 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
         "checkpoint_root": req.checkpoint_roots[0] if req.checkpoint_roots else None,
         "agent_version": req.agent_version, "last_seen_at": now,
         "state": AgentState.REGISTERED,
+        "address": address, "devices": req.devices,
     }
     ins = insert(conn, agents).values(
         run_id=run.id, node=req.node, registered_at=now, dropped=0, **values
@@ -99,6 +98,8 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     agent_id = conn.execute(
         select(agents.c.id).where(agents.c.run_id == run.id, agents.c.node == req.node)
     ).scalar_one()
+    membership.admit(conn, run_id=run.id, agent_id=agent_id, command=list(req.command),
+                     spare=req.spare, new=new)
     # When the run's agents ran is read from these (``PresenceEvent``): its idle time.
     conn.execute(events.insert().values(
         run_id=run.id, agent_id=agent_id, attempt=run.attempt, rank=None, t=now,
@@ -118,19 +119,10 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
         "credential": secret,
         "claim": claim,
         "holder": holder,
+        "membership": membership.member_view(membership.run_membership(conn, run_id=run.id),
+                                             agent_id=agent_id),
     }
     return reg
-
-
-def _admit_member(conn: Connection, *, run_id: int, run: str, node: str) -> None:
-    """Raise ``NotAMember`` when the run's nodes already fill the world their torchrun
-    commands declare (a command that is not a torchrun launch declares none: no bound)."""
-    rows = conn.execute(select(agents.c.node, agents.c.command)
-                        .where(agents.c.run_id == run_id).order_by(agents.c.id)).all()
-    worlds = [w for _, cmd in rows if isinstance(cmd, list)
-              and (w := declared_nnodes([str(a) for a in cmd])) is not None]
-    if worlds and len(rows) >= max(worlds):
-        raise NotAMember(run, node, max(worlds), [str(n) for n, _ in rows])
 
 
 def _run(r: Any) -> RunRow:

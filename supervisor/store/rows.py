@@ -46,6 +46,7 @@ class RegisteredAgent(TypedDict):
     credential: str | None  # a new secret (None: the one presented stays valid)
     claim: str  # how it claimed the node (a ``registry.Claim``)
     holder: Any  # the node's agent before (a ``credentials.NodeHolder``), or None
+    membership: dict[str, Any]  # what it is in the run (``membership.member_view``)
 
 
 class AgentRow(TypedDict):

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, func, select
 
+from trainwarden.agent.core.states import NodeRole
 from trainwarden.supervisor.store._sql import row
 from trainwarden.supervisor.store.rows import (
     AgentLiveness,
@@ -29,10 +30,12 @@ from trainwarden.supervisor.store.tables import (
 
 
 def agent_liveness(conn: Connection, *, run_id: int) -> list[AgentLiveness]:
-    """What the detectors need of each agent (no JSON health columns: read every tick)."""
+    """What the detectors need of each member agent (no JSON health columns: read every
+    tick).  A spare runs nothing: no detector judges it (a silent spare only leaves the
+    pool of free spares)."""
     a = agents.c
     q = (select(a.id, a.node, a.state, a.last_seen_at, a.disk_free_bytes, a.disk_total_bytes)
-         .where(a.run_id == run_id).order_by(a.id))
+         .where(a.run_id == run_id, a.role == NodeRole.MEMBER).order_by(a.id))
     return [{"id": i, "node": n, "state": st, "last_seen_at": t, "disk_free_bytes": f,
              "disk_total_bytes": tot} for i, n, st, t, f, tot in conn.execute(q)]
 

@@ -44,7 +44,8 @@ def test_replayed_batch_is_stored_once(client: TestClient, db: Database) -> None
              {"type": "checkpoint", "rank": 0, "step": 5, "path": "/ck/5", "bytes": 10,
               "lineage": "a0", "t": 2.0}]
     first = ingest(client, aid, 7, items)
-    assert first == {"seq": 7, "duplicate": False, "attempt": 0, "commands": [], "protect": []}
+    assert first == {"seq": 7, "duplicate": False, "attempt": 0, "commands": [], "protect": [],
+                     "role": "member", "epoch": 0}
     before = counts(db)
     second = ingest(client, aid, 7, items)
     assert second["duplicate"] is True and second["seq"] == 7

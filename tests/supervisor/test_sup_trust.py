@@ -232,19 +232,40 @@ def _register_cmd(client: TestClient, run: str, node: str, command: list[str],
 
 
 @pytest.mark.parametrize("nnodes, admitted", [
-    (["--nnodes=2"], 2), (["--nnodes", "2"], 2), (["--nnodes=1:3"], 3), ([], 1)])
-def test_a_node_beyond_the_world_the_members_declare_is_not_a_member(
-        client: TestClient, db: Database, nnodes: list[str], admitted: int) -> None:
+    (["--nnodes=2"], 2), (["--nnodes", "2"], 2), (["--nnodes=3:3"], 3), ([], 1)])
+def test_a_node_beyond_the_world_the_members_declare_is_a_spare_and_steers_nothing(
+        client: TestClient, db: Database, evaluator: Evaluator, nnodes: list[str],
+        admitted: int) -> None:
     command = ["torchrun", *nnodes, "--nproc-per-node=1", "train.py", "--nnodes=99"]
     for i in range(admitted):
-        assert _register_cmd(client, "r1", f"n{i}", command).status_code == 200
+        r = _register_cmd(client, "r1", f"n{i}", command)
+        assert r.status_code == 200 and r.json()["membership"] == {
+            "role": "member", "node_rank": i, "nnodes": admitted, "epoch": 0,
+            "endpoint": "testclient:29500"}, r.text
+    r = _register_cmd(client, "r1", "extra", ["torchrun", "--nnodes=99", "train.py"])
+    assert r.status_code == 200, r.text
+    assert r.json()["membership"]["role"] == "spare", r.text
+    assert r.json()["membership"]["node_rank"] is None
+    spare = {"X-Trainwarden-Agent-Credential": r.json()["credential"], **AGENT}
     before = store_snapshot(db)
-    r = _register_cmd(client, "r1", "intruder", ["torchrun", "--nnodes=99", "train.py"])
-    assert r.status_code == 409 and "not a member" in r.json()["detail"], r.text
-    assert f"the {admitted} node(s)" in r.json()["detail"]
-    assert store_snapshot(db) == before
-    # A member registering again keeps its node (the cap is on new nodes).
-    assert _register_cmd(client, "r1", "n0", command).status_code in (200, 409)
+    # What a spare reports for the run is not the run's: no step, checkpoint or exit is
+    # stored, so nothing it says is acted on.
+    batch = {"agent_id": r.json()["agent_id"], "seq": 0, "attempt": 0, "sent_at": 1.0,
+             "items": [step(0, 3), crash(),
+                       {"type": "checkpoint", "rank": 0, "step": 3, "path": "/ck/3",
+                        "bytes": 1, "lineage": "a0", "t": 1.0}]}
+    reply = client.post("/api/v1/ingest", headers=spare, json=batch)
+    assert reply.status_code == 200 and reply.json()["role"] == "spare", reply.text
+    evaluator.tick()
+    after = store_snapshot(db)
+    for table in ("rank_steps", "exits", "checkpoints", "incidents", "actions"):
+        assert after.get(table) == before.get(table), table
+    assert _get(client, "/api/v1/runs/r1")["status"] == "running"
+    # A member registering again keeps its node rank.
+    again = _register_cmd(client, "r1", "n0", command)
+    assert again.status_code in (200, 409)
+    if again.status_code == 200:
+        assert again.json()["membership"]["node_rank"] == 0
 
 
 def test_a_command_that_is_not_a_torchrun_launch_declares_no_bound(client: TestClient) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy import (
     select,
 )
 
+from trainwarden.agent.core.states import NodeRole
 from trainwarden.supervisor.contract import checkpoint_paths, wire
 from trainwarden.supervisor.store.ingest.clock import DEFAULT, IngestConfig
 from trainwarden.supervisor.store.ingest.collect import Collected, collect, flush
@@ -37,6 +38,8 @@ class IngestResult:
     duplicate: bool
     commands: list[dict[str, Any]]
     protect: list[str] = field(default_factory=list)  # checkpoint paths to keep
+    role: NodeRole = NodeRole.MEMBER  # what the agent is in the run now
+    epoch: int = 0  # the run's membership epoch
 
 
 class UnknownAgent(LookupError):
@@ -114,13 +117,15 @@ def ingest_batches(
 def _ingest_group(conn: Connection, hot: HotSQL, cur: Any,
                   batches: Sequence[wire.IngestBatch], ids: list[int], now: float,
                   cfg: IngestConfig) -> list[Outcome]:
-    # agent id -> (run id, the run's attempt, its protected checkpoints)
-    heads: dict[int, tuple[int, int, list[str]]]
+    # agent id -> (run id, the run's attempt, its protected checkpoints, the agent's role,
+    # the run's membership epoch)
+    heads: dict[int, tuple[int, int, list[str], NodeRole, int]]
     if len(ids) == 1:  # the common case on SQLite: the raw single-agent statement
         r = hot.fetchone(cur, "head", {"agent_id": ids[0]})
-        heads = {ids[0]: (int(r[0]), int(r[1]), json_list(r[2]))} if r else {}
+        heads = {ids[0]: (int(r[0]), int(r[1]), json_list(r[2]), NodeRole(r[3]), int(r[4]))
+                 } if r else {}
     else:
-        heads = {int(r[0]): (int(r[1]), int(r[2]), json_list(r[3]))
+        heads = {int(r[0]): (int(r[1]), int(r[2]), json_list(r[3]), NodeRole(r[4]), int(r[5]))
                  for r in conn.execute(_HEADS, {"ids": ids})}
     refused, paths = _checkpoint_paths(conn, batches, heads)
     # Claim each (agent_id, seq) once; RETURNING, not rowcount, says which ones were new.
@@ -150,7 +155,7 @@ def _ingest_group(conn: Connection, hot: HotSQL, cur: Any,
         duplicate.append(not new)
         if new:
             collect(acc, b, run_id=heads[b.agent_id][0], now=now, cfg=cfg,
-                     paths=paths.get(i, []))
+                     paths=paths.get(i, []), member=heads[b.agent_id][3] == NodeRole.MEMBER)
         elif (b.agent_id in heads and i not in refused
               and known.get(key) not in (None, digests[i])):
             conflicts[i] = SeqConflict(b.agent_id, b.seq, _next_seq(conn, agent_id=b.agent_id))
@@ -176,9 +181,10 @@ def _ingest_group(conn: Connection, hot: HotSQL, cur: Any,
         if i in conflicts:
             out.append(conflicts[i])
             continue
-        run_id, attempt, protect = heads[b.agent_id]
+        run_id, attempt, protect, role, epoch = heads[b.agent_id]
         out.append(IngestResult(run_id=run_id, attempt=attempt, duplicate=dup,
-                                commands=pending.get(b.agent_id, []), protect=protect))
+                                commands=pending.get(b.agent_id, []), protect=protect,
+                                role=role, epoch=epoch))
     return out
 
 
@@ -243,7 +249,8 @@ def json_list(raw: Any) -> list[str]:
 
 
 _HEADS = (
-    select(agents.c.id, agents.c.run_id, runs.c.attempt, runs.c.protected)
+    select(agents.c.id, agents.c.run_id, runs.c.attempt, runs.c.protected, agents.c.role,
+           runs.c.epoch)
     .join(runs, runs.c.id == agents.c.run_id)
     .where(agents.c.id.in_(bindparam("ids", expanding=True)))
 )

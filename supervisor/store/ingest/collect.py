@@ -52,8 +52,16 @@ class Collected:
 
 
 def collect(acc: Collected, batch: wire.IngestBatch, *, run_id: int, now: float,
-             cfg: IngestConfig, paths: list[str]) -> None:
-    """``paths``: the batch's checkpoint paths as checked (``_checkpoint_paths``)."""
+             cfg: IngestConfig, paths: list[str], member: bool = True) -> None:
+    """``paths``: the batch's checkpoint paths as checked (``_checkpoint_paths``).
+    ``member``: False for a spare (one that was replaced, say, and woke up): its steps,
+    checkpoints and exits are not the run's and are not stored (the catalogue never lists
+    what it writes); its heartbeat, events and command results are."""
+    if not member:
+        dropped = (wire.StepItem, wire.CheckpointItem, wire.ExitItem)
+        batch = batch.model_copy(update={
+            "items": [it for it in batch.items if not isinstance(it, dropped)]})
+        paths = []
     agent_id = batch.agent_id
     checked = iter(paths)
     clk = ClockCheck(now, cfg)

@@ -78,7 +78,8 @@ class HotSQL:
         ins = postgresql.insert if dialect.name == "postgresql" else sqlite.insert
         stmts: dict[str, tuple[Any, Sequence[str] | None]] = {
             "head": (
-                select(agents.c.run_id, runs.c.attempt, runs.c.protected)
+                select(agents.c.run_id, runs.c.attempt, runs.c.protected, agents.c.role,
+                       runs.c.epoch)
                 .join(runs, runs.c.id == agents.c.run_id)
                 .where(agents.c.id == bindparam("agent_id")),
                 None,
