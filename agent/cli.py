@@ -52,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang-startup", type=float, default=_HANG.startup_s, metavar="S",
                         help="local hang watchdog: allowance from launch to the first step "
                              f"(default {_HANG.startup_s:g})")
+    parser.add_argument("--spare", action="store_true",
+                        help="a spare node: register and heartbeat, run nothing until the "
+                             "supervisor gives this node the rank of a lost or cordoned "
+                             "member (the command is the members' command)")
+    parser.add_argument("--advertise-addr", default="", metavar="HOST",
+                        help="the address other nodes reach this node's rendezvous at when "
+                             "the supervisor makes it node rank 0 (default: the address the "
+                             "supervisor sees this agent's requests come from)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -74,6 +82,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         checkpoint_root=args.checkpoint_root,
         stop_grace_s=args.stop_grace,
         hang=_hang_config(args.hang_floor, args.hang_startup),
+        spare=bool(getattr(args, "spare", False)),
+        advertise_addr=str(getattr(args, "advertise_addr", "") or ""),
         **kwargs,  # type: ignore[arg-type]
     )
 

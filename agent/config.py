@@ -76,6 +76,12 @@ class AgentConfig:
     hang: HangConfig = field(default_factory=HangConfig)
     # GPU health (NVML) is read at most this often; heartbeats in between carry none.
     gpu_interval_s: float = bounded(5.0, gt=0)
+    # A spare: registers and heartbeats, runs nothing until the supervisor gives it the node
+    # rank of a lost or cordoned member (then it launches the command as that rank).
+    spare: bool = False
+    # Where this node's torchrun can host the rendezvous, as the other nodes reach it (host
+    # name or IP); empty: the address the supervisor sees this agent's requests come from.
+    advertise_addr: str = ""
 
     def __post_init__(self) -> None:
         # The supervisor's rules (trainwarden.agent.core.names), checked here so a bad address or

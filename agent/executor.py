@@ -49,6 +49,10 @@ class Host(Protocol):
 
     def launch(self, attempt: int, plan_path: Path | None) -> None: ...
 
+    def place(self, plan: protocol.ResumePlan | None) -> str | None: ...
+
+    def stand_by(self, attempt: int, reason: str) -> None: ...
+
     def finish(self) -> None: ...
 
 
@@ -194,6 +198,12 @@ class Executor:
                 return
             job.phase = "launching"
         attempt = int(cmd["attempt"])
+        why = self.host.place(job.plan)
+        if why is not None:  # the membership says this node runs nothing for this attempt
+            self.job = None
+            self.host.stand_by(attempt, why)
+            self._result(cid, CommandStatus.DONE, why)
+            return
         try:
             plan_path = self._write_plan(attempt, job.plan)
             self.host.launch(attempt, plan_path)

@@ -17,6 +17,8 @@ start from the local state, and a foreign state found once it answers is replace
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -35,7 +37,8 @@ import httpx
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.core import text as untrusted
-from trainwarden.agent.core.states import AgentState, ExitOutcome
+from trainwarden.agent.core.launch import Membership, rewrite
+from trainwarden.agent.core.states import AgentState, ExitOutcome, NodeRole
 from trainwarden.agent.executor import Executor
 from trainwarden.agent.launcher import ExitInfo, Launcher, PopenFactory
 from trainwarden.agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
@@ -126,6 +129,13 @@ class Agent:
         self.watch = HangWatch(config.hang)
         self._hung_attempt: int | None = None
         self.archived: Path | None = None  # where another run's state was moved aside
+        # What this node is in the run: a spare runs nothing; a member runs the command
+        # rewritten for its membership (``trainwarden.agent.core.launch``).  None: the
+        # supervisor has not said (the user's command runs as it is).
+        self.role = NodeRole.SPARE if config.spare else NodeRole.MEMBER
+        self.membership: Membership | None = None
+        self.node_lost_s: float | None = None  # the supervisor's node-lost deadline
+        self._last_tick = clock()
         self._open_state()
 
     def _open_state(self) -> None:
@@ -140,6 +150,7 @@ class Agent:
         self._attempt = int(saved.get("attempt", 0))
         plan = saved.get("plan")
         self.plan_path: Path | None = Path(plan) if plan and Path(plan).exists() else None
+        self._restore_membership(saved)
         # Where checkpoints go: registered, pinned, read for free space (``roots``).
         self.roots = CheckpointRoots(checkpoint_root=self.cfg.checkpoint_root,
                                      command_checkpoint_dir=self.cfg.command_checkpoint_dir,
@@ -223,9 +234,114 @@ class Agent:
     def _save_state(self) -> None:
         plan = str(self.plan_path) if self.plan_path else None
         pins = self.pins.state() if hasattr(self, "pins") else {}
+        m = self.membership
         save_json(self.state_path, {"run_uuid": self.run_uuid, "attempt": self._attempt,
                                     "plan": plan, "pins": pins,
-                                    "checkpoint_roots": self.roots.learned})
+                                    "checkpoint_roots": self.roots.learned,
+                                    "role": self.role,
+                                    "membership": dataclasses.asdict(m) if m else None})
+
+    def _restore_membership(self, saved: dict[str, Any]) -> None:
+        """The role and membership this node last knew (a restarted agent relaunches as
+        them until the supervisor answers)."""
+        with contextlib.suppress(ValueError):
+            self.role = NodeRole(saved.get("role", self.role))
+        m = saved.get("membership")
+        try:
+            self.membership = Membership(**m) if isinstance(m, dict) else None
+        except TypeError:
+            self.membership = None
+
+    # -- membership --------------------------------------------------------------------------
+
+    def _learn_registration(self, reply: protocol.RegisterReply) -> None:
+        """What the registration reply says this node is."""
+        lost = reply.get("node_lost_s")
+        if isinstance(lost, int | float) and lost > 0:
+            self.node_lost_s = float(lost)
+        view = reply.get("membership")
+        if not isinstance(view, dict):
+            return  # an older supervisor: the command runs as it is
+        self.role = NodeRole(view.get("role") or NodeRole.MEMBER)
+        rank, nnodes, ep = view.get("node_rank"), view.get("nnodes"), view.get("endpoint")
+        if (self.role == NodeRole.MEMBER and isinstance(rank, int) and isinstance(nnodes, int)
+                and isinstance(ep, str) and ep):
+            self.membership = Membership(epoch=int(view.get("epoch") or 0), nnodes=nnodes,
+                                         node_rank=rank, endpoint=ep)
+        else:
+            self.membership = None
+        self._save_state()
+
+    def place(self, plan: protocol.ResumePlan | None) -> str | None:
+        """Take the membership a restart command carries; returns why this node stands by
+        (runs nothing: not a member, or a member missing), or None to launch."""
+        m = plan.membership if plan is not None else None
+        if not isinstance(m, dict):
+            return None if self.role == NodeRole.MEMBER else "a spare runs nothing"
+        raw = m.get("members")
+        members: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        rank = members.get(self.cfg.node)
+        epoch = int(m.get("epoch") or 0)
+        if not isinstance(rank, int):
+            self.role, self.membership = NodeRole.SPARE, None
+            self._save_state()
+            return f"not a member of membership epoch {epoch}: standing by as a spare"
+        self.role = NodeRole.MEMBER
+        self.membership = Membership(epoch=epoch, nnodes=int(m.get("nnodes") or len(members)),
+                                     node_rank=rank, endpoint=str(m.get("endpoint") or ""))
+        self._save_state()
+        waiting = m.get("waiting") or []
+        if waiting or not self.membership.endpoint:
+            return (f"node rank(s) {', '.join(map(str, waiting))} have no node yet: standing "
+                    "by until a spare or the missing node joins")
+        return None
+
+    def stand_by(self, attempt: int, reason: str) -> None:
+        """Run nothing for ``attempt`` (the executor's restart found this node not to run)."""
+        self._attempt = attempt
+        self._save_state()
+        self.state = AgentState.SPARE
+        self._emit({"type": "event", "t": self.clock(), "attempt": attempt,
+                    "name": protocol.AgentEventName.STANDING_BY, "message": reason,
+                    "details": {"role": self.role}})
+
+    def _check_role(self) -> None:
+        """A reply said this node is not a member (it was replaced while it was silent): its
+        workers are stopped at once, before they write anything more."""
+        told = self.uplink.role
+        if told != NodeRole.SPARE or self.role == NodeRole.SPARE or self.executor.busy:
+            return
+        self.role, self.membership = NodeRole.SPARE, None
+        self._save_state()
+        running = self.launcher.running or self.launcher.stopping
+        log.warning("the supervisor says this node is no longer a member of run %s "
+                    "(membership epoch %s): %s", self.cfg.run, self.uplink.epoch,
+                    "killing its workers" if running else "standing by as a spare")
+        if running:
+            self.begin_stop(immediate=True)
+        self.state = AgentState.SPARE if not running else self.state
+        self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
+                    "name": protocol.AgentEventName.NOT_A_MEMBER,
+                    "message": "no longer a member: workers stopped, standing by as a spare",
+                    "details": {"epoch": self.uplink.epoch, "workers_killed": running}})
+
+    def _check_wake(self) -> None:
+        """This agent (and so its node) was stopped past the node-lost deadline (SIGSTOP, a
+        frozen VM): the supervisor may have given its rank to a spare, so its workers are
+        killed before they write anything, and the supervisor's next word decides."""
+        now = self.clock()
+        gap, self._last_tick = now - self._last_tick, now
+        if (self.node_lost_s is None or gap <= self.node_lost_s
+                or not (self.launcher.running or self.launcher.stopping)):
+            return
+        log.warning("this agent did not run for %.1f s (past the node-lost deadline of %.0f s):"
+                    " killing the workers until the supervisor says what this node is", gap,
+                    self.node_lost_s)
+        self.begin_stop(immediate=True)
+        self._emit({"type": "event", "t": now, "attempt": self._attempt,
+                    "name": protocol.AgentEventName.WOKE_UP,
+                    "message": f"the agent did not run for {gap:.1f} s: workers killed",
+                    "details": {"gap_s": round(gap, 3), "node_lost_s": self.node_lost_s}})
 
     def _learn_checkpoint(self, msg: dict[str, Any]) -> None:
         learned, registered = self.roots.learn(msg.get("path"))
@@ -258,6 +374,9 @@ class Agent:
             "checkpoint_root": roots[0] if roots else None,
             "checkpoint_roots": roots,
             "agent_version": AGENT_VERSION,
+            "spare": self.cfg.spare,
+            "address": self.cfg.advertise_addr,
+            "devices": self.gpus.device_count(),
         }
 
     # -- executor host -----------------------------------------------------------------------
@@ -309,6 +428,8 @@ class Agent:
         self.exit_reported = False
         self.state = AgentState.STARTING
         self.watch.new_attempt(attempt, self.clock())
+        if self.membership is not None and self.role == NodeRole.MEMBER:
+            self.launcher.command = rewrite(self.cfg.command, self.membership)
         self.launcher.start(attempt, plan_path)
         # When torchrun was started: a restart's anatomy splits "launch" from "rendezvous"
         # here (the workers' worker_started events mark the end of the rendezvous).
@@ -342,7 +463,12 @@ class Agent:
         self._identify()
         if self.result is not None:
             return
-        self.launch(self._attempt, self.plan_path)
+        if self.role == NodeRole.SPARE:
+            self.state = AgentState.SPARE
+            log.info("a spare of run %s: running nothing until the supervisor gives this node "
+                     "a node rank", self.cfg.run)
+        else:
+            self.launch(self._attempt, self.plan_path)
         if self.threaded_uplink:
             self.uplink.start()
 
@@ -361,6 +487,7 @@ class Agent:
             self._archive_state(reply)
         else:
             self._adopt(reply, launching=True)
+            self._learn_registration(reply)
 
     def _refused(self) -> None:
         log.error("%s", self.uplink.refused)
@@ -368,6 +495,7 @@ class Agent:
 
     def tick(self) -> int | None:
         """One iteration; returns the agent's exit code once it should end."""
+        self._check_wake()
         self.launcher.pump_output()
         self.receiver.drain()
         for msg in self.receiver.take():
@@ -383,6 +511,7 @@ class Agent:
         self.executor.submit(self.uplink.take_commands())
         self._apply_protection()
         self.executor.tick()
+        self._check_role()
         if self.launcher.stopping:
             self.launcher.stop_step()
         if self.state == AgentState.STOPPING and self.stopped():

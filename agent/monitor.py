@@ -232,6 +232,11 @@ class GpuHealth:
             return None
         return self._handles
 
+    def device_count(self) -> int | None:
+        """How many GPUs NVML sees (None where it cannot start: no GPU, no driver)."""
+        handles = self._start()
+        return None if handles is None else len(handles)
+
     def read(self) -> dict[str, Any]:
         """``{"available": True, "devices": [...]}`` or ``{"available": False, "reason"}``."""
         handles = self._start()

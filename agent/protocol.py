@@ -29,9 +29,15 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
-from trainwarden.agent.core.states import AgentState, CommandKind, CommandStatus, ExitOutcome
+from trainwarden.agent.core.states import (
+    AgentState,
+    CommandKind,
+    CommandStatus,
+    ExitOutcome,
+    NodeRole,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -115,6 +121,15 @@ class AgentEventName(StrEnum):
     TORCHRUN_STARTED = "torchrun_started"
     # At its start the agent killed the workers an earlier agent of this node left running.
     LEFTOVERS_KILLED = "agent_leftovers_killed"
+    # A restart command found this node not to run (not a member, or a member waiting for a
+    # missing node); details: {"role"}.
+    STANDING_BY = "standing_by"
+    # A reply said this node is no longer a member (replaced while silent): its workers were
+    # killed; details: {"epoch", "workers_killed"}.
+    NOT_A_MEMBER = "not_a_member"
+    # The agent found it had not run for longer than the node-lost deadline (stopped,
+    # frozen) and killed its workers; details: {"gap_s", "node_lost_s"}.
+    WOKE_UP = "agent_woke_up"
 
 
 # The name ``trainwarden.agent.uplink`` uses (kept for it).
@@ -288,6 +303,11 @@ class ResumePlan:
     lineage: str | None = None
     reason: str = ""
     action_id: int | None = None
+    # The attempt's membership, as the supervisor decided it (the agent's, not the
+    # workers'): {"epoch", "nnodes", "endpoint", "members": {node: node rank}, "waiting":
+    # [node ranks whose node is missing]}.  A node not among the members stands by as a spare;
+    # while a rank waits, every member stands by.
+    membership: dict[str, Any] | None = None
     version: int = PROTOCOL_VERSION
 
     def to_json(self) -> str:
@@ -325,6 +345,7 @@ class ResumePlan:
             lineage=d.get("lineage"),
             reason=str(d.get("reason", "")),
             action_id=d.get("action_id"),
+            membership=d.get("membership") if isinstance(d.get("membership"), dict) else None,
         )
 
     @classmethod
@@ -360,6 +381,19 @@ class RegisterRequest(TypedDict, total=False):
     checkpoint_roots: list[str]
     agent_version: str
     takeover: bool
+    spare: bool  # runs nothing until the supervisor gives it a node rank
+    address: str  # where its torchrun can host the rendezvous ("": as the supervisor sees it)
+    devices: int | None  # GPUs on this node
+
+
+class MembershipView(TypedDict):
+    """What the node is in the run (the registration reply's ``membership``)."""
+
+    role: NodeRole
+    node_rank: int | None
+    nnodes: int | None
+    epoch: int
+    endpoint: str | None  # HOST:PORT of the static rendezvous; None: stand by
 
 
 class RegisterReply(TypedDict):
@@ -374,6 +408,9 @@ class RegisterReply(TypedDict):
     # The agent's secret (an older supervisor sends none): sent with every ingest and
     # registration in CREDENTIAL_HEADER; kept in the state dir.
     credential: str
+    membership: NotRequired[MembershipView]  # (an older supervisor sends none)
+    # A node silent this long is lost (an older supervisor sends none).
+    node_lost_s: NotRequired[float]
 
 
 class HeartbeatItem(TypedDict, total=False):
@@ -447,3 +484,5 @@ class IngestReply(TypedDict, total=False):
     # While the supervisor is behind (and a while after): send a batch this often at most
     # (seconds); absent: our own interval.
     batch_interval_s: float
+    role: NodeRole  # what the node is in the run now (an older supervisor sends none)
+    epoch: int  # the membership epoch

@@ -75,6 +75,7 @@ import httpx
 
 from trainwarden.agent import deadletter, protocol
 from trainwarden.agent.core.names import supervisor_urls
+from trainwarden.agent.core.states import NodeRole
 from trainwarden.agent.deadletter import DeadLetters
 from trainwarden.agent.spool import Spool
 from trainwarden.agent.statefile import load_json, save_json
@@ -168,6 +169,10 @@ class Uplink:
         # How often the supervisor's newest reply asks for a batch (None: our own interval):
         # a supervisor that is behind asks for fewer, larger batches.
         self.advised_interval_s: float | None = None
+        # What the node is in the run, and the membership epoch, as the newest reply (or the
+        # registration) says (None: not said yet, or an older supervisor).
+        self.role: NodeRole | None = None
+        self.epoch: int | None = None
         self.registration: protocol.RegisterReply | None = None
         # The agent's test of a registration reply: False when the reply is another run's
         # than the local state's (then ``foreign`` holds it and nothing is sent).
@@ -482,10 +487,21 @@ class Uplink:
                 self._save_state()
                 log.warning("sequence raised to the supervisor's next_seq %d", next_seq)
         self.registration = reply
+        membership = reply.get("membership")
+        if isinstance(membership, dict):
+            self._learn_role(membership.get("role"), membership.get("epoch"))
         log.info("registered as agent %d (run %s, attempt %s, next_seq %d)", agent_id,
                  reply.get("run_id"), reply.get("attempt"), next_seq)
         self._ok()
         return True
+
+    def _learn_role(self, role: Any, epoch: Any) -> None:
+        try:
+            self.role = NodeRole(role)
+        except ValueError:
+            return  # none (an older supervisor) or unknown: keep what we knew
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            self.epoch = epoch
 
     def _send(self, seq: int, batch: dict[str, Any]) -> bool:
         assert self.registration is not None
@@ -544,6 +560,7 @@ class Uplink:
             if isinstance(protect, list):
                 self.protect = [p for p in protect if isinstance(p, str)]
             self.advised_interval_s = advised_interval(reply.get("batch_interval_s"))
+            self._learn_role(reply.get("role"), reply.get("epoch"))
         except (ValueError, AttributeError):
             commands = []
             log.error("ingest reply for seq %d unreadable: %s", seq, r.text[:500])

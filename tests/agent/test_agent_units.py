@@ -509,6 +509,14 @@ class FakeHost:
     def finish(self) -> None:
         self.finished = True
 
+    def place(self, plan: protocol.ResumePlan | None) -> str | None:
+        m = plan.membership if plan is not None else None
+        return None if m is None or "n0" in m.get("members", {}) else "not a member"
+
+    def stand_by(self, attempt: int, reason: str) -> None:
+        self.calls.append(("stand_by", attempt, reason))
+        self.attempt = attempt
+
 
 def test_executor_restart_once_with_plan_and_backoff(tmp_path: Path) -> None:
     host, clock = FakeHost(), Clock()
@@ -617,3 +625,22 @@ def test_local_watchdog_gives_teardown_its_allowance() -> None:
     late = watch.check(last + 61.0)
     assert late is not None
     assert late.details["phase"] == "finishing"
+
+
+def test_executor_stands_by_when_the_membership_leaves_this_node_out(tmp_path: Path) -> None:
+    """A restart whose membership does not name this node stops its workers and launches
+    nothing: the command is done, with why."""
+    host, clock = FakeHost(), Clock()
+    out: list[dict[str, Any]] = []
+    ex = Executor(tmp_path, host, out.append, clock)
+    membership = {"epoch": 1, "nnodes": 2, "endpoint": "h:1", "members": {"n1": 0, "n2": 1},
+                  "waiting": []}
+    ex.submit([{"id": 9, "kind": "restart", "attempt": 3,
+                "plan": {"reason": "node lost", "membership": membership}}])
+    for _ in range(3):
+        host.stopping = False
+        ex.tick()
+    assert ("stand_by", 3, "not a member") in host.calls
+    assert not [c for c in host.calls if c[0] == "launch"]
+    assert [(o["command_id"], o["status"]) for o in out] == [(9, "delivered"), (9, "done")]
+    assert out[-1]["detail"] == "not a member"
