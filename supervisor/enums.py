@@ -115,6 +115,9 @@ class RestartCause(StrEnum):
     NODE_LOST = "node_lost"
     SPIKE = "spike"  # loss spikes and NaN/Inf: the rollback budget
     OPERATOR = "operator"
+    # A node joined a run that stood by for a missing one (a spare registered, the lost node
+    # came back): the restart that starts training again counts against no budget.
+    REPLACE = "replace"
 
 
 class PresenceEvent(StrEnum):
@@ -161,7 +164,11 @@ class SupervisorEvent(StrEnum):
       were replaced (one event per agent an hour, counting them);
     * ``unknown_command_result``: an agent reported on a command not sent to it;
     * ``credentials_revoked``: the run ended, and its agents' credentials were revoked once
-      they had the node-lost deadline to report (details: ``agents``)."""
+      they had the node-lost deadline to report (details: ``agents``);
+    * ``membership_changed``: a restart gave node ranks to spares (details: ``epoch``,
+      ``replaced``: [{node_rank, old, new, why}], ``members``);
+    * ``waiting_for_node``: a restart found node ranks with no node fit to run and no spare
+      left: every member stands by (details: ``waiting``: {node rank: why})."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
@@ -171,3 +178,5 @@ class SupervisorEvent(StrEnum):
     CLOCK_SKEW = "clock_skew"
     UNKNOWN_COMMAND_RESULT = "unknown_command_result"
     CREDENTIALS_REVOKED = "credentials_revoked"
+    MEMBERSHIP_CHANGED = "membership_changed"
+    WAITING_FOR_NODE = "waiting_for_node"

@@ -11,7 +11,14 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from trainwarden.agent.protocol import LRSchedule, normalize_ranges
 from trainwarden.supervisor.api.checkpoint_ref import checkpoint_id, known_checkpoint, no_path
-from trainwarden.supervisor.api.deps import DB, ClockDep, OperatorAuth, ReadAuth, can_read
+from trainwarden.supervisor.api.deps import (
+    DB,
+    ClockDep,
+    OperatorAuth,
+    ReadAuth,
+    Settings,
+    can_read,
+)
 from trainwarden.supervisor.api.errors import ERROR_RESPONSES
 from trainwarden.supervisor.api.responses import ActionRecord, RollbackAccepted, documented
 from trainwarden.supervisor.contract.limits import U31, U63, RunName, Text, text
@@ -60,8 +67,8 @@ class RollbackRequest(BaseModel):
 
 @router.post("/runs/{run}/rollback", response_model=None, status_code=202,
              responses=documented(RollbackAccepted, 202))
-def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: OperatorAuth
-             ) -> JSONResponse:
+def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: OperatorAuth,
+             settings: Settings) -> JSONResponse:
     """Gang-restart the run from the named checkpoint with a resume plan (skip ranges, LR
     schedule).  Validated first (the checkpoint exists, is complete, belongs to this run and
     to its current lineage); nothing is stored when it is refused."""
@@ -87,7 +94,8 @@ def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: 
             actor=auth.actor, now=now)
         if isinstance(decision, policy.Note):
             raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
-        action_id = actions.apply(conn, run=r, decision=decision, now=now)
+        action_id = actions.apply(conn, run=r, decision=decision, now=now,
+                                  live_s=settings.node_lost.deadline_s)
     return JSONResponse({"run": run, "action_id": action_id, "checkpoint": ck["id"],
                          "step": ck["step"]}, status_code=202)
 

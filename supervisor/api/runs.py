@@ -14,6 +14,7 @@ from trainwarden.supervisor.api.deps import (
     ClockDep,
     OperatorAuth,
     ReadAuth,
+    Settings,
     Straggler,
     can_read,
 )
@@ -277,20 +278,22 @@ class StopRequest(BaseModel):
     reason: Text = text(max_length=1000)
 
 
-def _operator(db: Any, run: str, now: float, decide: Any) -> dict[str, Any]:
+def _operator(db: Any, run: str, now: float, decide: Any, live_s: float | None = None
+              ) -> dict[str, Any]:
     with db.write() as conn:
         r = _run_or_404(conn, run)
         decision = decide(conn, r)
         if isinstance(decision, policy.Note):
             raise HTTPException(status.HTTP_409_CONFLICT, f"nothing done: {decision.why}")
-        action_id = actions.apply(conn, run=r, decision=decision, now=now)
+        action_id = actions.apply(conn, run=r, decision=decision, now=now, live_s=live_s)
         return {"run": run, "action_id": action_id, "decision": type(decision).__name__.lower()}
 
 
 @router.post("/runs/{run}/restart", response_model=None,
              responses=documented(OperatorDecision))
 def restart_run(
-    run: RunName, req: RestartRequest, db: DB, clock: ClockDep, auth: OperatorAuth
+    run: RunName, req: RestartRequest, db: DB, clock: ClockDep, auth: OperatorAuth,
+    settings: Settings,
 ) -> dict[str, Any]:
     """Gang-restart the run as its next attempt (operator; no backoff, outside the budget),
     from the checkpoint named by id or step (it must exist, be complete and be on the current
@@ -311,7 +314,7 @@ def restart_run(
         return policy.operator_restart(actions.facts(r), checkpoint=ckpt, step=step,
                                        reason=req.reason, actor=auth.actor, now=clock())
 
-    return _operator(db, run, clock(), decide)
+    return _operator(db, run, clock(), decide, live_s=settings.node_lost.deadline_s)
 
 
 @router.post("/runs/{run}/stop", response_model=None,

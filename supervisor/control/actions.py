@@ -8,12 +8,13 @@ stop: queued -> delivered -> done.  Any agent reporting "failed" marks the actio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from trainwarden.agent.core.states import CommandKind, CommandStatus
 from trainwarden.agent.protocol import ResumePlan
-from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.control import membership, policy
 from trainwarden.supervisor.control.policy import (
     Complete,
     Decision,
@@ -33,9 +34,11 @@ from trainwarden.supervisor.enums import (
     RunStatus,
     SupervisorEvent,
 )
+from trainwarden.supervisor.store import membership as store_membership
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store import registry, windows
 from trainwarden.supervisor.store.db import Connection
+from trainwarden.supervisor.store.membership import RunMembership
 from trainwarden.supervisor.store.rows import ActionRow, RunRow
 
 
@@ -118,9 +121,55 @@ def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
                               progress={**a["progress"], ActionStatus.SUPERSEDED: now})
 
 
+def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None
+                 ) -> tuple[membership.MemberPlan, RunMembership]:
+    """The members the next attempt gets (``membership.plan_members`` on the store's facts):
+    a node is live when heard from within ``live_s`` (None: every node counts as live)."""
+    m = store_membership.run_membership(conn, run_id=run_id)
+    live = frozenset(n["node"] for n in m["nodes"]
+                     if live_s is None or now - n["last_seen_at"] <= live_s)
+    facts = membership.MembershipFacts(
+        nnodes=m["nnodes"], epoch=m["epoch"],
+        members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
+        spares=[n["node"] for n in m["spares"]],
+        cordoned=frozenset())
+    return membership.plan_members(facts), m
+
+
+def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan,
+                   m: RunMembership, now: float) -> tuple[list[int], dict[str, Any] | None]:
+    """Record the attempt's members; returns the agents its restart commands go to (the
+    members fit to run: a waiting rank's missing node gets none) and the membership the
+    commands carry (None: the command declares no world)."""
+    by_node = {n["node"]: n["agent_id"] for n in m["nodes"]}
+    if plan.nnodes is None:
+        return [n["agent_id"] for n in m["nodes"]], None
+    store_membership.assign(conn, run_id=int(run["id"]), epoch=plan.epoch,
+                            members={rank: by_node[node] for rank, node in plan.members.items()})
+    endpoint = store_membership.rendezvous(
+        store_membership.run_membership(conn, run_id=int(run["id"])))
+    attempt = int(run["attempt"])
+    if plan.replaced:
+        rec.insert_event(
+            conn, run_id=run["id"], agent_id=None, attempt=attempt, rank=None, t=now,
+            name=SupervisorEvent.MEMBERSHIP_CHANGED, step=None, message=plan.summary(),
+            details={"epoch": plan.epoch, "members": {str(k): v for k, v in plan.members.items()},
+                     "replaced": [dataclasses.asdict(r) for r in plan.replaced]})
+    if plan.waiting:
+        rec.insert_event(
+            conn, run_id=run["id"], agent_id=None, attempt=attempt, rank=None, t=now,
+            name=SupervisorEvent.WAITING_FOR_NODE, step=None, message=plan.summary(),
+            details={"waiting": {str(k): v for k, v in plan.missing.items()}})
+    waiting = {plan.members.get(k) for k in plan.waiting}
+    targets = [by_node[node] for _, node in sorted(plan.members.items()) if node not in waiting]
+    return targets, plan.wire(endpoint)
+
+
 def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision,
-          now: float) -> int | None:
-    """Write what ``decision`` means; returns the action id when one was created."""
+          now: float, live_s: float | None = None) -> int | None:
+    """Write what ``decision`` means; returns the action id when one was created.  A restart
+    decides its attempt's members too (``plan_members``; ``live_s``: the node-lost
+    deadline)."""
     run_id = int(run["id"])
     if isinstance(decision, Note):
         return None
@@ -142,6 +191,11 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     _supersede_in_progress(conn, run_id, now)
     incident_id = _incident(conn, run_id, decision.incident, now)
     if isinstance(decision, Restart):
+        members, m = plan_members(conn, run_id=run_id, now=now, live_s=live_s)
+        agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now)
+        if members.summary():
+            decision = dataclasses.replace(decision,
+                                           reason=f"{decision.reason}; {members.summary()}")
         action_id = rec.create_action(
             conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.RESTART,
             reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
@@ -154,6 +208,8 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
             # offered as the newest again (the new attempt writes its own).
             rec.abandon_branches(conn, run_id=run_id)
         plan = decision.plan(action_id=action_id)
+        if wire_members is not None:
+            plan["membership"] = wire_members
         rec.update_action(conn, action_id=action_id, plan=plan)
         rec.create_commands(conn, rows=[
             {"run_id": run_id, "agent_id": aid, "action_id": action_id,
@@ -185,6 +241,18 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     registry.set_run_status(conn, run_id=run_id, status=decision.status, now=now,
                             reason=decision.reason)
     return action_id
+
+
+def _release_spares(conn: Connection, *, run_id: int, attempt: int, now: float) -> None:
+    """The run completed: its spares have nothing to stand by for, and stop (a command
+    outside any action)."""
+    for n in store_membership.run_membership(conn, run_id=run_id)["spares"]:
+        rec.create_commands(conn, rows=[{
+            "run_id": run_id, "agent_id": n["agent_id"], "action_id": None,
+            "kind": CommandKind.STOP, "attempt": attempt, "plan": None, "not_before": None,
+            "reason": "the run completed: a spare has nothing left to stand by for",
+            "status": CommandStatus.PENDING, "sent_count": 0, "detail": "",
+            "collect_stacks": False, "created_at": now, "updated_at": now}])
 
 
 def realign(conn: Connection, *, run: RunRow, node: str, decision: policy.Realign,

@@ -26,6 +26,7 @@ from trainwarden.agent import protocol
 from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.agent.core.findings import FindingKind, Severity
+from trainwarden.agent.core.states import NodeRole
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
 from trainwarden.supervisor.control.goodput_feed import GoodputFeed
@@ -164,6 +165,7 @@ class Evaluator:
                     self._protect(conn, run)
                     self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
                     self._presence(conn, run, now)
+                    self._fill_missing(conn, run, now, rep)
             self._revoke_ended(conn, now)
             self._recovered(conn, now)
         self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
@@ -296,6 +298,33 @@ class Evaluator:
         elif beat is not None and beat > g.down_since:
             actions.apply(conn, run=run, now=now, decision=policy.on_agents_back(at=beat))
 
+    # -- membership --------------------------------------------------------------------------
+
+    def _live_s(self) -> float:
+        """A node heard from within this long is live (the node-lost deadline, at the batch
+        interval the agents were asked for)."""
+        return lost_deadline(self.detection, self.advised_batch_interval()).deadline_s
+
+    def _fill_missing(self, conn: Connection, run: RunRow, now: float,
+                      rep: TickReport) -> None:
+        """A run whose attempt stands by for a missing node restarts as soon as a node can
+        take that rank (a spare registered, the lost node came back)."""
+        ranks, waiting = _waiting(conn, run)
+        if not ranks:
+            return
+        plan, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now,
+                                       live_s=self._live_s())
+        if len(plan.waiting) >= len(ranks):
+            return
+        joined = [r.new for r in plan.replaced] or sorted(
+            set(plan.members.values()) & waiting)
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+        decision = policy.on_node_joined(actions.facts(run), joined=joined,
+                                         checkpoint=ckpt["path"] if ckpt else None, now=now)
+        rep.decisions += 1
+        log.info("run %s: %s", run["name"], decision)
+        actions.apply(conn, run=run, decision=decision, now=now, live_s=self._live_s())
+
     # -- attempt mismatch --------------------------------------------------------------------
 
     def _attempt_mismatches(self, conn: Connection, run: RunRow, busy: bool, now: float,
@@ -399,7 +428,8 @@ class Evaluator:
                 if not isinstance(decision, policy.Note):
                     rep.decisions += 1
                     log.info("run %s: %s", run["name"], decision)
-                actions.apply(conn, run=run, decision=decision, now=now)
+                actions.apply(conn, run=run, decision=decision, now=now,
+                              live_s=self._live_s())
                 verdict = decision.verdict if isinstance(decision, policy.Note) else (
                     Verdict.COMPLETED if isinstance(decision, policy.Complete) else Verdict.FAILURE
                 )
@@ -408,7 +438,8 @@ class Evaluator:
     def _on_exit(self, conn: Connection, run: RunRow, ex: ExitRow, now: float
                  ) -> policy.Decision:
         """The policy's decision on one exit, given the run's state in the store."""
-        agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"]))
+        agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"])
+                              if a["role"] == NodeRole.MEMBER)  # a spare runs nothing
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
         pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
         restart_pending = pending is not None and pending["status"] in (
@@ -573,7 +604,8 @@ class Evaluator:
             incident_kinds_this_attempt=frozenset(i["kind"] for i in this_attempt),
             open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
             cfg=self.cfg, now=now,
-            recovery=actions.recovery(conn, run, _named_steps(finding)))
+            recovery=actions.recovery(conn, run, _named_steps(finding)),
+            waiting_for=frozenset(_waiting(conn, run)[1]))
         if isinstance(decision, policy.Note):
             return
         if not isinstance(decision, policy.RecordEvent):
@@ -581,7 +613,7 @@ class Evaluator:
             log.info("run %s: %s", run["name"], decision)
         elif decision.name not in _EPISODE_EVENTS and _seen_event(conn, run, decision):
             return
-        actions.apply(conn, run=run, decision=decision, now=now)
+        actions.apply(conn, run=run, decision=decision, now=now, live_s=self._live_s())
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """Tick until ``stop`` is set; an error in one tick is logged, the loop goes on."""
@@ -617,6 +649,19 @@ def _name_culprit(inc: IncidentRow, details: dict, rank_nodes: dict[int, str]) -
         values["rank"] = culprit.ranks[0]
         values["node"] = rank_nodes.get(culprit.ranks[0])
     return values
+
+
+def _waiting(conn: Connection, run: RunRow) -> tuple[set[int], set[str]]:
+    """The node ranks the run's current attempt stands by for (its restart's membership has
+    ranks waiting: no node fit to run, no spare), and their missing nodes; empty when it
+    runs."""
+    action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+    m = (action["plan"] or {}).get("membership") if action is not None else None
+    if not isinstance(m, dict) or not m.get("waiting"):
+        return set(), set()
+    ranks = {int(k) for k in m["waiting"]}
+    return ranks, {str(node) for node, rank in (m.get("members") or {}).items()
+                   if rank in ranks}
 
 
 def _named_steps(f: policy.FindingFacts) -> list[int]:

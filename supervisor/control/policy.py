@@ -135,7 +135,7 @@ def restart_cause(actor: str | None, cause: str | None) -> str:
     return cause or RestartCause.CRASH
 
 
-RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE)
+RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE, RestartCause.REPLACE)
 
 
 @dataclass(frozen=True)
@@ -475,6 +475,16 @@ def on_exit(
     )
 
 
+def on_node_joined(run: RunFacts, *, joined: Sequence[str], checkpoint: str | None,
+                   now: float) -> Restart:
+    """The run stood by for a missing node and one is fit to run now (a spare registered,
+    the lost node came back): restart the gang on it at once.  Counts against no budget (the
+    loss was counted when it happened)."""
+    return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
+                   reason=f"gang restart: {', '.join(joined)} can take the missing node "
+                          "rank(s)", cause=RestartCause.REPLACE, counts_against_budget=False)
+
+
 def operator_restart(
     run: RunFacts, *, checkpoint: str | None, reason: str, actor: str, now: float,
     step: int | None = None,
@@ -608,17 +618,22 @@ class FindingFacts:
 
 def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: frozenset[str],
                open_watch: frozenset[tuple[str, int | None]], checkpoint: str | None,
-               cfg: PolicyConfig, now: float, recovery: RecoveryFacts | None = None
-               ) -> FindingDecision:
+               cfg: PolicyConfig, now: float, recovery: RecoveryFacts | None = None,
+               waiting_for: frozenset[str] = frozenset()) -> FindingDecision:
     """Decide what one finding means.
 
     ``incident_kinds_this_attempt``: kinds of the incidents already opened for the run's
     current attempt (open or resolved); ``open_watch``: (kind, rank) of the open watch
-    incidents (straggler, loss spike), so one episode is one incident, never a flood."""
+    incidents (straggler, loss spike), so one episode is one incident, never a flood;
+    ``waiting_for``: the missing nodes the current attempt stands by for (no spare was
+    left): their silence is already answered, never restarted into again."""
     if f.attempt != run.attempt:
         return Note(Verdict.LATE, f"finding of attempt {f.attempt}; the run is at {run.attempt}")
     if run.status in FINAL_STATUSES:
         return Note(Verdict.IGNORED, f"run is {run.status}")
+    if f.kind == IncidentKind.NODE_LOST and f.node in waiting_for:
+        return Note(Verdict.WAIT, f"node {f.node} is lost and no spare is left: the members "
+                                  "stand by until it or a spare joins")
     if f.severity != Severity.INCIDENT:
         return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
                            details=f.details)

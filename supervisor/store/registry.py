@@ -10,7 +10,7 @@ from typing import Any, Literal, cast
 from sqlalchemy import Connection, func, or_, select, update
 
 from trainwarden.agent.core.launch import unrewritable
-from trainwarden.agent.core.states import AgentState
+from trainwarden.agent.core.states import AgentState, NodeRole
 from trainwarden.supervisor.contract import wire
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
 from trainwarden.supervisor.store import credentials, membership
@@ -187,11 +187,13 @@ def set_protected(conn: Connection, *, run_id: int, paths: list[str]) -> None:
 
 
 def agents_off_attempt(conn: Connection, *, run_id: int, attempt: int) -> list[AgentAttemptRow]:
-    """The run's agents whose reports carry an attempt other than ``attempt`` (read every
-    tick inside the write transaction: only those rows, no JSON health columns)."""
+    """The run's members whose reports carry an attempt other than ``attempt`` (read every
+    tick inside the write transaction: only those rows, no JSON health columns).  A spare
+    runs no attempt: it is never realigned."""
     a = agents.c
     q = (select(a.id, a.node, a.attempt, a.state, a.last_seen_at)
-         .where(a.run_id == run_id, a.attempt.is_not(None), a.attempt != attempt)
+         .where(a.run_id == run_id, a.attempt.is_not(None), a.attempt != attempt,
+                a.role == NodeRole.MEMBER)
          .order_by(a.id))
     return [{"id": int(i), "node": n, "attempt": int(at), "state": st, "last_seen_at": t}
             for i, n, at, st, t in conn.execute(q)]

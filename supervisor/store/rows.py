@@ -69,6 +69,10 @@ class AgentRow(TypedDict):
     workers: list[Any] | None
     gpus: dict[str, Any] | None
     dropped: int
+    role: str  # a NodeRole: member or spare
+    node_rank: int | None
+    address: str
+    devices: int | None
 
 
 class AgentLiveness(TypedDict):

@@ -63,7 +63,7 @@ def as_agent(client: TestClient, agent_id: int) -> dict[str, str]:
 
 def register(client: TestClient, run: str = "r1", node: str = "n0",
              headers: dict[str, str] | None = None, roots: list[str] | None = None,
-             nnodes: int = 8) -> dict[str, Any]:
+             nnodes: int = 2, spare: bool = False) -> dict[str, Any]:
     """Register (again: presenting the credential it got before for this run and node); its
     checkpoints are saved under ``/ck`` unless ``roots`` says.  Its torchrun command declares
     ``nnodes`` nodes (a run admits that many)."""
@@ -74,7 +74,7 @@ def register(client: TestClient, run: str = "r1", node: str = "n0",
     r = client.post("/api/v1/agents/register", headers=h,
                     json={"run": run, "node": node, "hostname": f"host-{node}", "pid": 1,
                           "command": ["torchrun", f"--nnodes={nnodes}", "train.py"],
-                          "nproc_per_node": 2,
+                          "nproc_per_node": 2, "spare": spare,
                           "checkpoint_roots": ["/ck"] if roots is None else roots})
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
@@ -117,7 +117,7 @@ def crash(attempt: int = 0, rank: int = 0, code: int = 1) -> dict[str, Any]:
 def run_with_checkpoints(client: TestClient) -> int:
     """Run r1 on one agent (two ranks): steps 0-129 and complete checkpoints at steps 50, 100
     and 125 (/ck/step_N); returns the agent id (its next seq is 1)."""
-    a = register(client, node="n0")["agent_id"]
+    a = register(client, node="n0", nnodes=1)["agent_id"]
     items: list[dict[str, Any]] = [step(r, s, world_size=2) for s in range(0, 130)
                                    for r in (0, 1)]
     for s in (50, 100, 125):

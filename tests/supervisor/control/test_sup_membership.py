@@ -1,0 +1,183 @@
+"""Each attempt's members: the pure decision (``control.membership``), and the evaluator
+replacing a lost member with a spare, standing by when none is left, and restarting as soon
+as a node can take the missing rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from tests.supervisor.sup_helpers import (
+    OPERATOR,
+    FakeClock,
+    as_agent,
+    crash,
+    ingest,
+    register,
+    step,
+)
+from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.control.membership import (
+    MembershipFacts,
+    Replacement,
+    plan_members,
+)
+
+LIVE = frozenset({"n0", "n1", "s0", "s1"})
+
+
+def facts(**kw: Any) -> MembershipFacts:
+    base: dict[str, Any] = {"nnodes": 2, "epoch": 3, "members": {0: "n0", 1: "n1"},
+                            "live": LIVE, "spares": ["s0", "s1"]}
+    base.update(kw)
+    return MembershipFacts(**base)
+
+
+def test_members_fit_to_run_keep_their_ranks_and_the_epoch() -> None:
+    p = plan_members(facts())
+    assert p.members == {0: "n0", 1: "n1"} and p.epoch == 3
+    assert p.replaced == () and p.waiting == () and p.summary() == ""
+
+
+def test_a_lost_member_gives_its_rank_to_the_first_free_spare() -> None:
+    p = plan_members(facts(live=LIVE - {"n0"}))
+    assert p.members == {0: "s0", 1: "n1"} and p.epoch == 4
+    assert p.replaced == (Replacement(node_rank=0, old="n0", new="s0", why="lost"),)
+    assert p.summary() == "s0 takes node rank 0 of n0 (lost)"
+    wire = p.wire("h:29404")
+    assert wire == {"epoch": 4, "nnodes": 2, "endpoint": "h:29404",
+                    "members": {"s0": 0, "n1": 1}, "waiting": []}
+
+
+def test_a_cordoned_member_is_replaced_and_a_silent_or_cordoned_spare_is_never_chosen() -> None:
+    p = plan_members(facts(cordoned=frozenset({"n1", "s0"})))
+    assert p.members == {0: "n0", 1: "s1"}
+    assert p.replaced == (Replacement(node_rank=1, old="n1", new="s1", why="cordoned"),)
+    p = plan_members(facts(live=LIVE - {"n1", "s0"}))
+    assert p.members == {0: "n0", 1: "s1"}
+
+
+def test_without_a_spare_the_rank_waits_and_keeps_its_node() -> None:
+    p = plan_members(facts(live=LIVE - {"n1"}, spares=[]))
+    assert p.members == {0: "n0", 1: "n1"} and p.epoch == 3
+    assert p.waiting == (1,) and p.missing == {1: "n1 lost"}
+    assert "node rank 1 waits for a node (n1 lost; no spare left)" in p.summary()
+    # one spare, two lost members: one replaced, one waits
+    p = plan_members(facts(live=frozenset({"s0"}), spares=["s0"]))
+    assert p.members == {0: "s0", 1: "n1"} and p.waiting == (1,)
+
+
+def test_a_command_without_a_world_decides_nothing() -> None:
+    p = plan_members(facts(nnodes=None, live=frozenset()))
+    assert p.members == {0: "n0", 1: "n1"} and p.nnodes is None and p.waiting == ()
+
+
+# -- through the evaluator and the store ----------------------------------------------------
+
+
+def get(client: TestClient, path: str) -> Any:
+    r = client.get(f"/api/v1/runs/r1{path}", headers=OPERATOR)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def start(client: TestClient, spare: bool) -> dict[str, int]:
+    ids = {n: register(client, node=n)["agent_id"] for n in ("n0", "n1")}
+    if spare:
+        r = register(client, node="s0", spare=True)
+        assert r["membership"]["role"] == "spare", r
+        ids["s0"] = r["agent_id"]
+    ingest(client, ids["n0"], 0, [step(0, 0), {"type": "checkpoint", "step": 1, "path": "/ck/1",
+                                                 "bytes": 5, "t": 10.0, "lineage": "a0"}])
+    ingest(client, ids["n1"], 0, [step(1, 0)])
+    return ids
+
+
+def heartbeat(client: TestClient, aid: int, seq: int, attempt: int = 0) -> dict[str, Any]:
+    return ingest(client, aid, seq, [], attempt=attempt)
+
+
+def test_a_lost_member_is_replaced_by_the_spare_at_once(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock) -> None:
+    ids = start(client, spare=True)
+    evaluator.tick()
+    clock.advance(40)  # past the node-lost deadline (30 s): n1 silent, n0 and s0 heard
+    heartbeat(client, ids["n0"], 1)
+    heartbeat(client, ids["s0"], 0)
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["kind"] == "node_lost" and inc["node"] == "n1"
+    (act,) = get(client, "/actions")["actions"]
+    assert act["kind"] == "restart" and act["cause"] == "node_lost"
+    assert "s0 takes node rank 1 of n1 (lost)" in act["reason"]
+    m = act["plan"]["membership"]
+    assert m["members"] == {"n0": 0, "s0": 1} and m["epoch"] == 1 and m["waiting"] == []
+    assert m["endpoint"] == "testclient:29501"  # n0 hosts; the port moved with the epoch
+    # the restart goes to the new members; the spare learns its rank from the command
+    cmd = heartbeat(client, ids["s0"], 1)["commands"]
+    assert [c["plan"]["membership"]["members"]["s0"] for c in cmd] == [1]
+    assert [c["kind"] for c in heartbeat(client, ids["n0"], 2)["commands"]] == ["restart"]
+    # the lost node, should it wake, is told it is no longer a member
+    reply = heartbeat(client, ids["n1"], 1)
+    assert reply["role"] == "spare" and reply["epoch"] == 1 and reply["commands"] == []
+    events = [e["name"] for e in get(client, "/events")["events"]]
+    assert "membership_changed" in events
+
+
+def test_without_a_spare_the_members_stand_by_and_a_spare_that_registers_ends_the_wait(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock) -> None:
+    ids = start(client, spare=False)
+    evaluator.tick()
+    clock.advance(40)
+    heartbeat(client, ids["n0"], 1)
+    evaluator.tick()
+    (act,) = get(client, "/actions")["actions"]
+    assert act["plan"]["membership"]["waiting"] == [1], act
+    assert "node rank 1 waits for a node (n1 lost; no spare left)" in act["reason"]
+    assert [c["kind"] for c in heartbeat(client, ids["n0"], 2)["commands"]] == ["restart"]
+    # the lost node stays silent: no restart loop, however many ticks
+    for i in range(5):
+        clock.advance(40)
+        heartbeat(client, ids["n0"], 3 + i, attempt=1)
+        evaluator.tick()
+    assert len(get(client, "/actions")["actions"]) == 1
+    assert get(client, "")["status"] == "restarting"
+    assert [i["kind"] for i in get(client, "/incidents")["incidents"]] == ["node_lost"]
+    # a spare registers: the gang restarts on it at once, counted against no budget
+    register(client, node="s0", spare=True)
+    evaluator.tick()
+    acts = get(client, "/actions")["actions"]
+    assert len(acts) == 2, acts
+    new = max(acts, key=lambda a: a["id"])
+    assert new["cause"] == "replace" and new["plan"]["membership"]["members"] == {
+        "n0": 0, "s0": 1}
+    assert new["plan"]["membership"]["waiting"] == []
+    run = get(client, "")
+    assert run["attempt"] == 2 and run["restarts_by_cause"]["node_lost"] == 1
+
+
+def test_the_lost_node_coming_back_ends_the_wait_in_its_own_rank(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock) -> None:
+    ids = start(client, spare=False)
+    evaluator.tick()
+    clock.advance(40)
+    heartbeat(client, ids["n0"], 1)
+    evaluator.tick()
+    heartbeat(client, ids["n1"], 1)  # n1 is heard again
+    evaluator.tick()
+    new = max(get(client, "/actions")["actions"], key=lambda a: a["id"])
+    assert new["cause"] == "replace"
+    assert new["plan"]["membership"]["members"] == {"n0": 0, "n1": 1}
+
+
+def test_a_crash_while_a_spare_waits_restarts_on_the_same_members(
+        client: TestClient, evaluator: Evaluator) -> None:
+    ids = start(client, spare=True)
+    ingest(client, ids["n0"], 1, [crash()])
+    evaluator.tick()
+    (act,) = get(client, "/actions")["actions"]
+    assert act["plan"]["membership"]["members"] == {"n0": 0, "n1": 1}
+    assert act["plan"]["membership"]["epoch"] == 0
+    assert heartbeat(client, ids["s0"], 0)["commands"] == []  # the spare is not restarted
+    assert as_agent(client, ids["s0"])  # (it keeps its credential)
