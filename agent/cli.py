@@ -6,6 +6,7 @@ own.
 
     trainwarden agent --supervisor URL --run NAME [--node NAME] [--token T]
                       [--state-dir DIR] [--checkpoint-root DIR] [--stop-grace S]
+                      [--no-preflight] [--preflight-timeout S]
                       -- torchrun --nproc_per_node=2 train.py ...
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from trainwarden.agent.config import ENV_AGENT_TOKEN, AgentConfig
 from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.protocol import PREFLIGHT_TIMEOUT_S
 
 _HANG = HangConfig()  # the defaults of the local watchdog: the supervisor's
 
@@ -52,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang-startup", type=float, default=_HANG.startup_s, metavar="S",
                         help="local hang watchdog: allowance from launch to the first step "
                              f"(default {_HANG.startup_s:g})")
+    parser.add_argument("--no-preflight", dest="preflight", action="store_false",
+                        help="skip the workers' preflight health check (their device, a "
+                             "checked matmul, a timed all-reduce) before the first step")
+    parser.add_argument("--preflight-timeout", type=float, default=PREFLIGHT_TIMEOUT_S,
+                        metavar="S",
+                        help="the preflight's bound on its all-reduce, in seconds (default "
+                             f"{PREFLIGHT_TIMEOUT_S:g}; raise it for a large NCCL job)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -74,6 +83,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         checkpoint_root=args.checkpoint_root,
         stop_grace_s=args.stop_grace,
         hang=_hang_config(args.hang_floor, args.hang_startup),
+        preflight=args.preflight,
+        preflight_timeout_s=args.preflight_timeout,
         **kwargs,  # type: ignore[arg-type]
     )
 
