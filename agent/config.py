@@ -78,9 +78,9 @@ class AgentConfig:
     gpu_interval_s: float = bounded(5.0, gt=0)
     # Each worker's preflight health check after its process group starts, before its first
     # step (trainwarden.agent.worker.preflight: its device, a checked matmul, a timed
-    # all-reduce across the new gang); a worker that fails it exits before training.  Costs
-    # about 0.03 s per worker with 2 gloo workers on a 2-core CPU machine
-    # (benchmarks/results/2026-12-05-preflight.md).  False: not run.
+    # all-reduce across the new gang); a worker that fails it exits before training.
+    # Measured: about 0.03 s per worker (at most 0.05 s) with 2 gloo workers on a 2-core CPU
+    # machine (benchmarks/results/2026-12-05-preflight.md).  False: not run.
     preflight: bool = True
     # The preflight's bound on its all-reduce (seconds); with the local checks' milliseconds
     # the default keeps the whole check under 5 s.  Raise it for a large NCCL job, whose
