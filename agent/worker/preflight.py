@@ -233,13 +233,20 @@ def check_compute(device: torch.device, *, size: int = MATMUL_SIZE,
             out[0, 0] += 1e3  # a wrong entry, as a faulty unit would write it
         got = out.to("cpu", torch.float64)  # waits for the device
     except Exception as e:  # a CUDA error is this check's answer, not a crash
-        return Check("compute", False, clock() - t0, f"{what} raised {type(e).__name__}: {e}")
+        return Check("compute", False, clock() - t0,
+                     f"{what} raised {type(e).__name__}: {_first_line(e)}")
     ref = a.double() @ b.double()
     error = float(((got - ref).abs().max() / ref.abs().max()).item())
     passed = error <= tolerance  # NaN fails
     return Check("compute", passed, clock() - t0,
                  f"{what}: largest error {error:.1e} of the largest entry "
                  f"({'within' if passed else 'outside'} tolerance {tolerance:g})")
+
+
+def _first_line(e: BaseException) -> str:
+    # The result's ``failed`` is one line; CUDA's and gloo's messages run on for several.
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -319,9 +326,9 @@ def check_allreduce(*, timeout_s: float, group: dist.ProcessGroup | None = None,
             time.sleep(max(0.0, deadline - clock()) + 0.05)
         took = clock() - t0
     except Exception as e:  # the backend's error (a peer gone, its own timeout)
-        first_line = str(e).splitlines()[0] if str(e) else ""
         return Check("allreduce", False, clock() - t0,
-                     f"all-reduce across {world} ranks raised {type(e).__name__}: {first_line}")
+                     f"all-reduce across {world} ranks raised {type(e).__name__}: "
+                     f"{_first_line(e)}")
     finally:
         if shortened:
             # A collective still in flight keeps the short timeout it was started with.

@@ -206,3 +206,16 @@ def test_a_preflight_failure_is_the_machines_not_a_collective_timeout() -> None:
     # The script's frame is in its traceback, yet a retry on another node may pass.
     assert rootcause.classify(rc) == rootcause.FailureClass.MACHINE
     assert rootcause.fingerprint(rc) is None
+
+
+def test_a_device_error_fails_the_compute_check_on_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\n"
+                           "CUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(torch.Tensor, "to", broken)
+    check = pf.check_compute(torch.device("cuda", 1))
+    assert not check.passed
+    assert check.detail == ("256x256 float32 matmul on cuda:1 raised RuntimeError: CUDA error: "
+                            "an illegal memory access was encountered")
