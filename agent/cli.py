@@ -6,6 +6,7 @@ own.
 
     trainwarden agent --supervisor URL --run NAME [--node NAME] [--token T]
                       [--state-dir DIR] [--checkpoint-root DIR] [--stop-grace S]
+                      [--no-preflight] [--preflight-timeout S]
                       -- torchrun --nproc_per_node=2 train.py ...
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from trainwarden.agent.config import ENV_AGENT_TOKEN, AgentConfig
 from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.protocol import PREFLIGHT_TIMEOUT_S
 
 _HANG = HangConfig()  # the defaults of the local watchdog: the supervisor's
 
@@ -60,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the address other nodes reach this node's rendezvous at when "
                              "the supervisor makes it node rank 0 (default: the address the "
                              "supervisor sees this agent's requests come from)")
+    parser.add_argument("--no-preflight", dest="preflight", action="store_false",
+                        help="skip the workers' preflight health check (their device, a "
+                             "checked matmul, a timed all-reduce) before the first step")
+    parser.add_argument("--preflight-timeout", type=float, default=PREFLIGHT_TIMEOUT_S,
+                        metavar="S",
+                        help="the preflight's bound on its all-reduce, in seconds (default "
+                             f"{PREFLIGHT_TIMEOUT_S:g}; raise it for a large NCCL job)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("command", nargs=argparse.REMAINDER,
@@ -84,6 +93,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang=_hang_config(args.hang_floor, args.hang_startup),
         spare=bool(getattr(args, "spare", False)),
         advertise_addr=str(getattr(args, "advertise_addr", "") or ""),
+        preflight=args.preflight,
+        preflight_timeout_s=args.preflight_timeout,
         **kwargs,  # type: ignore[arg-type]
     )
 

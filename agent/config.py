@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainwarden.agent import deadletter, uplink
+from trainwarden.agent import deadletter, protocol, uplink
 from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.hang import HangConfig
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
@@ -82,6 +82,17 @@ class AgentConfig:
     # Where this node's torchrun can host the rendezvous, as the other nodes reach it (host
     # name or IP); empty: the address the supervisor sees this agent's requests come from.
     advertise_addr: str = ""
+    # Each worker's preflight health check after its process group starts, before its first
+    # step (trainwarden.agent.worker.preflight: its device, a checked matmul, a timed
+    # all-reduce across the new gang); a worker that fails it exits before training.
+    # Measured: about 0.03 s per worker (at most 0.05 s) with 2 gloo workers on a 2-core CPU
+    # machine (benchmarks/results/2026-12-05-preflight.md).  False: not run.
+    preflight: bool = True
+    # The preflight's bound on its all-reduce (seconds); with the local checks' milliseconds
+    # the default keeps the whole check under 5 s.  Raise it for a large NCCL job, whose
+    # first collective sets up the communicator.
+    preflight_timeout_s: float = bounded(protocol.PREFLIGHT_TIMEOUT_S, gt=0, finite=True,
+                                         hint="the default is 4")
 
     def __post_init__(self) -> None:
         # The supervisor's rules (trainwarden.agent.core.names), checked here so a bad address or
@@ -116,6 +127,12 @@ class AgentConfig:
         """The state directory (set by ``__post_init__``; typed non-optional for callers)."""
         assert self.state_dir is not None
         return self.state_dir
+
+    @property
+    def worker_env(self) -> dict[str, str]:
+        """What this config sets in the workers' environment (over the agent's own)."""
+        return {protocol.ENV_PREFLIGHT: "1" if self.preflight else "0",
+                protocol.ENV_PREFLIGHT_TIMEOUT: repr(float(self.preflight_timeout_s))}
 
     @property
     def socket_path(self) -> Path:

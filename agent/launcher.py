@@ -30,7 +30,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -212,6 +212,7 @@ class Launcher:
         state_dir: Path,
         socket_path: Path,
         stop_grace_s: float = 5.0,
+        worker_env: Mapping[str, str] | None = None,
         echo: bool = True,
         popen: PopenFactory = subprocess.Popen,
         clock: Callable[[], float] = time.time,
@@ -221,6 +222,7 @@ class Launcher:
         self.state_dir = state_dir
         self.socket_path = socket_path
         self.stop_grace_s = stop_grace_s
+        self.worker_env = dict(worker_env or {})  # the agent's options for the workers
         self.echo = echo
         self._popen = popen
         self._clock = clock
@@ -311,6 +313,7 @@ class Launcher:
         self._targets = {}
         self._tail.clear()
         env = dict(os.environ)
+        env.update(self.worker_env)
         env.update(self.marks())
         env[protocol.ENV_ATTEMPT] = str(attempt)
         if plan_path is not None:

@@ -106,8 +106,8 @@ class Agent:
         self._transport = transport
         self.launcher = Launcher(
             config.command, run=config.run, node=config.node, state_dir=self.state_dir,
-            socket_path=config.socket_path, stop_grace_s=config.stop_grace_s, echo=echo,
-            popen=popen, clock=clock,
+            socket_path=config.socket_path, stop_grace_s=config.stop_grace_s,
+            worker_env=config.worker_env, echo=echo, popen=popen, clock=clock,
         )
         self.receiver = DatagramReceiver(config.socket_path, config.queue_max)
         self.stats = WorkerStats()

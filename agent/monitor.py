@@ -244,6 +244,19 @@ class GpuHealth:
             return {"available": False, "reason": self._unavailable or "unknown"}
         return {"available": True, "devices": [self._device(i, h) for i, h in enumerate(handles)]}
 
+    def uuid(self, index: int) -> str | None:
+        """NVML's UUID of device ``index`` (``GPU-...``), by which a CUDA device is matched to
+        its readings: NVML counts every GPU of the machine in its own order, CUDA only the
+        visible ones.  None where NVML or that reading is not available."""
+        handles = self._start()
+        if handles is None or not 0 <= index < len(handles):
+            return None
+        try:
+            u = self._nvml.nvmlDeviceGetUUID(handles[index])
+        except Exception:
+            return None
+        return u.decode() if isinstance(u, bytes) else str(u)
+
     def _device(self, index: int, h: Any) -> dict[str, Any]:
         nv = self._nvml
 

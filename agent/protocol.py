@@ -47,6 +47,14 @@ ENV_RESUME_PLAN = "TRAINWARDEN_RESUME_PLAN"
 ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 ENV_RUN = "TRAINWARDEN_RUN"
 ENV_NODE = "TRAINWARDEN_NODE"
+# The preflight health check each worker runs before its first step
+# (``trainwarden.agent.worker.preflight``): "0" turns it off; the bound on its all-reduce.
+ENV_PREFLIGHT = "TRAINWARDEN_PREFLIGHT"
+ENV_PREFLIGHT_TIMEOUT = "TRAINWARDEN_PREFLIGHT_TIMEOUT_S"
+# The preflight's default bound (seconds), here so that the agent's config needs no torch.  It
+# bounds the wait on the all-reduce, so that with the local checks' few milliseconds the whole
+# check stays under 5 s.
+PREFLIGHT_TIMEOUT_S = 4.0
 
 # A checkpoint directory holding this file is never deleted by the workers' retention.
 PIN_FILE = "PINNED"
@@ -100,6 +108,11 @@ class WorkerEventName(StrEnum):
     FLOPS_DECLARED = "flops_declared"
     # A fault the test harness injected fired (``trainwarden.agent.worker.faults``).
     FAULT_INJECTED = "fault_injected"
+    # The preflight health check ran (``trainwarden.agent.worker.preflight``), once per
+    # worker process, before its first step; details: {passed, checks: [{name, passed,
+    # seconds, detail}], seconds, failed (one line, or null), node, hostname}.  A failed one
+    # is followed by the worker's exit (PreflightFailed).
+    PREFLIGHT = "preflight"
 
 
 class AgentEventName(StrEnum):

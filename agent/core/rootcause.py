@@ -299,10 +299,13 @@ def from_dict(d: Any) -> RootCause | None:
 
 
 # Exceptions and messages of the machine and the fabric, not of the script: a retry may pass.
+# PreflightFailed (trainwarden.agent.worker.preflight) is a device or fabric found faulty
+# before the first step; raised under the script's call to init_distributed, it would
+# otherwise read as the script's own bug.
 _MACHINE_TYPES = re.compile(
     r"(?:^|\.)(?:DistError|DistBackendError|DistNetworkError|DistStoreError|"
     r"OutOfMemoryError|MemoryError|RendezvousError\w*|ConnectionError|ConnectionResetError|"
-    r"BrokenPipeError|TimeoutError)$")
+    r"BrokenPipeError|TimeoutError|PreflightFailed)$")
 _MACHINE_WORDS = re.compile(
     r"nccl|gloo|c10d|connection reset|connection closed by peer|connection refused|"
     r"broken pipe|out of memory|cuda error|cudnn|ecc error|xid|timed out|watchdog|"

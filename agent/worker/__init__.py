@@ -31,6 +31,7 @@ from trainwarden.agent.worker.checkpoint import (
 )
 from trainwarden.agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
 from trainwarden.agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
+from trainwarden.agent.worker.preflight import PreflightFailed, PreflightResult
 from trainwarden.agent.worker.report import (
     PhaseTimer,
     Reporter,
@@ -55,6 +56,8 @@ __all__ = [
     "GlobalBatchOrder",
     "LRSchedule",
     "PhaseTimer",
+    "PreflightFailed",
+    "PreflightResult",
     "Reporter",
     "ResumableLoader",
     "ResumeInfo",

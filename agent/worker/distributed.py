@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.agent.worker.preflight import PreflightFailed, preflight_at_start
 from trainwarden.agent.worker.report import PhaseTimer, current_attempt, get_reporter
 
 # Python stacks of every thread go to stderr on this signal (the agent sends it to a hung
@@ -53,6 +54,12 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
 
     A collective timeout or other distributed error that ends the process is reported to the
     agent (rank, collective, message) before the process exits non-zero.
+
+    Once per process, before returning, every rank runs the preflight health check
+    (``trainwarden.agent.worker.preflight``: its device, a checked matmul, a timed
+    all-reduce across the new group) and reports it; a failed check raises
+    ``PreflightFailed``, so the worker exits before its first step.
+    ``TRAINWARDEN_PREFLIGHT=0`` turns it off.
     """
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=float(timeout))
@@ -82,7 +89,16 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
     reporter.event(WorkerEventName.STARTED, f"rank {rank}/{world_size} started",
                    details={"backend": backend, "timeout_s": timeout.total_seconds(),
                             "local_rank": local_rank})
+    global _preflight_ran
+    if not _preflight_ran:
+        _preflight_ran = True
+        preflight_at_start(local_rank=local_rank, group_timeout=timeout, reporter=reporter)
     return DistInfo(rank, world_size, local_rank, backend, device, attempt)
+
+
+# The preflight checks the gang this process first joins; a script that starts a group again
+# in the same process is not checked twice.
+_preflight_ran = False
 
 
 _backend_cleanup_registered = False
@@ -130,6 +146,10 @@ def install_failure_reporting() -> None:
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:
     """(event name, collective) for an exception that is about to end a worker."""
+    if isinstance(exc, PreflightFailed):
+        # Its own event said which check failed; its words ("all-reduce", "bound") must not
+        # read as a collective timeout of the training.
+        return WorkerEventName.EXCEPTION, "unknown"
     msg = str(exc)
     low = msg.lower()
     collective = collective_from_traceback(exc.__traceback__) or _collective_from_message(low)

@@ -40,7 +40,8 @@ from trainwarden.agent import protocol
 
 def _record(pid_dir: Path, role: str) -> None:
     keys = [protocol.ENV_ATTEMPT, protocol.ENV_RESUME_PLAN, protocol.ENV_RUN, protocol.ENV_NODE,
-            protocol.ENV_AGENT_SOCKET, "RANK", "LOCAL_RANK"]
+            protocol.ENV_AGENT_SOCKET, protocol.ENV_PREFLIGHT, protocol.ENV_PREFLIGHT_TIMEOUT,
+            "TRAINWARDEN_PREFLIGHT_INJECT", "RANK", "LOCAL_RANK"]
     data: dict[str, Any] = {k: os.environ.get(k) for k in keys}
     data["pid"] = os.getpid()
     data["role"] = role

@@ -156,6 +156,26 @@ def test_completed_run_ends_agent_with_zero(fake_run: FakeRun, fake_supervisor: 
     assert len(fake_supervisor.items("step")) == 6
 
 
+def test_the_preflight_options_reach_the_workers(fake_run: FakeRun,
+                                                fake_supervisor: FakeSupervisor,
+                                                agents: list[Agent],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent's options are set in the workers' environment, over what the agent itself
+    inherited; the preflight's test aid in the agent's environment reaches its workers."""
+    monkeypatch.setenv(protocol.ENV_PREFLIGHT, "1")  # the config decides, not this
+    monkeypatch.setenv("TRAINWARDEN_PREFLIGHT_INJECT", "fail:allreduce")
+    cfg = fake_run.config("complete", "--steps", "1", preflight=False, preflight_timeout_s=2.5)
+    agent = make_agent(agents, cfg, fake_supervisor)
+    agent.start()
+    tick_until(agent, lambda: agent.result == 0, what="agent result 0")
+    agent.shutdown("done")
+    workers = fake_run.records("worker")
+    assert len(workers) == 2
+    assert {(w[protocol.ENV_PREFLIGHT], w[protocol.ENV_PREFLIGHT_TIMEOUT],
+             w["TRAINWARDEN_PREFLIGHT_INJECT"]) for w in workers} == {
+        ("0", "2.5", "fail:allreduce")}
+
+
 def test_crash_then_restart_command_relaunches_with_plan(fake_run: FakeRun,
                                                          fake_supervisor: FakeSupervisor,
                                                          agents: list[Agent]) -> None:

@@ -94,6 +94,28 @@ def test_config_rules_name_the_fix(tmp_path: Path) -> None:
                     tick_interval_s=2)
 
 
+def test_the_preflight_options_from_the_command_line(tmp_path: Path) -> None:
+    import argparse
+
+    from trainwarden.agent.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--supervisor", "http://s", "--run", "r", "--state-dir", str(tmp_path)]
+    cfg = config_from_args(parser.parse_args([*base, "--", "torchrun", "t.py"]))
+    assert cfg.preflight and cfg.preflight_timeout_s == protocol.PREFLIGHT_TIMEOUT_S == 4.0
+    assert cfg.worker_env == {protocol.ENV_PREFLIGHT: "1",
+                              protocol.ENV_PREFLIGHT_TIMEOUT: "4.0"}
+    cfg = config_from_args(parser.parse_args(
+        [*base, "--no-preflight", "--preflight-timeout", "10", "--", "torchrun", "t.py"]))
+    assert cfg.worker_env == {protocol.ENV_PREFLIGHT: "0",
+                              protocol.ENV_PREFLIGHT_TIMEOUT: "10.0"}
+    with pytest.raises(ValueError, match=r"^AgentConfig\.preflight_timeout_s must be a finite "
+                                         r"number > 0 \(got 0\.0\); the default is 4$"):
+        config_from_args(parser.parse_args(
+            [*base, "--preflight-timeout", "0", "--", "torchrun", "t.py"]))
+
+
 def test_config_socket_path_fits_and_nproc(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 120)
     cfg = AgentConfig(supervisor_url="http://s/", run="r", node="n", state_dir=deep,
