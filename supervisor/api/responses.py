@@ -77,6 +77,27 @@ class AgentBrief(_Answer):
                                                   "per worker: rank, pid, cpu_percent, ...)")
     gpus: dict[str, Any] | None = Field(description="the node's GPUs as last read")
     dropped: int = Field(description="items the agent dropped (its spool full)")
+    role: str = Field(description="member (holds a node rank) or spare (runs nothing until "
+                                  "it takes a lost or cordoned member's rank)")
+    node_rank: int | None = Field(description="the node rank a member holds")
+    joined_as: str = Field(description="what the node registered as: member or spare")
+    address: str = Field(description="where its torchrun hosts the rendezvous when it "
+                                     "holds node rank 0")
+    nproc_per_node: int | None = Field(description="its capacity: processes per node")
+    devices: int | None = Field(description="its capacity: GPUs (null: none seen)")
+
+
+class MembershipSummary(_Answer):
+    """The run's nodes (``trainwarden.supervisor.control.membership.capacity``)."""
+
+    nnodes: int | None = Field(description="the world the members' torchrun declares")
+    epoch: int = Field(description="the membership epoch: it grows each time spares take "
+                                   "node ranks")
+    spares: int = Field(description="free spares: heard from within the node-lost deadline, "
+                                    "not cordoned")
+    spares_configured: bool = Field(description="a node registered into the run as a spare")
+    missing: list[int] = Field(description="node ranks with no node fit to run and no spare "
+                                           "to take them: the run stands by for them")
 
 
 class RunSummary(_Answer):
@@ -101,6 +122,7 @@ class RunSummary(_Answer):
     protected: list[str] = Field(description="checkpoint paths the workers' retention keeps "
                                              "besides the newest few")
     agents: list[AgentBrief]
+    membership: MembershipSummary
     created_at: float
     updated_at: float
 

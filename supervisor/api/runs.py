@@ -55,7 +55,13 @@ def _run_or_404(conn: Connection, name: str) -> RunRow:
     return run
 
 
-def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
+def _membership(conn: Connection, run: RunRow, now: float, live_s: float) -> dict[str, Any]:
+    c = actions.capacity(conn, run_id=int(run["id"]), now=now, live_s=live_s)
+    return {"nnodes": c.nnodes, "epoch": c.epoch, "spares": c.spares,
+            "spares_configured": c.spares_configured, "missing": list(c.missing)}
+
+
+def _summary(conn: Connection, run: RunRow, now: float, live_s: float) -> dict[str, Any]:
     last = reads.newest_step(conn, run_id=run["id"], attempt=run["attempt"])
     ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
     restarts = efficiency.restart_counts(conn, int(run["id"]))
@@ -80,25 +86,29 @@ def _summary(conn: Connection, run: RunRow) -> dict[str, Any]:
         "agents": [
             {k: a[k] for k in ("id", "node", "hostname", "state", "attempt", "last_seen_at",
                                "disk_free_bytes", "disk_total_bytes", "workers", "gpus",
-                               "dropped")}
+                               "dropped", "role", "node_rank", "joined_as", "address",
+                               "nproc_per_node", "devices")}
             for a in registry.run_agents(conn, run_id=run["id"])
         ],
+        "membership": _membership(conn, run, now, live_s),
         "created_at": run["created_at"],
         "updated_at": run["updated_at"],
     }
 
 
 @router.get("/runs", response_model=None, responses=documented(RunList))
-def list_runs(db: DB, request: Request, auth: ReadAuth) -> dict[str, Any]:
+def list_runs(db: DB, request: Request, auth: ReadAuth, clock: ClockDep,
+              settings: Settings) -> dict[str, Any]:
     """Every run the token may read (a scoped token: the runs of its scope)."""
+    now, live_s = clock(), settings.node_lost.deadline_s
     with db.read() as conn:
-        return {"runs": [_summary(conn, r) for r in registry.list_runs(conn)
+        return {"runs": [_summary(conn, r, now, live_s) for r in registry.list_runs(conn)
                          if can_read(request, auth, str(r["name"]))]}
 
 
 @router.get("/runs/{run}", response_model=None, responses=documented(RunDetail))
 def get_run(run: RunName, db: DB, request: Request, clock: ClockDep,
-            _auth: ReadAuth) -> dict[str, Any]:
+            _auth: ReadAuth, settings: Settings) -> dict[str, Any]:
     """Status, attempt, newest step, throughput, restarts, newest complete checkpoint;
     ``goodput``: the live ETTR with the badput by cause in seconds (null before the
     evaluator accounted the run; a cause it cannot measure is null, with the reason in
@@ -110,7 +120,7 @@ def get_run(run: RunName, db: DB, request: Request, clock: ClockDep,
     shares of the step and MFU, and the scaling diagnosis (null before the first step)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        out = _summary(conn, r)
+        out = _summary(conn, r, clock(), settings.node_lost.deadline_s)
         restarts = reads.restart_actions(conn, run_id=r["id"])
         last = restarts[-1] if restarts else None
         an = (efficiency.restart_anatomies(conn, r["id"], [last["id"]]).get(last["id"])

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from typing import Any
 
-from trainwarden.agent.core.states import CommandKind, CommandStatus
+from trainwarden.agent.core.states import CommandKind, CommandStatus, NodeRole
 from trainwarden.agent.protocol import ResumePlan
 from trainwarden.supervisor.control import membership, policy
 from trainwarden.supervisor.control.policy import (
@@ -121,10 +121,10 @@ def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
                               progress={**a["progress"], ActionStatus.SUPERSEDED: now})
 
 
-def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None
-                 ) -> tuple[membership.MemberPlan, RunMembership]:
-    """The members the next attempt gets (``membership.plan_members`` on the store's facts):
-    a node is live when heard from within ``live_s`` (None: every node counts as live)."""
+def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | None
+                 ) -> tuple[membership.MembershipFacts, RunMembership]:
+    """The store's facts about a run's nodes for ``control.membership``: a node is live when
+    heard from within ``live_s`` (None: every node counts as live)."""
     m = store_membership.run_membership(conn, run_id=run_id)
     live = frozenset(n["node"] for n in m["nodes"]
                      if live_s is None or now - n["last_seen_at"] <= live_s)
@@ -133,6 +133,22 @@ def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | N
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
         spares=[n["node"] for n in m["spares"]],
         cordoned=frozenset())
+    return facts, m
+
+
+def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
+             ) -> membership.Capacity:
+    """The run's nodes as shown and exported (``membership.capacity``)."""
+    facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s)
+    return membership.capacity(
+        facts, spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]))
+
+
+def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None
+                 ) -> tuple[membership.MemberPlan, RunMembership]:
+    """The members the next attempt gets (``membership.plan_members`` on the store's
+    facts)."""
+    facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s)
     return membership.plan_members(facts), m
 
 

@@ -84,3 +84,22 @@ def plan_members(f: MembershipFacts) -> MemberPlan:
     return MemberPlan(epoch=f.epoch + 1 if replaced else f.epoch, nnodes=f.nnodes,
                       members=members,
                       replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A run's nodes as the API, the dashboard and ``/metrics`` show them (and the alerts
+    compare): one computation for all of them."""
+
+    nnodes: int | None  # the declared world
+    epoch: int
+    spares: int  # free spares: live and not cordoned
+    spares_configured: bool  # a node registered into the run as a spare
+    missing: tuple[int, ...]  # node ranks with no node fit to run and no spare to take them
+
+
+def capacity(f: MembershipFacts, *, spares_configured: bool) -> Capacity:
+    free = [s for s in f.spares if s in f.live and s not in f.cordoned]
+    plan = plan_members(f)
+    return Capacity(nnodes=f.nnodes, epoch=f.epoch, spares=len(free),
+                    spares_configured=spares_configured, missing=plan.waiting)

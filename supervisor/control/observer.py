@@ -114,10 +114,20 @@ class Observer:
                  ) -> Observation | None:
         cfg, now = self.detection, req.now
         started = attempt_started_at(conn, run)
-        if started is None:
-            return None  # a restart is under way: judge the new attempt once it runs
-        since = max(req.observing_since, started)
         agents = windows.agent_liveness(conn, run_id=run["id"])
+        if started is None:
+            # A restart is under way: the new attempt is judged once it runs.  Only a member
+            # that stays silent past the deadline is: the restart waits on it (its agent
+            # never takes the command), and the policy gives its rank to a spare.
+            pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+            if pending is None or req.held:
+                return None
+            lost = lost_node_findings(
+                conn, run, now=now, cfg=cfg, agents=agents,
+                observing_since=max(req.observing_since, float(pending["created_at"])),
+                batch_interval_s=req.batch_interval_s)
+            return Observation(attempt=int(run["attempt"]), findings=lost, stragglers=None)
+        since = max(req.observing_since, started)
         findings: list[Finding] = []
         if not req.held:
             # agents told to batch less often deliver less often: the deadlines allow for it

@@ -46,8 +46,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from trainwarden.supervisor.api.deps import ReadAuth, reads_are_public
-from trainwarden.supervisor.control import detection, policy
+from trainwarden.supervisor.control import actions, detection, policy
 from trainwarden.supervisor.control.evaluator import Clock
+from trainwarden.supervisor.detect.node_lost import NodeLostConfig
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
 from trainwarden.supervisor.goodput.anatomy import PHASE_BUCKETS_S, PHASES
@@ -136,6 +137,18 @@ class _Families:
             labels=["run", "phase"])
         self.incidents = g("trainwarden_run_open_incidents", "Open incidents by kind",
                            labels=["run", "kind"])
+        self.spares = g("trainwarden_run_spares",
+                        "Free spares of the run: heard from within the node-lost deadline, "
+                        "not cordoned", labels=["run"])
+        self.spares_configured = g("trainwarden_run_spares_configured",
+                                   "1 when a node registered into the run as a spare",
+                                   labels=["run"])
+        self.nodes_missing = g("trainwarden_run_nodes_missing",
+                               "Node ranks with no node fit to run and no spare to take "
+                               "them (the run stands by for them)", labels=["run"])
+        self.membership_epoch = g("trainwarden_run_membership_epoch",
+                                  "Membership epoch: it grows each time spares take node "
+                                  "ranks", labels=["run"])
         self.judge_failures = CounterMetricFamily(
             "trainwarden_evaluator_run_failures",
             "Evaluator ticks that failed to judge the run (each retried on the next tick; "
@@ -183,7 +196,8 @@ class _Families:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
                 self.goodput, self.productive, self.wall, self.badput, self.restart_phase,
-                self.incidents, self.judge_failures, self.no_progress, self.no_progress_limit,
+                self.incidents, self.spares, self.spares_configured, self.nodes_missing,
+                self.membership_epoch, self.judge_failures, self.no_progress, self.no_progress_limit,
                 self.straggler, self.straggler_slow, self.straggler_threshold, self.hb_age,
                 self.disk, self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util,
                 self.gpu_mem, self.gpu_temp, self.gpu_ecc]
@@ -196,8 +210,10 @@ class StoreCollector(Collector):
                  policy_cfg: policy.PolicyConfig | None = None,
                  straggler: StragglerConfig | None = None,
                  goodput: Callable[[int], dict[str, Any] | None] | None = None,
-                 judge_failures: Mapping[int, int] | None = None) -> None:
+                 judge_failures: Mapping[int, int] | None = None,
+                 live_s: float = NodeLostConfig().deadline_s) -> None:
         self.db = db
+        self.live_s = live_s  # the node-lost deadline: a node heard from within it is live
         self.judge_failures = judge_failures  # run id -> failed ticks (Evaluator.run_failures)
         self.goodput = goodput  # run id -> the evaluator's live ETTR (Evaluator.goodput)
         self.clock = clock
@@ -252,6 +268,11 @@ class StoreCollector(Collector):
                 if secs is not None:
                     f.badput.add_metric([name, cause], secs)
         self._restart_phases(conn, f, name, run_id)
+        cap = actions.capacity(conn, run_id=run_id, now=now, live_s=self.live_s)
+        f.spares.add_metric([name], cap.spares)
+        f.spares_configured.add_metric([name], 1 if cap.spares_configured else 0)
+        f.nodes_missing.add_metric([name], len(cap.missing))
+        f.membership_epoch.add_metric([name], cap.epoch)
         counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))
@@ -444,6 +465,7 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
             straggler: StragglerConfig, prefix: str = "",
             goodput: Callable[[int], dict[str, Any] | None] | None = None,
             judge_failures: Mapping[int, int] | None = None,
+            live_s: float = NodeLostConfig().deadline_s,
             overload: Callable[[], tuple[bool, float | None]] | None = None,
             leader: Callable[[], Mapping[str, Any]] | None = None,
             ) -> CollectorRegistry:
@@ -451,7 +473,8 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
     and the straggler detector's configuration are the ones the evaluator decides with."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler,
-                                     goodput=goodput, judge_failures=judge_failures))
+                                     goodput=goodput, judge_failures=judge_failures,
+                                     live_s=live_s))
     if overload is not None:
         registry.register(OverloadCollector(overload))
     if leader is not None:

@@ -207,7 +207,7 @@ def create_app(
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
                     straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
                     judge_failures=evaluator.run_failures, overload=evaluator.overload_state,
-                    leader=leadership.status)
+                    leader=leadership.status, live_s=settings.node_lost.deadline_s)
     app.add_middleware(SecurityHeaders)  # on every response, 413s and /metrics too
     # Ahead of everything, FastAPI's own layers too: the ingest route, answered without the
     # stack (it does what the stack's layers would do for it itself).

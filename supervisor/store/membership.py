@@ -32,6 +32,7 @@ class Node(TypedDict):
     command: list[str]
     nproc_per_node: int | None
     devices: int | None
+    joined_as: NodeRole
 
 
 class RunMembership(TypedDict):
@@ -47,14 +48,15 @@ def _node(r: Any) -> Node:
             "node_rank": r.node_rank, "address": r.address or "",
             "last_seen_at": float(r.last_seen_at or 0.0), "state": r.state or "",
             "command": [str(a) for a in (r.command or [])],
-            "nproc_per_node": r.nproc_per_node, "devices": r.devices}
+            "nproc_per_node": r.nproc_per_node, "devices": r.devices,
+            "joined_as": NodeRole(r.joined_as)}
 
 
 def run_membership(conn: Connection, *, run_id: int) -> RunMembership:
     a = agents.c
     rows = conn.execute(
         select(a.id, a.node, a.role, a.node_rank, a.address, a.last_seen_at, a.state, a.command,
-               a.nproc_per_node, a.devices)
+               a.nproc_per_node, a.devices, a.joined_as)
         .where(a.run_id == run_id).order_by(a.id)).all()
     head = conn.execute(select(runs.c.epoch, runs.c.nnodes).where(runs.c.id == run_id)).one()
     nodes = [_node(r) for r in rows]
@@ -89,7 +91,8 @@ def admit(conn: Connection, *, run_id: int, agent_id: int, command: Sequence[str
         if free:
             role, rank = NodeRole.MEMBER, free[0]
     conn.execute(update(agents).where(agents.c.id == agent_id)
-                 .values(role=role, node_rank=rank))
+                 .values(role=role, node_rank=rank,
+                         joined_as=NodeRole.SPARE if spare else NodeRole.MEMBER))
 
 
 def assign(conn: Connection, *, run_id: int, members: Mapping[int, int], epoch: int) -> None:

@@ -186,6 +186,10 @@ class Agent(Base):
     # the other nodes reach), and its capacity beside nproc_per_node: devices (GPUs) seen.
     address: Mapped[str] = mapped_column(String(255), default="", server_default="")
     devices: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # What the node registered as (a NodeRole): a run one registered into as a spare has
+    # spares configured, and an alert says when none is left.
+    joined_as: Mapped[str] = mapped_column(String(16), default=NodeRole.MEMBER,
+                                           server_default=NodeRole.MEMBER.value)
 
 
 class AgentCredential(Base):

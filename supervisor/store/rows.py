@@ -73,6 +73,7 @@ class AgentRow(TypedDict):
     node_rank: int | None
     address: str
     devices: int | None
+    joined_as: str  # the NodeRole it registered as
 
 
 class AgentLiveness(TypedDict):

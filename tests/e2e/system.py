@@ -137,13 +137,14 @@ class Agent:
     """``trainwarden agent ... -- torchrun ...`` as a subprocess."""
 
     def __init__(self, supervisor_url: str, run: str, node: str, workdir: Path,
-                 torchrun_args: list[str], *, xdg_state_home: Path | None = None) -> None:
+                 torchrun_args: list[str], *, xdg_state_home: Path | None = None,
+                 agent_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         """``xdg_state_home``: use the default state location under it (no --state-dir), as
-        a user who passes no flag gets."""
+        a user who passes no flag gets; ``agent_args``: more agent options (``--spare``)."""
         self.workdir = workdir
         self.log = workdir / f"agent-{node}.log"
         workdir.mkdir(parents=True, exist_ok=True)
-        env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN}
+        env = {**worker_env(), "TRAINWARDEN_AGENT_TOKEN": AGENT_TOKEN, **(env or {})}
         state = ["--state-dir", str(workdir / f"state-{node}")]
         if xdg_state_home is not None:
             env["XDG_STATE_HOME"] = str(xdg_state_home)
@@ -152,7 +153,7 @@ class Agent:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "trainwarden.agent.cli", "--supervisor", supervisor_url,
                  "--run", run,
-                 "--node", node, *state, "--stop-grace", "2", "--", TORCHRUN,
+                 "--node", node, *state, "--stop-grace", "2", *agent_args, "--", TORCHRUN,
                  "--monitor-interval=0.1", *torchrun_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
 
@@ -173,6 +174,25 @@ class Agent:
 
     def tail(self, n: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def tree(self) -> list[Any]:
+        """The agent's whole process tree (the agent, torchrun, the workers): a node."""
+        import psutil
+
+        try:
+            me = psutil.Process(self.proc.pid)
+            return [me, *me.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal_tree(self, sig: signal.Signals) -> list[int]:
+        """``sig`` to every process of the node at once (SIGKILL: the node dies; SIGSTOP: it
+        freezes); returns their pids."""
+        procs = self.tree()
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
+        return [p.pid for p in procs]
 
 
 def ddp_script(*args: str) -> list[str]:

@@ -181,3 +181,24 @@ def test_a_crash_while_a_spare_waits_restarts_on_the_same_members(
     assert act["plan"]["membership"]["epoch"] == 0
     assert heartbeat(client, ids["s0"], 0)["commands"] == []  # the spare is not restarted
     assert as_agent(client, ids["s0"])  # (it keeps its credential)
+
+
+def test_a_member_that_never_takes_the_restart_is_lost_and_replaced(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock) -> None:
+    """The survivor of a dead node reports the crash first: the gang restart waits on the dead
+    node, whose agent never takes it; once it is silent past the deadline its rank goes to the
+    spare (the restart is not left waiting for ever)."""
+    ids = start(client, spare=True)
+    ingest(client, ids["n0"], 1, [crash()])
+    evaluator.tick()
+    assert get(client, "")["status"] == "restarting"
+    clock.advance(40)
+    heartbeat(client, ids["n0"], 2)
+    heartbeat(client, ids["s0"], 0)
+    evaluator.tick()
+    acts = sorted(get(client, "/actions")["actions"], key=lambda a: a["id"])
+    assert [a["cause"] for a in acts] == ["crash", "node_lost"], acts
+    assert acts[0]["status"] == "superseded"
+    assert acts[1]["plan"]["membership"]["members"] == {"n0": 0, "s0": 1}
+    lost = [i for i in get(client, "/incidents")["incidents"] if i["kind"] == "node_lost"]
+    assert [i["node"] for i in lost] == ["n1"]
