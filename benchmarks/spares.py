@@ -221,6 +221,12 @@ def main() -> None:
               + ", ".join(f"{c.restart} s{c.seed} {_pct(c.ettr)}" for c in cells)
               + f" ({sum(c.seconds for c in cells):.0f} s)", flush=True)
     kinds = fault_kinds(args.step_s, None)
+    # With no spare every node loss waits the whole replacement time (the fault clock runs
+    # while training only), so the bound is stretched by that wait per MTBF of training.
+    bound = [c.ettr or 0.0 for c in rows[0][1] if c.restart == "measured"]
+    at_hand = sum(bound) / len(bound)
+    no_spare = [(case.replace_s, at_hand / (1 + LLAMA3_HARDWARE_SHARE * case.replace_s / MTBF_S))
+                for case, _ in rows if case.spares == 0]
     intervals = sorted({c.interval_s for _, cells in rows for c in cells})
     out = [f"## Spares ({args.days:g} simulated days, {GPUS:,} GPUs = {NODES:,} nodes)", "",
            f"Command: `{command}`", "",
@@ -230,7 +236,12 @@ def main() -> None:
            + f"; checkpoint every {' / '.join(f'{x:.0f} s' for x in intervals)} "
            f"(recommended, measured / 5-min restart), stall {args.stall_s:g} s, background "
            f"write {gs.write_seconds(GPUS):.1f} s. Cells: seeds "
-           + " / ".join(str(s) for s in args.seeds) + ".", "", *table(rows, args.seeds), "",
+           + " / ".join(str(s) for s in args.seeds) + "; node losses to fewest spares free: "
+           "the measured-restart runs.", "", *table(rows, args.seeds), "",
+           "No spare: each node loss waits the whole replacement time, so ETTR ~ ETTR with a "
+           f"node always at hand (mean {_pct(at_hand)}) / (1 + {LLAMA3_HARDWARE_SHARE:g} x "
+           "replacement / MTBF): "
+           + ", ".join(f"{rep / HOUR_S:g} h {_pct(m)}" for rep, m in no_spare) + ".", "",
            f"Simulated in {time.monotonic() - t0:.0f} s."]
     print()
     print("\n".join(out))
