@@ -179,3 +179,19 @@ def test_ingest_benchmark_smoke() -> None:
     row = [ln for ln in proc.stdout.splitlines() if ln.startswith("sqlite ")][-1].split()
     assert row[-1] == "0/0", proc.stdout[-2000:]  # lost / doubled
     assert "largest cluster with p99 < 100 ms: 8 agents" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_spares_benchmark_smoke() -> None:
+    """Two simulated days of the spares benchmark: every spare share has its row, and with
+    no spare the node losses wait (ETTR below the run with a node always at hand)."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "spares.py"), "--days", "2",
+                           "--seeds", "1", "--replace-h-also", "24", "--repair-days-also", ""],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows: dict[str, list[str]] = {}
+    for ln in proc.stdout.splitlines():  # the first row of each: the default times
+        if ln.startswith("| ") and "%" in ln:
+            rows.setdefault(ln.split(" | ")[0].lstrip("| "), ln.split(" | "))
+    assert {"a node always at hand", "0% (0)", "1% (20)", "2% (41)"} <= rows.keys(), rows
+    ettr = {k: float(v[-2].rstrip("%")) for k, v in rows.items()}
+    assert ettr["0% (0)"] < ettr["2% (41)"] <= ettr["a node always at hand"], ettr

@@ -14,14 +14,26 @@ training stalls ``stall_s`` (the staging), the checkpoint is written in the back
 complete ``write_s`` later (a fault before then loses it, the restore takes the one before),
 and a save that falls due while the previous one is still being written waits for it (the
 wait is stall too).
+
+A fault of a kind that ``needs_node`` (a node died for good: ``with_node_losses``) restarts
+the gang at the same world size only once a node takes the dead one's rank.  A free spare
+(``spares`` of them at the start) takes it at once, and the dead node goes to repair and
+rejoins the spares ``repair_s`` later.  With no spare free the run waits for whichever comes
+first: a node from outside the pool, ``replace_s`` after the detection (it takes the dead
+node's place for good and the dead node leaves, so the pool keeps its size), or a repaired
+node rejoining (the dead one then goes to repair in its turn).  The wait is part of the
+restart (from the decision to the first step); the fault clock runs while training only, so
+no fault comes while the run waits.  With the defaults (no spares, ``replace_s`` 0) a node is
+at hand at once and such a fault costs what any other does.
 Deterministic for a seed.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trainwarden.agent.core.bounds import bound, bounded, check, cross_check
 from trainwarden.supervisor.goodput.ettr import (
@@ -43,6 +55,25 @@ class FaultKind:
     detect_s: float  # fault -> incident
     restart_s: float  # incident -> the new attempt's first step begins
     trains_until_detected: bool = False  # a loss spike: the steps go on (and are lost)
+    needs_node: bool = False  # a node died for good: restarts once a node takes its rank
+
+
+# Llama 3 405B pre-training: about 78% of its 419 unexpected interruptions were attributed to
+# confirmed or suspected hardware issues (GPUs, host components, silent data corruption,
+# unplanned host maintenance): Dubey et al. 2024, "The Llama 3 Herd of Models", section
+# 3.3.4, Table 5.
+LLAMA3_HARDWARE_SHARE = 0.78
+
+
+def with_node_losses(kinds: tuple[FaultKind, ...], *, detect_s: float, restart_s: float,
+                     share: float = LLAMA3_HARDWARE_SHARE) -> tuple[FaultKind, ...]:
+    """``kinds`` scaled to ``1 - share`` of the faults, beside a ``node_lost`` kind of
+    ``share``: a node that died for good, detected ``detect_s`` after (the node-lost
+    deadline), whose gang restarts in ``restart_s`` once a node takes its rank."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"with_node_losses: share must be in [0, 1] (got {share})")
+    scaled = tuple(replace(k, share=k.share * (1.0 - share)) for k in kinds)
+    return (*scaled, FaultKind("node_lost", share, detect_s, restart_s, needs_node=True))
 
 
 @dataclass(frozen=True)
@@ -57,6 +88,13 @@ class SimConfig:
     seed: int = 0
     # an asynchronous save's background write (0: a synchronous save)
     write_s: float = bounded(0.0, ge=0)
+    # warm spare nodes at the start (for the faults of a kind that ``needs_node``)
+    spares: int = bounded(0, ge=0, integer=True)
+    # no spare free: a node from outside the pool arrives this long after the detection
+    # (0: at once, a node is always at hand)
+    replace_s: float = bounded(0.0, ge=0)
+    # a dead node swapped for a spare rejoins the spares this long after the detection
+    repair_s: float = bounded(0.0, ge=0)
 
     def __post_init__(self) -> None:
         check(self)
@@ -72,16 +110,66 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class NodeStats:
+    """The faults that needed a node, and what getting one cost."""
+
+    losses: int = 0  # faults of a kind that ``needs_node``
+    waits: int = 0  # of them, those that found no spare free and waited for a node
+    wait_s: float = 0.0  # time waited for a node, up to the end of the run
+    from_outside: int = 0  # nodes that came from outside the pool (``replace_s``)
+    fewest_free: int | None = None  # spares left free after a loss, at the lowest
+
+
+@dataclass(frozen=True)
 class SimResult:
     config: SimConfig
     breakdown: Breakdown
     faults: dict[str, int]
     events: int
+    nodes: NodeStats = field(default_factory=NodeStats)
+
+
+class _Pool:
+    """The spare nodes: free ones, and dead ones in repair (when each rejoins)."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.free = cfg.spares
+        self.repairing: list[float] = []  # a heap of the times repaired nodes rejoin
+        self.stats = NodeStats()
+
+    def node_at(self, t: float, horizon: float) -> float:
+        """When a node takes the rank of a node whose loss was detected at ``t``."""
+        while self.repairing and self.repairing[0] <= t:
+            heapq.heappop(self.repairing)
+            self.free += 1
+        outside = t + self.cfg.replace_s
+        if self.free > 0:
+            self.free -= 1
+            ready, from_pool = t, True
+        elif self.repairing and self.repairing[0] <= outside:
+            ready, from_pool = heapq.heappop(self.repairing), True
+        else:
+            ready, from_pool = outside, False
+        if from_pool:  # the dead node goes to repair (one from outside takes its place)
+            heapq.heappush(self.repairing, t + self.cfg.repair_s)
+        s = self.stats
+        self.stats = NodeStats(
+            losses=s.losses + 1, waits=s.waits + (ready > t),
+            wait_s=s.wait_s + max(0.0, min(ready, horizon) - min(t, horizon)),
+            from_outside=s.from_outside + (not from_pool),
+            fewest_free=self.free if s.fewest_free is None else min(s.fewest_free, self.free))
+        return ready
 
 
 def events(cfg: SimConfig) -> list[Event]:
     """The run's events in time order (see the module docstring)."""
+    return _run(cfg)[0]
+
+
+def _run(cfg: SimConfig) -> tuple[list[Event], NodeStats]:
     rng = random.Random(cfg.seed)
+    pool = _Pool(cfg)
     horizon = cfg.days * 86_400.0
     names = list(cfg.kinds)
     weights = [k.share for k in cfg.kinds]
@@ -120,7 +208,8 @@ def events(cfg: SimConfig) -> list[Event]:
             out.append(RestartDecided(detected, attempt, resume_step=target))
             if kind.trains_until_detected:  # the step in flight ends, late, while stopping
                 out.append(StepDone(attempt - 1, step, t + cfg.step_s, cfg.step_s))
-            t = detected + kind.restart_s
+            ready = pool.node_at(detected, horizon) if kind.needs_node else detected
+            t = ready + kind.restart_s
             out.append(Resumed(t, attempt, target))
             step, last_save = target, t
             saves = [(at, s) for at, s in saves if s <= target][-2:]
@@ -143,12 +232,12 @@ def events(cfg: SimConfig) -> list[Event]:
                 out.append(CheckpointSaved(t, step, stall))
             saves = [*saves[-2:], (t + cfg.write_s, step)]
             last_save = t
-    return out
+    return out, pool.stats
 
 
 def simulate(cfg: SimConfig) -> SimResult:
     acc = EttrAccumulator(start=0.0)
-    evs = events(cfg)
+    evs, nodes = _run(cfg)
     faults: dict[str, int] = {}
     for e in evs:
         acc.feed(e)
@@ -156,4 +245,4 @@ def simulate(cfg: SimConfig) -> SimResult:
             faults[e.kind] = faults.get(e.kind, 0) + 1
     end = max(cfg.days * 86_400.0, acc.cursor)
     return SimResult(config=cfg, breakdown=acc.snapshot(now=end), faults=faults,
-                     events=len(evs))
+                     events=len(evs), nodes=nodes)

@@ -1,5 +1,6 @@
 """The simulated long run: the ETTR accumulator on a Poisson failure schedule agrees with
-Meta's expected-ETTR model, and each fault kind lands in its part."""
+Meta's expected-ETTR model, and each fault kind lands in its part; a node that died for good
+restarts the gang once a spare, a repaired node or one from outside takes its rank."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ import math
 
 import pytest
 
-from trainwarden.supervisor.goodput.ettr import CheckpointSaved, Incident, Resumed
+from trainwarden.supervisor.goodput.ettr import CheckpointSaved, Event, Incident, Resumed
 from trainwarden.supervisor.goodput.interval import expected_ettr
-from trainwarden.supervisor.goodput.simulate import FaultKind, SimConfig, events, simulate
+from trainwarden.supervisor.goodput.simulate import (
+    LLAMA3_HARDWARE_SHARE,
+    FaultKind,
+    SimConfig,
+    events,
+    simulate,
+    with_node_losses,
+)
 
 CRASH = FaultKind("crash", 1.0, detect_s=1.0, restart_s=9.0)
 
@@ -106,3 +114,149 @@ def test_a_save_due_while_the_last_is_still_written_waits_for_it() -> None:
     assert gaps[1:] == [pytest.approx(gaps[1])] * len(gaps[1:])
     assert all(s.stall_s > 0.5 for s in saves[1:])
     assert simulate(cfg).breakdown.checkpoint == pytest.approx(sum(s.stall_s for s in saves))
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes that die for good
+
+NODE = FaultKind("node_lost", 1.0, detect_s=30.0, restart_s=10.0, needs_node=True)
+HOUR = 3600.0
+
+
+def node_run(**kw: object) -> SimConfig:
+    """Only node losses, one every 2 h of training on average, over 5 days."""
+    base: dict[str, object] = dict(mtbf_s=2 * HOUR, days=5, step_s=10.0, interval_s=300.0,
+                                   stall_s=1.0, kinds=(NODE,), seed=11)
+    return SimConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def losses(evs: list[Event]) -> list[tuple[float, float]]:
+    """(detected, the new attempt's first step begins) per node loss, in order."""
+    incidents = [e.t_detected for e in evs if isinstance(e, Incident)]
+    resumed = [e.t for e in evs if isinstance(e, Resumed)]
+    assert len(incidents) == len(resumed)
+    return list(zip(incidents, resumed, strict=True))
+
+
+def test_with_no_spare_a_node_loss_waits_for_the_node_from_outside() -> None:
+    cfg = node_run(spares=0, replace_s=4 * HOUR, repair_s=HOUR)
+    r = simulate(cfg)
+    pairs = losses(events(cfg))
+    assert len(pairs) >= 5
+    assert [b - a for a, b in pairs] == [pytest.approx(4 * HOUR + 10.0)] * len(pairs)
+    n = r.nodes
+    assert n.losses == n.waits == n.from_outside == len(pairs) == r.faults["node_lost"]
+    assert n.fewest_free == 0
+    horizon = cfg.days * 86_400
+    assert n.wait_s == pytest.approx(sum(min(a + 4 * HOUR, horizon) - a for a, _ in pairs))
+    # the wait is restart time: the 10 s restarts and the waits, up to the end of the run
+    assert r.breakdown.restart == pytest.approx(sum(min(b, horizon) - a for a, b in pairs))
+
+
+def test_with_enough_spares_no_loss_waits_and_the_run_is_one_with_a_node_always_at_hand(
+        ) -> None:
+    spared = node_run(spares=1000, replace_s=4 * HOUR, repair_s=30 * 86_400.0)
+    r = simulate(spared)
+    pairs = losses(events(spared))
+    assert [b - a for a, b in pairs] == [pytest.approx(10.0)] * len(pairs)
+    assert r.nodes.waits == 0 and r.nodes.wait_s == 0.0 and r.nodes.from_outside == 0
+    assert r.nodes.fewest_free == 1000 - len(pairs)  # none back from a 30-day repair
+    at_hand = node_run()  # no spares, a node from outside at once
+    assert events(at_hand) == events(spared)
+    assert simulate(at_hand).breakdown == r.breakdown
+    # and a kind that needs no node ignores the pool
+    plain = node_run(kinds=(dataclasses.replace(NODE, needs_node=False),), spares=0,
+                     replace_s=4 * HOUR)
+    assert simulate(plain).breakdown == r.breakdown
+    assert simulate(plain).nodes.losses == 0
+
+
+def test_the_spare_pool_runs_dry() -> None:
+    """Three spares that never come back: the first three losses restart at once, every one
+    after waits the node from outside."""
+    cfg = node_run(spares=3, replace_s=HOUR, repair_s=math.inf)
+    r = simulate(cfg)
+    pairs = losses(events(cfg))
+    assert len(pairs) > 6
+    waits = [b - a - 10.0 for a, b in pairs]
+    assert waits == [pytest.approx(0.0, abs=1e-6)] * 3 + [pytest.approx(HOUR)] * (len(pairs) - 3)
+    assert r.nodes.waits == r.nodes.from_outside == len(pairs) - 3
+    assert r.nodes.fewest_free == 0
+
+
+def test_a_repaired_node_rejoins_the_spares() -> None:
+    """One spare, a 3 h repair, no node from outside within the run: the spare and the dead
+    nodes take turns, so each loss restarts once the node before it is repaired (at once
+    when it already is)."""
+    repair = 3 * HOUR
+    cfg = node_run(spares=1, replace_s=100 * 86_400.0, repair_s=repair)
+    r = simulate(cfg)
+    pairs = losses(events(cfg))
+    ready = [b - 10.0 for _, b in pairs]
+    assert ready[0] == pytest.approx(pairs[0][0])
+    for (prev, _), (det, _), at in zip(pairs, pairs[1:], ready[1:], strict=False):
+        assert at == pytest.approx(max(det, prev + repair))
+    assert 0 < r.nodes.waits < len(pairs)  # some found it repaired, some waited for it
+    assert r.nodes.from_outside == 0 and r.nodes.fewest_free == 0
+
+
+def test_whichever_comes_first_a_repaired_node_or_one_from_outside() -> None:
+    """One spare, a 3 h repair, a node from outside in 1 h: no loss waits longer than the
+    hour, and each wait ends with the node from outside or with a dead node repaired."""
+    cfg = node_run(spares=1, replace_s=HOUR, repair_s=3 * HOUR, days=20)
+    r = simulate(cfg)
+    pairs = losses(events(cfg))
+    repaired = {round(a + 3 * HOUR, 6) for a, _ in pairs}
+    kinds = set()
+    for det, resumed in pairs:
+        at = resumed - 10.0
+        assert det - 1e-6 <= at <= det + HOUR + 1e-6
+        if at > det + 1e-6:
+            outside = at == pytest.approx(det + HOUR)
+            assert outside or round(at, 6) in repaired
+            kinds.add("outside" if outside else "repaired")
+    assert kinds == {"outside", "repaired"}
+    assert 0 < r.nodes.from_outside < r.nodes.waits
+
+
+def test_more_spares_never_cost_more() -> None:
+    """The same faults (one seed) with 0, 1, 2 and plenty of spares: each loss waits no
+    longer with more spares, so ETTR rises (to within the work one checkpoint interval
+    holds, where the run ends), and with plenty it is the run with a node always at hand."""
+    kinds = with_node_losses((CRASH,), detect_s=30.0, restart_s=10.0)
+    for seed in (1, 2, 3):
+        runs = [simulate(node_run(kinds=kinds, seed=seed, spares=n, replace_s=4 * HOUR,
+                                  repair_s=12 * HOUR)) for n in (0, 1, 2, 50)]
+        ettr = [x.breakdown.ettr or 0.0 for x in runs]
+        slack = 300.0 / runs[0].breakdown.wall_s
+        assert all(b >= a - slack for a, b in itertools.pairwise(ettr)), ettr
+        assert ettr[0] < ettr[-1] - 0.1, ettr  # a 4 h wait for most losses is felt
+        waited = [x.nodes.wait_s for x in runs]
+        assert waited[0] > waited[-1] == 0.0
+        at_hand = simulate(node_run(kinds=kinds, seed=seed))
+        assert runs[-1].breakdown == at_hand.breakdown
+
+
+def test_node_losses_take_their_share_of_the_faults() -> None:
+    hang = FaultKind("hang", 0.25, 40.0, 9.0)
+    kinds = with_node_losses((dataclasses.replace(CRASH, share=0.75), hang), detect_s=30.0,
+                             restart_s=12.0)
+    assert LLAMA3_HARDWARE_SHARE == 0.78
+    assert [(k.name, k.share, k.needs_node) for k in kinds] == [
+        ("crash", pytest.approx(0.75 * 0.22), False), ("hang", pytest.approx(0.25 * 0.22), False),
+        ("node_lost", 0.78, True)]
+    assert (kinds[-1].detect_s, kinds[-1].restart_s) == (30.0, 12.0)
+    r = simulate(SimConfig(mtbf_s=600.0, days=5, step_s=5.0, interval_s=120.0, stall_s=0.0,
+                           kinds=kinds, seed=2))
+    assert r.faults["node_lost"] / sum(r.faults.values()) == pytest.approx(0.78, abs=0.03)
+    assert r.nodes.losses == r.faults["node_lost"]
+    with pytest.raises(ValueError, match=r"share must be in \[0, 1\] \(got 1\.5\)"):
+        with_node_losses((CRASH,), detect_s=1.0, restart_s=1.0, share=1.5)
+
+
+def test_the_node_settings_are_bounded() -> None:
+    with pytest.raises(ValueError, match=r"^SimConfig\.spares must be an integer >= 0 "
+                                         r"\(got -1\)"):
+        node_run(spares=-1)
+    with pytest.raises(ValueError, match=r"^SimConfig\.replace_s must be >= 0"):
+        node_run(replace_s=-1.0)
