@@ -197,7 +197,8 @@ class _Families:
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
                 self.goodput, self.productive, self.wall, self.badput, self.restart_phase,
                 self.incidents, self.spares, self.spares_configured, self.nodes_missing,
-                self.membership_epoch, self.judge_failures, self.no_progress, self.no_progress_limit,
+                self.membership_epoch, self.judge_failures, self.no_progress,
+                self.no_progress_limit,
                 self.straggler, self.straggler_slow, self.straggler_threshold, self.hb_age,
                 self.disk, self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util,
                 self.gpu_mem, self.gpu_temp, self.gpu_ecc]
