@@ -43,7 +43,8 @@ def add_parsers(sub: Any) -> None:
     add_common(p)
     for name, help_ in (("incidents", "a run's incidents"),
                         ("checkpoints", "a run's checkpoints"),
-                        ("actions", "a run's actions")):
+                        ("actions", "a run's actions"),
+                        ("nodes", "a run's nodes: members, spares, missing ranks")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("run")
         add_common(p)
@@ -176,9 +177,39 @@ def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
         ck = r.get("checkpoint") or {}
         tp = _number((r.get("throughput") or {}).get("samples_per_s"))
         rows.append([r["name"], r["status"], r["attempt"], r.get("restarts"), r.get("step"),
-                     f"{tp:.0f}" if tp else None, ck.get("step"), _age(ck.get("t"))])
+                     f"{tp:.0f}" if tp else None, ck.get("step"), _age(ck.get("t")),
+                     _nodes_cell(r)])
     print(table(rows, ["RUN", "STATUS", "ATTEMPT", "RESTARTS", "STEP", "SAMPLES/S",
-                       "CHECKPOINT", "AGE"]))
+                       "CHECKPOINT", "AGE", "NODES"]))
+    return 0
+
+
+def _nodes_cell(run: dict[str, Any]) -> str:
+    """``2/2 +1 spare`` (members up / world, free spares), ``1/2 WAITING`` while a rank waits
+    for a node."""
+    m = run.get("membership") or {}
+    world = m.get("nnodes")
+    members = [a for a in run.get("agents") or [] if a.get("role") == "member"]
+    up = len(members) - len(m.get("missing") or [])
+    cell = f"{up}/{world}" if world else str(len(members))
+    if m.get("missing"):
+        cell += " WAITING"
+    if m.get("spares"):
+        cell += f" +{m['spares']} spare"
+    return cell
+
+
+def _nodes(client: httpx.Client, args: argparse.Namespace) -> int:
+    run = _get(client, run_path(args.run))
+    m = run.get("membership") or {}
+    rows = [[a["node"], a.get("role"), a.get("node_rank"), a.get("state"), a.get("attempt"),
+             _age(a.get("last_seen_at")), a.get("nproc_per_node"), a.get("devices"),
+             a.get("address")] for a in run.get("agents") or []]
+    print(table(rows, ["NODE", "ROLE", "RANK", "STATE", "ATTEMPT", "SEEN", "NPROC", "GPUS",
+                       "ADDRESS"]))
+    print(f"world {m.get('nnodes') or '-'}, membership epoch {m.get('epoch')}, free spares "
+          f"{m.get('spares')}" + (f"; node ranks waiting for a node: {m['missing']}"
+                                  if m.get("missing") else ""))
     return 0
 
 
@@ -286,5 +317,5 @@ def _token(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"runs": _runs, "incidents": _incidents, "checkpoints": _checkpoints,
-             "actions": _actions, "rollback": _rollback, "token": _token}
+             "actions": _actions, "nodes": _nodes, "rollback": _rollback, "token": _token}
 COMMANDS = tuple(_COMMANDS)

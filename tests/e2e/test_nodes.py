@@ -97,12 +97,14 @@ def _two_members_and_a_spare(supervisor: Supervisor, tmp_path: Path, run: str) -
     return nodes
 
 
-@pytest.mark.parametrize("victim", ["node1", "node0"])
+@pytest.mark.parametrize("rank", [1, 0])
 def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
-        supervisor: Supervisor, clean: RunResult, tmp_path: Path, victim: str) -> None:
-    """(node0 holds node rank 0: it hosts the rendezvous store.)"""
-    run = f"dead-{victim}"
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path, rank: int) -> None:
+    """The member holding node rank 1, then the one holding node rank 0 (it hosts the
+    rendezvous store)."""
+    run = f"dead-rank{rank}"
     nodes = _two_members_and_a_spare(supervisor, tmp_path, run)
+    (victim,) = [n for n in ("node0", "node1") if nodes.member(n)["node_rank"] == rank]
     try:
         wait_until(lambda: nodes.step() >= KILL_AT, 120, f"step {KILL_AT}")
         killed_at = time.time()
@@ -122,10 +124,99 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
     replace = [a for a in actions if a["cause"] == "node_lost"]
     assert len(replace) == 1, actions
     assert replace[0]["status"] == "resumed", replace
-    assert f"spare0 takes node rank {int(victim[-1])} of {victim} (lost)" in replace[0]["reason"]
-    assert replace[0]["plan"]["membership"]["members"]["spare0"] == int(victim[-1])
+    assert f"spare0 takes node rank {rank} of {victim} (lost)" in replace[0]["reason"]
+    assert replace[0]["plan"]["membership"]["members"]["spare0"] == rank
     resumed_at = replace[0]["progress"]["resumed"]
     # From the node's death to the first resumed step: the node-lost deadline and a restart.
     assert resumed_at - killed_at < 30 + 30, replace[0]["progress"]
     assert nodes.member("spare0")["role"] == "member"
     assert nodes.member(victim)["role"] == "spare"
+
+
+def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path) -> None:
+    run = "frozen"
+    nodes = _two_members_and_a_spare(supervisor, tmp_path, run)
+    (victim,) = [n for n in ("node0", "node1") if nodes.member(n)["node_rank"] == 1]
+    agent_id = nodes.member(victim)["id"]
+    try:
+        wait_until(lambda: nodes.step() >= KILL_AT, 120, f"step {KILL_AT}")
+        frozen = nodes.agents[victim].tree()
+        nodes.agents[victim].signal_tree(signal.SIGSTOP)
+
+        def replaced() -> dict[str, Any] | None:
+            acts = supervisor.get(f"/runs/{run}/actions")["actions"]
+            done = [a for a in acts if a["cause"] == "node_lost" and a["status"] == "resumed"]
+            return done[0] if done else None
+
+        action = wait_until(replaced, 180, "the spare to resume in the frozen node's rank")
+        assert nodes.member("spare0")["role"] == "member"
+        nodes.agents[victim].signal_tree(signal.SIGCONT)
+        woke = wait_until(lambda: [
+            e for e in supervisor.get(f"/runs/{run}/events")["events"]
+            if e["agent_id"] == agent_id and e["name"] in ("agent_woke_up", "not_a_member")],
+            60, "the woken agent to report it stopped its workers")
+        # Its workers are gone, its agent stays up as a spare.
+        wait_until(lambda: not [p for p in frozen[1:] if p.is_running()
+                                and p.status() != "zombie"], 60, "the woken workers to die")
+        finished = wait_until(lambda: _ended(supervisor, run), 240, "the run to end")
+        assert finished["status"] == "completed", finished
+        for node in ("node0", "node1", "spare0"):
+            if node != victim:
+                assert nodes.agents[node].wait(60) == 0, nodes.agents[node].tail()
+    finally:
+        nodes.stop()
+    assert woke, woke
+    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    # Nothing the woken node sent after the replacement counts: no checkpoint of its, no
+    # step of the new attempts, no incident of its.
+    ckpts = supervisor.get(f"/runs/{run}/checkpoints")["checkpoints"]
+    assert not [c for c in ckpts if c["agent_id"] == agent_id and c["attempt"] >= 1], ckpts
+    assert nodes.member(victim)["role"] == "spare"
+    incidents = supervisor.get(f"/runs/{run}/incidents")["incidents"]
+    assert [i["node"] for i in incidents if i["kind"] == "node_lost"] == [victim]
+    assert action["plan"]["membership"]["members"]["spare0"] == 1
+
+
+def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the_wait(
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path) -> None:
+    run = "nospare"
+    nodes = Nodes(supervisor, run, tmp_path / "run")
+    nodes.start("node0")
+    nodes.start("node1")
+    try:
+        wait_until(lambda: nodes.step() >= KILL_AT, 180, f"step {KILL_AT}")
+        (victim,) = [n for n in ("node0", "node1") if nodes.member(n)["node_rank"] == 1]
+        nodes.agents[victim].signal_tree(signal.SIGKILL)
+
+        def waiting() -> dict[str, Any] | None:
+            r = supervisor.get(f"/runs/{run}")
+            return r if r["membership"]["missing"] == [1] else None
+
+        r = wait_until(waiting, 120, "the run to say it waits for node rank 1")
+        assert r["status"] == "restarting" and "no spare left" in r["reason"], r
+        metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
+            "Authorization": "Bearer e2e-operator-token"}).text
+        assert f'trainwarden_run_nodes_missing{{run="{run}"}} 1.0' in metrics
+        # Watch it for two more node-lost deadlines: the lost node's silence is answered once,
+        # never restarted into again.
+        seen = len(supervisor.get(f"/runs/{run}/actions")["actions"])
+        until = time.time() + 65
+
+        def calm() -> bool:
+            acts = supervisor.get(f"/runs/{run}/actions")["actions"]
+            assert len(acts) == seen, acts
+            return time.time() >= until
+
+        wait_until(calm, 90, "two node-lost deadlines to pass", interval=2)
+        assert supervisor.get(f"/runs/{run}")["status"] == "restarting"
+        # A spare registers: the run restarts on it at once and ends as a clean run.
+        nodes.start("spare0", "--spare")
+        finished = wait_until(lambda: _ended(supervisor, run), 240, "the run to end")
+        assert finished["status"] == "completed", finished
+    finally:
+        nodes.stop()
+    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    acts = supervisor.get(f"/runs/{run}/actions")["actions"]
+    assert acts[-1]["cause"] == "replace" and acts[-1]["status"] == "resumed", acts
+    assert finished["restarts_by_cause"]["node_lost"] == 1, finished

@@ -80,7 +80,7 @@ def feed(base: str) -> None:
 
 
 @pytest.mark.parametrize("argv", [["runs"], ["incidents", "evil"], ["checkpoints", "evil"],
-                                  ["actions", "evil"]])
+                                  ["actions", "evil"], ["nodes", "evil"]])
 def test_tables_print_no_terminal_control_characters(
         supervisor: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*argv, "--supervisor", supervisor, "--token", OPERATOR_TOKEN]) == 0
@@ -116,3 +116,18 @@ def test_incidents_print_the_root_cause_and_the_traceback(
     assert "fault: the training script" in out
     assert "  | KeyError: 'label'" in out and '  |   File "/home/u/train.py", line 57' in out
     assert RAW.findall(out) == []
+
+
+def test_nodes_and_runs_show_each_nodes_role_and_the_world(
+        supervisor: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["nodes", "evil", "--supervisor", supervisor,
+                     "--token", OPERATOR_TOKEN]) == 0
+    out = capsys.readouterr().out
+    header, _, row, *rest = out.splitlines()
+    assert header.split()[:3] == ["NODE", "ROLE", "RANK"]
+    assert " member " in row and " 0 " in row, out
+    # (its command declares no world: not a torchrun launch)
+    assert rest[-1].startswith("world -, membership epoch 0, free spares 0"), out
+    assert cli.main(["runs", "--supervisor", supervisor, "--token", OPERATOR_TOKEN]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[-1] == "NODES" and out.splitlines()[2].endswith(" 1")
