@@ -184,8 +184,8 @@ def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan
 def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision,
           now: float, live_s: float | None = None) -> int | None:
     """Write what ``decision`` means; returns the action id when one was created.  A restart
-    decides its attempt's members too (``plan_members``; ``live_s``: the node-lost
-    deadline)."""
+    decides its attempt's members too (``plan_members``; ``live_s``: the node-lost deadline,
+    for a restart that replaces lost members)."""
     run_id = int(run["id"])
     if isinstance(decision, Note):
         return None
@@ -207,7 +207,8 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     _supersede_in_progress(conn, run_id, now)
     incident_id = _incident(conn, run_id, decision.incident, now)
     if isinstance(decision, Restart):
-        members, m = plan_members(conn, run_id=run_id, now=now, live_s=live_s)
+        members, m = plan_members(conn, run_id=run_id, now=now,
+                                  live_s=live_s if decision.replace_lost else None)
         agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now)
         if members.summary():
             decision = dataclasses.replace(decision,

@@ -117,14 +117,17 @@ class Observer:
         agents = windows.agent_liveness(conn, run_id=run["id"])
         if started is None:
             # A restart is under way: the new attempt is judged once it runs.  Only a member
-            # that stays silent past the deadline is: the restart waits on it (its agent
-            # never takes the command), and the policy gives its rank to a spare.
+            # not heard from since the restart was decided is, once that silence passes the
+            # deadline: the restart waits on it (its agent never takes the command), and the
+            # policy gives its rank to a spare.
             pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
             if pending is None or req.held:
                 return None
+            decided = float(pending["created_at"])
             lost = lost_node_findings(
-                conn, run, now=now, cfg=cfg, agents=agents,
-                observing_since=max(req.observing_since, float(pending["created_at"])),
+                conn, run, now=now, cfg=cfg,
+                agents=[a for a in agents if float(a["last_seen_at"]) < decided],
+                observing_since=max(req.observing_since, decided),
                 batch_interval_s=req.batch_interval_s)
             return Observation(attempt=int(run["attempt"]), findings=lost, stragglers=None)
         since = max(req.observing_since, started)

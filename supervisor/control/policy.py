@@ -240,6 +240,10 @@ class Restart:
     lr: LRSchedule | None = None  # LR x scale for a while after the resume
     cause: str = RestartCause.CRASH  # the budget it counts against
     rollback_to_step: int | None = None  # a rollback: checkpoints after it are abandoned
+    # Give the rank of a member silent past the node-lost deadline to a spare (a lost node's
+    # restart, and the one that ends a wait for a node).  Every other restart keeps its
+    # members but the cordoned: a node silent too long is judged lost by its own finding.
+    replace_lost: bool = False
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
@@ -482,7 +486,8 @@ def on_node_joined(run: RunFacts, *, joined: Sequence[str], checkpoint: str | No
     loss was counted when it happened)."""
     return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
                    reason=f"gang restart: {', '.join(joined)} can take the missing node "
-                          "rank(s)", cause=RestartCause.REPLACE, counts_against_budget=False)
+                          "rank(s)", cause=RestartCause.REPLACE, counts_against_budget=False,
+                   replace_lost=True)
 
 
 def operator_restart(
@@ -654,7 +659,7 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
                        not_before=now + backoff_s(run.restarts, cfg),
                        reason=f"gang restart after {f.kind.replace('_', ' ')}: {f.message}",
                        incident=incident, collect_stacks=f.kind == IncidentKind.HANG,
-                       cause=CAUSE_OF_KIND[f.kind])
+                       cause=CAUSE_OF_KIND[f.kind], replace_lost=f.kind == IncidentKind.NODE_LOST)
     if f.kind in ROLLBACK_KINDS and cfg.rollback_budget > 0 and recovery is not None:
         if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
             return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")

@@ -17,7 +17,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
-from trainwarden.supervisor.api.deps import DB, ClockDep, Principal, ReadAuth, Straggler
+from trainwarden.supervisor.api.deps import (
+    DB,
+    ClockDep,
+    Principal,
+    ReadAuth,
+    Settings,
+    Straggler,
+)
 from trainwarden.supervisor.api.responses import RunSeries, RunState, documented
 from trainwarden.supervisor.dashboard import auth, etag, views
 from trainwarden.supervisor.detect.straggler import StragglerConfig
@@ -190,12 +197,12 @@ def _run_or_404(conn: Connection, name: str) -> RunRow:
     return run
 
 
-def _run_context(db: Any, name: str, now: float, straggler: StragglerConfig
+def _run_context(db: Any, name: str, now: float, straggler: StragglerConfig, live_s: float
                  ) -> dict[str, Any]:
     with db.read() as conn:
         r = _run_or_404(conn, name)
         return {"run": views.run_row(conn, r, now),
-                **views.run_tables(conn, r, now, straggler)}
+                **views.run_tables(conn, r, now, straggler, live_s)}
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -217,23 +224,24 @@ async def runs_page(request: Request, db: DB, clock: ClockDep) -> Response:
 
 @router.get("/runs/{run}", response_class=HTMLResponse)
 async def run_page(run: str, request: Request, db: DB, clock: ClockDep,
-                   straggler: Straggler) -> Response:
+                   straggler: Straggler, settings: Settings) -> Response:
     who = await _page_auth(request)
     if isinstance(who, Response):
         return who
     auth.require_run(request, who, run)
     now = clock()
-    ctx = await run_in_threadpool(_run_context, db, run, now, straggler)
+    ctx = await run_in_threadpool(_run_context, db, run, now, straggler,
+                                  settings.node_lost.deadline_s)
     return templates.TemplateResponse(
         request, "run.html", {**ctx, "now": now, "principal": who.role, "poll_ms": POLL_MS})
 
 
 @router.get("/runs/{run}/tables", response_class=HTMLResponse)
 def run_tables(run: str, request: Request, db: DB, clock: ClockDep, straggler: Straggler,
-               _auth: ReadAuth) -> Response:
+               _auth: ReadAuth, settings: Settings) -> Response:
     """The run page's tables alone (the page's script swaps them in when the run changed)."""
     now = clock()
-    ctx = _run_context(db, run, now, straggler)
+    ctx = _run_context(db, run, now, straggler, settings.node_lost.deadline_s)
     return templates.TemplateResponse(request, "_run_tables.html", {**ctx, "now": now})
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from trainwarden.agent.core import rootcause
 from trainwarden.agent.core.rootcause import FailureClass
-from trainwarden.supervisor.control import detection
+from trainwarden.supervisor.control import actions, detection
 from trainwarden.supervisor.detect.findings import FindingKind
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import ActionKind, IncidentKind, RestartCause
@@ -85,9 +85,10 @@ def root_cause_of(incident: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_tables(conn: Connection, run: RunRow, now: float,
-               straggler: StragglerConfig) -> dict[str, Any]:
+               straggler: StragglerConfig, live_s: float) -> dict[str, Any]:
     """Incidents, actions, checkpoints, nodes and ranks of a run (``straggler``: the
-    detector's configuration, which the ranks' scores are computed with)."""
+    detector's configuration, which the ranks' scores are computed with; ``live_s``: the
+    node-lost deadline, a node heard from within it is live)."""
     run_id = run["id"]
     incidents = [{**inc, "stacks": stacks_of(inc), **root_cause_of(inc),
                   "details_other": {k: v for k, v in (inc["details"] or {}).items()
@@ -110,6 +111,7 @@ def run_tables(conn: Connection, run: RunRow, now: float,
         "phase_names": PHASES,
         "checkpoints": checkpoints,
         "agents": [node_health(a) for a in registry.run_agents(conn, run_id=run_id)],
+        "membership": actions.capacity(conn, run_id=int(run_id), now=now, live_s=live_s),
         "ranks": ranks[:RANKS_SHOWN],
         "ranks_total": len(ranks),
         "straggler": straggler,

@@ -189,6 +189,7 @@ def test_a_member_that_never_takes_the_restart_is_lost_and_replaced(
     node, whose agent never takes it; once it is silent past the deadline its rank goes to the
     spare (the restart is not left waiting for ever)."""
     ids = start(client, spare=True)
+    clock.advance(1)
     ingest(client, ids["n0"], 1, [crash()])
     evaluator.tick()
     assert get(client, "")["status"] == "restarting"
