@@ -399,9 +399,10 @@ class Agent:
         self._report_refused_pins()
 
     def _apply_protection(self) -> None:
-        """Pin what the supervisor's latest reply says to protect (and only that)."""
+        """Pin what the supervisor's latest reply says to protect (and only that).  A spare
+        runs no workers, whose retention the pins are for: it pins nothing."""
         want = self.uplink.protect
-        if want is None:
+        if want is None or self.role == NodeRole.SPARE:
             return  # no reply yet (or an older supervisor): leave the pins as they are
         if self.pins.set("protect", want, "protected by the supervisor (last good checkpoint "
                                           "or the target of a pending restart)"):

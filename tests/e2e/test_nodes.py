@@ -191,10 +191,11 @@ def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the
 
         def waiting() -> dict[str, Any] | None:
             r = supervisor.get(f"/runs/{run}")
-            return r if r["membership"]["missing"] == [1] else None
+            return r if "no spare left" in r["reason"] else None
 
         r = wait_until(waiting, 120, "the run to say it waits for node rank 1")
-        assert r["status"] == "restarting" and "no spare left" in r["reason"], r
+        assert r["status"] == "restarting" and r["membership"]["missing"] == [1], r
+        assert f"node rank 1 waits for a node ({victim} lost; no spare left)" in r["reason"], r
         metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
             "Authorization": "Bearer e2e-operator-token"}).text
         assert f'trainwarden_run_nodes_missing{{run="{run}"}} 1.0' in metrics
