@@ -218,6 +218,8 @@ def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the
     finally:
         nodes.stop()
     assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
-    acts = supervisor.get(f"/runs/{run}/actions")["actions"]
-    assert acts[-1]["cause"] == "replace" and acts[-1]["status"] == "resumed", acts
+    acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
+    assert [a["cause"] for a in acts] == ["crash", "node_lost", "replace"], acts
+    assert acts[-1]["status"] == "resumed", acts
+    assert acts[-1]["plan"]["membership"]["members"]["spare0"] == 1, acts
     assert finished["restarts_by_cause"]["node_lost"] == 1, finished
