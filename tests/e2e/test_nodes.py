@@ -56,9 +56,9 @@ class Nodes:
                             str(self.work / "ck"), "--summary-json",
                             str(self.work / "summary.json"))]
 
-    def start(self, node: str, *agent_args: str) -> Agent:
+    def start(self, node: str, *agent_args: str, env: dict[str, str] | None = None) -> Agent:
         a = Agent(self.sup.url, self.run, node, self.work / node, self.command(),
-                  agent_args=agent_args)
+                  agent_args=agent_args, env=env)
         self.agents[node] = a
         return a
 
