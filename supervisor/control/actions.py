@@ -33,8 +33,8 @@ from trainwarden.supervisor.enums import (
     RunStatus,
     SupervisorEvent,
 )
+from trainwarden.supervisor.store import hosts, registry, windows
 from trainwarden.supervisor.store import recovery as rec
-from trainwarden.supervisor.store import registry, windows
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.rows import ActionRow, RunRow
 
@@ -241,3 +241,19 @@ def advance(conn: Connection, *, action: ActionRow, now: float) -> str:
         rec.update_action(conn, action_id=action["id"], status=new, progress=progress,
                            updated_at=now, **values)
     return new
+
+
+def apply_host(conn: Connection, *, decision: policy.HostDecision, now: float) -> int | None:
+    """Write a decision about a node's state (``store.hosts``), audited as a host action
+    naming who and why; returns the host action's id (None: nothing changed)."""
+    if isinstance(decision, policy.Cordon):
+        return hosts.cordon(conn, node=decision.node, reason=decision.reason,
+                            actor=decision.actor, now=now, run_id=decision.run_id,
+                            evidence_ids=decision.evidence_ids)
+    if isinstance(decision, policy.Uncordon):
+        return hosts.uncordon(conn, node=decision.node, reason=decision.reason,
+                              actor=decision.actor, now=now)
+    if isinstance(decision, policy.PassProbation):
+        hosts.preflight_passed(conn, node=decision.node, now=now, run_id=decision.run_id,
+                               reason=decision.reason, evidence_ids=decision.evidence_ids)
+    return None

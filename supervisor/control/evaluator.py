@@ -29,6 +29,7 @@ from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
 from trainwarden.supervisor.control.goodput_feed import GoodputFeed
+from trainwarden.supervisor.control.ledger import HealthLedger, LedgerTick
 from trainwarden.supervisor.control.observer import (
     Observation,
     Observer,
@@ -38,6 +39,7 @@ from trainwarden.supervisor.control.observer import (
 from trainwarden.supervisor.control.overload import OverloadWatch
 from trainwarden.supervisor.control.retention import Retention, RetentionConfig
 from trainwarden.supervisor.detect import Finding
+from trainwarden.supervisor.detect.node_health import CordonConfig
 from trainwarden.supervisor.detect.node_lost import agents_gone
 from trainwarden.supervisor.detect.overload import Overload
 from trainwarden.supervisor.detect.stacks import hang_culprit
@@ -105,7 +107,8 @@ class Evaluator:
     def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
                  detection: DetectionConfig | None = None,
                  delivery: DeliveryMonitor | None = None,
-                 retention: RetentionConfig | None = None) -> None:
+                 retention: RetentionConfig | None = None,
+                 cordon: CordonConfig | None = None) -> None:
         self.db = db
         self.cfg = cfg
         self.clock = clock
@@ -116,6 +119,7 @@ class Evaluator:
         # Called while the tick waits on the observer process (a leader renews its lease).
         self.keepalive: Callable[[], object] | None = None
         self.retention = Retention(retention, self.detection)  # old per-rank rows rolled up
+        self.ledger = HealthLedger(cordon)  # evidence against nodes, and the cordons
         # Hangs and lost nodes are judged on what this process could observe: a supervisor
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
@@ -164,10 +168,24 @@ class Evaluator:
                     self._protect(conn, run)
                     self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
                     self._presence(conn, run, now)
+            ledger = self._ledger(conn, now)
             self._revoke_ended(conn, now)
             self._recovered(conn, now)
+        if ledger is not None:
+            self.ledger.advance(ledger)  # (read up to there: committed)
         self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
+
+    def _ledger(self, conn: Connection, now: float) -> LedgerTick | None:
+        """The health ledger's share (``control.ledger``), in a savepoint of its own: a
+        failure there is logged and read again on the next tick, and never takes a run's
+        fault handling down with it."""
+        try:
+            with conn.begin_nested():
+                return self.ledger.tick(conn, now)
+        except Exception:
+            log.exception("health ledger: reading the evidence failed (read again next tick)")
+            return None
 
     def _revoke_ended(self, conn: Connection, now: float) -> None:
         """A run that ended writes nothing more: once its agents had the node-lost deadline

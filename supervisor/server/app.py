@@ -104,7 +104,7 @@ def create_app(
     delivery = DeliveryMonitor(detection.overload)
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
                           detection=detection, delivery=delivery,
-                          retention=settings.retention)
+                          retention=settings.retention, cordon=settings.cordon)
 
     writer = IngestWriter(database, clock, cfg=settings.ingest)
     # On Postgres, replicas share the store and one of them (the lease's holder) evaluates.
