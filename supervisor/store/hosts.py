@@ -200,6 +200,19 @@ def evidence(conn: Connection, *, node: str, since: float | None = None, limit: 
     return [cast(EvidenceRow, row(r)) for r in reversed(list(conn.execute(q)))]
 
 
+def healthy(node: str, *, since: float) -> HostRow:
+    """The state of a node without a row: healthy, since ``since``."""
+    return HostRow(node=node, state=HostState.HEALTHY, reason="", actor="", since=since,
+                   updated_at=since, cleared_at=None)
+
+
+def first_registered(conn: Connection, *, node: str) -> float | None:
+    """When an agent of any run first registered ``node`` (None: none ever did)."""
+    v = conn.execute(select(func.min(agents.c.registered_at))
+                     .where(agents.c.node == node)).scalar()
+    return None if v is None else float(v)
+
+
 def host_summaries(conn: Connection, *, since: float) -> list[HostSummary]:
     """Every known node (a host row, or an agent of any run registered under its name), by
     name: its state (healthy without a row, since its first agent registered), and its
@@ -217,9 +230,7 @@ def host_summaries(conn: Connection, *, since: float) -> list[HostSummary]:
         select(host_evidence).where(host_evidence.c.id.in_(newest_ids)))}
     out: list[HostSummary] = []
     for node in sorted(states.keys() | first_seen.keys()):
-        h = states.get(node) or HostRow(
-            node=node, state=HostState.HEALTHY, reason="", actor="",
-            since=float(first_seen[node]), updated_at=float(first_seen[node]), cleared_at=None)
+        h = states.get(node) or healthy(node, since=float(first_seen[node]))
         out.append(HostSummary(**h, evidence_count=int(counts.get(node, 0)),
                                latest_evidence=latest.get(node)))
     return out

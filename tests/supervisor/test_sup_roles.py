@@ -78,6 +78,10 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/api/v1/healthz"): PUBLIC,
     ("GET", "/api/v1/evaluator"): READ,
+    ("GET", "/api/v1/hosts"): READ,
+    ("GET", "/api/v1/hosts/{node}"): READ,
+    ("POST", "/api/v1/hosts/{node}/cordon"): OPERATOR_NEED,
+    ("POST", "/api/v1/hosts/{node}/uncordon"): OPERATOR_NEED,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     ("GET", "/login"): PUBLIC,
@@ -100,6 +104,8 @@ BODIES: dict[str, Any] = {
     "/api/v1/runs/{run}/stop": {"reason": "matrix"},
     "/api/v1/runs/{run}/rollback": {"step": 99999},
     "/api/v1/tokens": {"name": "made-by-matrix", "role": "viewer"},
+    "/api/v1/hosts/{node}/cordon": {"reason": "matrix"},
+    "/api/v1/hosts/{node}/uncordon": {"reason": "matrix"},
 }
 
 
