@@ -292,12 +292,13 @@ def judge(evidence: Sequence[Evidence], *, now: float, cfg: CordonConfig
         return [e for e in recent if e.kind in kinds]
 
     def verdict(rule: str, what: str, es: list[Evidence]) -> CordonVerdict:
-        return CordonVerdict(rule, f"{what}: " + "; ".join(describe(e) for e in es),
+        said = "; ".join(describe(e) for e in es)
+        return CordonVerdict(rule, f"{what}: {said}" if what else said,
                              tuple(e.id for e in es))
 
     failed = of(EvidenceKind.PREFLIGHT_FAILED)
     if cfg.on_failed_preflight and failed:
-        return verdict("on_failed_preflight", "a failed preflight", failed[-1:])
+        return verdict("on_failed_preflight", "", failed[-1:])
     for rule, kind, label in (("ecc_errors", EvidenceKind.ECC, "uncorrected ECC error(s)"),
                               ("xid_errors", EvidenceKind.XID, "XID error(s)")):
         limit: int = getattr(cfg, rule)

@@ -89,6 +89,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/logout"): PUBLIC,
     ("GET", "/"): READ,
     ("GET", "/runs/{run}"): READ,
+    ("GET", "/hosts"): READ,
     ("GET", "/runs/{run}/tables"): READ,
     ("GET", "/dashboard/api/runs/{run}/state"): READ,
     ("GET", "/dashboard/api/runs/{run}/series"): READ,

@@ -175,8 +175,8 @@ def test_a_failed_preflight_cordons_and_probation_ends_with_a_passed_one(
     assert state(db, "n1") == HostState.CORDONED
     with db.read() as c:
         (act,) = hosts.host_actions(c, "n1")
-    assert act["reason"].startswith("cordon.on_failed_preflight: a failed preflight: failed a "
-                                    "preflight (nccl_allreduce) at ")
+    assert act["reason"].startswith("cordon.on_failed_preflight: failed a preflight "
+                                    "(nccl_allreduce) at ")
 
     # an operator uncordons: probation, until a preflight passes (never silently)
     clock.advance(60)
