@@ -222,6 +222,18 @@ def test_a_new_uncorrected_ecc_error_cordons(
     assert len(evidence(db, "n1")) == 1  # the same count read again is nothing new
 
 
+def test_an_xid_error_an_agent_reports_cordons(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock, db: Database) -> None:
+    n1 = Node(client, "n1")
+    n1.send({"type": "heartbeat", "t": clock.now, "state": "running",
+             "gpus": {"available": True, "devices": [
+                 {"index": 0, "ecc_uncorrected": 0, "xid_errors": 1, "xid_last": 79}]}})
+    evaluator.tick()
+    (e,) = evidence(db, "n1")
+    assert e["kind"] == EvidenceKind.XID and e["detail"]["xid_last"] == 79
+    assert state(db, "n1") == HostState.CORDONED
+
+
 def test_a_disk_io_error_is_recorded_without_cordoning_by_default(
         client: TestClient, evaluator: Evaluator, clock: FakeClock, db: Database) -> None:
     n1 = Node(client, "n1")
