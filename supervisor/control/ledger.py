@@ -43,6 +43,7 @@ _EVENTS = (PREFLIGHT_EVENT, protocol.WorkerEventName.CHECKPOINT_FAILED)
 _INCIDENT_KINDS = (IncidentKind.CRASH, IncidentKind.COLLECTIVE_TIMEOUT, IncidentKind.HANG,
                    IncidentKind.STRAGGLER)
 GPU_EVERY_S = 5.0  # how often the GPU readings are compared with the counters last seen
+SEEN_MAX = 100_000  # (node, source) pairs remembered as recorded (then forgotten, read again)
 EVENT_PAGES = 5  # pages of 1,000 events read a tick at most (a backlog is read over ticks)
 
 
@@ -56,6 +57,7 @@ class LedgerTick:
     gpu_next: float
     evidence: int = 0  # pieces recorded
     decisions: list[policy.HostDecision] = field(default_factory=list)
+    recorded: list[tuple[str, str]] = field(default_factory=list)  # (node, source) in the store
 
 
 class HealthLedger:
@@ -64,6 +66,9 @@ class HealthLedger:
         self._incidents_since: float | None = None  # None: the window before the first tick
         self._event_cursor = 0
         self._gpu_next = float("-inf")
+        # Sources known to be recorded: an open straggler incident is touched on every tick
+        # while it lasts, and need not be written again each time.
+        self._seen: set[tuple[str, str]] = set()
 
     def tick(self, conn: Connection, now: float) -> LedgerTick:
         """Record the new evidence and apply the decisions it calls for (in ``conn``'s
@@ -88,6 +93,9 @@ class HealthLedger:
         self._incidents_since = t.incidents_since
         self._event_cursor = t.event_cursor
         self._gpu_next = t.gpu_next
+        if len(self._seen) + len(t.recorded) > SEEN_MAX:
+            self._seen.clear()
+        self._seen.update(t.recorded)
 
     # -- evidence ------------------------------------------------------------------------------
 
@@ -95,6 +103,8 @@ class HealthLedger:
                 attempt: int | None, t: float, source: str | None,
                 run_names: dict[int, str], touched: dict[str, int | None],
                 tick: LedgerTick) -> int | None:
+        if source is not None and (found.node, source) in self._seen:
+            return None
         detail = dict(found.detail)
         if run_id is not None:
             if run_id not in run_names:
@@ -102,6 +112,8 @@ class HealthLedger:
             detail["run"] = run_names[run_id]
         new = hosts.record_evidence_once(conn, node=found.node, kind=found.kind, run_id=run_id,
                                          attempt=attempt, t=t, detail=detail, source=source)
+        if source is not None:
+            tick.recorded.append((found.node, source))
         if new is not None:
             tick.evidence += 1
             if found.kind != EvidenceKind.PREFLIGHT_PASSED:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.supervisor.sup_helpers import FakeClock, ingest, register, step
@@ -245,3 +246,23 @@ def test_a_disk_io_error_is_recorded_without_cordoning_by_default(
     (e,) = evidence(db, "n1")
     assert e["kind"] == EvidenceKind.DISK_ERROR and e["detail"]["path"] == "/ck/step_10"
     assert state(db, "n1") == HostState.HEALTHY
+
+
+def test_a_failure_of_the_ledger_leaves_the_tick_whole_and_is_read_again(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock, db: Database,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    n1 = Node(client, "n1")
+    n1.send(step(0, 0), killed(0))
+    real = hosts.record_evidence_once
+
+    def broken(*a: Any, **kw: Any) -> int | None:
+        raise RuntimeError("the store refused it")
+
+    monkeypatch.setattr(hosts, "record_evidence_once", broken)
+    evaluator.tick()
+    assert run_r1(db)["attempt"] == 1  # the crash was handled: a restart
+    assert evidence(db, "n1") == []
+    monkeypatch.setattr(hosts, "record_evidence_once", real)
+    clock.advance(1)
+    evaluator.tick()  # read again from where the failed tick started
+    assert [e["kind"] for e in evidence(db, "n1")] == [EvidenceKind.INFRA_FAILURE]
