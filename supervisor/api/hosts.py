@@ -25,7 +25,13 @@ from trainwarden.supervisor.api.deps import (
 )
 from trainwarden.supervisor.api.errors import ERROR_RESPONSES
 from trainwarden.supervisor.api.responses import HostChanged, HostDetail, HostList, documented
-from trainwarden.supervisor.contract.limits import TEXT, TEXT_PATTERN, TEXT_REFUSES, HostName
+from trainwarden.supervisor.contract.limits import (
+    TEXT,
+    TEXT_PATTERN,
+    TEXT_REFUSES,
+    HostName,
+    NodeName,
+)
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.enums import HostState
 from trainwarden.supervisor.store import hosts
@@ -92,9 +98,10 @@ def list_hosts(db: DB, clock: ClockDep, settings: Settings, request: Request,
 
 
 @router.get("/hosts/{node:path}", response_model=None, responses=documented(HostDetail))
-def get_host(node: HostName, db: DB, request: Request, auth: ReadAuth) -> dict[str, Any]:
+def get_host(node: NodeName, db: DB, request: Request, auth: ReadAuth) -> dict[str, Any]:
     """One node's ledger: its state, its evidence and its audited state changes (newest
-    first).  404 for a node nothing knows."""
+    first).  404 for a node nothing knows.  (Any name the store may hold is read; a cordon
+    takes only the names registration accepts.)"""
     _unscoped(auth, request, read=True)
     with db.read() as conn:
         out = _standing(conn, node)

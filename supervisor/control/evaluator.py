@@ -6,7 +6,9 @@ and reading them inside the write transaction held the store's one writer (and w
 agent's ingest) for the whole tick.  Then one short write transaction, in steps: the agents'
 exit reports (``_exits``), the progress of the actions under way, the workers' failure events
 and stack dumps, the findings (a finding observed for an attempt the run has left by then is
-dropped: the next tick observes the new one), and last the checkpoints to protect.  What the
+dropped: the next tick observes the new one), the checkpoints to protect, and last the health
+ledger (``control.ledger``: the evidence against nodes those steps left, and the cordons it
+calls for).  What the
 evaluator keeps of a run between ticks is one ``RunState``.  ``run`` is a thin loop around
 ``tick`` (a daemon thread started by the app); the clock is injected so tests drive exactly
 one tick at a chosen time.

@@ -197,9 +197,11 @@ def gpu_evidence(reading: Mapping[str, Any], seen: Mapping[str, Any]
     the difference (above 0 on a GPU never seen: all of it); one below it was reset (a driver
     reload) and is kept as the new base; a count not read keeps the last seen."""
     out: list[tuple[EvidenceKind, dict[str, Any]]] = []
-    kept: dict[str, dict[str, int]] = {
-        name: {str(k): v for k, v in (seen.get(name) or {}).items() if _int(v) is not None}
-        for name, _ in GPU_COUNTERS.values()}
+    kept: dict[str, dict[str, int]] = {}
+    for name, _ in GPU_COUNTERS.values():
+        before = seen.get(name)  # (a stored value of another shape counts as never seen)
+        kept[name] = ({str(k): v for k, v in before.items() if _int(v) is not None}
+                      if isinstance(before, Mapping) else {})
     devices = reading.get("devices")
     for d in devices if isinstance(devices, list) else []:
         if not isinstance(d, Mapping) or d.get("index") is None:

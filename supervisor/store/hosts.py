@@ -28,6 +28,7 @@ from trainwarden.supervisor.enums import (
 )
 from trainwarden.supervisor.store import tables
 from trainwarden.supervisor.store._sql import insert, json_safe, row
+from trainwarden.supervisor.store.health import gpu_health
 from trainwarden.supervisor.store.rows import (
     EvidenceRow,
     HostActionRow,
@@ -262,8 +263,9 @@ def gpu_readings(conn: Connection) -> dict[str, tuple[int, int | None, dict[str,
          .order_by(agents.c.last_seen_at))
     out: dict[str, tuple[int, int | None, dict[str, Any]]] = {}
     for r in conn.execute(q):
-        if isinstance(r.gpus, dict):
-            out[str(r.node)] = (int(r.run_id), r.attempt, r.gpus)
+        gpus = gpu_health(r.gpus)  # (the shape every reader expects, whatever is stored)
+        if gpus is not None:
+            out[str(r.node)] = (int(r.run_id), r.attempt, gpus)
     return out
 
 
