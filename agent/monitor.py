@@ -203,10 +203,19 @@ def disk_usage(path: Path | None) -> tuple[int, int] | None:
     return int(u.free), int(u.total)
 
 
+# XIDs the application causes (an illegal access, a page fault, a stopped or killed process):
+# not the machine's, so not counted as its errors (the supervisor's health ledger reads the
+# count as evidence against the node).
+APPLICATION_XIDS = frozenset({13, 31, 43, 45})
+XID_EVENTS_PER_READ = 256  # drained at most per read (the rest wait for the next)
+
+
 class GpuHealth:
     """GPU readings through NVML (``nvidia-ml-py``): utilisation, memory, temperature, power,
-    uncorrected ECC errors.  Where NVML cannot start (no driver, no GPU: every CPU machine)
-    ``read()`` says "not available" and why, once; it never raises.
+    uncorrected ECC errors, and where NVML delivers XID events, the hardware XID errors seen
+    since the agent started (``xid_errors``, the newest one's code ``xid_last``).  Where NVML
+    cannot start (no driver, no GPU: every CPU machine) ``read()`` says "not available" and
+    why, once; it never raises.
 
     ``nvml`` is the module to use (``pynvml``); tests pass a fake."""
 
@@ -214,6 +223,10 @@ class GpuHealth:
         self._nvml = nvml
         self._handles: list[Any] | None = None
         self._unavailable: str | None = None
+        self._events: Any = None  # NVML's event set of XID errors (None: not delivered)
+        self._xid_devices: set[int] = set()  # the devices whose XID events are registered
+        self._xids: dict[int, int] = {}  # device index -> hardware XID errors seen
+        self._xid_last: dict[int, int] = {}
 
     def _start(self) -> list[Any] | None:
         if self._handles is not None or self._unavailable is not None:
@@ -230,6 +243,7 @@ class GpuHealth:
             self._unavailable = f"{type(e).__name__}: {e}"
             log.info("GPU health not available: %s", self._unavailable)
             return None
+        self._register_xids(self._handles)
         return self._handles
 
     def device_count(self) -> int | None:
@@ -237,12 +251,54 @@ class GpuHealth:
         handles = self._start()
         return None if handles is None else len(handles)
 
+    def _register_xids(self, handles: list[Any]) -> None:
+        """Ask NVML for the devices' XID events (where it delivers none, or the bindings
+        lack the calls, the readings leave ``xid_errors`` out)."""
+        nv = self._nvml
+        try:
+            events = nv.nvmlEventSetCreate()
+        except Exception as e:
+            log.info("XID events not available: %s: %s", type(e).__name__, e)
+            return
+        for i, h in enumerate(handles):
+            try:
+                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, events)
+            except Exception:  # NVMLError_NotSupported on some devices
+                continue
+            self._xid_devices.add(i)
+            self._xids[i] = 0
+        self._events = events if self._xid_devices else None
+
+    def _drain_xids(self, handles: list[Any]) -> None:
+        """Count the XID events delivered since the last read (never waits)."""
+        nv = self._nvml
+        if self._events is None:
+            return
+        wait = getattr(nv, "nvmlEventSetWait_v2", None) or nv.nvmlEventSetWait
+        for _ in range(XID_EVENTS_PER_READ):
+            try:
+                data = wait(self._events, 0)
+            except Exception:  # NVMLError_Timeout: nothing more now
+                return
+            index = next((i for i, h in enumerate(handles) if h == data.device), None)
+            xid = int(data.eventData)
+            if index is None or xid in APPLICATION_XIDS:
+                continue
+            self._xids[index] = self._xids.get(index, 0) + 1
+            self._xid_last[index] = xid
+
     def read(self) -> dict[str, Any]:
         """``{"available": True, "devices": [...]}`` or ``{"available": False, "reason"}``."""
         handles = self._start()
         if handles is None:
             return {"available": False, "reason": self._unavailable or "unknown"}
-        return {"available": True, "devices": [self._device(i, h) for i, h in enumerate(handles)]}
+        self._drain_xids(handles)
+        devices = [self._device(i, h) for i, h in enumerate(handles)]
+        for i, d in enumerate(devices):
+            if i in self._xid_devices:
+                d["xid_errors"] = self._xids.get(i, 0)
+                d["xid_last"] = self._xid_last.get(i)
+        return {"available": True, "devices": devices}
 
     def uuid(self, index: int) -> str | None:
         """NVML's UUID of device ``index`` (``GPU-...``), by which a CUDA device is matched to

@@ -435,8 +435,10 @@ class HeartbeatItem(TypedDict, total=False):
     disk_free_bytes: int | None  # of the checkpoint root's file system
     disk_total_bytes: int | None
     # NVML readings, every few heartbeats: {"available": true, "devices": [{index, name,
-    # util_percent, mem_used_bytes, mem_total_bytes, temp_c, power_w, ecc_uncorrected}]}
-    # or {"available": false, "reason": "..."}; absent when not read this time.
+    # util_percent, mem_used_bytes, mem_total_bytes, temp_c, power_w, ecc_uncorrected,
+    # and where NVML delivers XID events: xid_errors (hardware XIDs since the agent
+    # started), xid_last}]} or {"available": false, "reason": "..."}; absent when not read
+    # this time.
     gpus: dict[str, Any]
 
 

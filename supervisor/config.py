@@ -13,6 +13,8 @@ Each section is the config class of the component it configures, and holds its d
 * ``hang``, ``node_lost``, ``disk``, ``straggler``, ``loss``, ``throughput``: the detectors'
   configs as ``control.detection.DetectionConfig`` holds them; ``detection``: its other
   fields (how much and how often the windows are read);
+* ``cordon``: the rule that cordons a node on the health ledger's evidence
+  (``detect.node_health.CordonConfig``);
 * ``restart``, ``rollback``: the fields of ``control.policy.PolicyConfig`` (``rollback_X`` is
   ``rollback.X``, the others are ``restart``'s, ``restart_budget`` as ``restart.budget``).
 
@@ -66,6 +68,7 @@ from trainwarden.supervisor.detect import (
     ThroughputConfig,
 )
 from trainwarden.supervisor.detect.disk import DiskConfig
+from trainwarden.supervisor.detect.node_health import CordonConfig
 from trainwarden.supervisor.detect.overload import OverloadConfig
 from trainwarden.supervisor.server.httpguard import HttpConfig
 from trainwarden.supervisor.store.db import StoreConfig
@@ -333,6 +336,7 @@ class SupervisorSettings(BaseSettings):
     loss: LossSpikeConfig = _detector("loss")
     throughput: ThroughputConfig = _detector("throughput")
     overload: OverloadConfig = _detector("overload")
+    cordon: CordonConfig = Field(default_factory=CordonConfig)
     # (built at import time: their types are not known to the type checker)
     detection: DetectionSection = Field(default_factory=DetectionSection)  # type: ignore[valid-type]
     restart: RestartSection = Field(default_factory=RestartSection)  # type: ignore[valid-type]

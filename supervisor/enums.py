@@ -180,3 +180,40 @@ class SupervisorEvent(StrEnum):
     CREDENTIALS_REVOKED = "credentials_revoked"
     MEMBERSHIP_CHANGED = "membership_changed"
     WAITING_FOR_NODE = "waiting_for_node"
+
+
+class HostState(StrEnum):
+    """A node's standing in the health ledger (``trainwarden.supervisor.store.hosts``), keyed
+    by the agent's node name.
+
+    * ``healthy``: chosen as a member like any other;
+    * ``cordoned``: fenced off on evidence (the policy's rule) or by an operator: replaced at
+      the next restart and never chosen as a member while it lasts;
+    * ``probation``: an operator uncordoned it; it is healthy again once it passes a
+      preflight (never silently), and a failed one cordons it again."""
+
+    HEALTHY = "healthy"
+    CORDONED = "cordoned"
+    PROBATION = "probation"
+
+
+class EvidenceKind(StrEnum):
+    """What the health ledger records against a node (``detect.node_health`` says which
+    failures count as which, and the rule that cordons on them)."""
+
+    INFRA_FAILURE = "infra_failure"  # a crash of the machine's class, a collective timeout
+    HANG_CULPRIT = "hang_culprit"  # a hang whose culprit rank on the node did not answer
+    STRAGGLER = "straggler"  # a sustained straggler episode of a rank on the node
+    ECC = "ecc"  # new uncorrected ECC errors (NVML's volatile count grew)
+    XID = "xid"  # new XID errors of the hardware kind the agent reports
+    PREFLIGHT_FAILED = "preflight_failed"
+    DISK_ERROR = "disk_error"  # a checkpoint save failed on an I/O error of the disk
+    PREFLIGHT_PASSED = "preflight_passed"  # not against it: the pass that ended a probation
+
+
+class HostActionKind(StrEnum):
+    """The audited changes of a node's state (``host_actions``)."""
+
+    CORDON = "cordon"  # -> cordoned (the policy's rule, or an operator)
+    UNCORDON = "uncordon"  # cordoned -> probation (an operator)
+    PROBATION_PASSED = "probation_passed"  # probation -> healthy (a passed preflight)

@@ -19,7 +19,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainwarden.agent.core.rootcause import FailureClass
-from trainwarden.supervisor.enums import ActionStatus, IncidentStatus, RunStatus
+from trainwarden.supervisor.enums import (
+    ActionStatus,
+    EvidenceKind,
+    HostActionKind,
+    HostState,
+    IncidentStatus,
+    RunStatus,
+)
 
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 Real = Annotated[float | NonFinite, Field(
@@ -539,6 +546,75 @@ class TakeoverDone(_Answer):
     node: str
     agent_id: int = Field(description="the agent whose credential was revoked")
     action_id: int
+
+
+# ---------------------------------------------------------------------------------------------
+# hosts (the health ledger)
+
+
+class EvidenceRecord(_Answer):
+    """One piece of evidence against a node."""
+
+    id: int
+    node: str
+    kind: EvidenceKind
+    run_id: int | None
+    attempt: int | None
+    t: float = Field(description="when it happened (an incident's opening; for what an agent "
+                                 "reported, when the supervisor learned of it)")
+    detail: dict[str, Any] = Field(description="what happened (``what``), the run's name "
+                                               "(``run``), and what it was read from")
+    source: str | None = Field(description="what it was read from (incident:ID, event:ID; "
+                                           "null for the GPU counters): recorded once")
+
+
+class HostActionRecord(_Answer):
+    """An audited change of a node's state."""
+
+    id: int
+    node: str
+    kind: HostActionKind
+    actor: str = Field(description="policy, or the operator token's actor")
+    reason: str
+    run_id: int | None = Field(description="the run whose failure tipped a cordon over")
+    evidence_ids: list[int] = Field(description="the evidence a cordon rests on")
+    created_at: float
+
+
+class HostStanding(_Answer):
+    node: str
+    state: HostState = Field(description="healthy, cordoned (never chosen as a member) or "
+                                         "probation (healthy once it passes a preflight)")
+    reason: str = Field(description="why the state last changed")
+    actor: str = Field(description="who changed it (policy, or an operator); empty: never "
+                                   "changed")
+    since: float = Field(description="when the state began")
+    updated_at: float
+    cleared_at: float | None = Field(description="the last uncordon: evidence before it no "
+                                                 "longer counts")
+
+
+class HostEntry(HostStanding):
+    evidence_count: int = Field(description="evidence against it in the rule's window")
+    latest_evidence: EvidenceRecord | None = Field(description="its newest evidence, however "
+                                                               "old")
+
+
+class HostList(_Answer):
+    window_s: float = Field(description="the cordon rule's window (cordon.window_s)")
+    hosts: list[HostEntry]
+
+
+class HostDetail(HostStanding):
+    evidence: list[EvidenceRecord] = Field(description="newest first")
+    actions: list[HostActionRecord] = Field(description="cordons, uncordons and passed "
+                                                        "probations, newest first")
+
+
+class HostChanged(_Answer):
+    node: str
+    state: HostState = Field(description="its state now")
+    action_id: int = Field(description="the audited host action")
 
 
 # ---------------------------------------------------------------------------------------------

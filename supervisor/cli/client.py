@@ -1,5 +1,5 @@
-"""``trainwarden runs | incidents RUN | checkpoints RUN | rollback RUN ...``: thin clients of
-the REST API that print readable tables.
+"""``trainwarden runs | incidents RUN | checkpoints RUN | rollback RUN | hosts | cordon NODE |
+uncordon NODE ...``: thin clients of the REST API that print readable tables.
 
 Everything printed that came from the supervisor (node names, paths, reasons: text agents and
 operators chose) goes through ``printable`` first, so a stored escape sequence cannot retitle,
@@ -61,6 +61,17 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="follow the action's progress for up to S seconds")
     add_common(p)
+    p = sub.add_parser("hosts", help="every known node: healthy, cordoned or on probation, "
+                                     "with its evidence")
+    add_common(p)
+    for name, help_ in (("cordon", "cordon a node (operator): replaced at its run's next "
+                                   "restart, never chosen as a member while cordoned"),
+                        ("uncordon", "put a cordoned node on probation (operator): healthy "
+                                     "again once it passes a preflight")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("node", help="the node's name as its agent registers it (--node)")
+        p.add_argument("--reason", required=True, help="why (kept in the audit trail)")
+        add_common(p)
     p = sub.add_parser("token", help="tokens with roles: create, list, revoke (admin token, "
                                      f"default ${ENV_ADMIN_TOKEN})")
     tsub = p.add_subparsers(dest="token_cmd", required=True)
@@ -290,6 +301,38 @@ def _rollback(client: httpx.Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def host_path(node: str, rest: str = "") -> str:
+    """``/hosts/NODE/rest``; a node's name may hold slashes (``rack1/n0``), which the route
+    takes as they are: the rest is quoted."""
+    return f"/hosts/{quote(node, safe='/')}{rest}"
+
+
+def _hosts(client: httpx.Client, args: argparse.Namespace) -> int:
+    body = _get(client, "/hosts")
+    window = _number(body.get("window_s")) or 0.0
+    rows = []
+    for h in body["hosts"]:
+        last = h.get("latest_evidence") or {}
+        latest = (f"{_short(str((last.get('detail') or {}).get('what') or last.get('kind')), 40)}"
+                  f", {_age(last.get('t'))} ago") if last else None
+        rows.append([h["node"], h["state"], f"{_age(h['since'])} ago", h.get("actor") or None,
+                     h.get("evidence_count"), latest, _short(h.get("reason") or "", 60)])
+    print(table(rows, ["NODE", "STATE", "SINCE", "BY", f"EVIDENCE IN {window / 3600:g}H",
+                       "LATEST EVIDENCE", "REASON"]))
+    return 0
+
+
+def _host_change(client: httpx.Client, args: argparse.Namespace) -> int:
+    r = client.post(host_path(args.node, f"/{args.cmd}"), json={"reason": args.reason})
+    r.raise_for_status()
+    out = r.json()
+    then = {"cordoned": "never chosen as a member until uncordoned",
+            "probation": "healthy again once it passes a preflight"}.get(str(out["state"]), "")
+    print(f"node {printable(out['node'])} is {printable(out['state'])}"
+          f"{': ' + then if then else ''} (host action {out['action_id']})")
+    return 0
+
+
 def _short(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
@@ -317,5 +360,6 @@ def _token(client: httpx.Client, args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"runs": _runs, "incidents": _incidents, "checkpoints": _checkpoints,
-             "actions": _actions, "nodes": _nodes, "rollback": _rollback, "token": _token}
+             "actions": _actions, "nodes": _nodes, "rollback": _rollback, "token": _token,
+             "hosts": _hosts, "cordon": _host_change, "uncordon": _host_change}
 COMMANDS = tuple(_COMMANDS)

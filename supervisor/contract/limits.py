@@ -139,6 +139,13 @@ RunName = Annotated[str, Path(max_length=RUN_NAME_MAX, pattern=r"^[^\x00]+$",
 NodeName = Annotated[str, Path(max_length=200, pattern=r"^[^\x00]+$",
                                description="the node's name as its agent registered it "
                                            "(slashes allowed; a NUL is refused)")]
+# A node of the health ledger in a path (``/hosts/{node}``): what registration accepts as a
+# node's name (one line, no control character, slashes allowed), since an operator may name a
+# node before its agent registers.
+HostName = Annotated[str, Path(min_length=1, max_length=200, pattern=LINE_PATTERN,
+                               description="the node's name as its agent registers it "
+                                           "(--node, the hostname by default; slashes "
+                                           f"allowed; {LINE_REFUSES})")]
 # A stored token's name in a path: never a NUL (no token has one).
 TokenName = Annotated[str, Path(max_length=100, pattern=r"^[^\x00]+$",
                                 description="the token's name (a NUL is refused)")]

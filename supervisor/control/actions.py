@@ -34,9 +34,9 @@ from trainwarden.supervisor.enums import (
     RunStatus,
     SupervisorEvent,
 )
+from trainwarden.supervisor.store import hosts, registry, windows
 from trainwarden.supervisor.store import membership as store_membership
 from trainwarden.supervisor.store import recovery as rec
-from trainwarden.supervisor.store import registry, windows
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.membership import RunMembership
 from trainwarden.supervisor.store.rows import ActionRow, RunRow
@@ -128,11 +128,13 @@ def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | N
     m = store_membership.run_membership(conn, run_id=run_id)
     live = frozenset(n["node"] for n in m["nodes"]
                      if live_s is None or now - n["last_seen_at"] <= live_s)
+    # A node on probation is taken after the healthy spares (it must pass a preflight).
+    probation = hosts.probation_nodes(conn)
+    spares = sorted((n["node"] for n in m["spares"]), key=lambda node: node in probation)
     facts = membership.MembershipFacts(
         nnodes=m["nnodes"], epoch=m["epoch"],
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
-        spares=[n["node"] for n in m["spares"]],
-        cordoned=frozenset())
+        spares=spares, cordoned=frozenset(hosts.cordoned_nodes(conn)))
     return facts, m
 
 
@@ -326,3 +328,19 @@ def advance(conn: Connection, *, action: ActionRow, now: float) -> str:
         rec.update_action(conn, action_id=action["id"], status=new, progress=progress,
                            updated_at=now, **values)
     return new
+
+
+def apply_host(conn: Connection, *, decision: policy.HostDecision, now: float) -> int | None:
+    """Write a decision about a node's state (``store.hosts``), audited as a host action
+    naming who and why; returns the host action's id (None: nothing changed)."""
+    if isinstance(decision, policy.Cordon):
+        return hosts.cordon(conn, node=decision.node, reason=decision.reason,
+                            actor=decision.actor, now=now, run_id=decision.run_id,
+                            evidence_ids=decision.evidence_ids)
+    if isinstance(decision, policy.Uncordon):
+        return hosts.uncordon(conn, node=decision.node, reason=decision.reason,
+                              actor=decision.actor, now=now)
+    if isinstance(decision, policy.PassProbation):
+        hosts.preflight_passed(conn, node=decision.node, now=now, run_id=decision.run_id,
+                               reason=decision.reason, evidence_ids=decision.evidence_ids)
+    return None

@@ -6,7 +6,9 @@ and reading them inside the write transaction held the store's one writer (and w
 agent's ingest) for the whole tick.  Then one short write transaction, in steps: the agents'
 exit reports (``_exits``), the progress of the actions under way, the workers' failure events
 and stack dumps, the findings (a finding observed for an attempt the run has left by then is
-dropped: the next tick observes the new one), and last the checkpoints to protect.  What the
+dropped: the next tick observes the new one), the checkpoints to protect, and last the health
+ledger (``control.ledger``: the evidence against nodes those steps left, and the cordons it
+calls for).  What the
 evaluator keeps of a run between ticks is one ``RunState``.  ``run`` is a thin loop around
 ``tick`` (a daemon thread started by the app); the clock is injected so tests drive exactly
 one tick at a chosen time.
@@ -30,6 +32,7 @@ from trainwarden.agent.core.states import NodeRole
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
 from trainwarden.supervisor.control.goodput_feed import GoodputFeed
+from trainwarden.supervisor.control.ledger import HealthLedger, LedgerTick
 from trainwarden.supervisor.control.observer import (
     Observation,
     Observer,
@@ -39,10 +42,12 @@ from trainwarden.supervisor.control.observer import (
 from trainwarden.supervisor.control.overload import OverloadWatch
 from trainwarden.supervisor.control.retention import Retention, RetentionConfig
 from trainwarden.supervisor.detect import Finding
+from trainwarden.supervisor.detect.node_health import CordonConfig
 from trainwarden.supervisor.detect.node_lost import agents_gone
 from trainwarden.supervisor.detect.overload import Overload
 from trainwarden.supervisor.detect.stacks import hang_culprit
 from trainwarden.supervisor.enums import (
+    IN_PROGRESS,
     ActionKind,
     ActionStatus,
     IncidentKind,
@@ -52,7 +57,7 @@ from trainwarden.supervisor.enums import (
     Verdict,
 )
 from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
-from trainwarden.supervisor.store import credentials, registry, windows
+from trainwarden.supervisor.store import credentials, hosts, registry, windows
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection, Database
 from trainwarden.supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
@@ -106,7 +111,8 @@ class Evaluator:
     def __init__(self, db: Database, cfg: policy.PolicyConfig, *, clock: Clock = time.time,
                  detection: DetectionConfig | None = None,
                  delivery: DeliveryMonitor | None = None,
-                 retention: RetentionConfig | None = None) -> None:
+                 retention: RetentionConfig | None = None,
+                 cordon: CordonConfig | None = None) -> None:
         self.db = db
         self.cfg = cfg
         self.clock = clock
@@ -117,6 +123,7 @@ class Evaluator:
         # Called while the tick waits on the observer process (a leader renews its lease).
         self.keepalive: Callable[[], object] | None = None
         self.retention = Retention(retention, self.detection)  # old per-rank rows rolled up
+        self.ledger = HealthLedger(cordon)  # evidence against nodes, and the cordons
         # Hangs and lost nodes are judged on what this process could observe: a supervisor
         # that was down must not call a hang on data it could not receive.
         self.observing_since = clock()
@@ -158,6 +165,9 @@ class Evaluator:
                 if obs is not None and obs.attempt == int(run["attempt"]):
                     with self._contained(conn, int(run["id"]), JudgeStage.FINDINGS, now):
                         self._act_on(conn, run, obs, now, rep)
+            # The health ledger before the upkeep: a node its evidence cordons (the failure
+            # just decided on, say) is replaced before the restart it is a member of trains.
+            ledger = self._ledger(conn, now)
             busy = {int(a["run_id"]) for a in rec.actions_in_progress(conn)}
             for run in registry.active_runs(conn):
                 with self._contained(conn, int(run["id"]), JudgeStage.UPKEEP, now):
@@ -166,10 +176,24 @@ class Evaluator:
                     self._attempt_mismatches(conn, run, int(run["id"]) in busy, now, rep)
                     self._presence(conn, run, now)
                     self._fill_missing(conn, run, now, rep)
+                    self._replace_cordoned(conn, run, now, rep)
             self._revoke_ended(conn, now)
             self._recovered(conn, now)
+        if ledger is not None:
+            self.ledger.advance(ledger)  # (read up to there: committed)
         self.retention.tick(self.db)  # a bounded slice, in write transactions of its own
         return rep
+
+    def _ledger(self, conn: Connection, now: float) -> LedgerTick | None:
+        """The health ledger's share (``control.ledger``), in a savepoint of its own: a
+        failure there is logged and read again on the next tick, and never takes a run's
+        fault handling down with it."""
+        try:
+            with conn.begin_nested():
+                return self.ledger.tick(conn, now)
+        except Exception:
+            log.exception("health ledger: reading the evidence failed (read again next tick)")
+            return None
 
     def _revoke_ended(self, conn: Connection, now: float) -> None:
         """A run that ended writes nothing more: once its agents had the node-lost deadline
@@ -324,6 +348,31 @@ class Evaluator:
         rep.decisions += 1
         log.info("run %s: %s", run["name"], decision)
         actions.apply(conn, run=run, decision=decision, now=now, live_s=self._live_s())
+
+    def _replace_cordoned(self, conn: Connection, run: RunRow, now: float,
+                          rep: TickReport) -> None:
+        """A restart that has not resumed yet, one of whose members is cordoned now, is
+        decided again with the same plan so a free spare takes that rank (no spare: it goes
+        on; the next restart stands the rank by)."""
+        action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+        if action is None or action["status"] not in IN_PROGRESS:
+            return
+        m = (action["plan"] or {}).get("membership")
+        if not isinstance(m, dict):
+            return
+        bad = sorted(set(m.get("members") or {}) & hosts.cordoned_nodes(conn))
+        if not bad:
+            return
+        plan, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now, live_s=None)
+        if not plan.replaced:
+            return
+        pending = protocol.ResumePlan.from_dict({k: v for k, v in (action["plan"] or {}).items()
+                                        if k != "membership"})
+        decision = policy.on_member_cordoned(actions.facts(run), cordoned=bad,
+                                             pending=pending, now=now)
+        rep.decisions += 1
+        log.info("run %s: %s", run["name"], decision)
+        actions.apply(conn, run=run, decision=decision, now=now, live_s=None)
 
     # -- attempt mismatch --------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from trainwarden.agent.core.findings import Severity
 from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.agent.core.states import CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
+from trainwarden.supervisor.detect import node_health
 from trainwarden.supervisor.detect.overload import OverloadConfig
 from trainwarden.supervisor.enums import (
     FINAL_STATUSES,
@@ -37,6 +38,7 @@ from trainwarden.supervisor.enums import (
     ROLLED_BACK,
     WATCHED,
     Actor,
+    HostState,
     IncidentKind,
     PresenceEvent,
     RestartCause,
@@ -490,6 +492,18 @@ def on_node_joined(run: RunFacts, *, joined: Sequence[str], checkpoint: str | No
                    replace_lost=True)
 
 
+def on_member_cordoned(run: RunFacts, *, cordoned: Sequence[str], pending: ResumePlan,
+                       now: float) -> Restart:
+    """A member of a restart that has not resumed yet was cordoned (the failure that caused
+    the restart was the evidence): restart again at once with the same plan (checkpoint,
+    skips, LR), so a spare takes its rank before the attempt trains.  Counts against no
+    budget (the failure was counted)."""
+    return Restart(attempt=run.attempt + 1, checkpoint=pending.checkpoint, not_before=now,
+                   reason=f"gang restart: {', '.join(cordoned)} cordoned before the attempt "
+                          "trained", cause=RestartCause.REPLACE, counts_against_budget=False,
+                   skip=pending.skip, lr=pending.lr)
+
+
 def operator_restart(
     run: RunFacts, *, checkpoint: str | None, reason: str, actor: str, now: float,
     step: int | None = None,
@@ -859,3 +873,91 @@ def protected_checkpoints(facts: ProtectFacts, cfg: PolicyConfig) -> list[str]:
         if good and good[-1] not in out:
             out.append(good[-1])
     return sorted(out[:PROTECT_MAX])
+
+
+# ---------------------------------------------------------------------------------------------
+# Node health: cordons on evidence, probation (the rule: ``detect.node_health``)
+
+
+@dataclass(frozen=True)
+class Cordon:
+    """Fence ``node`` off: the membership replaces it at the next restart and never chooses
+    it as a member while it is cordoned.  Restarts nothing by itself."""
+
+    node: str
+    reason: str
+    actor: str = Actor.POLICY
+    evidence_ids: tuple[int, ...] = ()
+    rule: str = ""  # the setting of the rule that holds (``cordon.<rule>``); "" for an operator
+    run_id: int | None = None  # the run whose failure tipped it over
+
+
+@dataclass(frozen=True)
+class Uncordon:
+    """An operator lets a cordoned node back on probation: healthy once it passes a
+    preflight, cordoned again by a failed one."""
+
+    node: str
+    reason: str
+    actor: str
+
+
+@dataclass(frozen=True)
+class PassProbation:
+    """A node on probation passed a preflight: healthy again."""
+
+    node: str
+    reason: str
+    run_id: int | None = None
+    evidence_ids: tuple[int, ...] = ()
+
+
+HostDecision = Note | Cordon | Uncordon | PassProbation
+
+
+def on_host_evidence(node: str, *, state: str, cleared_at: float | None,
+                     evidence: Sequence[node_health.Evidence], now: float,
+                     cfg: node_health.CordonConfig, run_id: int | None = None
+                     ) -> Note | Cordon:
+    """What new evidence against ``node`` means: a cordon when the rule holds over its
+    evidence since its last uncordon (``cleared_at``; the older was judged and cleared)."""
+    if state == HostState.CORDONED:
+        return Note(Verdict.IGNORED, f"node {node} is cordoned already")
+    if not cfg.enabled:
+        return Note(Verdict.IGNORED, "cordon.enabled is false: only operators cordon")
+    counted = [e for e in evidence if cleared_at is None or e.t > cleared_at]
+    verdict = node_health.judge(counted, now=now, cfg=cfg)
+    if verdict is None:
+        return Note(Verdict.WAIT, "no cordon rule holds")
+    return Cordon(node=node, reason=f"cordon.{verdict.rule}: {verdict.reason}",
+                  evidence_ids=verdict.evidence_ids, rule=verdict.rule, run_id=run_id)
+
+
+def on_preflight_passed(node: str, *, state: str, since: float, ran_at: float,
+                        run_id: int | None, evidence_ids: tuple[int, ...] = ()
+                        ) -> Note | PassProbation:
+    """A passed preflight ends a probation that began before it ran (``since``: when the
+    node's state began); anywhere else it changes nothing."""
+    if state != HostState.PROBATION:
+        return Note(Verdict.IGNORED, f"node {node} is {state}, not on probation")
+    if ran_at < since:
+        return Note(Verdict.LATE, "the preflight ran before the node went on probation")
+    return PassProbation(node=node, run_id=run_id, evidence_ids=evidence_ids,
+                         reason="passed a preflight on probation: healthy again")
+
+
+def operator_cordon(node: str, *, state: str, reason: str, actor: str) -> Note | Cordon:
+    """An operator's cordon, of a node in any state but cordoned (one never seen too: a host
+    may be fenced off before its agent registers)."""
+    if state == HostState.CORDONED:
+        return Note(Verdict.IGNORED, f"node {node} is cordoned already")
+    return Cordon(node=node, reason=reason, actor=actor)
+
+
+def operator_uncordon(node: str, *, state: str, reason: str, actor: str) -> Note | Uncordon:
+    """An operator's uncordon: a cordoned node goes on probation, never straight to healthy
+    (a cordon ends with a passed preflight)."""
+    if state != HostState.CORDONED:
+        return Note(Verdict.IGNORED, f"node {node} is {state}, not cordoned: nothing to "
+                                     "uncordon")
+    return Uncordon(node=node, reason=reason, actor=actor)

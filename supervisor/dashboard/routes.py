@@ -24,12 +24,13 @@ from trainwarden.supervisor.api.deps import (
     ReadAuth,
     Settings,
     Straggler,
+    reads_are_public,
 )
 from trainwarden.supervisor.api.responses import RunSeries, RunState, documented
 from trainwarden.supervisor.dashboard import auth, etag, views
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.observability import efficiency
-from trainwarden.supervisor.store import reads, registry
+from trainwarden.supervisor.store import hosts, reads, registry
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.rows import RunRow
 
@@ -220,6 +221,31 @@ async def runs_page(request: Request, db: DB, clock: ClockDep) -> Response:
     rows = await run_in_threadpool(read)
     return templates.TemplateResponse(
         request, "runs.html", {"runs": rows, "now": now, "principal": who.role})
+
+
+@router.get("/hosts", response_class=HTMLResponse)
+async def hosts_page(request: Request, db: DB, clock: ClockDep, settings: Settings) -> Response:
+    """The health ledger's nodes, with cordon and uncordon for a signed-in operator (the
+    dialog sends the operator token itself, as the rollback form does)."""
+    who = await _page_auth(request)
+    if isinstance(who, Response):
+        return who
+    if who.scope is not None and not reads_are_public(request):
+        raise HTTPException(status.HTTP_403_FORBIDDEN,
+                            f"token {who.token!r} is scoped to {who.scope!r}: hosts serve "
+                            "every run; sign in with a token without a run scope")
+    now = clock()
+    window = settings.cordon.window_s
+
+    def read() -> list[Any]:
+        with db.read() as conn:
+            return list(hosts.host_summaries(conn, since=now - window))
+
+    rows = await run_in_threadpool(read)
+    return templates.TemplateResponse(
+        request, "hosts.html",
+        {"hosts": rows, "now": now, "window_s": window, "principal": who.role,
+         "can_act": who.role in ("operator", "admin") and who.scope is None})
 
 
 @router.get("/runs/{run}", response_class=HTMLResponse)

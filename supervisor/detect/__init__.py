@@ -11,6 +11,8 @@ the policy, which decides.
 * ``loss_spike``: loss above a robust rolling baseline, sustained; NaN/Inf at once.
 * ``throughput``: tokens/s (or samples/s) below the run's own reference.
 * ``node_lost``: an agent's heartbeat older than a deadline.
+* ``node_health``: which failures are evidence against a node, and the rule that cordons it
+  (the health ledger's; its verdict goes to the policy like any finding).
 """
 
 from trainwarden.agent.core.hang import (

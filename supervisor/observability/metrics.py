@@ -8,7 +8,10 @@ Cardinality: per run a fixed set of series (7 incident kinds, 6 restart causes, 
 and once the run restarted a histogram of 14 series for each of the 6 restart phases),
 per agent (node) six, per GPU four (at most ``GPUS_PER_NODE`` per node), and at most
 ``STRAGGLER_TOP`` rank series (the lowest straggler scores).  Only runs that are active, or
-whose status changed in the last ``RECENT_S`` seconds, are exported.
+whose status changed in the last ``RECENT_S`` seconds, are exported.  Per node of the health
+ledger (``store.hosts``: every node with evidence or a state change) two, whatever runs:
+``host_cordoned`` (1 while cordoned: never chosen as a member; 0 healthy or on probation)
+and ``host_probation`` (1 while on probation: uncordoned, waiting for a passed preflight).
 
 Derived values, each computed once, in the pure place the supervisor's decisions use it:
 ``restarts{cause}`` is ``policy.restart_counts`` (every restart action of the run, its sum
@@ -50,11 +53,11 @@ from trainwarden.supervisor.control import actions, detection, policy
 from trainwarden.supervisor.control.evaluator import Clock
 from trainwarden.supervisor.detect.node_lost import NodeLostConfig
 from trainwarden.supervisor.detect.straggler import StragglerConfig
-from trainwarden.supervisor.enums import ACTIVE_STATUSES, Actor, IncidentKind
+from trainwarden.supervisor.enums import ACTIVE_STATUSES, Actor, HostState, IncidentKind
 from trainwarden.supervisor.goodput.anatomy import PHASE_BUCKETS_S, PHASES
 from trainwarden.supervisor.goodput.mfu import mfu
 from trainwarden.supervisor.observability import efficiency
-from trainwarden.supervisor.store import reads, registry, windows
+from trainwarden.supervisor.store import hosts, reads, registry, windows
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection, Database
 from trainwarden.supervisor.store.health import workers_total
@@ -191,6 +194,12 @@ class _Families:
         self.gpu_ecc = g("trainwarden_gpu_ecc_uncorrected_errors",
                          "Uncorrected ECC errors since the driver loaded (volatile count)",
                          labels=gl)
+        self.host_cordoned = g("trainwarden_host_cordoned",
+                               "1 while the node is cordoned (never chosen as a member), "
+                               "0 when healthy or on probation", labels=["node"])
+        self.host_probation = g("trainwarden_host_probation",
+                                "1 while the node is on probation (uncordoned, healthy again "
+                                "once it passes a preflight), else 0", labels=["node"])
 
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
@@ -201,7 +210,8 @@ class _Families:
                 self.no_progress_limit,
                 self.straggler, self.straggler_slow, self.straggler_threshold, self.hb_age,
                 self.disk, self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util,
-                self.gpu_mem, self.gpu_temp, self.gpu_ecc]
+                self.gpu_mem, self.gpu_temp, self.gpu_ecc, self.host_cordoned,
+                self.host_probation]
 
 
 class StoreCollector(Collector):
@@ -227,6 +237,10 @@ class StoreCollector(Collector):
         with self.db.read() as conn:
             for run in registry.runs_for_metrics(conn, since=now - RECENT_S):
                 self._run(conn, f, run, now)
+            for node, h in hosts.host_states(conn).items():
+                f.host_cordoned.add_metric([node], 1 if h["state"] == HostState.CORDONED else 0)
+                f.host_probation.add_metric([node],
+                                            1 if h["state"] == HostState.PROBATION else 0)
         yield from f.all()
 
     def _run(self, conn: Connection, f: _Families, run: RunRow, now: float) -> None:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
 from trainwarden.supervisor import dashboard
-from trainwarden.supervisor.api import agents, rollback, runs, tokens
+from trainwarden.supervisor.api import agents, hosts, rollback, runs, tokens
 from trainwarden.supervisor.api.deps import (
     CREDENTIAL_REFRESH_S,
     DB,
@@ -104,7 +104,7 @@ def create_app(
     delivery = DeliveryMonitor(detection.overload)
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
                           detection=detection, delivery=delivery,
-                          retention=settings.retention)
+                          retention=settings.retention, cordon=settings.cordon)
 
     writer = IngestWriter(database, clock, cfg=settings.ingest)
     # On Postgres, replicas share the store and one of them (the lease's holder) evaluates.
@@ -169,6 +169,7 @@ def create_app(
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(rollback.router, prefix=API_PREFIX)
     app.include_router(tokens.router, prefix=API_PREFIX)
+    app.include_router(hosts.router, prefix=API_PREFIX)
 
     # response_model=None: rendered as every API answer is (SafeJSONResponse), declared by
     # ``responses=`` (``trainwarden.supervisor.api.responses``).

@@ -12,7 +12,9 @@ keyword-only functions taking a ``Connection``:
 * ``recovery``: exits, incidents, audited actions and commands, the checkpoint lineage;
 * ``windows``: the measurements the detectors judge every tick
   (``trainwarden.supervisor.control.detection``);
-* ``reads``: what the API, the dashboard and the metrics collector show.
+* ``reads``: what the API, the dashboard and the metrics collector show;
+* ``hosts``: the per-node health ledger (each node's state, the evidence against it, every
+  cordon and uncordon, audited).
 
 ``_sql`` holds helpers the modules share.
 """

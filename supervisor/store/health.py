@@ -11,8 +11,10 @@ from typing import Any
 from trainwarden.agent.core import text as untrusted
 
 WORKER_KEYS = ("rank", "local_rank", "pid", "cpu_percent", "rss_bytes")
+# (xid_errors: the hardware XID errors the agent counted, xid_last the newest one's code:
+# evidence for the health ledger, ``detect.node_health.gpu_evidence``)
 GPU_NUMBERS = ("util_percent", "mem_used_bytes", "mem_total_bytes", "temp_c", "power_w",
-               "ecc_uncorrected")
+               "ecc_uncorrected", "xid_errors", "xid_last")
 MAX_DEVICES = 64
 MAX_TEXT = 500
 

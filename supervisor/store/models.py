@@ -36,7 +36,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 from trainwarden.agent.core.states import AgentState, CommandStatus, NodeRole
-from trainwarden.supervisor.enums import ActionStatus, IncidentStatus, RunStatus
+from trainwarden.supervisor.enums import ActionStatus, HostState, IncidentStatus, RunStatus
 
 # Stable constraint names so Alembic migrations can address them on every backend.
 NAMING_CONVENTION = {
@@ -529,6 +529,68 @@ class EvaluatorLease(Base):
     acquired_at: Mapped[float] = mapped_column(Float)
     renewed_at: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[float] = mapped_column(Float)  # the database's clock, unix seconds
+
+
+class Host(Base):
+    """A node's standing in the health ledger, keyed by the agent's node name (``--node``,
+    the hostname by default: a re-imaged node whose new agent keeps the name keeps its
+    history).  A node without a row is healthy."""
+
+    __tablename__ = "hosts"
+
+    node: Mapped[str] = mapped_column(String(200), primary_key=True)
+    # a HostState: healthy | cordoned | probation
+    state: Mapped[str] = mapped_column(String(20), default=HostState.HEALTHY)
+    reason: Mapped[str] = mapped_column(Text, default="")  # why the state last changed
+    actor: Mapped[str] = mapped_column(String(100), default="")  # who changed it
+    since: Mapped[float] = mapped_column(Float)  # when the state began
+    updated_at: Mapped[float] = mapped_column(Float)
+    # When an operator last uncordoned it: evidence older than this no longer counts (the
+    # rule would cordon it again on the very failures it was cleared of).
+    cleared_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # NVML's counters as last seen, per GPU ({"ecc": {"0": 2}, "xid": {...}}): they are
+    # volatile (a driver reload resets them), so evidence is an increase over the last seen.
+    gpu_counters: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)
+
+
+class HostEvidence(Base):
+    """One piece of evidence against a node (an ``EvidenceKind``), recorded once: ``source``
+    names what it was read from (``incident:12``, ``event:40``) and a node holds each source
+    once; NULL for evidence another way keeps idempotent (the GPU counters)."""
+
+    __tablename__ = "host_evidence"
+    __table_args__ = (Index("ix_host_evidence_node_t", "node", "t"),
+                      UniqueConstraint("node", "source"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(30))
+    run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="SET NULL"), nullable=True
+    )
+    attempt: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    t: Mapped[float] = mapped_column(Float)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)
+    source: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
+class HostAction(Base):
+    """An audited change of a node's state: cordon, uncordon, probation_passed; who (the
+    policy, or the operator token's ``Principal.actor``), why, and the evidence it rests on."""
+
+    __tablename__ = "host_actions"
+    __table_args__ = (Index("ix_host_actions_node", "node"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(20))  # a HostActionKind
+    actor: Mapped[str] = mapped_column(String(100))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="SET NULL"), nullable=True
+    )
+    evidence_ids: Mapped[list[Any]] = mapped_column(JSONList(), default=list)
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 metadata = Base.metadata

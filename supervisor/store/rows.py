@@ -14,6 +14,9 @@ from trainwarden.agent.core.states import AgentState, ExitOutcome
 from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
+    EvidenceKind,
+    HostActionKind,
+    HostState,
     IncidentKind,
     IncidentStatus,
     RestartCause,
@@ -261,6 +264,48 @@ class Throughput(TypedDict):
     samples_per_s: float | None
     tokens_per_s: float | None
     ranks: int | None
+
+
+class HostRow(TypedDict):
+    """A node's standing in the health ledger (``hosts``)."""
+
+    node: str
+    state: HostState
+    reason: str
+    actor: str
+    since: float
+    updated_at: float
+    cleared_at: float | None  # an operator's uncordon: evidence before it no longer counts
+
+
+class EvidenceRow(TypedDict):
+    id: int
+    node: str
+    kind: EvidenceKind
+    run_id: int | None
+    attempt: int | None
+    t: float
+    detail: dict[str, Any]
+    source: str | None
+
+
+class HostActionRow(TypedDict):
+    id: int
+    node: str
+    kind: HostActionKind
+    actor: str  # Actor.POLICY, or the operator token's ``Principal.actor``
+    reason: str
+    run_id: int | None
+    evidence_ids: list[Any]
+    created_at: float
+
+
+class HostSummary(HostRow):
+    """A node as the hosts list shows it: its state, the evidence within the rule's window
+    (how many, the newest), and whether an agent of it was seen (registered)."""
+
+    evidence_count: int
+    latest_evidence: EvidenceRow | None
 
 
 def started_at(details: Any) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -195,6 +196,46 @@ def test_gpu_health_reads_every_device_and_leaves_unsupported_readings_out() -> 
         {"index": 1, "name": "NVIDIA H200", "util_percent": 91, "mem_used_bytes": 2 * 2**30,
          "mem_total_bytes": 141 * 2**30, "temp_c": 61, "power_w": None,
          "ecc_uncorrected": 4}]}
+
+
+class XidNvml(FakeNvml):
+    """FakeNvml that delivers XID events (GPU 1 does not support them)."""
+
+    nvmlEventTypeXidCriticalError = 8
+
+    class Timeout(Exception):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple[int, int]] = []  # (device handle, xid)
+
+    def nvmlEventSetCreate(self) -> str:
+        return "set"
+
+    def nvmlDeviceRegisterEvents(self, h: int, kinds: int, events: str) -> None:
+        assert (kinds, events) == (8, "set")
+        if h == 1:
+            raise self.NotSupported("not supported")
+
+    def nvmlEventSetWait_v2(self, events: str, timeout_ms: int) -> Any:
+        assert timeout_ms == 0  # never waits
+        if not self.pending:
+            raise self.Timeout("timed out")
+        device, xid = self.pending.pop(0)
+        return SimpleNamespace(device=device, eventData=xid, eventType=8)
+
+
+def test_gpu_health_counts_hardware_xid_errors_not_the_applications() -> None:
+    nvml = XidNvml()
+    g = GpuHealth(nvml)
+    d0, d1 = g.read()["devices"]
+    assert (d0["xid_errors"], d0["xid_last"]) == (0, None)
+    assert "xid_errors" not in d1  # no events on that device: not read, not 0
+    nvml.pending = [(0, 79), (0, 13), (0, 31), (0, 48)]  # 13 and 31: the application's
+    d0, _ = g.read()["devices"]
+    assert (d0["xid_errors"], d0["xid_last"]) == (2, 48)
+    assert g.read()["devices"][0]["xid_errors"] == 2  # counted once
 
 
 def test_gpu_health_without_nvml_says_why_and_never_raises() -> None:

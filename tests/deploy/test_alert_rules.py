@@ -58,6 +58,8 @@ CONTRACT = {
     "trainwarden_gpu_memory_used_bytes",
     "trainwarden_gpu_temperature_celsius",
     "trainwarden_gpu_ecc_uncorrected_errors",
+    "trainwarden_host_cordoned",
+    "trainwarden_host_probation",
     "trainwarden_run_mfu_ratio",
     "trainwarden_run_goodput_ratio",
     "trainwarden_run_badput_seconds",

@@ -109,6 +109,10 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
     assert math.isclose(value(samples, "trainwarden_run_wall_seconds", run="alpha"), 40.0)
     assert math.isclose(value(samples, "trainwarden_run_goodput_ratio", run="alpha"),
                         29 * (0.25 - 0.02) / 40, rel_tol=1e-6)
+    # the nodes the ledger read GPUs of: healthy
+    for node in ("n0", "n1"):
+        assert value(samples, "trainwarden_host_cordoned", node=node) == 0
+        assert value(samples, "trainwarden_host_probation", node=node) == 0
     # everything the alert rules and the Grafana dashboard are written against is exported
     assert {n for n, _, _ in samples} >= CONTRACT
     scores = series(samples, "trainwarden_rank_straggler_score", run="alpha")
@@ -160,6 +164,21 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
     buckets = {lab["le"] for lab in series(samples, "trainwarden_ingest_latency_seconds_bucket")}
     assert buckets == {"0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5",
                        "+Inf"}
+
+
+def test_every_node_of_the_ledger_says_whether_it_is_cordoned(client: TestClient) -> None:
+    """Hosts serve every run: their series carry the node only, cordoned or not, whatever
+    runs are there."""
+    for node, why in (("n0", "fans"), ("n1", "ECC"), ("spare", "never registered")):
+        r = client.post(f"/api/v1/hosts/{node}/cordon", headers=OPERATOR, json={"reason": why})
+        assert r.status_code == 200, r.text
+    r = client.post("/api/v1/hosts/n1/uncordon", headers=OPERATOR, json={"reason": "fixed"})
+    assert r.status_code == 200, r.text
+    samples = scrape(client)
+    got = {lab["node"]: (v, value(samples, "trainwarden_host_probation", node=lab["node"]))
+           for n, lab, v in samples if n == "trainwarden_host_cordoned"}
+    assert got == {"n0": (1, 0), "n1": (0, 1), "spare": (1, 0)}
+    assert set(series(samples, "trainwarden_host_cordoned")[0]) == {"node"}
 
 
 def test_straggler_series_are_bounded_with_40_ranks(client: TestClient,

@@ -17,6 +17,9 @@ from trainwarden.supervisor.enums import (
     ActionKind,
     ActionStatus,
     Actor,
+    EvidenceKind,
+    HostActionKind,
+    HostState,
     IncidentKind,
     IncidentStatus,
     PresenceEvent,
@@ -43,6 +46,10 @@ COLUMNS: list[tuple[type[enum.Enum], object]] = [
     (AgentEventName, tables.events.c.name),
     (PresenceEvent, tables.events.c.name),
     (SupervisorEvent, tables.events.c.name),
+    (HostState, tables.hosts.c.state),
+    (EvidenceKind, tables.host_evidence.c.kind),
+    (HostActionKind, tables.host_actions.c.kind),
+    (Actor, tables.host_actions.c.actor),
 ]
 
 

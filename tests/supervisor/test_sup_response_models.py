@@ -182,6 +182,10 @@ def _exchanges(c: TestClient, clock: FakeClock, app: FastAPI) -> list[Exchange]:
     # delta: long enough for retention to roll up per-rank rows (a NaN among them)
     delta = SynthRun(c, "delta", nodes=1).register()
     delta.train(range(0, 450), t0=clock.now, dt=0.1, nan_at=50, clock=clock)
+    # beta's node n0 fails a preflight: the ledger records it and cordons n0 at the tick
+    beta.send(0, [{"type": "event", "attempt": 0, "rank": 0, "t": clock.now,
+                   "name": "preflight", "details": {"passed": False, "failed": "gpu_burn",
+                                                    "checks": [{"name": "gpu_burn"}]}}])
     retention = Retention(RetentionConfig(keep_steps=300, bucket_steps=100))
     while retention.tick(app.state.db):
         pass
@@ -216,6 +220,13 @@ def _exchanges(c: TestClient, clock: FakeClock, app: FastAPI) -> list[Exchange]:
     for action in c.get("/api/v1/runs/beta/actions", headers=OPERATOR).json()["actions"] + \
             c.get("/api/v1/runs/alpha/actions", headers=OPERATOR).json()["actions"]:
         call("GET", "/api/v1/actions/{action_id}", f"/api/v1/actions/{action['id']}")
+    host = "/api/v1/hosts/{node}"
+    call("GET", "/api/v1/hosts")
+    call("GET", host, "/api/v1/hosts/n0")
+    call("POST", host + "/uncordon", "/api/v1/hosts/n0/uncordon", json={"reason": "fixed"})
+    call("POST", host + "/cordon", "/api/v1/hosts/n1/cordon", json={"reason": "fans"})
+    call("GET", host, "/api/v1/hosts/n1")
+    call("GET", "/api/v1/hosts")
     call("GET", "/api/v1/evaluator")
     call("GET", "/healthz")
     call("GET", "/api/v1/healthz")
@@ -294,6 +305,10 @@ def test_the_seeded_answers_cover_the_nullable_and_odd_cases(
     assert {a["kind"] for a in actions} >= {"restart", "stop", "takeover"}
     assert any(a["plan"] and a["plan"].get("lr") for a in actions)  # the rollback's plan
     assert any(e.body["current"] is None for e in by[("GET", "/api/v1/runs/{run}/goodput")])
+    listed = [h for e in by[("GET", "/api/v1/hosts")] for h in e.body["hosts"]]
+    assert {h["state"] for h in listed} == {"healthy", "cordoned", "probation"}
+    assert any(h["latest_evidence"] is None for h in listed)
+    assert any(h["latest_evidence"] is not None for h in listed)
 
 
 def test_answers_are_rendered_as_the_routes_return_them(

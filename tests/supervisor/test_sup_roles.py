@@ -78,6 +78,10 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/api/v1/healthz"): PUBLIC,
     ("GET", "/api/v1/evaluator"): READ,
+    ("GET", "/api/v1/hosts"): READ,
+    ("GET", "/api/v1/hosts/{node}"): READ,
+    ("POST", "/api/v1/hosts/{node}/cordon"): OPERATOR_NEED,
+    ("POST", "/api/v1/hosts/{node}/uncordon"): OPERATOR_NEED,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/docs"): PUBLIC,
     ("GET", "/login"): PUBLIC,
@@ -85,6 +89,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/logout"): PUBLIC,
     ("GET", "/"): READ,
     ("GET", "/runs/{run}"): READ,
+    ("GET", "/hosts"): READ,
     ("GET", "/runs/{run}/tables"): READ,
     ("GET", "/dashboard/api/runs/{run}/state"): READ,
     ("GET", "/dashboard/api/runs/{run}/series"): READ,
@@ -100,6 +105,8 @@ BODIES: dict[str, Any] = {
     "/api/v1/runs/{run}/stop": {"reason": "matrix"},
     "/api/v1/runs/{run}/rollback": {"step": 99999},
     "/api/v1/tokens": {"name": "made-by-matrix", "role": "viewer"},
+    "/api/v1/hosts/{node}/cordon": {"reason": "matrix"},
+    "/api/v1/hosts/{node}/uncordon": {"reason": "matrix"},
 }
 
 

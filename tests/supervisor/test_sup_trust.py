@@ -167,6 +167,8 @@ def test_workers_whose_cpu_adds_up_past_a_float_leave_the_pages_and_metrics_whol
     ("DELETE", "/api/v1/tokens/a%00b"),
     ("GET", "/api/v1/runs/a%00b"),
     ("POST", "/api/v1/runs/a%00b/nodes/n0/takeover"),
+    ("GET", "/api/v1/hosts/a%00b"),
+    ("POST", "/api/v1/hosts/a%00b/cordon"),
 ])
 def test_a_nul_in_a_path_parameter_is_a_422(client: TestClient, method: str, path: str) -> None:
     register(client, run="r1", node="n0")

@@ -1,4 +1,5 @@
-/* trainwarden dashboard: live charts (uPlot), table refresh and the rollback form.
+/* trainwarden dashboard: live charts (uPlot), table refresh, the rollback form and the
+   hosts page's cordon/uncordon dialog.
    Plain script, no build step.  Polls a cheap run fingerprint with If-None-Match and
    refetches charts and tables only when it changed. */
 (function () {
@@ -538,6 +539,58 @@
     }
   }
 
+  // ---------------------------------------------------------------- hosts: cordon, uncordon
+
+  function hostsPage() {
+    var dlg = $("#host-dialog");
+    var form = $("#host-form");
+    if (!dlg || !form) return;
+    var WHAT = {
+      cordon: "Fence the node off: replaced at its run's next restart, never chosen as a member until uncordoned.",
+      uncordon: "Put the node on probation: healthy again once it passes a preflight.",
+    };
+    var target = null;
+
+    function open(err) {
+      $("[data-field=error]", form).textContent = err || "";
+      dlg.showModal();
+    }
+
+    document.addEventListener("submit", function (ev) {
+      var f = ev.target.closest && ev.target.closest("form.host-change");
+      if (!f) return;
+      ev.preventDefault();
+      target = {node: f.dataset.node, action: f.dataset.action};
+      $("[data-field=action]", form).textContent = target.action;
+      $("[data-field=node]", form).textContent = target.node;
+      $("[data-field=what]", form).textContent = WHAT[target.action] || "";
+      form.elements.reason.value = "";
+      form.elements.operator_token.value = sessionStorage.getItem(TOKEN_KEY) || "";
+      open("");
+    });
+
+    dlg.addEventListener("close", function () {
+      if (dlg.returnValue !== "confirm" || !target) return;
+      var token = form.elements.operator_token.value.trim();
+      sessionStorage.setItem(TOKEN_KEY, token);
+      // a node's name may hold slashes (rack1/n0): the route takes them as they are
+      var path = target.node.split("/").map(encodeURIComponent).join("/");
+      fetch("/api/v1/hosts/" + path + "/" + target.action, {
+        method: "POST", credentials: "omit", cache: "no-store",
+        headers: {"Content-Type": "application/json", "Authorization": "Bearer " + token},
+        body: JSON.stringify({reason: form.elements.reason.value}),
+      }).then(function (r) {
+        return r.json().catch(function () { return {}; }).then(function (j) {
+          if (r.status !== 200) {
+            if (r.status === 401 || r.status === 403) sessionStorage.removeItem(TOKEN_KEY);
+            throw new Error(target.action + " refused (HTTP " + r.status + "): " + (j.detail || ""));
+          }
+          window.location.reload();
+        });
+      }).catch(function (e) { open(e.message); });
+    });
+  }
+
   // ---------------------------------------------------------------- runs list
 
   function runsPage(table) {
@@ -559,6 +612,7 @@
     if (root) runPage(root);
     var runs = document.getElementById("runs");
     if (runs) runsPage(runs);
+    if (document.getElementById("hosts")) hostsPage();
     setInterval(tickAges, 1000);
   });
 })();

@@ -203,3 +203,38 @@ def test_a_member_that_never_takes_the_restart_is_lost_and_replaced(
     assert acts[1]["plan"]["membership"]["members"] == {"n0": 0, "s0": 1}
     lost = [i for i in get(client, "/incidents")["incidents"] if i["kind"] == "node_lost"]
     assert [i["node"] for i in lost] == ["n1"]
+
+
+def cordon(client: TestClient, node: str) -> None:
+    r = client.post(f"/api/v1/hosts/{node}/cordon", headers=OPERATOR,
+                    json={"reason": "bad fans"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_cordoned_member_is_replaced_at_the_next_restart(
+        client: TestClient, evaluator: Evaluator) -> None:
+    ids = start(client, spare=True)
+    cordon(client, "n1")
+    evaluator.tick()
+    assert get(client, "/actions")["actions"] == []  # a cordon restarts nothing by itself
+    ingest(client, ids["n0"], 1, [crash()])
+    evaluator.tick()
+    (act,) = get(client, "/actions")["actions"]
+    assert act["plan"]["membership"]["members"] == {"n0": 0, "s0": 1}
+    assert "s0 takes node rank 1 of n1 (cordoned)" in act["reason"]
+
+
+def test_a_member_cordoned_while_its_restart_is_pending_is_replaced_before_it_trains(
+        client: TestClient, evaluator: Evaluator) -> None:
+    ids = start(client, spare=True)
+    ingest(client, ids["n0"], 1, [crash()])
+    evaluator.tick()
+    cordon(client, "n1")
+    evaluator.tick()
+    acts = sorted(get(client, "/actions")["actions"], key=lambda a: a["id"])
+    assert [(a["cause"], a["status"]) for a in acts] == [("crash", "superseded"),
+                                                         ("replace", "queued")], acts
+    assert acts[1]["plan"]["membership"]["members"] == {"n0": 0, "s0": 1}
+    assert acts[1]["plan"]["checkpoint"] == acts[0]["plan"]["checkpoint"] == "/ck/1"
+    evaluator.tick()
+    assert len(get(client, "/actions")["actions"]) == 2  # decided once

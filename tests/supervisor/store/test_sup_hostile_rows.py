@@ -49,7 +49,8 @@ GPUS: list[Any] = [
     {"available": "yes", "reason": EVIL, "devices": [
         {"index": "zero", "name": EVIL, "temperature_c": "hot", "memory_used_bytes": "lots",
          "memory_total_bytes": -1, "utilization_percent": "1e999", "ecc_errors": [1],
-         "power_w": {"w": 1}, "throttle": EVIL}]},
+         "power_w": {"w": 1}, "throttle": EVIL, "ecc_uncorrected": 3, "xid_errors": "many",
+         "xid_last": [79]}]},
     {"available": True, "devices": "not a list"},
     {"available": True, "devices": [1, "x", None, {"index": 1e300, "temperature_c": 1e308}]},
     ["a", "list"],
@@ -62,6 +63,12 @@ WORKERS: list[Any] = [
     "workers",
     {"rank": 0},
 ]
+
+
+def _host(i: int) -> str:
+    """A node of the health ledger, one a run: every control character but the newline,
+    which no path can carry (a route's path parameter stops at it)."""
+    return f"host{i}{SCRIPT}{CONTROL.replace(chr(10), '')}"[:200]
 
 
 def _status(i: int) -> str:
@@ -154,11 +161,30 @@ def store_hostile(db: Database, postgres: bool) -> list[str]:
                 attempt=i % 3, plan=garbage, collect_stacks=True, not_before=t,
                 reason=text + LONG, status=text[:20], sent_count=-1, detail=text,
                 created_at=t, updated_at=t))
+            # the health ledger: this run's host, and evidence against its agent's node
+            host = _host(i)
+            conn.execute(tables.hosts.insert().values(
+                node=host, state=["healthy", "cordoned", "probation", text[:20]][i % 4],
+                reason=text + LONG, actor=text[:100], since=t, updated_at=t, cleared_at=-t,
+                gpu_counters=garbage if i % 2 else {"ecc": garbage, "xid": {"0": "x"}}))
+            if i == 0:  # the agents' node: counters last seen of every wrong shape
+                conn.execute(tables.hosts.insert().values(
+                    node=(text + "node")[:200], state="probation", reason="", actor="",
+                    since=t, updated_at=t, gpu_counters={"ecc": [1], "xid": "x"}))
+            for k, node in enumerate((host, (text + "node")[:200])):
+                conn.execute(tables.host_evidence.insert().values(
+                    node=node, kind=["ecc", "infra_failure", text[:30]][(i + k) % 3],
+                    run_id=run_id, attempt=-1, t=t, detail=garbage, source=(f"{i}" + text)[:200]))
+                conn.execute(tables.host_actions.insert().values(
+                    node=node, kind=["cordon", text[:20]][k], actor=text[:100],
+                    reason=text + LONG, run_id=run_id, evidence_ids=garbage, created_at=t))
         if not postgres:  # SQLite keeps any text in a JSON column, JSON or not
             conn.execute(sql_text(
                 "UPDATE agents SET gpus = 'not json {', workers = '[1,' WHERE id % 2 = 0"))
             conn.execute(sql_text("UPDATE events SET details = '{\"a\":' WHERE id % 3 = 0"))
             conn.execute(sql_text("UPDATE actions SET plan = 'x', progress = '{' "))
+            conn.execute(sql_text("UPDATE host_evidence SET detail = '[' WHERE id % 2 = 0"))
+            conn.execute(sql_text("UPDATE host_actions SET evidence_ids = '{' "))
     return names
 
 
@@ -189,8 +215,9 @@ def _get_paths(app: FastAPI) -> list[str]:
 
 
 def _fill(path: str, run: str, action_id: int) -> str:
+    host = _host(action_id - 1)  # (store_hostile's, one a run)
     return (path.replace("{run}", quote(run, safe=""))
-            .replace("{action_id}", str(action_id)))
+            .replace("{action_id}", str(action_id)).replace("{node}", quote(host, safe="")))
 
 
 def test_every_page_and_read_endpoint_renders_hostile_rows(
@@ -227,7 +254,8 @@ def test_metrics_renders_hostile_rows(hostile: tuple[TestClient, list[str]]) -> 
     assert any(f.name.startswith("trainwarden_") for f in families)
 
 
-@pytest.mark.parametrize("cmd", ["runs", "incidents", "checkpoints", "actions", "plan"])
+@pytest.mark.parametrize("cmd", ["runs", "incidents", "checkpoints", "actions", "plan",
+                                 "hosts"])
 def test_every_cli_table_prints_hostile_rows(
         hostile: tuple[TestClient, list[str]], app: FastAPI, cmd: str,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,10 +267,23 @@ def test_every_cli_table_prints_hostile_rows(
                           headers={"Authorization": f"Bearer {token}"})
 
     monkeypatch.setattr(cli_client, "connect", connect)
-    for run in names[:1] if cmd == "runs" else names:
-        argv = {"runs": ["runs"], "plan": ["plan", "--params", "125M", "--seq-len", "512",
-                                           "--check", run]}.get(cmd, [cmd, run])
+    for run in names[:1] if cmd in ("runs", "hosts") else names:
+        argv = {"runs": ["runs"], "hosts": ["hosts"],
+                "plan": ["plan", "--params", "125M", "--seq-len", "512", "--check", run],
+                }.get(cmd, [cmd, run])
         assert cli.main([*argv, "--token", OPERATOR_TOKEN]) == 0, printable(run)
         out = capsys.readouterr().out
         assert RAW.findall(out) == [], f"a control character reached the terminal ({cmd})"
         assert len(out.splitlines()) >= 3
+
+
+def test_the_health_ledger_reads_hostile_rows(hostile: tuple[TestClient, list[str]],
+                                              app: FastAPI, db: Database) -> None:
+    """Incidents, GPU readings, events and the counters kept, all hostile: the ledger's share
+    of a tick reads them without failing (a failure would be retried on every tick)."""
+    ledger = app.state.evaluator.ledger
+    with db.write() as conn:
+        done = ledger.tick(conn, 1_000_000.0)
+    ledger.advance(done)
+    with db.write() as conn:
+        ledger.tick(conn, 1_000_010.0)
