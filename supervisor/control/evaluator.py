@@ -479,10 +479,44 @@ class Evaluator:
                     log.info("run %s: %s", run["name"], decision)
                 actions.apply(conn, run=run, decision=decision, now=now,
                               live_s=self._live_s())
+                if isinstance(decision, policy.Note) and decision.verdict == Verdict.LATE:
+                    self._reattribute(conn, run, ex, now)
                 verdict = decision.verdict if isinstance(decision, policy.Note) else (
                     Verdict.COMPLETED if isinstance(decision, policy.Complete) else Verdict.FAILURE
                 )
                 rec.mark_exit(conn, exit_id=ex["id"], verdict=verdict)
+
+    @staticmethod
+    def _exit_facts(conn: Connection, run: RunRow, ex: ExitRow) -> policy.ExitFacts:
+        attempt = int(ex["attempt"])
+        return policy.ExitFacts(
+            id=ex["id"], agent_id=ex["agent_id"], node=ex["node"], attempt=attempt,
+            outcome=ex["outcome"], exit_code=ex["exit_code"], signal=ex["signal"],
+            failed_ranks=list(ex["failed_ranks"] or []),
+            rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
+                conn, run_id=run["id"], attempt=attempt)},
+            peer_error_ranks=windows.ranks_with_event(
+                conn, run_id=run["id"], attempt=attempt,
+                name=protocol.WorkerEventName.DISTRIBUTED_ERROR),
+        )
+
+    def _reattribute(self, conn: Connection, run: RunRow, ex: ExitRow, now: float) -> None:
+        """A late exit of the attempt a crash incident ended may name the rank at fault
+        where the incident named a survivor (``policy.reattribute``)."""
+        (inc,) = rec.incidents_of(conn, run_id=run["id"], attempt=int(ex["attempt"]),
+                                  kinds=[IncidentKind.CRASH])[:1] or (None,)
+        if inc is None:
+            return
+        spec = policy.reattribute(inc, self._exit_facts(conn, run, ex))
+        if spec is None:
+            return
+        rec.update_incident(conn, incident_id=inc["id"], cause=spec.cause, node=spec.node,
+                            rank=spec.rank, agent_id=spec.agent_id, exit_code=spec.exit_code,
+                            signal=spec.signal, details={**spec.details,
+                                                         "survivor": inc["cause"]},
+                            updated_at=now)
+        log.info("run %s: incident %s names %s rank %s (it named a survivor)", run["name"],
+                 inc["id"], spec.node, spec.rank)
 
     def _on_exit(self, conn: Connection, run: RunRow, ex: ExitRow, now: float
                  ) -> policy.Decision:
@@ -494,16 +528,7 @@ class Evaluator:
         restart_pending = pending is not None and pending["status"] in (
             ActionStatus.QUEUED, ActionStatus.DELIVERED) and ex["attempt"] == run["attempt"] - 1
         attempt = int(ex["attempt"])
-        facts = policy.ExitFacts(
-            id=ex["id"], agent_id=ex["agent_id"], node=ex["node"], attempt=attempt,
-            outcome=ex["outcome"], exit_code=ex["exit_code"], signal=ex["signal"],
-            failed_ranks=list(ex["failed_ranks"] or []),
-            rank_steps={int(r["rank"]): int(r["step"]) for r in windows.rank_progress(
-                conn, run_id=run["id"], attempt=attempt)},
-            peer_error_ranks=windows.ranks_with_event(
-                conn, run_id=run["id"], attempt=attempt,
-                name=protocol.WorkerEventName.DISTRIBUTED_ERROR),
-        )
+        facts = self._exit_facts(conn, run, ex)
         completed = rec.completed_agents(
             conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])
         return policy.on_exit(

@@ -408,6 +408,46 @@ def _int_or_none(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
+def exit_incident(ex: ExitFacts) -> tuple[IncidentSpec, CrashCause | None]:
+    """The incident one failed exit opens (a crash, or a hang the agent's watchdog ended),
+    with the crash's cause (None for a hang)."""
+    cause, rank, code, sig = describe_exit(ex)
+    kind = IncidentKind.CRASH
+    if ex.outcome == ExitOutcome.HUNG:  # the agent's own watchdog acted while we were away
+        kind = IncidentKind.HANG
+        cause = f"no step progress on node {ex.node}; the agent's watchdog killed the workers"
+    # The step it failed in: the one after the failed rank's newest report (after the
+    # newest of any rank when the exit names none).
+    last = ex.rank_steps.get(rank) if rank is not None else None
+    if last is None and ex.rank_steps:
+        last = max(ex.rank_steps.values())
+    incident = IncidentSpec(
+        kind=kind, cause=cause, attempt=ex.attempt, agent_id=ex.agent_id, node=ex.node,
+        rank=rank, exit_code=code, signal=sig, step=None if last is None else last + 1,
+        details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
+                 "failed_ranks": ex.failed_ranks},
+    )
+    if kind != IncidentKind.CRASH:
+        return incident, None
+    crash = crash_cause(ex, rank, code, sig)
+    return replace(incident, details={**incident.details, **crash.details()}), crash
+
+
+def reattribute(incident: Mapping[str, Any], ex: ExitFacts) -> IncidentSpec | None:
+    """Another node's exit for the attempt a crash incident ended, arriving after it: when
+    the incident blamed a rank that only lost its peer (a survivor of another node's death)
+    and this exit names a rank that failed of itself, the incident names that one instead
+    (the node at fault, for the user and for the health ledger).  None: it stays as it is."""
+    if incident.get("kind") != IncidentKind.CRASH or ex.outcome != ExitOutcome.CRASHED:
+        return None
+    if not node_health.lost_peer(incident.get("details") or {}):
+        return None
+    spec, _ = exit_incident(ex)
+    if spec.rank is None or node_health.lost_peer(spec.details):
+        return None
+    return spec
+
+
 def on_exit(
     run: RunFacts,
     ex: ExitFacts,
@@ -442,30 +482,13 @@ def on_exit(
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
             return Complete()
         return Note(Verdict.COMPLETED, "waiting for the other agents to complete")
-    cause, rank, code, sig = describe_exit(ex)
-    kind = IncidentKind.CRASH
-    if ex.outcome == ExitOutcome.HUNG:  # the agent's own watchdog acted while we were away
-        kind = IncidentKind.HANG
-        cause = f"no step progress on node {ex.node}; the agent's watchdog killed the workers"
-    # The step it failed in: the one after the failed rank's newest report (after the
-    # newest of any rank when the exit names none).
-    last = ex.rank_steps.get(rank) if rank is not None else None
-    if last is None and ex.rank_steps:
-        last = max(ex.rank_steps.values())
-    incident = IncidentSpec(
-        kind=kind, cause=cause, attempt=ex.attempt, agent_id=ex.agent_id, node=ex.node,
-        rank=rank, exit_code=code, signal=sig, step=None if last is None else last + 1,
-        details={"outcome": ex.outcome, "exit_code": ex.exit_code, "signal": ex.signal,
-                 "failed_ranks": ex.failed_ranks},
-    )
-    if kind == IncidentKind.CRASH:
-        crash = crash_cause(ex, rank, code, sig)
-        incident = replace(incident, details={**incident.details, **crash.details()})
-        if repeated_user_error(crash, recovery, cfg):
-            reason = (f"the same error in the training script ended two attempts in a row "
-                      f"(a bug in the script, not restarted again): {cause}")
-            return Stop(status=RunStatus.FAILED, reason=reason, incident=replace(
-                incident, details={**incident.details, "stop_rule": STOP_REPEATED_USER_ERROR}))
+    incident, crash = exit_incident(ex)
+    kind, cause = incident.kind, incident.cause
+    if crash is not None and repeated_user_error(crash, recovery, cfg):
+        reason = (f"the same error in the training script ended two attempts in a row "
+                  f"(a bug in the script, not restarted again): {cause}")
+        return Stop(status=RunStatus.FAILED, reason=reason, incident=replace(
+            incident, details={**incident.details, "stop_rule": STOP_REPEATED_USER_ERROR}))
     may, why = budget_left(CAUSE_OF_KIND[kind], run, recovery, cfg)
     if not may:
         return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {cause}",

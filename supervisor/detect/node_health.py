@@ -107,6 +107,13 @@ _OUT_OF_MEMORY = re.compile(r"out of memory|OutOfMemoryError|MemoryError|\bOOM\b
                             re.IGNORECASE)
 
 
+def lost_peer(details: Mapping[str, Any]) -> bool:
+    """Whether a crash incident's root cause (its details, as the policy put them) is a lost
+    peer connection: what the survivors of another node's death show."""
+    _, rc = rootcause.of_incident(details)
+    return rc is not None and bool(_PEER_LOST.search(f"{rc.exc_type}: {rc.message}"))
+
+
 def _summary(cause: str) -> str:
     return cause if len(cause) <= SUMMARY_CHARS else cause[:SUMMARY_CHARS - 3] + "..."
 

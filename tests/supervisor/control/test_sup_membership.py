@@ -238,3 +238,42 @@ def test_a_member_cordoned_while_its_restart_is_pending_is_replaced_before_it_tr
     assert acts[1]["plan"]["checkpoint"] == acts[0]["plan"]["checkpoint"] == "/ck/1"
     evaluator.tick()
     assert len(get(client, "/actions")["actions"]) == 2  # decided once
+
+
+PEER_RESET = {"exc_type": "RuntimeError",
+              "message": "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: "
+                         "Connection reset by peer",
+              "frame": {"file": "/x/train.py", "line": 84, "function": "main"},
+              "user_frame": {"file": "/x/train.py", "line": 84, "function": "main"},
+              "traceback": "Traceback (most recent call last):\n  File \"/x/train.py\", line 84,"
+                           " in main\nRuntimeError: Connection reset by peer",
+              "source": "stderr", "rank": 0, "host": "h0"}
+
+
+def test_the_crash_incident_names_the_dead_nodes_rank_not_the_survivor_that_lost_it(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock) -> None:
+    """The survivor's exit (its rank lost its peer) arrives first and opens the incident;
+    the killed rank's exit, late for the decision, makes the incident name it."""
+    ids = start(client, spare=True)
+    survivor = {"type": "exit", "attempt": 0, "t": 200.0, "exit_code": 1, "signal": None,
+                "outcome": "crashed",
+                "failed_ranks": [{"rank": 0, "local_rank": 0, "exit_code": 1, "signal": None,
+                                  "pid": 11, "message": "exited with code 1",
+                                  "root_cause": PEER_RESET}]}
+    killed = {"type": "exit", "attempt": 0, "t": 200.1, "exit_code": None, "signal": None,
+              "outcome": "crashed",
+              "failed_ranks": [{"rank": 1, "local_rank": 0, "exit_code": -9, "signal": 9,
+                                "pid": 12, "message": "Signal 9 (SIGKILL) received"}]}
+    ingest(client, ids["n0"], 1, [survivor])
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert inc["node"] == "n0" and "Connection reset by peer" in inc["cause"]
+    ingest(client, ids["n1"], 1, [killed])
+    clock.advance(1)
+    evaluator.tick()
+    (inc,) = get(client, "/incidents")["incidents"]
+    assert (inc["node"], inc["rank"], inc["signal"]) == ("n1", 1, 9), inc
+    assert len(get(client, "/actions")["actions"]) == 1  # decided once
+    host = client.get("/api/v1/hosts/n1", headers=OPERATOR).json()
+    assert [e["kind"] for e in host["evidence"]] == ["infra_failure"], host
+    assert client.get("/api/v1/hosts/n0", headers=OPERATOR).json()["evidence"] == []
