@@ -16,6 +16,7 @@ from pathlib import Path
 from trainwarden.agent import deadletter, protocol, uplink
 from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.core.launch import unrewritable
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
@@ -112,6 +113,12 @@ class AgentConfig:
                 "trainwarden agent --supervisor URL --run NAME -- torchrun "
                 "--nproc_per_node=2 train.py"
             )
+        # The supervisor decides each attempt's members and rewrites the torchrun command
+        # for them: a command that cannot be rewritten fails here, with the fix (the
+        # supervisor refuses it at registration too).
+        why = unrewritable(self.command)
+        if why is not None:
+            raise ValueError(why)
         check(self)
         cross_check(self.tick_interval_s <= self.batch_interval_s, self, "tick_interval_s",
                     f"<= batch_interval_s = {self.batch_interval_s:g}",

@@ -707,3 +707,13 @@ def test_executor_stands_by_when_the_membership_leaves_this_node_out(tmp_path: P
     assert not [c for c in host.calls if c[0] == "launch"]
     assert [(o["command_id"], o["status"]) for o in out] == [(9, "delivered"), (9, "done")]
     assert out[-1]["detail"] == "not a member"
+
+
+def test_a_torchrun_command_the_supervisor_cannot_rewrite_fails_at_once_with_the_fix(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from trainwarden.agent import cli as agent_cli
+
+    code = agent_cli.main(["--supervisor", "http://127.0.0.1:9", "--run", "r", "--",
+                           "torchrun", "--nnodes=1:4", "train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--nnodes=1:4" in err and "--nnodes=4" in err and "--spare" in err
