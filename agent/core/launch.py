@@ -19,6 +19,8 @@ static rendezvous, the one torchrun rendezvous whose node ranks are fixed by the
   replaced and still holds the old port, frozen, never blocks the next rendezvous.
 
 Everything else (the script, its arguments, ``--nproc-per-node``, ``--log-dir``...) is kept.
+A one-node world (``--nnodes=1``, ``--standalone``) has no rendezvous across nodes: its
+command runs as it is, whichever node runs it.
 A command that cannot be rewritten safely is refused at registration (``unrewritable``).
 """
 
@@ -193,9 +195,11 @@ def unrewritable(command: Sequence[str]) -> str | None:
 
 def rewrite(command: Sequence[str], m: Membership) -> list[str]:
     """``command`` with torchrun's rendezvous options replaced by ``m``'s (the module
-    docstring lists them).  A command that is not a torchrun launch is returned as it is."""
+    docstring lists them).  A command that is not a torchrun launch, and a one-node world
+    (no rendezvous across nodes: ``--standalone`` picks a free port of its own), are
+    returned as they are."""
     parts = _split(command)
-    if parts is None:
+    if parts is None or m.nnodes <= 1:
         return list(command)
     prefix, opts, script = parts
     kept: list[str] = []

@@ -82,3 +82,10 @@ def test_rewritable_commands() -> None:
     for cmd in (README_CMD, ["torchrun", "--nnodes=2:2", "t.py"], ["python", "t.py"],
                 ["torchrun", "--standalone", "--nproc_per_node=2", "t.py"]):
         assert unrewritable(cmd) is None, cmd
+
+
+def test_a_one_node_world_runs_its_command_as_it_is() -> None:
+    """No rendezvous across nodes: --standalone keeps picking a free port of its own (two runs
+    on one machine never meet on a fixed port)."""
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "t.py"]
+    assert rewrite(cmd, Membership(epoch=2, nnodes=1, node_rank=0, endpoint="h:1")) == cmd
