@@ -1,8 +1,9 @@
-"""membership: the supervisor decides each attempt's members.  agents.role (member or spare),
-agents.node_rank (the node rank a member holds), agents.address (where its torchrun can host
-the rendezvous), agents.devices (its capacity, with nproc_per_node), agents.joined_as (what it registered as:
-a run that had a spare is told when none is left); runs.epoch (the
-membership epoch: it grows whenever the members change) and runs.nnodes (the declared world)
+"""membership: the supervisor decides each attempt's members.  agents.role (member or
+spare), agents.node_rank (the node rank a member holds), agents.address (where its torchrun
+can host the rendezvous), agents.devices (its capacity, with nproc_per_node),
+agents.joined_as (what it registered as: a run that had a spare is told when none is left);
+runs.epoch (the membership epoch: it grows whenever the members change) and runs.nnodes (the
+declared world)
 
 Revision ID: 0012_membership
 Revises: 0011_checkpoint_stall
