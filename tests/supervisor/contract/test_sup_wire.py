@@ -33,6 +33,7 @@ PAIRS: dict[Any, type[BaseModel]] = {
     protocol.RegisterReply: wire.RegisterReply,
     protocol.Command: wire.CommandOut,
     protocol.IngestReply: wire.IngestReply,
+    protocol.MembershipView: wire.MembershipOut,
 }
 
 
@@ -40,7 +41,7 @@ def shape(tp: Any) -> Any:
     """A type reduced to what both sides can express: optionality and constraints dropped,
     enums as the set of their values."""
     origin = get_origin(tp)
-    if origin is Annotated:
+    if origin in (Annotated, typing.NotRequired, typing.Required):
         return shape(get_args(tp)[0])
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
