@@ -40,6 +40,9 @@ class MemberPlan:
     replaced: tuple[Replacement, ...] = ()
     waiting: tuple[int, ...] = ()  # node ranks with no node fit to run and no free spare
     missing: dict[int, str] = field(default_factory=dict)  # waiting rank -> why
+    # node rank -> its cordoned node, kept for want of a free spare (running on a suspect
+    # node costs less than not running at all; it is replaced as soon as a spare is free)
+    kept_cordoned: dict[int, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for a restart's reason ("" when nothing changed)."""
@@ -47,6 +50,8 @@ class MemberPlan:
                  + (f" of {r.old} ({r.why})" if r.old else " (vacant)") for r in self.replaced]
         parts += [f"node rank {k} waits for a node ({self.missing[k]}; no spare left)"
                   for k in self.waiting]
+        parts += [f"node rank {k} stays on {node} (cordoned; no spare left)"
+                  for k, node in sorted(self.kept_cordoned.items())]
         return "; ".join(parts)
 
     def wire(self, endpoint: str | None) -> dict[str, object]:
@@ -59,31 +64,36 @@ class MemberPlan:
 
 def plan_members(f: MembershipFacts) -> MemberPlan:
     """Keep every member fit to run; give the rank of one that is not (lost, cordoned) to the
-    next free spare; a rank with neither waits (its node stays recorded, so it takes its
-    rank back if it returns)."""
+    next free spare.  Without a free spare a cordoned member keeps its rank (it still runs),
+    and a lost one's rank waits (its node stays recorded, so it takes its rank back if it
+    returns)."""
     if f.nnodes is None:
         return MemberPlan(epoch=f.epoch, nnodes=None, members=dict(f.members))
     free = [s for s in f.spares if s in f.live and s not in f.cordoned]
     members: dict[int, str] = {}
     replaced: list[Replacement] = []
     missing: dict[int, str] = {}
+    kept: dict[int, str] = {}
     for rank in range(f.nnodes):
         node = f.members.get(rank)
-        why = ("vacant" if node is None else "cordoned" if node in f.cordoned
-               else "lost" if node not in f.live else None)
+        why = ("vacant" if node is None else "lost" if node not in f.live
+               else "cordoned" if node in f.cordoned else None)
         if why is None and node is not None:
             members[rank] = node
         elif free:
             new = free.pop(0)
             members[rank] = new
             replaced.append(Replacement(node_rank=rank, old=node, new=new, why=why or "vacant"))
+        elif node is not None and why == "cordoned":
+            members[rank] = kept[rank] = node
         else:
             if node is not None:
                 members[rank] = node
             missing[rank] = f"{node} {why}" if node is not None else "vacant"
     return MemberPlan(epoch=f.epoch + 1 if replaced else f.epoch, nnodes=f.nnodes,
                       members=members,
-                      replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing)
+                      replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing,
+                      kept_cordoned=kept)
 
 
 @dataclass(frozen=True)

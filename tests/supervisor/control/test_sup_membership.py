@@ -68,6 +68,18 @@ def test_without_a_spare_the_rank_waits_and_keeps_its_node() -> None:
     assert p.members == {0: "s0", 1: "n1"} and p.waiting == (1,)
 
 
+def test_without_a_spare_a_cordoned_member_keeps_its_rank() -> None:
+    """Running on a suspect node costs less than not running: it is replaced once a spare
+    is free, never stood by for."""
+    p = plan_members(facts(cordoned=frozenset({"n1"}), spares=[]))
+    assert p.members == {0: "n0", 1: "n1"} and p.waiting == () and p.epoch == 3
+    assert p.kept_cordoned == {1: "n1"}
+    assert p.summary() == "node rank 1 stays on n1 (cordoned; no spare left)"
+    # cordoned and lost: it cannot run, its rank waits
+    p = plan_members(facts(cordoned=frozenset({"n1"}), spares=[], live=LIVE - {"n1"}))
+    assert p.waiting == (1,) and p.kept_cordoned == {}
+
+
 def test_a_command_without_a_world_decides_nothing() -> None:
     p = plan_members(facts(nnodes=None, live=frozenset()))
     assert p.members == {0: "n0", 1: "n1"} and p.nnodes is None and p.waiting == ()
