@@ -111,7 +111,9 @@ class WorkerEventName(StrEnum):
     # The preflight health check ran (``trainwarden.agent.worker.preflight``), once per
     # worker process, before its first step; details: {passed, checks: [{name, passed,
     # seconds, detail}], seconds, failed (one line, or null), node, hostname}.  A failed one
-    # is followed by the worker's exit (PreflightFailed).
+    # is followed by the worker's exit (PreflightFailed).  Turned off, it is still sent
+    # (details {passed: null, skipped: true}): it marks the end of the restart's preflight
+    # phase.
     PREFLIGHT = "preflight"
 
 

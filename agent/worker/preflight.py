@@ -388,6 +388,13 @@ def preflight_at_start(*, local_rank: int, group_timeout: timedelta | None = Non
     check failed."""
     settings = settings_from_env(environ)
     if not settings.enabled:
+        # Said all the same: the restart's anatomy then shows a preflight phase of 0 s
+        # rather than an unknown one (the ledger reads no pass or failure from it).
+        with contextlib.suppress(Exception):
+            (reporter or get_reporter()).event(
+                WorkerEventName.PREFLIGHT, "preflight turned off",
+                details={"passed": None, "skipped": True, "seconds": 0.0,
+                         "node": os.environ.get(ENV_NODE), "hostname": socket.gethostname()})
         return None
     result = run_preflight(local_rank=local_rank, timeout_s=settings.timeout_s,
                            group_timeout=group_timeout, inject=settings.inject)

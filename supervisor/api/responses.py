@@ -175,6 +175,7 @@ class AnatomyTimes(_Answer):
     workers_stopped: float | None
     torchrun_started: float | None
     rendezvous_done: float | None
+    preflight_done: float | None
     checkpoint_loaded: float | None
     first_step: float | None
 
@@ -185,6 +186,7 @@ class AnatomyPhases(_Answer):
     stop_workers: float | None
     launch: float | None
     rendezvous: float | None
+    preflight: float | None
     load_checkpoint: float | None
     first_step: float | None
 

@@ -10,6 +10,9 @@ Milestones, in order (``MILESTONES``), and what marks each in the store today:
   supervisor received the last "done" ``command_result`` for the action's commands);
 * ``rendezvous_done``: every rank of the new attempt is in the process group (the newest
   ``worker_started`` event of the attempt: sent after ``init_process_group`` returns);
+* ``preflight_done``: every rank finished its preflight health check (the newest
+  ``preflight`` event of the attempt; a worker whose preflight is turned off sends one
+  saying so at once, so the phase is 0 rather than unknown);
 * ``checkpoint_loaded``: rank 0 restored the checkpoint (the attempt's ``resumed`` event);
 * ``first_step``: the first step of the new attempt was reported (``step_aggregates.t_last``
   of the attempt's first step, or ``actions.progress["resumed"]``).
@@ -32,8 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MILESTONES = ("decided", "workers_stopped", "torchrun_started", "rendezvous_done",
-              "checkpoint_loaded", "first_step")
-PHASES = ("stop_workers", "launch", "rendezvous", "load_checkpoint", "first_step")
+              "preflight_done", "checkpoint_loaded", "first_step")
+PHASES = ("stop_workers", "launch", "rendezvous", "preflight", "load_checkpoint", "first_step")
 # Histogram buckets (seconds) for a per-phase metric: from a CPU test run's ~1 s phases to
 # a large job's minutes-long rendezvous and checkpoint load.
 PHASE_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)

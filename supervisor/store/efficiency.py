@@ -32,7 +32,7 @@ from trainwarden.supervisor.store.tables import (
 
 CHECKPOINTS_READ = 1000  # the newest complete checkpoints the save cost and interval read
 _MILESTONE_EVENTS = (AgentEventName.TORCHRUN_STARTED, WorkerEventName.STARTED,
-                     WorkerEventName.RESUMED)
+                     WorkerEventName.PREFLIGHT, WorkerEventName.RESUMED)
 
 
 def restart_milestones(conn: Connection, *, run_id: int,
@@ -51,6 +51,8 @@ def restart_milestones(conn: Connection, *, run_id: int,
       action's commands;
     * rendezvous_done: the newest ``worker_started`` event of the attempt (each rank sends
       it once ``init_process_group`` returned);
+    * preflight_done: the newest ``preflight`` event of the attempt (each rank sends it when
+      its health check ended, or at once when the check is turned off);
     * checkpoint_loaded: the attempt's first ``resumed`` event (rank 0, after the restore);
     * first_step: the time the last rank reported the attempt's first step (its step
       aggregate's ``t_last``), else ``progress["resumed"]``.
@@ -94,6 +96,7 @@ def restart_milestones(conn: Connection, *, run_id: int,
         earlier = [k for k in stopped if since <= k < attempt]
         launched = marks.get((AgentEventName.TORCHRUN_STARTED, attempt))
         rdzv = marks.get((WorkerEventName.STARTED, attempt))
+        checked = marks.get((WorkerEventName.PREFLIGHT, attempt))
         resumed = marks.get((WorkerEventName.RESUMED, attempt))
         first = conn.execute(
             select(sa.t_last).where(sa.run_id == run_id, sa.attempt == attempt)
@@ -105,6 +108,7 @@ def restart_milestones(conn: Connection, *, run_id: int,
             "workers_stopped": stopped[max(earlier)] if earlier else None,
             "torchrun_started": launched[1] if launched else done.get(aid),
             "rendezvous_done": rdzv[1] if rdzv else None,
+            "preflight_done": checked[1] if checked else None,
             "checkpoint_loaded": resumed[0] if resumed else None,
             "first_step": None if first is None else float(first),
         }

@@ -120,17 +120,23 @@ class SynthRun:
         self.send(node, [item], attempt=attempt)
 
     def restart_milestones(self, *, attempt: int, t_launch: float, t_rendezvous: float,
-                           t_resumed: float, resume_step: int) -> None:
+                           t_preflight: float, t_resumed: float, resume_step: int) -> None:
         """What a restart's new attempt sends before its first step: each agent's
         ``torchrun_started`` (node n at ``t_launch + 0.5 n``), each rank's
         ``worker_started`` (rank r at ``t_rendezvous - 0.25 (world - 1 - r)``: the last at
-        ``t_rendezvous``) and rank 0's ``resumed``."""
+        ``t_rendezvous``) and ``preflight`` (likewise, the last at ``t_preflight``), and
+        rank 0's ``resumed``."""
         for n in range(self.nodes):
             self.event(n, "torchrun_started", t=t_launch + 0.5 * n, attempt=attempt,
                        details={"pid": 4000 + n})
         for r in range(self.world):
             self.event(r // self.ranks_per_node, "worker_started", attempt=attempt, rank=r,
                        t=t_rendezvous - 0.25 * (self.world - 1 - r))
+        for r in range(self.world):
+            self.event(r // self.ranks_per_node, "preflight", attempt=attempt, rank=r,
+                       t=t_preflight - 0.25 * (self.world - 1 - r),
+                       details={"passed": True, "checks": [], "seconds": 0.5,
+                                "failed": None, "node": f"node{r // self.ranks_per_node}"})
         self.event(0, "resumed", t=t_resumed, attempt=attempt, rank=0, step=resume_step,
                    details={"step": resume_step})
 
@@ -153,7 +159,7 @@ def efficiency_script(client: httpx.Client, clock: Any, evaluator: Any, *,
            milestones: bool = True, baseline: float | None = 8.0) -> SynthRun:
     """The restart history of ``tests/supervisor/test_sup_efficiency.py``'s docstring
     (seconds after ``clock.now``): a crash at 64, a restart decided at 66 whose milestones
-    are 67.5, 68.5, 71, 73 and 75 (the first step), read at 120; FLOPs declared with a
+    are 67.5, 68.5, 71, 72, 73 and 75 (the first step), read at 120; FLOPs declared with a
     one-device baseline of ``baseline`` samples/s (None: none)."""
     t0 = clock.now
     run = SynthRun(client, "alpha").register()
@@ -167,7 +173,7 @@ def efficiency_script(client: httpx.Client, clock: Any, evaluator: Any, *,
     clock.now = t0 + 70
     if milestones:
         run.restart_milestones(attempt=1, t_launch=t0 + 68, t_rendezvous=t0 + 71,
-                               t_resumed=t0 + 73, resume_step=20)
+                               t_preflight=t0 + 72, t_resumed=t0 + 73, resume_step=20)
     evaluator.tick()
     run.train(range(20, 40), t0=t0 + 35, dt=2.0, attempt=1, slow_rank=3, checkpoint_every=10)
     clock.now = t0 + 120.0

@@ -38,6 +38,7 @@ def rolled_back_twice(client: TestClient, clock: FakeClock, evaluator: Evaluator
             run.stopped(node, attempt - 1, t=clock.now + 1.0)
         clock.advance(3.0)
         run.restart_milestones(attempt=attempt, t_launch=clock.now, t_rendezvous=clock.now + 1,
+                               t_preflight=clock.now + 1.5,
                                t_resumed=clock.now + 2, resume_step=to)
         run.train(steps, t0=clock.now + 3 - to * 2.0, dt=2.0, attempt=attempt,
                   checkpoint_every=10, clock=clock)

@@ -16,7 +16,8 @@ from tests.dashboard.synth import OPERATOR, SynthRun, efficiency_script
 from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.dashboard.routes import fmt_num, fmt_pct
 
-PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "load_checkpoint": 2.0,
+PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "preflight": 1.0,
+           "load_checkpoint": 1.0,
            "first_step": 2.0}
 
 

@@ -35,8 +35,10 @@ from trainwarden.supervisor.store import goodput as goodput_store
 from trainwarden.supervisor.store.db import Database
 
 MILESTONE_T = {"decided": 66.0, "workers_stopped": 67.5, "torchrun_started": 68.5,
-               "rendezvous_done": 71.0, "checkpoint_loaded": 73.0, "first_step": 75.0}
-PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "load_checkpoint": 2.0,
+               "rendezvous_done": 71.0, "preflight_done": 72.0,
+               "checkpoint_loaded": 73.0, "first_step": 75.0}
+PHASE_S = {"stop_workers": 1.5, "launch": 1.0, "rendezvous": 2.5, "preflight": 1.0,
+           "load_checkpoint": 1.0,
            "first_step": 2.0}
 END = 120.0
 
@@ -77,6 +79,7 @@ def test_a_milestone_not_recorded_reads_as_none(client: TestClient, clock: FakeC
         (times,) = eff.restart_milestones(conn, run_id=1).values()
     assert times["torchrun_started"] is None
     assert times["rendezvous_done"] is None
+    assert times["preflight_done"] is None
     assert times["checkpoint_loaded"] is None
     assert times["first_step"] is not None
 
@@ -105,9 +108,10 @@ def test_unknown_phases_are_null_not_zero(client: TestClient, clock: FakeClock,
     (act,) = client.get("/api/v1/runs/alpha/actions", headers=OPERATOR).json()["actions"]
     phases = act["anatomy"]["phases_s"]
     assert phases["stop_workers"] == pytest.approx(1.5)
-    assert [phases[p] for p in PHASES[1:]] == [None] * 4
+    assert [phases[p] for p in PHASES[1:]] == [None] * 5
     # the time is not lost: one span across the missing milestones
-    assert act["anatomy"]["spans"][-1]["phase"] == "launch+rendezvous+load_checkpoint+first_step"
+    assert act["anatomy"]["spans"][-1]["phase"] == (
+        "launch+rendezvous+preflight+load_checkpoint+first_step")
     assert act["anatomy"]["spans"][-1]["seconds"] == pytest.approx(7.5)
 
 

@@ -20,6 +20,7 @@ from trainwarden.agent.protocol import PREFLIGHT_TIMEOUT_S, WorkerEventName
 from trainwarden.agent.worker import preflight as pf
 from trainwarden.agent.worker.distributed import classify_exception
 from trainwarden.agent.worker.report import Reporter
+from trainwarden.supervisor.detect import node_health
 
 CPU = torch.device("cpu")
 
@@ -191,6 +192,14 @@ def test_preflight_at_start_reports_its_event_and_raises_when_a_check_fails(
 
     assert pf.preflight_at_start(local_rank=0, environ={"TRAINWARDEN_PREFLIGHT": "0"},
                                  reporter=reporter) is None
+    # Turned off, it still says so: the restart's preflight phase is then 0 s, not unknown,
+    # and the event carries no verdict for the host's ledger.
+    reporter.flush()
+    off = wait_for(lambda: receiver.of("event", WorkerEventName.PREFLIGHT)[2:],
+                   what="the turned-off preflight's event")[0]
+    assert off["message"] == "preflight turned off"
+    assert off["details"]["passed"] is None and off["details"]["skipped"] is True
+    assert node_health.preflight_result(off["details"]) is None
 
 
 def test_a_preflight_failure_is_the_machines_not_a_collective_timeout() -> None:

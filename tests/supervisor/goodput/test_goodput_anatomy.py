@@ -7,13 +7,14 @@ import pytest
 from trainwarden.supervisor.goodput.anatomy import MILESTONES, PHASES, anatomy
 
 FULL = {"decided": 100.0, "workers_stopped": 102.5, "torchrun_started": 103.0,
-        "rendezvous_done": 107.0, "checkpoint_loaded": 108.5, "first_step": 110.0}
+        "rendezvous_done": 107.0, "preflight_done": 107.5,
+        "checkpoint_loaded": 108.5, "first_step": 110.0}
 
 
 def test_every_phase_from_complete_milestones() -> None:
     a = anatomy(FULL)
     assert a.phases == {"stop_workers": 2.5, "launch": 0.5, "rendezvous": 4.0,
-                        "load_checkpoint": 1.5, "first_step": 1.5}
+                        "preflight": 0.5, "load_checkpoint": 1.0, "first_step": 1.5}
     assert a.total_s == 10.0
     assert [s.name for s in a.spans] == list(PHASES)
     assert a.notes == ()
@@ -22,13 +23,13 @@ def test_every_phase_from_complete_milestones() -> None:
 def test_a_missing_milestone_leaves_both_phases_unknown_and_merges_the_span() -> None:
     a = anatomy({**FULL, "rendezvous_done": None})
     assert a.phases["rendezvous"] is None
-    assert a.phases["load_checkpoint"] is None
+    assert a.phases["preflight"] is None
     assert a.phases["launch"] == 0.5
     merged = [s for s in a.spans if s.start == "torchrun_started"]
     assert len(merged) == 1
-    assert merged[0].name == "rendezvous+load_checkpoint"
-    assert merged[0].end == "checkpoint_loaded"
-    assert merged[0].seconds == 5.5
+    assert merged[0].name == "rendezvous+preflight"
+    assert merged[0].end == "preflight_done"
+    assert merged[0].seconds == 4.5
     assert a.total_s == 10.0
 
 
@@ -49,9 +50,9 @@ def test_crash_workers_stopped_before_the_decision() -> None:
 
 
 def test_clock_skew_never_gives_a_negative_phase() -> None:
-    a = anatomy({**FULL, "checkpoint_loaded": 106.0})
+    a = anatomy({**FULL, "checkpoint_loaded": 107.2})
     assert a.phases["load_checkpoint"] == 0.0
-    assert a.phases["first_step"] == 3.0
+    assert a.phases["first_step"] == 2.5
     assert all(v is None or v >= 0 for v in a.phases.values())
     assert len(a.notes) == 1
 
