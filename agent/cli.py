@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a spare node: register and heartbeat, run nothing until the "
                              "supervisor gives this node the rank of a lost or cordoned "
                              "member (the command is the members' command)")
+    parser.add_argument("--min-nodes", type=int, default=None, metavar="N",
+                        help="the smallest world the run accepts: when a member is lost or "
+                             "cordoned and no spare is free, the run goes on with the other "
+                             "members (same global batch) down to N nodes, and grows back at "
+                             "a checkpoint once a node is free (default: the declared "
+                             "--nnodes, i.e. wait for a node)")
     parser.add_argument("--advertise-addr", default="", metavar="HOST",
                         help="the address other nodes reach this node's rendezvous at when "
                              "the supervisor makes it node rank 0 (default: the address the "
@@ -93,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         hang=_hang_config(args.hang_floor, args.hang_startup),
         spare=bool(getattr(args, "spare", False)),
         advertise_addr=str(getattr(args, "advertise_addr", "") or ""),
+        min_nodes=getattr(args, "min_nodes", None),
         preflight=args.preflight,
         preflight_timeout_s=args.preflight_timeout,
         **kwargs,  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from pathlib import Path
 from trainwarden.agent import deadletter, protocol, uplink
 from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.hang import HangConfig
-from trainwarden.agent.core.launch import unrewritable
+from trainwarden.agent.core.launch import min_nodes_refused, unrewritable
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
@@ -80,6 +80,12 @@ class AgentConfig:
     # A spare: registers and heartbeats, runs nothing until the supervisor gives it the node
     # rank of a lost or cordoned member (then it launches the command as that rank).
     spare: bool = False
+    # The smallest world the run accepts: without a free spare, a lost or cordoned member's
+    # run goes on with the other members (the same global batch, each rank accumulating
+    # more micro-batches) down to this many nodes, and grows back at a checkpoint once a
+    # node is free.  None: the declared world (wait for a node).  Give every agent of the
+    # run the same value.
+    min_nodes: int | None = None
     # Where this node's torchrun can host the rendezvous, as the other nodes reach it (host
     # name or IP); empty: the address the supervisor sees this agent's requests come from.
     advertise_addr: str = ""
@@ -116,7 +122,7 @@ class AgentConfig:
         # The supervisor decides each attempt's members and rewrites the torchrun command
         # for them: a command that cannot be rewritten fails here, with the fix (the
         # supervisor refuses it at registration too).
-        why = unrewritable(self.command)
+        why = unrewritable(self.command) or min_nodes_refused(self.min_nodes, self.command)
         if why is not None:
             raise ValueError(why)
         check(self)

@@ -37,7 +37,7 @@ import httpx
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.core import text as untrusted
-from trainwarden.agent.core.launch import Membership, rewrite
+from trainwarden.agent.core.launch import Membership, declared_world_size, rewrite
 from trainwarden.agent.core.states import AgentState, ExitOutcome, NodeRole
 from trainwarden.agent.executor import Executor
 from trainwarden.agent.launcher import ExitInfo, Launcher, PopenFactory
@@ -266,8 +266,11 @@ class Agent:
         rank, nnodes, ep = view.get("node_rank"), view.get("nnodes"), view.get("endpoint")
         if (self.role == NodeRole.MEMBER and isinstance(rank, int) and isinstance(nnodes, int)
                 and isinstance(ep, str) and ep):
+            declared = view.get("declared")
             self.membership = Membership(epoch=int(view.get("epoch") or 0), nnodes=nnodes,
-                                         node_rank=rank, endpoint=ep)
+                                         node_rank=rank, endpoint=ep,
+                                         declared=declared if isinstance(declared, int)
+                                         else None)
         else:
             self.membership = None
         self._save_state()
@@ -287,8 +290,10 @@ class Agent:
             self._save_state()
             return f"not a member of membership epoch {epoch}: standing by as a spare"
         self.role = NodeRole.MEMBER
+        declared = m.get("declared")
         self.membership = Membership(epoch=epoch, nnodes=int(m.get("nnodes") or len(members)),
-                                     node_rank=rank, endpoint=str(m.get("endpoint") or ""))
+                                     node_rank=rank, endpoint=str(m.get("endpoint") or ""),
+                                     declared=declared if isinstance(declared, int) else None)
         self._save_state()
         waiting = m.get("waiting") or []
         if waiting or not self.membership.endpoint:
@@ -375,6 +380,7 @@ class Agent:
             "checkpoint_roots": roots,
             "agent_version": AGENT_VERSION,
             "spare": self.cfg.spare,
+            "min_nodes": self.cfg.min_nodes,
             "address": self.cfg.advertise_addr,
             "devices": self.gpus.device_count(),
         }
@@ -431,6 +437,11 @@ class Agent:
         self.watch.new_attempt(attempt, self.clock())
         if self.membership is not None and self.role == NodeRole.MEMBER:
             self.launcher.command = rewrite(self.cfg.command, self.membership)
+            # The workers spread each global batch over the ranks they are (fewer than
+            # declared while the run is shrunk): they are told the declared world.
+            world = declared_world_size(self.cfg.command, self.membership)
+            if world is not None:
+                self.launcher.worker_env[protocol.ENV_DECLARED_WORLD_SIZE] = str(world)
         self.launcher.start(attempt, plan_path)
         # When torchrun was started: a restart's anatomy splits "launch" from "rendezvous"
         # here (the workers' worker_started events mark the end of the rendezvous).

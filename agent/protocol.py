@@ -51,6 +51,9 @@ ENV_NODE = "TRAINWARDEN_NODE"
 # (``trainwarden.agent.worker.preflight``): "0" turns it off; the bound on its all-reduce.
 ENV_PREFLIGHT = "TRAINWARDEN_PREFLIGHT"
 ENV_PREFLIGHT_TIMEOUT = "TRAINWARDEN_PREFLIGHT_TIMEOUT_S"
+# The ranks of the run's declared world (its global batch is defined on them), set by the
+# agent for every launch of a multi-node run; WORLD_SIZE is fewer while the run is shrunk.
+ENV_DECLARED_WORLD_SIZE = "TRAINWARDEN_DECLARED_WORLD_SIZE"
 # The preflight's default bound (seconds), here so that the agent's config needs no torch.  It
 # bounds the wait on the all-reduce, so that with the local checks' few milliseconds the whole
 # check stays under 5 s.
@@ -319,8 +322,9 @@ class ResumePlan:
     reason: str = ""
     action_id: int | None = None
     # The attempt's membership, as the supervisor decided it (the agent's, not the
-    # workers'): {"epoch", "nnodes", "endpoint", "members": {node: node rank}, "waiting":
-    # [node ranks whose node is missing]}.  A node not among the members stands by as a spare;
+    # workers'): {"epoch", "nnodes" (the attempt's world), "declared" (the run's declared
+    # world), "endpoint", "members": {node: node rank}, "waiting": [node ranks whose node is
+    # missing]}.  A node not among the members stands by as a spare;
     # while a rank waits, every member stands by.
     membership: dict[str, Any] | None = None
     version: int = PROTOCOL_VERSION
@@ -399,6 +403,8 @@ class RegisterRequest(TypedDict, total=False):
     spare: bool  # runs nothing until the supervisor gives it a node rank
     address: str  # where its torchrun can host the rendezvous ("": as the supervisor sees it)
     devices: int | None  # GPUs on this node
+    # The smallest world the run accepts (``--min-nodes``; None: the declared one).
+    min_nodes: int | None
 
 
 class MembershipView(TypedDict):
@@ -406,9 +412,10 @@ class MembershipView(TypedDict):
 
     role: NodeRole
     node_rank: int | None
-    nnodes: int | None
+    nnodes: int | None  # the attempt's world (fewer than ``declared`` after a shrink)
     epoch: int
     endpoint: str | None  # HOST:PORT of the static rendezvous; None: stand by
+    declared: NotRequired[int | None]  # the declared world (an older supervisor: absent)
 
 
 class RegisterReply(TypedDict):

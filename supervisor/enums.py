@@ -118,6 +118,9 @@ class RestartCause(StrEnum):
     # A node joined a run that stood by for a missing one (a spare registered, the lost node
     # came back): the restart that starts training again counts against no budget.
     REPLACE = "replace"
+    # A shrunk run grows back to its declared world at a checkpoint (a planned restart):
+    # counts against no budget.
+    GROW = "grow"
 
 
 class PresenceEvent(StrEnum):
@@ -168,7 +171,13 @@ class SupervisorEvent(StrEnum):
     * ``membership_changed``: a restart gave node ranks to spares (details: ``epoch``,
       ``replaced``: [{node_rank, old, new, why}], ``members``);
     * ``waiting_for_node``: a restart found node ranks with no node fit to run and no spare
-      left: every member stands by (details: ``waiting``: {node rank: why})."""
+      left: every member stands by (details: ``waiting``: {node rank: why});
+    * ``world_resized``: a restart runs the attempt on another number of nodes: a shrink
+      (no spare free, the run accepts fewer nodes) or a grow back (details: ``from``, ``to``,
+      ``declared``, ``dropped``: [{node_rank, node, why}], ``members``, ``choice``);
+    * ``grow_planned``: a shrunk run has a node free again and grows back at its next
+      checkpoint (details: ``epoch``, ``after_step``: the checkpoint must be of a later
+      step, ``nodes``)."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
@@ -180,6 +189,8 @@ class SupervisorEvent(StrEnum):
     CREDENTIALS_REVOKED = "credentials_revoked"
     MEMBERSHIP_CHANGED = "membership_changed"
     WAITING_FOR_NODE = "waiting_for_node"
+    WORLD_RESIZED = "world_resized"
+    GROW_PLANNED = "grow_planned"
 
 
 class HostState(StrEnum):

@@ -103,9 +103,14 @@ class Membership:
     """One node's place in one attempt, as the supervisor decided it."""
 
     epoch: int
-    nnodes: int
+    nnodes: int  # the attempt's world (fewer than ``declared`` while the run is shrunk)
     node_rank: int
     endpoint: str  # HOST:PORT of the static rendezvous (node rank 0 hosts it)
+    declared: int | None = None  # the run's declared world (None: ``nnodes``)
+
+    @property
+    def full(self) -> int:
+        return self.declared if self.declared is not None else self.nnodes
 
 
 def _split(command: Sequence[str]) -> tuple[list[str], list[str], list[str]] | None:
@@ -196,10 +201,11 @@ def unrewritable(command: Sequence[str]) -> str | None:
 def rewrite(command: Sequence[str], m: Membership) -> list[str]:
     """``command`` with torchrun's rendezvous options replaced by ``m``'s (the module
     docstring lists them).  A command that is not a torchrun launch, and a one-node world
-    (no rendezvous across nodes: ``--standalone`` picks a free port of its own), are
-    returned as they are."""
+    the command itself declares (no rendezvous across nodes), are returned as they are; a
+    larger world shrunk to one node runs ``--nnodes=1 --standalone`` (a free port of its
+    own: no other node takes part)."""
     parts = _split(command)
-    if parts is None or m.nnodes <= 1:
+    if parts is None or (m.nnodes <= 1 and (declared_nnodes(command) or 1) <= 1):
         return list(command)
     prefix, opts, script = parts
     kept: list[str] = []
@@ -207,9 +213,49 @@ def rewrite(command: Sequence[str], m: Membership) -> list[str]:
         if name in _RENDEZVOUS:
             continue
         kept.append(name if value is None else f"{name}={value}")
-    ours = [f"--nnodes={m.nnodes}", f"--node-rank={m.node_rank}", "--rdzv-backend=static",
-            f"--rdzv-endpoint={m.endpoint}", "--max-restarts=0"]
+    if m.nnodes <= 1:
+        ours = ["--nnodes=1", "--standalone", "--max-restarts=0"]
+    else:
+        ours = [f"--nnodes={m.nnodes}", f"--node-rank={m.node_rank}", "--rdzv-backend=static",
+                f"--rdzv-endpoint={m.endpoint}", "--max-restarts=0"]
     return [*prefix, *ours, *kept, *script]
+
+
+def nproc_per_node(command: Sequence[str]) -> int | None:
+    """The workers per node the command's torchrun starts (``--nproc-per-node``; 1 when not
+    given, torchrun's default); None when not a torchrun launch or not a number (``gpu``,
+    ``auto``: torchrun counts the devices)."""
+    parts = _split(command)
+    if parts is None:
+        return None
+    value = _value(parts[1], "--nproc-per-node", "--nproc_per_node")
+    if value is None:
+        return 1
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def declared_world_size(command: Sequence[str], m: Membership) -> int | None:
+    """The ranks of the run's declared world (its global batch is defined on them): the
+    declared nodes times the command's workers per node; None when unknown."""
+    nproc = nproc_per_node(command)
+    return None if nproc is None else m.full * nproc
+
+
+def min_nodes_refused(min_nodes: int | None, command: Sequence[str]) -> str | None:
+    """Why ``--min-nodes`` cannot hold for ``command`` (a message that names the fix); None
+    when it can (or is not given)."""
+    if min_nodes is None:
+        return None
+    declared = declared_nnodes(command)
+    if declared is None:
+        return (f"--min-nodes {min_nodes}: the run can only shrink a torchrun launch that "
+                "declares its nodes (torchrun --nnodes=N ...); drop --min-nodes or launch "
+                "with torchrun")
+    if not 1 <= min_nodes <= declared:
+        return (f"--min-nodes {min_nodes}: the torchrun command declares {declared} "
+                f"node(s) (--nnodes); give a number from 1 to {declared} "
+                f"({declared}: never shrink)")
+    return None
 
 
 def endpoint(host: str, base_port: int, epoch: int) -> str:

@@ -105,6 +105,10 @@ class MembershipSummary(_Answer):
     spares_configured: bool = Field(description="a node registered into the run as a spare")
     missing: list[int] = Field(description="node ranks with no node fit to run and no spare "
                                            "to take them: the run stands by for them")
+    world: int | None = Field(description="the nodes the current attempt runs on: fewer than "
+                                          "nnodes while the run is shrunk")
+    min_nodes: int | None = Field(description="the smallest world the run accepts (agent "
+                                              "--min-nodes); null: nnodes (it never shrinks)")
 
 
 class RunSummary(_Answer):

@@ -72,6 +72,10 @@ class RegisterRequest(_Wire):
     # name or an IP address); empty: the address the registration came from.
     address: Line = line("", max_length=255)
     devices: U31 | None = None  # GPUs this node has (its capacity, with nproc_per_node)
+    # The smallest world the run accepts (agent --min-nodes): without a free spare, a lost
+    # or cordoned member's run goes on with the other members, down to this many nodes.
+    # None: the declared world (wait for a node).
+    min_nodes: Positive31 | None = None
 
     @field_validator("checkpoint_root")
     @classmethod
@@ -96,9 +100,10 @@ class RegisterRequest(_Wire):
 class MembershipOut(BaseModel):
     role: NodeRole
     node_rank: int | None
-    nnodes: int | None
+    nnodes: int | None  # the current attempt's world (fewer than declared after a shrink)
     epoch: int
     endpoint: str | None  # HOST:PORT; None: node rank 0 has no member yet (stand by)
+    declared: int | None = None  # the declared world (the global batch is defined on it)
 
 
 class RegisterReply(BaseModel):

@@ -64,7 +64,7 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
         checkpoints=tuple(ckpts),
         batch_index=batch_index,
         restarts_by_cause=policy.restart_counts(every).automatic,
-        high_step=_high_step(conn, run_id),
+        high_step=high_step(conn, run_id),
         high_at_restarts=tuple(h["high_step"] for h in history),
         previous_failure=previous_failure(conn, run),
     )
@@ -84,7 +84,7 @@ def previous_failure(conn: Connection, run: RunRow) -> str | None:
     return None
 
 
-def _high_step(conn: Connection, run_id: int) -> int | None:
+def high_step(conn: Connection, run_id: int) -> int | None:
     """The highest step the run ever reported (any attempt)."""
     return max(rec.max_steps(conn, run_id=run_id).values(), default=None)
 
@@ -134,7 +134,8 @@ def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | N
     facts = membership.MembershipFacts(
         nnodes=m["nnodes"], epoch=m["epoch"],
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
-        spares=spares, cordoned=frozenset(hosts.cordoned_nodes(conn)))
+        spares=spares, cordoned=frozenset(hosts.cordoned_nodes(conn)), world=m["world"],
+        min_nodes=m["min_nodes"])
     return facts, m
 
 
@@ -146,16 +147,28 @@ def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
         facts, spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]))
 
 
-def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None
-                 ) -> tuple[membership.MemberPlan, RunMembership]:
+def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None,
+                 grow: bool = False
+                 ) -> tuple[membership.MemberPlan, RunMembership, policy.ShrinkChoice | None]:
     """The members the next attempt gets (``membership.plan_members`` on the store's
-    facts)."""
+    facts), and, when a node rank has no node fit to run and the run accepts fewer nodes,
+    the policy's choice between shrinking and waiting (None: there was none to make)."""
     facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s)
-    return membership.plan_members(facts), m
+    plan = membership.plan_members(facts, grow=grow)
+    if not (plan.waiting or plan.kept_cordoned) or not membership.can_shrink(facts):
+        return plan, m, None
+    world = facts.current or len(plan.members)
+    fit = world - len(plan.waiting) - len(plan.kept_cordoned)
+    choice = policy.choose_shrink(declared=plan.full or world, world=world, fit=fit,
+                                  min_nodes=facts.min_nodes)
+    if choice.shrink:
+        plan = membership.plan_members(facts, shrink=True)
+    return plan, m, choice
 
 
 def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan,
-                   m: RunMembership, now: float) -> tuple[list[int], dict[str, Any] | None]:
+                   m: RunMembership, now: float, choice: policy.ShrinkChoice | None = None
+                   ) -> tuple[list[int], dict[str, Any] | None]:
     """Record the attempt's members; returns the agents its restart commands go to (the
     members fit to run: a waiting rank's missing node gets none) and the membership the
     commands carry (None: the command declares no world)."""
@@ -163,7 +176,8 @@ def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan
     if plan.nnodes is None:
         return [n["agent_id"] for n in m["nodes"]], None
     store_membership.assign(conn, run_id=int(run["id"]), epoch=plan.epoch,
-                            members={rank: by_node[node] for rank, node in plan.members.items()})
+                            members={rank: by_node[node] for rank, node in plan.members.items()},
+                            world=plan.nnodes if plan.nnodes != plan.full else None)
     endpoint = store_membership.rendezvous(
         store_membership.run_membership(conn, run_id=int(run["id"])))
     attempt = int(run["attempt"])
@@ -173,6 +187,14 @@ def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan
             name=SupervisorEvent.MEMBERSHIP_CHANGED, step=None, message=plan.summary(),
             details={"epoch": plan.epoch, "members": {str(k): v for k, v in plan.members.items()},
                      "replaced": [dataclasses.asdict(r) for r in plan.replaced]})
+    if plan.resized:
+        rec.insert_event(
+            conn, run_id=run["id"], agent_id=None, attempt=attempt, rank=None, t=now,
+            name=SupervisorEvent.WORLD_RESIZED, step=None, message=plan.summary(),
+            details={"from": plan.world_before, "to": plan.nnodes, "declared": plan.full,
+                     "dropped": [dataclasses.asdict(d) for d in plan.dropped],
+                     "members": {str(k): v for k, v in plan.members.items()},
+                     "choice": choice.reason if choice is not None else None})
     if plan.waiting:
         rec.insert_event(
             conn, run_id=run["id"], agent_id=None, attempt=attempt, rank=None, t=now,
@@ -209,17 +231,19 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     _supersede_in_progress(conn, run_id, now)
     incident_id = _incident(conn, run_id, decision.incident, now)
     if isinstance(decision, Restart):
-        members, m = plan_members(conn, run_id=run_id, now=now,
-                                  live_s=live_s if decision.replace_lost else None)
-        agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now)
-        if members.summary():
-            decision = dataclasses.replace(decision,
-                                           reason=f"{decision.reason}; {members.summary()}")
+        members, m, choice = plan_members(conn, run_id=run_id, now=now,
+                                          live_s=live_s if decision.replace_lost else None,
+                                          grow=decision.grow)
+        agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now,
+                                                 choice=choice)
+        said = "; ".join(x for x in (members.summary(), choice.reason if choice else "") if x)
+        if said:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; {said}")
         action_id = rec.create_action(
             conn, run_id=run_id, incident_id=incident_id, kind=ActionKind.RESTART,
             reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
             attempt=decision.attempt, not_before=decision.not_before, created_at=now,
-            cause=decision.cause, high_step=_high_step(conn, run_id),
+            cause=decision.cause, high_step=high_step(conn, run_id),
             rollback_to_step=decision.rollback_to_step,
         )
         if decision.rollback_to_step is not None:

@@ -53,11 +53,13 @@ from trainwarden.supervisor.enums import (
     IncidentKind,
     IncidentStatus,
     JudgeStage,
+    RunStatus,
     SupervisorEvent,
     Verdict,
 )
 from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
 from trainwarden.supervisor.store import credentials, hosts, registry, windows
+from trainwarden.supervisor.store import membership as store_membership
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection, Database
 from trainwarden.supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow, RunRow
@@ -177,6 +179,7 @@ class Evaluator:
                     self._presence(conn, run, now)
                     self._fill_missing(conn, run, now, rep)
                     self._replace_cordoned(conn, run, now, rep)
+                    self._grow_back(conn, run, int(run["id"]) in busy, now, rep)
             self._revoke_ended(conn, now)
             self._recovered(conn, now)
         if ledger is not None:
@@ -336,8 +339,8 @@ class Evaluator:
         ranks, waiting = _waiting(conn, run)
         if not ranks:
             return
-        plan, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now,
-                                       live_s=self._live_s())
+        plan, _, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now,
+                                          live_s=self._live_s())
         if len(plan.waiting) >= len(ranks):
             return
         joined = [r.new for r in plan.replaced] or sorted(
@@ -345,6 +348,46 @@ class Evaluator:
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
         decision = policy.on_node_joined(actions.facts(run), joined=joined,
                                          checkpoint=ckpt["path"] if ckpt else None, now=now)
+        rep.decisions += 1
+        log.info("run %s: %s", run["name"], decision)
+        actions.apply(conn, run=run, decision=decision, now=now, live_s=self._live_s())
+
+    def _grow_back(self, conn: Connection, run: RunRow, busy: bool, now: float,
+                   rep: TickReport) -> None:
+        """A shrunk run with a node free again (a spare registered, the lost node came back)
+        grows back to its declared world at its next checkpoint: first the plan is recorded
+        (``grow_planned``, with the highest step trained so far), then the first complete
+        checkpoint of a later step restarts the gang from it on every node."""
+        if run["status"] != RunStatus.RUNNING or busy:
+            return
+        m = store_membership.run_membership(conn, run_id=int(run["id"]))
+        world, declared = m["world"], m["nnodes"]
+        if world is None or declared is None or world >= declared:
+            return
+        plan, _, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now,
+                                          live_s=self._live_s(), grow=True)
+        if plan.nnodes is None or plan.nnodes <= world:
+            return
+        joined = [r.new for r in plan.replaced]
+        ev = windows.latest_event(conn, run_id=run["id"], attempt=run["attempt"],
+                                  name=SupervisorEvent.GROW_PLANNED)
+        details = ev["details"] if ev is not None and isinstance(ev["details"], dict) else {}
+        if ev is None or details.get("epoch") != m["epoch"]:
+            after = actions.high_step(conn, int(run["id"]))
+            rec.insert_event(
+                conn, run_id=run["id"], agent_id=None, attempt=int(run["attempt"]), rank=None,
+                t=now, name=SupervisorEvent.GROW_PLANNED, step=after,
+                message=f"{', '.join(joined)} free: the run grows back from {world} to "
+                        f"{plan.nnodes} nodes at its next checkpoint",
+                details={"epoch": m["epoch"], "after_step": after, "nodes": joined})
+            return
+        after = details.get("after_step")
+        ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
+        if ckpt is None or (isinstance(after, int) and int(ckpt["step"]) <= after):
+            return
+        decision = policy.on_grow(actions.facts(run), joined=joined, world=world,
+                                  declared=plan.nnodes, checkpoint=ckpt["path"],
+                                  step=int(ckpt["step"]), now=now)
         rep.decisions += 1
         log.info("run %s: %s", run["name"], decision)
         actions.apply(conn, run=run, decision=decision, now=now, live_s=self._live_s())
@@ -363,7 +406,7 @@ class Evaluator:
         bad = sorted(set(m.get("members") or {}) & hosts.cordoned_nodes(conn))
         if not bad:
             return
-        plan, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now, live_s=None)
+        plan, _, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now, live_s=None)
         if not plan.replaced:
             return
         pending = protocol.ResumePlan.from_dict({k: v for k, v in (action["plan"] or {}).items()

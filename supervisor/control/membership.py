@@ -4,8 +4,16 @@ A gang restart keeps the world size, so the run ends as a clean run would (same 
 data order).  A member that is lost (silent past the node-lost deadline) or cordoned gives its
 node rank to a free spare, and the membership epoch grows; without a free spare the rank
 waits (every member stands by, nothing restarts in a loop) until a spare registers or the
-lost node comes back.  The policy (``trainwarden.supervisor.control.policy``) applies this
-to every restart it decides; ``trainwarden.supervisor.store.membership`` records the result.
+lost node comes back.
+
+A run that accepts a smaller world (``min_nodes`` below the declared one) shrinks instead of
+waiting, when the policy chooses to: the members fit to run take node ranks 0..k-1 in their
+old order, and the nodes left out become spares.  A shrunk run grows back to the declared
+world when asked to (``grow``: the policy asks at a checkpoint), free spares taking the node
+ranks above the current world.
+
+The policy (``trainwarden.supervisor.control.policy``) applies this to every restart it
+decides; ``trainwarden.supervisor.store.membership`` records the result.
 """
 
 from __future__ import annotations
@@ -22,6 +30,16 @@ class MembershipFacts:
     live: frozenset[str]  # nodes heard from within the node-lost deadline
     spares: Sequence[str]  # free spares, in the order they are preferred
     cordoned: frozenset[str] = frozenset()
+    # The nodes the current attempt runs on (None: the declared world); smaller after a
+    # shrink.
+    world: int | None = None
+    # The smallest world the run accepts (None: the declared one, i.e. it never shrinks).
+    min_nodes: int | None = None
+
+    @property
+    def current(self) -> int | None:
+        """The nodes of the current attempt's world."""
+        return self.world if self.world is not None else self.nnodes
 
 
 @dataclass(frozen=True)
@@ -33,9 +51,18 @@ class Replacement:
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """A node a shrink left out (it becomes a spare)."""
+
+    node_rank: int  # its node rank before the shrink
+    node: str
+    why: str  # "lost", "cordoned"
+
+
+@dataclass(frozen=True)
 class MemberPlan:
     epoch: int
-    nnodes: int | None
+    nnodes: int | None  # the attempt's world (smaller than ``declared`` after a shrink)
     members: dict[int, str]  # node rank -> node (a waiting rank keeps its missing node)
     replaced: tuple[Replacement, ...] = ()
     waiting: tuple[int, ...] = ()  # node ranks with no node fit to run and no free spare
@@ -43,11 +70,31 @@ class MemberPlan:
     # node rank -> its cordoned node, kept for want of a free spare (running on a suspect
     # node costs less than not running at all; it is replaced as soon as a spare is free)
     kept_cordoned: dict[int, str] = field(default_factory=dict)
+    declared: int | None = None  # the declared world (None: as ``nnodes``)
+    world_before: int | None = None  # the world of the attempt before this plan
+    dropped: tuple[Dropped, ...] = ()  # nodes a shrink left out
+
+    @property
+    def full(self) -> int | None:
+        """The declared world."""
+        return self.declared if self.declared is not None else self.nnodes
+
+    @property
+    def resized(self) -> bool:
+        """The attempt's world differs from the one before it (a shrink or a grow)."""
+        return (self.world_before is not None and self.nnodes is not None
+                and self.nnodes != self.world_before)
 
     def summary(self) -> str:
         """One line for a restart's reason ("" when nothing changed)."""
-        parts = [f"{r.new} takes node rank {r.node_rank}"
-                 + (f" of {r.old} ({r.why})" if r.old else " (vacant)") for r in self.replaced]
+        parts = []
+        if self.resized:
+            parts.append(f"the world {'shrinks' if self.dropped else 'grows back'} from "
+                         f"{self.world_before} to {self.nnodes} of {self.full} nodes")
+        parts += [f"{d.node} (node rank {d.node_rank}, {d.why}) is left out" for d in self.dropped]
+        parts += [f"{r.new} takes node rank {r.node_rank}"
+                  + (f" of {r.old} ({r.why})" if r.old else f" ({r.why})")
+                  for r in self.replaced]
         parts += [f"node rank {k} waits for a node ({self.missing[k]}; no spare left)"
                   for k in self.waiting]
         parts += [f"node rank {k} stays on {node} (cordoned; no spare left)"
@@ -56,25 +103,32 @@ class MemberPlan:
 
     def wire(self, endpoint: str | None) -> dict[str, object]:
         """The membership a restart command carries (``ResumePlan.membership``)."""
-        return {"epoch": self.epoch, "nnodes": self.nnodes,
+        return {"epoch": self.epoch, "nnodes": self.nnodes, "declared": self.full,
                 "endpoint": endpoint,
                 "members": {node: rank for rank, node in sorted(self.members.items())},
                 "waiting": list(self.waiting)}
 
 
-def plan_members(f: MembershipFacts) -> MemberPlan:
+def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
+                 ) -> MemberPlan:
     """Keep every member fit to run; give the rank of one that is not (lost, cordoned) to the
     next free spare.  Without a free spare a cordoned member keeps its rank (it still runs),
     and a lost one's rank waits (its node stays recorded, so it takes its rank back if it
-    returns)."""
+    returns).
+
+    ``shrink`` (the policy's choice, for a run with ``min_nodes``): rather than wait, or keep
+    a cordoned member, the members fit to run go on as a smaller world of at least
+    ``min_nodes``.  ``grow``: a shrunk run takes free spares for the node ranks above its
+    world, up to the declared one."""
     if f.nnodes is None:
         return MemberPlan(epoch=f.epoch, nnodes=None, members=dict(f.members))
+    world = f.current or f.nnodes
     free = [s for s in f.spares if s in f.live and s not in f.cordoned]
     members: dict[int, str] = {}
     replaced: list[Replacement] = []
     missing: dict[int, str] = {}
     kept: dict[int, str] = {}
-    for rank in range(f.nnodes):
+    for rank in range(world):
         node = f.members.get(rank)
         why = ("vacant" if node is None else "lost" if node not in f.live
                else "cordoned" if node in f.cordoned else None)
@@ -90,10 +144,36 @@ def plan_members(f: MembershipFacts) -> MemberPlan:
             if node is not None:
                 members[rank] = node
             missing[rank] = f"{node} {why}" if node is not None else "vacant"
-    return MemberPlan(epoch=f.epoch + 1 if replaced else f.epoch, nnodes=f.nnodes,
+    if shrink and (missing or kept):
+        fit = [(rank, node) for rank, node in sorted(members.items())
+               if rank not in missing and rank not in kept]
+        if fit and len(fit) >= (f.min_nodes or f.nnodes):
+            dropped = [Dropped(rank, members[rank], "cordoned" if rank in kept else
+                               missing[rank].rsplit(" ", 1)[-1])
+                       for rank in sorted({*missing, *kept}) if rank in members]
+            return MemberPlan(epoch=f.epoch + 1, nnodes=len(fit),
+                              members={k: node for k, (_, node) in enumerate(fit)},
+                              replaced=tuple(replaced), dropped=tuple(dropped),
+                              declared=f.nnodes, world_before=world)
+    if grow and world < f.nnodes and not missing:
+        for rank in range(world, f.nnodes):
+            if not free:
+                break
+            members[rank] = free.pop(0)
+            replaced.append(Replacement(node_rank=rank, old=None, new=members[rank],
+                                        why="grow"))
+    nnodes = len(members) if world < f.nnodes else f.nnodes
+    return MemberPlan(epoch=f.epoch + 1 if replaced else f.epoch, nnodes=nnodes,
                       members=members,
                       replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing,
-                      kept_cordoned=kept)
+                      kept_cordoned=kept, declared=f.nnodes, world_before=world)
+
+
+def can_shrink(f: MembershipFacts) -> bool:
+    """Whether the run accepts a world smaller than the one it runs (``min_nodes`` below
+    it)."""
+    return (f.nnodes is not None and f.min_nodes is not None
+            and f.min_nodes < (f.current or f.nnodes))
 
 
 @dataclass(frozen=True)
@@ -106,10 +186,13 @@ class Capacity:
     spares: int  # free spares: live and not cordoned
     spares_configured: bool  # a node registered into the run as a spare
     missing: tuple[int, ...]  # node ranks with no node fit to run and no spare to take them
+    world: int | None = None  # the nodes the current attempt runs on (a shrink: fewer)
+    min_nodes: int | None = None  # the smallest world the run accepts (None: the declared)
 
 
 def capacity(f: MembershipFacts, *, spares_configured: bool) -> Capacity:
     free = [s for s in f.spares if s in f.live and s not in f.cordoned]
     plan = plan_members(f)
     return Capacity(nnodes=f.nnodes, epoch=f.epoch, spares=len(free),
-                    spares_configured=spares_configured, missing=plan.waiting)
+                    spares_configured=spares_configured, missing=plan.waiting,
+                    world=f.current, min_nodes=f.min_nodes)

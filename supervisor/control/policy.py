@@ -246,6 +246,8 @@ class Restart:
     # restart, and the one that ends a wait for a node).  Every other restart keeps its
     # members but the cordoned: a node silent too long is judged lost by its own finding.
     replace_lost: bool = False
+    # A shrunk run grows back: free spares take the node ranks above its current world.
+    grow: bool = False
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
@@ -509,10 +511,49 @@ def on_node_joined(run: RunFacts, *, joined: Sequence[str], checkpoint: str | No
     """The run stood by for a missing node and one is fit to run now (a spare registered,
     the lost node came back): restart the gang on it at once.  Counts against no budget (the
     loss was counted when it happened)."""
+    why = (f"{', '.join(joined)} can take the missing node rank(s)" if joined
+           else "the run goes on with fewer nodes")
     return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
-                   reason=f"gang restart: {', '.join(joined)} can take the missing node "
-                          "rank(s)", cause=RestartCause.REPLACE, counts_against_budget=False,
-                   replace_lost=True)
+                   reason=f"gang restart: {why}", cause=RestartCause.REPLACE,
+                   counts_against_budget=False, replace_lost=True)
+
+
+def on_grow(run: RunFacts, *, joined: Sequence[str], world: int, declared: int,
+            checkpoint: str | None, step: int | None, now: float) -> Restart:
+    """A shrunk run has nodes free again and saved a checkpoint since: restart the gang from
+    that checkpoint on the declared world (a planned restart, never in the middle of a step;
+    counts against no budget)."""
+    at = f" at the checkpoint of step {step}" if step is not None else ""
+    return Restart(attempt=run.attempt + 1, checkpoint=checkpoint, not_before=now,
+                   reason=f"grow back from {world} to {declared} nodes{at}: "
+                          f"{', '.join(joined)} free", cause=RestartCause.GROW,
+                   counts_against_budget=False, grow=True, replace_lost=True)
+
+
+@dataclass(frozen=True)
+class ShrinkChoice:
+    """Whether a restart that finds a node rank with no node fit to run (and no free spare)
+    goes on with fewer nodes, and why (the restart's reason carries it)."""
+
+    shrink: bool
+    reason: str
+
+
+def choose_shrink(*, declared: int, world: int, fit: int, min_nodes: int | None
+                  ) -> ShrinkChoice:
+    """Shrink to the ``fit`` members, or wait for a node.  A run shrinks only when it accepts
+    that world (``min_nodes``); then a smaller world trains at ``fit / world`` of the speed
+    at once, where waiting trains nothing until a node arrives."""
+    if min_nodes is None or min_nodes >= world:
+        return ShrinkChoice(False, f"the run accepts no fewer than {world} nodes "
+                                   "(trainwarden agent --min-nodes): it waits for a node")
+    if fit < min_nodes:
+        return ShrinkChoice(False, f"only {fit} node(s) fit to run, fewer than the "
+                                   f"{min_nodes} the run accepts (--min-nodes): it waits for "
+                                   "a node")
+    return ShrinkChoice(True, f"no spare is free: shrinking to {fit} of {declared} nodes "
+                              f"(--min-nodes {min_nodes}) trains at {fit}/{declared} of full "
+                              "speed at once, waiting trains nothing until a node arrives")
 
 
 def on_member_cordoned(run: RunFacts, *, cordoned: Sequence[str], pending: ResumePlan,

@@ -38,6 +38,8 @@ class Node(TypedDict):
 class RunMembership(TypedDict):
     epoch: int
     nnodes: int | None  # None: the command declares no world (not a torchrun launch)
+    world: int | None  # the nodes the current attempt runs on (None: ``nnodes``)
+    min_nodes: int | None  # the smallest world the run accepts (None: ``nnodes``)
     members: dict[int, Node]  # node rank -> its member
     spares: list[Node]  # in registration order
     nodes: list[Node]  # every agent of the run, in registration order
@@ -58,23 +60,30 @@ def run_membership(conn: Connection, *, run_id: int) -> RunMembership:
         select(a.id, a.node, a.role, a.node_rank, a.address, a.last_seen_at, a.state, a.command,
                a.nproc_per_node, a.devices, a.joined_as)
         .where(a.run_id == run_id).order_by(a.id)).all()
-    head = conn.execute(select(runs.c.epoch, runs.c.nnodes).where(runs.c.id == run_id)).one()
+    head = conn.execute(select(runs.c.epoch, runs.c.nnodes, runs.c.world_nnodes,
+                               runs.c.min_nodes).where(runs.c.id == run_id)).one()
     nodes = [_node(r) for r in rows]
     members = {n["node_rank"]: n for n in nodes
                if n["role"] == NodeRole.MEMBER and n["node_rank"] is not None}
-    return {"epoch": int(head.epoch or 0), "nnodes": head.nnodes, "members": members,
+    return {"epoch": int(head.epoch or 0), "nnodes": head.nnodes, "world": head.world_nnodes,
+            "min_nodes": head.min_nodes, "members": members,
             "spares": [n for n in nodes if n["role"] == NodeRole.SPARE], "nodes": nodes}
 
 
 def admit(conn: Connection, *, run_id: int, agent_id: int, command: Sequence[str],
-          spare: bool, new: bool) -> None:
+          spare: bool, new: bool, min_nodes: int | None = None) -> None:
     """Decide what a registering agent is.  A node registering again (``new`` False) keeps its
     role and node rank.  A new one asking to be a spare is one; otherwise it takes the lowest
-    free node rank of the declared world, and becomes a spare when there is none."""
+    free node rank of the current world (the declared one, or fewer after a shrink), and
+    becomes a spare when there is none.  ``min_nodes``, when given, is the run's from now on
+    (the newest registration's)."""
+    if min_nodes is not None:
+        conn.execute(update(runs).where(runs.c.id == run_id).values(min_nodes=min_nodes))
     if not new:
         return
-    run = conn.execute(select(runs.c.nnodes).where(runs.c.id == run_id)).one()
-    nnodes = run.nnodes
+    run = conn.execute(select(runs.c.nnodes, runs.c.world_nnodes)
+                       .where(runs.c.id == run_id)).one()
+    nnodes = run.world_nnodes if run.world_nnodes is not None else run.nnodes
     if nnodes is None and not spare:
         nnodes = declared_nnodes(list(command))
         if nnodes is not None:
@@ -95,9 +104,11 @@ def admit(conn: Connection, *, run_id: int, agent_id: int, command: Sequence[str
                          joined_as=NodeRole.SPARE if spare else NodeRole.MEMBER))
 
 
-def assign(conn: Connection, *, run_id: int, members: Mapping[int, int], epoch: int) -> None:
-    """Record an attempt's members (node rank -> agent id) and the membership epoch: every
-    other agent of the run is a spare from now on."""
+def assign(conn: Connection, *, run_id: int, members: Mapping[int, int], epoch: int,
+           world: int | None = None) -> None:
+    """Record an attempt's members (node rank -> agent id), the membership epoch and the
+    attempt's world (None: the declared one): every other agent of the run is a spare from
+    now on."""
     chosen = {aid: rank for rank, aid in members.items()}
     for r in conn.execute(select(agents.c.id).where(agents.c.run_id == run_id)):
         aid = int(r[0])
@@ -106,7 +117,8 @@ def assign(conn: Connection, *, run_id: int, members: Mapping[int, int], epoch: 
         else:
             values = {"role": NodeRole.SPARE, "node_rank": None}
         conn.execute(update(agents).where(agents.c.id == aid).values(**values))
-    conn.execute(update(runs).where(runs.c.id == run_id).values(epoch=epoch))
+    conn.execute(update(runs).where(runs.c.id == run_id).values(epoch=epoch,
+                                                                world_nnodes=world))
 
 
 def rendezvous(m: RunMembership) -> str | None:
@@ -123,5 +135,6 @@ def member_view(m: RunMembership, *, agent_id: int) -> dict[str, Any]:
     """What one agent is told of the membership (the registration and ingest replies)."""
     me = next((n for n in m["nodes"] if n["agent_id"] == agent_id), None)
     return {"role": me["role"] if me else NodeRole.SPARE,
-            "node_rank": me["node_rank"] if me else None, "nnodes": m["nnodes"],
-            "epoch": m["epoch"], "endpoint": rendezvous(m)}
+            "node_rank": me["node_rank"] if me else None,
+            "nnodes": m["world"] if m["world"] is not None else m["nnodes"],
+            "declared": m["nnodes"], "epoch": m["epoch"], "endpoint": rendezvous(m)}

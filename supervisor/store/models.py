@@ -142,6 +142,11 @@ class Run(Base):
     epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # The world the members' torchrun command declares (--nnodes), from the first member.
     nnodes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The smallest world the run accepts (agent --min-nodes); None: the declared one (a lost
+    # node without a spare is waited for, never shrunk away).
+    min_nodes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The nodes the current attempt runs on, after a shrink or a grow; None: ``nnodes``.
+    world_nnodes: Mapped[int | None] = mapped_column(Integer, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 

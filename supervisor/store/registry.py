@@ -9,7 +9,7 @@ from typing import Any, Literal, cast
 
 from sqlalchemy import Connection, func, or_, select, update
 
-from trainwarden.agent.core.launch import unrewritable
+from trainwarden.agent.core.launch import min_nodes_refused, unrewritable
 from trainwarden.agent.core.states import AgentState, NodeRole
 from trainwarden.supervisor.contract import wire
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
@@ -73,7 +73,8 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     ).one()
     if run.status in FINAL_STATUSES:
         raise RunFinished(req.run, run.status, run.reason)
-    why = unrewritable(list(req.command))
+    why = unrewritable(list(req.command)) or min_nodes_refused(req.min_nodes,
+                                                                list(req.command))
     if why is not None:
         raise CommandRefused(f"run {req.run!r}, node {req.node!r}: {why}")
     holder = credentials.node_holder(conn, run_id=run.id, node=req.node)
@@ -99,7 +100,7 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
         select(agents.c.id).where(agents.c.run_id == run.id, agents.c.node == req.node)
     ).scalar_one()
     membership.admit(conn, run_id=run.id, agent_id=agent_id, command=list(req.command),
-                     spare=req.spare, new=new)
+                     spare=req.spare, new=new, min_nodes=req.min_nodes)
     # When the run's agents ran is read from these (``PresenceEvent``): its idle time.
     conn.execute(events.insert().values(
         run_id=run.id, agent_id=agent_id, attempt=run.attempt, rank=None, t=now,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 from pathlib import Path
@@ -717,3 +718,19 @@ def test_a_torchrun_command_the_supervisor_cannot_rewrite_fails_at_once_with_the
                            "torchrun", "--nnodes=1:4", "train.py"])
     err = capsys.readouterr().err
     assert code == 2 and "--nnodes=1:4" in err and "--nnodes=4" in err and "--spare" in err
+
+
+def test_min_nodes_beyond_the_declared_world_fails_at_once_with_the_fix(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from trainwarden.agent import cli as agent_cli
+
+    code = agent_cli.main(["--supervisor", "http://127.0.0.1:9", "--run", "r", "--min-nodes",
+                           "3", "--", "torchrun", "--nnodes=2", "train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--min-nodes 3" in err and "from 1 to 2" in err, err
+    parser = argparse.ArgumentParser()
+    agent_cli.add_arguments(parser)
+    cfg = agent_cli.config_from_args(parser.parse_args(
+        ["--supervisor", "http://127.0.0.1:9", "--run", "r", "--min-nodes", "1", "--",
+         "torchrun", "--nnodes=2", "train.py"]))
+    assert cfg.min_nodes == 1

@@ -63,10 +63,11 @@ def as_agent(client: TestClient, agent_id: int) -> dict[str, str]:
 
 def register(client: TestClient, run: str = "r1", node: str = "n0",
              headers: dict[str, str] | None = None, roots: list[str] | None = None,
-             nnodes: int = 2, spare: bool = False) -> dict[str, Any]:
+             nnodes: int = 2, spare: bool = False, min_nodes: int | None = None,
+             expect: int = 200) -> dict[str, Any]:
     """Register (again: presenting the credential it got before for this run and node); its
     checkpoints are saved under ``/ck`` unless ``roots`` says.  Its torchrun command declares
-    ``nnodes`` nodes (a run admits that many)."""
+    ``nnodes`` nodes (a run admits that many); ``min_nodes``: the agent's --min-nodes."""
     mine = client.__dict__.setdefault("_tw_nodes", {})
     h = dict(headers if headers is not None else AGENT)
     if headers is None and (run, node) in mine:
@@ -75,8 +76,11 @@ def register(client: TestClient, run: str = "r1", node: str = "n0",
                     json={"run": run, "node": node, "hostname": f"host-{node}", "pid": 1,
                           "command": ["torchrun", f"--nnodes={nnodes}", "train.py"],
                           "nproc_per_node": 2, "spare": spare,
-                          "checkpoint_roots": ["/ck"] if roots is None else roots})
-    assert r.status_code == 200, r.text
+                          "checkpoint_roots": ["/ck"] if roots is None else roots,
+                          **({} if min_nodes is None else {"min_nodes": min_nodes})})
+    assert r.status_code == expect, r.text
+    if expect != 200:
+        return dict(r.json())
     out: dict[str, Any] = r.json()
     if out.get("credential"):
         credentials_of(client)[out["agent_id"]] = out["credential"]

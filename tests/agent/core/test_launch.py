@@ -7,8 +7,11 @@ import pytest
 from trainwarden.agent.core.launch import (
     Membership,
     declared_nnodes,
+    declared_world_size,
     endpoint,
     launcher_args,
+    min_nodes_refused,
+    nproc_per_node,
     rendezvous_port,
     rewrite,
     unrewritable,
@@ -89,3 +92,43 @@ def test_a_one_node_world_runs_its_command_as_it_is() -> None:
     on one machine never meet on a fixed port)."""
     cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "t.py"]
     assert rewrite(cmd, Membership(epoch=2, nnodes=1, node_rank=0, endpoint="h:1")) == cmd
+
+
+def test_a_world_shrunk_to_one_node_runs_standalone_and_a_declared_one_node_world_as_is() -> None:
+    shrunk = Membership(epoch=4, nnodes=1, node_rank=0, endpoint="10.0.0.5:29404", declared=2)
+    assert rewrite(README_CMD, shrunk) == [
+        "torchrun", "--nnodes=1", "--standalone", "--max-restarts=0", "--nproc_per_node=1",
+        "train.py", "--nnodes", "9", "--lr", "1"]
+    one = ["torchrun", "--standalone", "--nproc-per-node=2", "train.py"]
+    assert rewrite(one, Membership(epoch=0, nnodes=1, node_rank=0, endpoint="h:1")) == one
+
+
+@pytest.mark.parametrize("command, nproc", [
+    (README_CMD, 1),
+    (["torchrun", "--nproc-per-node", "4", "t.py", "--nproc-per-node", "9"], 4),
+    (["torchrun", "--nnodes=2", "t.py"], 1),  # torchrun's default
+    (["torchrun", "--nproc-per-node=gpu", "t.py"], None),
+    (["python", "t.py"], None),
+])
+def test_nproc_per_node_is_torchruns_own(command: list[str], nproc: int | None) -> None:
+    assert nproc_per_node(command) == nproc
+
+
+def test_the_declared_world_in_ranks_is_the_declared_nodes_times_the_workers_per_node() -> None:
+    cmd = ["torchrun", "--nnodes=3", "--nproc-per-node=2", "t.py"]
+    m = Membership(epoch=1, nnodes=2, node_rank=0, endpoint="h:1", declared=3)
+    assert declared_world_size(cmd, m) == 6
+    assert declared_world_size(cmd, Membership(epoch=1, nnodes=3, node_rank=0,
+                                               endpoint="h:1")) == 6  # an older supervisor
+
+
+def test_min_nodes_must_lie_within_the_declared_world() -> None:
+    assert min_nodes_refused(None, README_CMD) is None
+    assert min_nodes_refused(1, README_CMD) is None
+    assert min_nodes_refused(2, README_CMD) is None
+    why = min_nodes_refused(3, README_CMD)
+    assert why is not None and "give a number from 1 to 2" in why
+    why = min_nodes_refused(0, README_CMD)
+    assert why is not None and "from 1 to 2" in why
+    why = min_nodes_refused(1, ["python", "train.py"])
+    assert why is not None and "torchrun --nnodes=N" in why

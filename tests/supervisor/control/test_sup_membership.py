@@ -46,7 +46,7 @@ def test_a_lost_member_gives_its_rank_to_the_first_free_spare() -> None:
     assert p.replaced == (Replacement(node_rank=0, old="n0", new="s0", why="lost"),)
     assert p.summary() == "s0 takes node rank 0 of n0 (lost)"
     wire = p.wire("h:29404")
-    assert wire == {"epoch": 4, "nnodes": 2, "endpoint": "h:29404",
+    assert wire == {"epoch": 4, "nnodes": 2, "declared": 2, "endpoint": "h:29404",
                     "members": {"s0": 0, "n1": 1}, "waiting": []}
 
 
