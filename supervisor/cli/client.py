@@ -197,7 +197,7 @@ def _runs(client: httpx.Client, args: argparse.Namespace) -> int:
 
 def _nodes_cell(run: dict[str, Any]) -> str:
     """``2/2 +1 spare`` (members up / world, free spares), ``1/2 WAITING`` while a rank waits
-    for a node."""
+    for a node, ``1/2 SHRUNK`` while the run runs on fewer nodes than it declares."""
     m = run.get("membership") or {}
     world = m.get("nnodes")
     members = [a for a in run.get("agents") or [] if a.get("role") == "member"]
@@ -205,6 +205,8 @@ def _nodes_cell(run: dict[str, Any]) -> str:
     cell = f"{up}/{world}" if world else str(len(members))
     if m.get("missing"):
         cell += " WAITING"
+    elif world and m.get("world") is not None and m["world"] < world:
+        cell += " SHRUNK"
     if m.get("spares"):
         cell += f" +{m['spares']} spare"
     return cell
@@ -218,9 +220,13 @@ def _nodes(client: httpx.Client, args: argparse.Namespace) -> int:
              a.get("address")] for a in run.get("agents") or []]
     print(table(rows, ["NODE", "ROLE", "RANK", "STATE", "ATTEMPT", "SEEN", "NPROC", "GPUS",
                        "ADDRESS"]))
-    print(f"world {m.get('nnodes') or '-'}, membership epoch {m.get('epoch')}, free spares "
-          f"{m.get('spares')}" + (f"; node ranks waiting for a node: {m['missing']}"
-                                  if m.get("missing") else ""))
+    world, declared = m.get("world"), m.get("nnodes")
+    shrunk = world is not None and declared is not None and world < declared
+    print(f"world {world if shrunk else declared or '-'}"
+          + (f" of {declared} declared (shrunk; --min-nodes {m.get('min_nodes')})"
+             if shrunk else "")
+          + f", membership epoch {m.get('epoch')}, free spares {m.get('spares')}"
+          + (f"; node ranks waiting for a node: {m['missing']}" if m.get("missing") else ""))
     return 0
 
 

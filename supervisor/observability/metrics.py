@@ -152,6 +152,13 @@ class _Families:
         self.membership_epoch = g("trainwarden_run_membership_epoch",
                                   "Membership epoch: it grows each time spares take node "
                                   "ranks", labels=["run"])
+        self.world_nodes = g("trainwarden_run_world_nodes",
+                             "Nodes the current attempt runs on (fewer than "
+                             "trainwarden_run_declared_nodes while the run is shrunk)",
+                             labels=["run"])
+        self.declared_nodes = g("trainwarden_run_declared_nodes",
+                                "Nodes the run's torchrun command declares (--nnodes)",
+                                labels=["run"])
         self.judge_failures = CounterMetricFamily(
             "trainwarden_evaluator_run_failures",
             "Evaluator ticks that failed to judge the run (each retried on the next tick; "
@@ -206,7 +213,8 @@ class _Families:
                 self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
                 self.goodput, self.productive, self.wall, self.badput, self.restart_phase,
                 self.incidents, self.spares, self.spares_configured, self.nodes_missing,
-                self.membership_epoch, self.judge_failures, self.no_progress,
+                self.membership_epoch, self.world_nodes, self.declared_nodes,
+                self.judge_failures, self.no_progress,
                 self.no_progress_limit,
                 self.straggler, self.straggler_slow, self.straggler_threshold, self.hb_age,
                 self.disk, self.disk_ratio, self.cpu, self.rss, self.gpu_ok, self.gpu_util,
@@ -288,6 +296,9 @@ class StoreCollector(Collector):
         f.spares_configured.add_metric([name], 1 if cap.spares_configured else 0)
         f.nodes_missing.add_metric([name], len(cap.missing))
         f.membership_epoch.add_metric([name], cap.epoch)
+        if cap.nnodes is not None:
+            f.declared_nodes.add_metric([name], cap.nnodes)
+            f.world_nodes.add_metric([name], cap.world or cap.nnodes)
         counts = reads.open_incident_counts(conn, run_id=run_id)
         for kind in dict.fromkeys([*INCIDENT_KINDS, *counts]):
             f.incidents.add_metric([name, kind], counts.get(kind, 0))

@@ -62,6 +62,8 @@ CONTRACT = {
     "trainwarden_run_spares_configured",
     "trainwarden_run_nodes_missing",
     "trainwarden_run_membership_epoch",
+    "trainwarden_run_world_nodes",
+    "trainwarden_run_declared_nodes",
     "trainwarden_host_cordoned",
     "trainwarden_host_probation",
     "trainwarden_run_mfu_ratio",

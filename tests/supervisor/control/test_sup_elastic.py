@@ -16,6 +16,7 @@ from tests.supervisor.sup_helpers import (
     register,
     step,
 )
+from trainwarden.supervisor.cli.client import _nodes_cell
 from trainwarden.supervisor.control import policy
 from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.control.membership import (
@@ -130,6 +131,13 @@ def test_a_lost_member_without_a_spare_shrinks_the_run_then_it_grows_back_at_a_c
     assert run["membership"]["missing"] == []
     resized = [e for e in get(client, "/events")["events"] if e["name"] == "world_resized"]
     assert [(e["details"]["from"], e["details"]["to"]) for e in resized] == [(2, 1)]
+    # shown: the page, /metrics and the CLI's NODES cell say the world against the declared
+    page = client.get("/runs/r1", headers=OPERATOR).text
+    assert 'id="world-shrunk">1 of 2 declared nodes' in page and "(accepts 1)" in page
+    metrics = client.get("/metrics", headers=OPERATOR).text
+    assert 'trainwarden_run_world_nodes{run="r1"} 1.0' in metrics
+    assert 'trainwarden_run_declared_nodes{run="r1"} 2.0' in metrics
+    assert _nodes_cell(run).endswith(" SHRUNK"), _nodes_cell(run)
     # the survivor takes the restart and trains attempt 1 on one node
     assert [c["kind"] for c in ingest(client, ids["n0"], 2, [])["commands"]] == ["restart"]
     ingest(client, ids["n0"], 3, [step(0, 1, attempt=1), step(0, 2, attempt=1)], attempt=1)
