@@ -47,6 +47,10 @@ ENV_RESUME_PLAN = "TRAINWARDEN_RESUME_PLAN"
 ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 ENV_RUN = "TRAINWARDEN_RUN"
 ENV_NODE = "TRAINWARDEN_NODE"
+# The run's full world in ranks (declared nnodes x nproc_per_node), set on every launch of a
+# run that may run on fewer ranks than declared; WORLD_SIZE is the ranks running now.  It
+# defines the global batch (one micro-batch slot per declared rank); unset: WORLD_SIZE.
+ENV_DECLARED_WORLD_SIZE = "TRAINWARDEN_DECLARED_WORLD_SIZE"
 # The preflight health check each worker runs before its first step
 # (``trainwarden.agent.worker.preflight``): "0" turns it off; the bound on its all-reduce.
 ENV_PREFLIGHT = "TRAINWARDEN_PREFLIGHT"
