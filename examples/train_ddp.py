@@ -112,6 +112,7 @@ def main() -> None:
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
                          final_eval_loss=final_eval, eval_at=evals, weights_sha256=digest,
                          attempt=info.attempt, started_at_step=start,
+                         world_size=info.world_size, declared_world_size=info.declared_world_size,
                          resumed_from=ckpt.resumed_from,
                          skipped=[list(r) for r in loader.skipped], wall_s=time.time() - t_start)
     dist.destroy_process_group()
