@@ -4,6 +4,10 @@
 
 Runs on CPU with gloo by default, on CUDA with NCCL where available.  Killed at any moment and
 restarted, it resumes from the newest complete checkpoint to the same result.
+
+On fewer ranks than the run declares (``TRAINWARDEN_DECLARED_WORLD_SIZE=2 torchrun
+--nproc_per_node=1 ...`` from a 2-rank run's checkpoint directory) each rank trains its share
+of the same global batch as weighted micro-batches, and the run goes on as on the full world.
 """
 
 from __future__ import annotations

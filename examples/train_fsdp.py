@@ -4,6 +4,10 @@
 
 Parameters, gradients and optimiser state are sharded across ranks; checkpoints are DCP
 shards, one per rank.  CPU/gloo by default, CUDA/NCCL where available.
+
+On fewer ranks than the run declares (``TRAINWARDEN_DECLARED_WORLD_SIZE=2 torchrun
+--nproc_per_node=1 ...`` from a 2-rank run's checkpoint directory) each rank trains its share
+of the same global batch as weighted micro-batches, and the run goes on as on the full world.
 """
 
 from __future__ import annotations
