@@ -47,14 +47,13 @@ ENV_RESUME_PLAN = "TRAINWARDEN_RESUME_PLAN"
 ENV_ATTEMPT = "TRAINWARDEN_ATTEMPT"
 ENV_RUN = "TRAINWARDEN_RUN"
 ENV_NODE = "TRAINWARDEN_NODE"
-# The run's full world in ranks (declared nnodes x nproc_per_node), set on every launch of a
-# run that may run on fewer ranks than declared; WORLD_SIZE is the ranks running now.  It
-# defines the global batch (one micro-batch slot per declared rank); unset: WORLD_SIZE.
-ENV_DECLARED_WORLD_SIZE = "TRAINWARDEN_DECLARED_WORLD_SIZE"
 # The preflight health check each worker runs before its first step
 # (``trainwarden.agent.worker.preflight``): "0" turns it off; the bound on its all-reduce.
 ENV_PREFLIGHT = "TRAINWARDEN_PREFLIGHT"
 ENV_PREFLIGHT_TIMEOUT = "TRAINWARDEN_PREFLIGHT_TIMEOUT_S"
+# The ranks of the run's declared world (its global batch is defined on them), set by the
+# agent for every launch of a multi-node run; WORLD_SIZE is fewer while the run is shrunk.
+ENV_DECLARED_WORLD_SIZE = "TRAINWARDEN_DECLARED_WORLD_SIZE"
 # The preflight's default bound (seconds), here so that the agent's config needs no torch.  It
 # bounds the wait on the all-reduce, so that with the local checks' few milliseconds the whole
 # check stays under 5 s.
