@@ -33,7 +33,8 @@ def parse_args(description: str,
     """The flags every example takes (``extra`` adds a script's own)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--steps", type=int, default=600, help="optimiser steps in total")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="per micro-batch slot: per rank on the run's full world")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", type=int, default=128)
@@ -155,6 +156,14 @@ def mean_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
+
+
+def mean_over_slots(total: float, count: int) -> float:
+    """The mean over every micro-batch of a global batch, from each rank's sum over its own
+    (``count`` of them): on the full world, with one each, the mean over ranks."""
+    t = torch.tensor([total, count], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0].item()) / float(t[1].item())
 
 
 class BatchLog:

@@ -4,6 +4,10 @@
 
 Runs on CPU with gloo by default, on CUDA with NCCL where available.  Killed at any moment and
 restarted, it resumes from the newest complete checkpoint to the same result.
+
+On fewer ranks than the run declares (``TRAINWARDEN_DECLARED_WORLD_SIZE=2 torchrun
+--nproc_per_node=1 ...`` from a 2-rank run's checkpoint directory) each rank trains its share
+of the same global batch as weighted micro-batches, and the run goes on as on the full world.
 """
 
 from __future__ import annotations
@@ -63,13 +67,12 @@ def main() -> None:
 
     batches = iter(loader)
     loss_value = float("nan")
+    losses = [loss_value]  # this rank's micro-batch losses of the last step trained
     evals: dict[str, float] = {}
     t_start = time.time()
     for step in range(start, args.steps):
         timer.start()
         batch = next(batches)
-        x, y = faults.corrupt(batch.index, *batch.data)
-        x, y = x.to(info.device), y.to(info.device)
         timer.data_ready()
         faults.before_step(step)
         lr = args.lr * ckpt.lr_factor(step)
@@ -77,19 +80,29 @@ def main() -> None:
             group["lr"] = lr
 
         t_compute = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        faults.slowdown(step, time.perf_counter() - t_compute)
-        loss.backward()
+        losses = []
+        samples = 0
+        # One part on the full world; on fewer ranks than declared, this rank's micro-batches
+        # of the global batch, each loss weighted so the update is the full world's.
+        for part in batch.parts(model):
+            x, y = faults.corrupt(batch.index, *part.data)
+            x, y = x.to(info.device), y.to(info.device)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if part.last:
+                faults.slowdown(step, time.perf_counter() - t_compute)
+            part.weighted(loss).backward()  # the gradient all-reduce runs on the last part
+            losses.append(loss.item())
+            samples += len(x)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.stop()
 
-        loss_value = loss.item()
+        loss_value = sum(losses) / len(losses)  # the mean over this rank's micro-batches
         log.write(step, batch.index, lr)
-        report_step(step, loss=loss_value, samples=len(x), lr=lr,
+        report_step(step, loss=loss_value, samples=samples, lr=lr,
                     grad_norm=grad_norm, timer=timer, batch_index=batch.index)
         if step + 1 in args.eval_at:
             evals[str(step + 1)] = common.eval_loss(model, held_out, info.device)
@@ -97,12 +110,13 @@ def main() -> None:
             ckpt.save(step + 1, loss=loss_value)
     ckpt.close()
 
-    final_train = common.mean_over_ranks(loss_value)
+    final_train = common.mean_over_slots(sum(losses), len(losses))
     final_eval = common.eval_loss(model, held_out, info.device, extra_s=args.eval_sleep)
     digest = common.weights_sha256(model)
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
                          final_eval_loss=final_eval, eval_at=evals, weights_sha256=digest,
                          attempt=info.attempt, started_at_step=start,
+                         world_size=info.world_size, declared_world_size=info.declared_world_size,
                          resumed_from=ckpt.resumed_from,
                          skipped=[list(r) for r in loader.skipped], wall_s=time.time() - t_start)
     dist.destroy_process_group()

@@ -4,6 +4,10 @@
 
 Parameters, gradients and optimiser state are sharded across ranks; checkpoints are DCP
 shards, one per rank.  CPU/gloo by default, CUDA/NCCL where available.
+
+On fewer ranks than the run declares (``TRAINWARDEN_DECLARED_WORLD_SIZE=2 torchrun
+--nproc_per_node=1 ...`` from a 2-rank run's checkpoint directory) each rank trains its share
+of the same global batch as weighted micro-batches, and the run goes on as on the full world.
 """
 
 from __future__ import annotations
@@ -84,13 +88,12 @@ def main() -> None:
 
     batches = iter(loader)
     loss_value = float("nan")
+    losses = [loss_value]  # this rank's micro-batch losses of the last step trained
     evals: dict[str, float] = {}
     t_start = time.time()
     for step in range(start, args.steps):
         timer.start()
         batch = next(batches)
-        x, y = faults.corrupt(batch.index, *batch.data)
-        x, y = x.to(info.device), y.to(info.device)
         timer.data_ready()
         faults.before_step(step)
         lr = args.lr * ckpt.lr_factor(step)
@@ -98,22 +101,33 @@ def main() -> None:
             group["lr"] = lr
 
         t_compute = time.perf_counter()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-        faults.slowdown(step, time.perf_counter() - t_compute)
-        # FSDP gathers parameters inside forward, so "compute before the collective" is the
-        # forward pass here (it includes the all-gathers); DDP measures it more sharply.
-        timer.compute_done()
-        loss.backward()
+        losses = []
+        samples = 0
+        # One part on the full world; on fewer ranks than declared, this rank's micro-batches
+        # of the global batch, each loss weighted so the update is the full world's.
+        for part in batch.parts(model):
+            x, y = faults.corrupt(batch.index, *part.data)
+            x, y = x.to(info.device), y.to(info.device)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if part.last:
+                faults.slowdown(step, time.perf_counter() - t_compute)
+                # FSDP gathers parameters inside forward, so "compute before the collective"
+                # is the forward pass here (it includes the all-gathers); DDP measures it more
+                # sharply.
+                timer.compute_done()
+            part.weighted(loss).backward()  # the gradient reduce-scatter runs on the last part
+            losses.append(loss.item())
+            samples += len(x)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.stop()
 
-        loss_value = loss.item()
+        loss_value = sum(losses) / len(losses)  # the mean over this rank's micro-batches
         log.write(step, batch.index, lr)
-        report_step(step, loss=loss_value, samples=len(x), lr=lr,
+        report_step(step, loss=loss_value, samples=samples, lr=lr,
                     grad_norm=grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                     else grad_norm, timer=timer, batch_index=batch.index)
         if step + 1 in args.eval_at:
@@ -122,12 +136,13 @@ def main() -> None:
             ckpt.save(step + 1, loss=loss_value)
     ckpt.close()
 
-    final_train = common.mean_over_ranks(loss_value)
+    final_train = common.mean_over_slots(sum(losses), len(losses))
     final_eval = common.eval_loss(model, held_out, info.device, extra_s=args.eval_sleep)
     digest = common.weights_sha256(model)
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
                          final_eval_loss=final_eval, eval_at=evals, weights_sha256=digest,
                          attempt=info.attempt, started_at_step=start,
+                         world_size=info.world_size, declared_world_size=info.declared_world_size,
                          resumed_from=ckpt.resumed_from,
                          skipped=[list(r) for r in loader.skipped], wall_s=time.time() - t_start)
     dist.destroy_process_group()

@@ -50,6 +50,7 @@ from trainwarden.agent.worker.checkpoint import (
     share_resume_choice,
 )
 from trainwarden.agent.worker.distributed import collect_garbage_at_exit
+from trainwarden.agent.worker.elastic import resolve_declared_world_size
 from trainwarden.agent.worker.report import (
     PhaseTimer,
     Reporter,
@@ -65,6 +66,21 @@ _NOT_IN_MANIFEST = {META_FILE, PIN_FILE}
 
 
 # ---- the data order --------------------------------------------------------------------------
+def accumulation_for(steps: int, *, world_size: int, declared: int) -> int:
+    """Gradient accumulation steps that keep the declared world's global batch on
+    ``world_size`` ranks: ``steps x declared / world_size``.  A framework runs the same number
+    of micro-batches on every rank, so that must be a whole number; ValueError otherwise."""
+    if steps < 1:
+        raise ValueError(f"gradient accumulation steps must be >= 1, got {steps}")
+    total = steps * declared
+    if total % world_size:
+        raise ValueError(
+            f"a global batch of {declared} ranks x {steps} accumulation steps = {total} "
+            f"micro-batches cannot be shared evenly by the {world_size} ranks running: restart "
+            f"on a number of ranks that divides {total}, or on the full world")
+    return total // world_size
+
+
 def batch_index_at(step: int, *, start_step: int, position: int,
                    skip: Iterable[tuple[int, int]]) -> int:
     """Global batch index trained at ``step``: the ``step - start_step``-th index from
@@ -241,6 +257,11 @@ class RunSession:
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
+    @property
+    def declared_world_size(self) -> int:
+        """The run's full world (``TRAINWARDEN_DECLARED_WORLD_SIZE``, else the world size)."""
+        return resolve_declared_world_size(self.world_size)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
@@ -258,16 +279,24 @@ class RunSession:
         if target is not None:
             path = Path(target)
             meta = json.loads((path / META_FILE).read_text())
-            if meta.get("world_size", self.world_size) != self.world_size:
+            declared = self.declared_world_size
+            saved = meta.get("declared_world_size", meta.get("world_size", declared))
+            if saved != declared:
                 raise ValueError(
-                    f"checkpoint {path} was written by {meta.get('world_size')} ranks, this run "
-                    f"has {self.world_size}: resume with the same world size")
+                    f"checkpoint {path} was written by a run declaring {saved} ranks, this run "
+                    f"declares {declared}: resuming would change the global batch; resume "
+                    f"with TRAINWARDEN_DECLARED_WORLD_SIZE={saved} (on any number of ranks up "
+                    "to it)")
             if self.seed is not None and meta.get("seed") not in (None, self.seed):
                 raise ValueError(f"checkpoint {path} was written with seed={meta['seed']} but "
                                  f"this run has seed={self.seed}: resume with the same seed "
                                  "(the batch order depends on it)")
             rank_file = path / RANK_FILE.format(rank=self.rank)
-            self._rng_to_restore = json.loads(rank_file.read_text())["rng"]
+            if rank_file.is_file():
+                self._rng_to_restore = json.loads(rank_file.read_text())["rng"]
+            else:  # written by fewer ranks (the run grows back): the seeded RNG goes on
+                log.info("trainwarden: checkpoint %s holds no state of rank %d: RNG states "
+                         "left as seeded", path, self.rank)
             r.checkpoint, r.start_step, r.position = path, int(meta["step"]), int(meta["position"])
             self.last_loss = meta.get("loss")
         r.skip = normalize_ranges([list(x) for x in meta.get("skip", [])] +
@@ -371,6 +400,7 @@ class RunSession:
                 "time": time.time(), "attempt": self.attempt, "lineage": self.lineage,
                 "resumed_from": str(self.resumed.checkpoint) if self.resumed.checkpoint else None,
                 "world_size": self.world_size,
+                "declared_world_size": self.declared_world_size,
                 "skip": [list(x) for x in self.resumed.skip],
                 "skipped": [list(x) for x in self.skipped],
                 "lr_schedule": meta_lr(self.lr_schedule)}

@@ -19,9 +19,13 @@ What it does:
   Position ``i`` of a start of the script is a pure function of (seed, resumed step, data
   position, skip ranges), so a resume continues at the next batch at once, without replaying
   the batches before it (``ignore_data_skip=True``: the Trainer's own fast-forward is what
-  replays them), and the plan's skip ranges are simply never handed out.  This needs a
-  map-style dataset (``__len__`` and ``__getitem__``); an ``IterableDataset`` cannot be
-  positioned without reading it, so ``tw.dataset`` refuses one.
+  replays them), and the plan's skip ranges are simply never handed out.  On fewer ranks
+  than the run declares (``TRAINWARDEN_DECLARED_WORLD_SIZE``), ``gradient_accumulation_steps``
+  is multiplied by declared / running, so a step still trains the same global batch (the
+  same samples, averaged the same way; split differently into micro-batches, so equal up to
+  summation order).  A world that cannot share the micro-batches evenly is refused.  This
+  needs a map-style dataset (``__len__`` and ``__getitem__``); an ``IterableDataset`` cannot
+  be positioned without reading it, so ``tw.dataset`` refuses one.
 * **Checkpoints.** The Trainer writes ``checkpoint-N/`` as usual; trainwarden adds the per-rank
   RNG states and, once every rank has finished, ``trainwarden.json`` (metadata and the size of
   every file): only then is the checkpoint complete and reported to the agent.  The Trainer's
@@ -59,6 +63,7 @@ from trainwarden.agent.integrations._core import (
     OptimizerPlan,
     RunSession,
     StepRecord,
+    accumulation_for,
     attach_grad_timer,
     list_step_checkpoints,
     newest_surplus,
@@ -131,6 +136,7 @@ class TrainwardenCallback(TrainerCallback):
                                   save_every_s=save_every_s, sync_every=sync_every,
                                   config=config, reporter=reporter, clock=clock)
         self._keep = keep
+        self._full_accumulation: int | None = None  # the arguments' own, for the full world
         self._datasets: list[TrainwardenDataset] = []
         self.root: Path | None = None
         self._resumed_called = False
@@ -189,6 +195,7 @@ class TrainwardenCallback(TrainerCallback):
             args.save_total_limit = None
         else:
             s.keep = self._keep or 3
+        self._keep_global_batch(args)
         per_step = (args.per_device_train_batch_size * max(1, args.world_size)
                     * args.gradient_accumulation_steps)
         for ds in self._datasets:
@@ -262,6 +269,21 @@ class TrainwardenCallback(TrainerCallback):
         training_done(reporter=self.session.reporter)
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _keep_global_batch(self, args: TrainingArguments) -> None:
+        """On fewer ranks than the run declares, accumulate over more micro-batches so a step
+        trains the declared world's global batch: the arguments' gradient_accumulation_steps
+        (the full world's) x declared / running."""
+        world = max(1, args.world_size)
+        if self._full_accumulation is None:
+            self._full_accumulation = args.gradient_accumulation_steps
+        steps = accumulation_for(self._full_accumulation, world_size=world,
+                                 declared=self.session.declared_world_size)
+        if steps != args.gradient_accumulation_steps:
+            log.info("trainwarden: %d of %d declared ranks: gradient_accumulation_steps %d -> "
+                     "%d (the same global batch)", world, self.session.declared_world_size,
+                     args.gradient_accumulation_steps, steps)
+            args.gradient_accumulation_steps = steps
+
     def _checkpoint_path(self, step: int) -> Path:
         assert self.root is not None
         return self.root / f"checkpoint-{step}"

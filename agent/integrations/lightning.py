@@ -32,6 +32,9 @@ What it does:
 * **LR.** The plan's factor multiplies the LR the schedulers set, for the optimiser step only.
 * **Reports.** Every optimiser step: step, loss (this rank's mean over its micro-batches), LR,
   grad norm, samples, data/compute/step times, the global batch index.
+* **World size.** Only the run's full world: a start on fewer ranks than
+  ``TRAINWARDEN_DECLARED_WORLD_SIZE`` declares is refused with a ``ValueError`` before the
+  first step (the global batch would change); a hand-written loop keeps it on fewer ranks.
 * **Stop.** Under the trainwarden agent (``TRAINWARDEN_AGENT_SOCKET`` set), SIGTERM does what
   it did before ``fit`` (by default: the process ends at once), as in a hand-written loop.
   Lightning's own handler only sets a flag for the next batch and broadcasts it from inside
@@ -305,6 +308,7 @@ class TrainwardenCallback(Callback):
         if not self._resumed:
             raise RuntimeError("trainwarden: call trainer.fit(..., ckpt_path=tw.ckpt_path()): "
                                "it applies the resume plan and positions the data")
+        _check_full_world(trainer.world_size, self.session.declared_world_size)
         for loader in self.loaders:
             loader.micro = trainer.accumulate_grad_batches
         # Lightning installs its SIGTERM handler after this hook and before on_train_start.
@@ -386,4 +390,18 @@ class TrainwardenCallback(Callback):
         self._hooks = []
         self.optimizer_plan.detach()
         training_done(reporter=self.session.reporter)
+
+
+def _check_full_world(world_size: int, declared: int) -> None:
+    """The callback trains on the run's full world only.  Keeping the global batch on fewer
+    ranks would take more accumulated micro-batches per step, and Lightning's saved loop
+    progress counts micro-batches of the old accumulation, so the first steps after such a
+    resume would accumulate the wrong number."""
+    if world_size != declared:
+        raise ValueError(
+            f"trainwarden's Lightning callback trains only on the run's full world: this start "
+            f"has {world_size} of the {declared} ranks declared "
+            "(TRAINWARDEN_DECLARED_WORLD_SIZE), and on fewer the global batch would change. "
+            "Restart on the full world, or train with a hand-written loop (ResumableLoader and "
+            "batch.parts(model)), which keeps the global batch on fewer ranks")
 

@@ -12,6 +12,10 @@ Importable without the supervisor's dependencies (no FastAPI, SQLAlchemy or HTTP
         batch = next(batches)                  # batch.index is the global batch index
         for g in optimizer.param_groups:
             g["lr"] = base_lr * ckpt.lr_factor(step)
+        for part in batch.parts(model):        # one part, weight 1.0, on the full world
+            loss = loss_fn(model(part.data))
+            part.weighted(loss).backward()     # gradient sync on the last part only
+        optimizer.step()
         ...
         report_step(step, loss=loss_value, samples=n, lr=lr, timer=timer)
         if ckpt.due(step + 1):
@@ -31,6 +35,7 @@ from trainwarden.agent.worker.checkpoint import (
 )
 from trainwarden.agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
 from trainwarden.agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
+from trainwarden.agent.worker.elastic import Part, gradient_sync, resolve_declared_world_size
 from trainwarden.agent.worker.preflight import PreflightFailed, PreflightResult
 from trainwarden.agent.worker.report import (
     PhaseTimer,
@@ -55,6 +60,7 @@ __all__ = [
     "DistInfo",
     "GlobalBatchOrder",
     "LRSchedule",
+    "Part",
     "PhaseTimer",
     "PreflightFailed",
     "PreflightResult",
@@ -65,12 +71,14 @@ __all__ = [
     "attach_compute_timer",
     "declare_flops",
     "get_reporter",
+    "gradient_sync",
     "init_distributed",
     "list_checkpoints",
     "load_resume_plan",
     "read_meta",
     "report_event",
     "report_step",
+    "resolve_declared_world_size",
     "resume",
     "training_done",
     "validate_checkpoint",

@@ -16,7 +16,13 @@ What is saved: model and optimiser through ``get_state_dict`` (DDP and FSDP2 ali
 rank, under a key of its own (DCP keeps one rank's copy of state saved under a shared key:
 rank 0 would resume at rank 1's data position), its data-loader position and RNG states;
 and, replicated, the seed, the run's configuration, the step, the last loss, the active skip
-ranges and LR schedule, and which attempt wrote it.
+ranges and LR schedule, which attempt wrote it, and the world sizes (running and declared).
+
+A checkpoint loads on another number of ranks as long as the declared world (which fixes the
+global batch) is the same: DCP reshards model and optimiser state (DDP and FSDP2), every rank's
+data position is the same next global batch, and a rank the checkpoint holds no state of is
+positioned from rank 0's and keeps its seeded RNG (so its random draws, such as dropout, are
+not the full-world run's; the data order and batches are).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from trainwarden.agent.protocol import (
 )
 from trainwarden.agent.worker.data import ResumableLoader
 from trainwarden.agent.worker.distributed import collect_garbage_at_exit
+from trainwarden.agent.worker.elastic import resolve_declared_world_size
 from trainwarden.agent.worker.report import Reporter, current_attempt, get_reporter, training_done
 
 log = logging.getLogger("trainwarden")
@@ -272,6 +279,8 @@ class Checkpointer:
         self.clock = clock
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.declared_world_size = (loader.order.declared_world_size if loader is not None
+                                    else resolve_declared_world_size(self.world_size))
         self.attempt = current_attempt()
         self.last_loss: float | None = None
         self.lr_schedule: LRSchedule | None = None
@@ -402,7 +411,8 @@ class Checkpointer:
             "format": FORMAT_VERSION, "step": step, "loss": self.last_loss, "seed": self.seed,
             "config": self.config, "time": time.time(), "attempt": self.attempt,
             "lineage": self.lineage, "resumed_from": self.resumed_from,
-            "world_size": self.world_size, "skip": skip,
+            "world_size": self.world_size, "declared_world_size": self.declared_world_size,
+            "skip": skip,
             "lr_schedule": None if lr is None else {
                 "scale": lr.scale, "steps": lr.steps, "ramp_steps": lr.ramp_steps,
                 "start_step": lr.start_step},
@@ -482,25 +492,45 @@ class Checkpointer:
         refused = self._outside(path)
         if refused is not None:
             raise ValueError(refused)
+        self._check_declared_world(path, read_meta(path))
         msd, osd = get_state_dict(self.model, self.optimizer)
-        rank_key = f"trainwarden/rank{self.rank}"
+        rank_key = self._rank_key_in(path)
         state: dict[str, Any] = {"model": msd, "optim": osd, "trainwarden/meta": "",
                                  rank_key: ""}
-        meta_probe = read_meta(path)
-        if meta_probe.get("world_size", self.world_size) != self.world_size:
-            raise ValueError(
-                f"checkpoint {path} was written by {meta_probe.get('world_size')} ranks, this "
-                f"run has {self.world_size}: resume with the same world size")
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         meta: dict[str, Any] = json.loads(state["trainwarden/meta"])
         rank_state = json.loads(state[rank_key])
-        set_rng_state(rank_state["rng"])
+        if rank_key == f"trainwarden/rank{self.rank}":
+            set_rng_state(rank_state["rng"])
         if self.loader is not None and rank_state.get("data") is not None:
             self.loader.load_state_dict(rank_state["data"])
         self.last_loss = meta.get("loss")
         return meta
+
+    def _check_declared_world(self, path: str | os.PathLike[str], meta: dict[str, Any]) -> None:
+        """Refuse a checkpoint of another global batch; any number of ranks is fine.  One
+        written before the declared world was recorded ran on its full world."""
+        saved = meta.get("declared_world_size", meta.get("world_size", self.declared_world_size))
+        if saved != self.declared_world_size:
+            raise ValueError(
+                f"checkpoint {path} was written by a run declaring {saved} ranks (a global "
+                f"batch of {saved} micro-batches), this run declares {self.declared_world_size}:"
+                f" resuming would change the global batch; resume with "
+                f"TRAINWARDEN_DECLARED_WORLD_SIZE={saved} (on any number of ranks up to it)")
+
+    def _rank_key_in(self, path: str | os.PathLike[str]) -> str:
+        """This rank's key in the checkpoint, or rank 0's when the checkpoint was written by
+        fewer ranks (growing back): every rank holds the same next global batch, and the
+        caller restores RNG states only from a rank's own key."""
+        own = f"trainwarden/rank{self.rank}"
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        if own in keys or self.rank == 0:
+            return own
+        log.info("trainwarden: checkpoint %s holds no state of rank %d: data position from "
+                 "rank 0's, RNG states left as seeded", path, self.rank)
+        return "trainwarden/rank0"
 
     def resume(self, plan: ResumePlan | str | None = "env") -> ResumeInfo:
         """Restore the run as the resume plan says; returns where to continue.

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.agent.worker.elastic import resolve_declared_world_size
 from trainwarden.agent.worker.preflight import PreflightFailed, preflight_at_start
 from trainwarden.agent.worker.report import PhaseTimer, current_attempt, get_reporter
 
@@ -36,11 +37,14 @@ _COLLECTIVES = {
 @dataclass(frozen=True)
 class DistInfo:
     rank: int
-    world_size: int
+    world_size: int  # ranks running now
     local_rank: int
     backend: str
     device: torch.device
     attempt: int
+    # The run's full world, which fixes the global batch (``TRAINWARDEN_DECLARED_WORLD_SIZE``,
+    # else ``world_size``); more than ``world_size`` while the run is on fewer ranks.
+    declared_world_size: int
 
 
 def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = None) -> DistInfo:
@@ -60,6 +64,11 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
     all-reduce across the new group) and reports it; a failed check raises
     ``PreflightFailed``, so the worker exits before its first step.
     ``TRAINWARDEN_PREFLIGHT=0`` turns it off.
+
+    ``TRAINWARDEN_DECLARED_WORLD_SIZE`` (the run's full world, when it runs on fewer ranks)
+    becomes ``DistInfo.declared_world_size``; a value that is not a positive integer, or is
+    below the world size, raises ``ValueError`` (reported to the agent like any exception that
+    ends a worker).
     """
     if isinstance(timeout, int | float):
         timeout = timedelta(seconds=float(timeout))
@@ -86,14 +95,15 @@ def init_distributed(timeout: float | timedelta = 300.0, backend: str | None = N
     collect_garbage_at_exit()
     reporter = get_reporter()
     reporter.set_identity(rank, world_size)
+    declared = resolve_declared_world_size(world_size)  # a bad value is reported, then raised
     reporter.event(WorkerEventName.STARTED, f"rank {rank}/{world_size} started",
                    details={"backend": backend, "timeout_s": timeout.total_seconds(),
-                            "local_rank": local_rank})
+                            "local_rank": local_rank, "declared_world_size": declared})
     global _preflight_ran
     if not _preflight_ran:
         _preflight_ran = True
         preflight_at_start(local_rank=local_rank, group_timeout=timeout, reporter=reporter)
-    return DistInfo(rank, world_size, local_rank, backend, device, attempt)
+    return DistInfo(rank, world_size, local_rank, backend, device, attempt, declared)
 
 
 # The preflight checks the gang this process first joins; a script that starts a group again

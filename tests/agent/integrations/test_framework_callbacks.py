@@ -15,7 +15,14 @@ import torch
 
 from tests.waiting import wait_for
 from tests.wire import Receiver
-from trainwarden.agent.protocol import ENV_AGENT_SOCKET, ENV_RESUME_PLAN, PIN_FILE
+from trainwarden.agent.integrations._core import accumulation_for
+from trainwarden.agent.protocol import (
+    ENV_AGENT_SOCKET,
+    ENV_DECLARED_WORLD_SIZE,
+    ENV_RESUME_PLAN,
+    PIN_FILE,
+)
+from trainwarden.agent.worker import read_meta
 from trainwarden.agent.worker.report import Reporter, set_reporter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +34,7 @@ def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]
     r = Receiver(tmp_path / "agent.sock")
     monkeypatch.setenv(ENV_AGENT_SOCKET, r.path)
     monkeypatch.delenv(ENV_RESUME_PLAN, raising=False)
+    monkeypatch.delenv(ENV_DECLARED_WORLD_SIZE, raising=False)
     set_reporter(Reporter(r.path))
     yield r
     set_reporter(None)
@@ -115,6 +123,74 @@ def test_hf_refuses_settings_that_would_break_the_order(tmp_path: Path) -> None:
         hf_trainer(tmp_path, TrainwardenCallback(), ignore_data_skip=False)
     with pytest.raises(TypeError, match="map-style dataset"):
         TrainwardenCallback().dataset(Stream())
+
+
+def no_dropout(trainer: Any) -> Any:
+    """Dropout masks drawn for one micro-batch of 8 are not those of two of 4."""
+    for m in trainer.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return trainer
+
+
+def test_hf_on_fewer_ranks_than_declared_accumulates_the_declared_global_batch(
+        tmp_path: Path, agent: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank of a run declaring two: gradient accumulation doubles, each step trains the
+    two-rank run's 8 samples, and the weights end as a one-rank run's with a batch of 8 (the
+    same samples per step, as one micro-batch: equal up to summation order)."""
+    from trainwarden.agent.integrations.hf import TrainwardenCallback
+
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
+    tw = TrainwardenCallback(retention_grace_s=0.0)
+    shrunk = no_dropout(hf_trainer(tmp_path / "shrunk", tw))
+    assert shrunk.args.gradient_accumulation_steps == 2
+    shrunk.train(resume_from_checkpoint=tw.resume_from_checkpoint())
+    wait_for(lambda: len(agent.of("step")) == 8, what="8 step reports")
+    steps = agent.of("step")
+    assert [(m["step"], m["batch_index"], m["samples"]) for m in steps] == [
+        (s, s, 8) for s in range(8)]
+    assert read_meta(tmp_path / "shrunk" / "ck" / "checkpoint-8")["declared_world_size"] == 2
+
+    monkeypatch.delenv(ENV_DECLARED_WORLD_SIZE)
+    tw2 = TrainwardenCallback(retention_grace_s=0.0)
+    whole = no_dropout(hf_trainer(tmp_path / "whole", tw2, per_device_train_batch_size=8))
+    whole.train(resume_from_checkpoint=tw2.resume_from_checkpoint())
+    for a, b in zip(shrunk.model.state_dict().values(), whole.model.state_dict().values(),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_accumulation_keeps_the_global_batch_or_refuses_an_uneven_share() -> None:
+    assert accumulation_for(1, world_size=1, declared=2) == 2
+    assert accumulation_for(2, world_size=2, declared=4) == 4
+    assert accumulation_for(2, world_size=2, declared=3) == 3
+    assert accumulation_for(3, world_size=4, declared=4) == 3
+    with pytest.raises(ValueError, match="3 micro-batches cannot be shared evenly by the 2 "
+                                         "ranks running"):
+        accumulation_for(1, world_size=2, declared=3)
+
+
+def test_hf_refuses_a_checkpoint_of_another_declared_world(
+        tmp_path: Path, agent: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainwarden.agent.integrations.hf import TrainwardenCallback
+
+    tw = TrainwardenCallback(retention_grace_s=0.0)
+    trainer = hf_trainer(tmp_path, tw, max_steps=2)
+    trainer.train(resume_from_checkpoint=tw.resume_from_checkpoint())
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
+    tw2 = TrainwardenCallback()
+    hf_trainer(tmp_path, tw2, max_steps=2)
+    with pytest.raises(ValueError, match="declaring 1 ranks, this run declares 2: resuming "
+                                         "would change the global batch"):
+        tw2.resume_from_checkpoint()
+
+
+def test_lightning_refuses_fewer_ranks_than_declared(
+        tmp_path: Path, agent: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
+    with pytest.raises(ValueError, match="Lightning callback trains only on the run's full "
+                                         "world: this start has 1 of the 2 ranks declared"):
+        lightning_fit(tmp_path / "ck", 2, ckpt_path_first=True)
 
 
 class Stream(torch.utils.data.IterableDataset):

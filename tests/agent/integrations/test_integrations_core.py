@@ -21,7 +21,12 @@ from trainwarden.agent.integrations._core import (
     validate_manifest,
     write_manifest,
 )
-from trainwarden.agent.protocol import ENV_RESUME_PLAN, PIN_FILE, LRSchedule
+from trainwarden.agent.protocol import (
+    ENV_DECLARED_WORLD_SIZE,
+    ENV_RESUME_PLAN,
+    PIN_FILE,
+    LRSchedule,
+)
 
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
@@ -137,13 +142,29 @@ def test_a_plan_naming_an_incomplete_checkpoint_rolls_back_further_or_stops(
     assert session().resume(tmp_path, PATTERN).checkpoint == tmp_path / "checkpoint-10"
 
 
-def test_resume_refuses_another_world_size(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_refuses_another_declared_world(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint of 4 ranks without a declared world ran on its full world: 4 declared."""
     monkeypatch.delenv(ENV_RESUME_PLAN, raising=False)
+    monkeypatch.delenv(ENV_DECLARED_WORLD_SIZE, raising=False)
     p = make_checkpoint(tmp_path, 10, complete=False)
     write_manifest(p, {"step": 10, "position": 10, "world_size": 4})
-    with pytest.raises(ValueError, match="written by 4 ranks"):
+    with pytest.raises(ValueError, match="declaring 4 ranks, this run declares 1: resuming "
+                                         "would change the global batch; resume with "
+                                         "TRAINWARDEN_DECLARED_WORLD_SIZE=4"):
         session().resume(tmp_path, PATTERN)
+
+
+def test_resume_takes_a_checkpoint_of_more_ranks_of_the_same_declared_world(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrunk to one rank of two declared: rank 0's RNG file is there and is restored later;
+    the position is the global batch every rank shares."""
+    monkeypatch.delenv(ENV_RESUME_PLAN, raising=False)
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
+    p = make_checkpoint(tmp_path, 10, complete=False)
+    write_manifest(p, {"step": 10, "position": 10, "world_size": 2, "declared_world_size": 2})
+    r = session().resume(tmp_path, PATTERN)
+    assert (r.start_step, r.position) == (10, 10)
 
 
 def test_the_lr_factor_applies_to_the_step_and_the_scheduler_never_sees_it() -> None:

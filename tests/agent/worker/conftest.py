@@ -9,6 +9,13 @@ import pytest
 import torch.distributed as dist
 
 from tests.wire import Receiver
+from trainwarden.agent.protocol import ENV_DECLARED_WORLD_SIZE
+
+
+@pytest.fixture(autouse=True)
+def full_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A declared world in the test's own environment would change every loader's order."""
+    monkeypatch.delenv(ENV_DECLARED_WORLD_SIZE, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -19,12 +20,13 @@ from trainwarden.agent.worker.report import Reporter
 pytestmark = pytest.mark.usefixtures("world1")
 
 
-def make(root: Path, *, keep: int = 3, **kw):  # type: ignore[no-untyped-def]
+def make(root: Path, *, keep: int = 3, declared: int | None = None, **kw):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
-    loader = ResumableLoader(data, batch_size=4, rank=0, world_size=1, seed=1)
+    loader = ResumableLoader(data, batch_size=4, rank=0, world_size=1, seed=1,
+                             declared_world_size=declared)
     kw.setdefault("reporter", Reporter(""))
     ckpt = Checkpointer(root, model, opt, loader=loader, keep=keep, seed=1,
                         config={"lr": 1e-2}, **kw)
@@ -350,3 +352,76 @@ def test_a_save_reports_how_long_it_blocked_the_training_loop(tmp_path: Path,
         assert stall <= save
     else:
         assert stall == save
+
+
+# ---- across world sizes of one declared world ------------------------------------------------
+def train_parts(model, opt, batches, n: int) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(n):
+        for part in next(batches).parts(model):
+            x, y = part.data
+            part.weighted(torch.nn.functional.mse_loss(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _set_meta(path: Path, **fields: object) -> None:
+    meta = read_meta(path)
+    meta.update(fields)
+    for k, v in fields.items():
+        if v is None:
+            del meta[k]
+    (path / "trainwarden.json").write_text(json.dumps(meta))
+
+
+def test_the_declared_world_is_recorded_and_a_checkpoint_of_more_ranks_loads(
+        tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path, declared=2)
+    assert ckpt.declared_world_size == 2
+    batches = iter(loader)
+    train_parts(model, opt, batches, 3)
+    ckpt.save(3)
+    meta = read_meta(tmp_path / "step_3")
+    assert (meta["world_size"], meta["declared_world_size"]) == (1, 2)
+    _set_meta(tmp_path / "step_3", world_size=2)  # as if two ranks wrote it
+    _, _, loader2, ckpt2 = make(tmp_path, declared=2)
+    assert ckpt2.resume(None).start_step == 3
+    assert next(iter(loader2)).index == 3 == next(batches).index
+
+
+def test_a_checkpoint_of_another_declared_world_is_refused_naming_the_fix(
+        tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path, declared=2)
+    train_parts(model, opt, iter(loader), 1)
+    ckpt.save(1)
+    _, _, _, ckpt2 = make(tmp_path)
+    with pytest.raises(ValueError, match=r"written by a run declaring 2 ranks .* this run "
+                                         r"declares 1: resuming would change the global batch; "
+                                         r"resume with TRAINWARDEN_DECLARED_WORLD_SIZE=2"):
+        ckpt2.resume(None)
+
+
+def test_a_checkpoint_without_a_declared_world_was_written_on_its_full_world(
+        tmp_path: Path) -> None:
+    model, opt, loader, ckpt = make(tmp_path)
+    train(model, opt, iter(loader), 1)
+    ckpt.save(1)
+    _set_meta(tmp_path / "step_1", declared_world_size=None)
+    assert make(tmp_path)[3].resume(None).start_step == 1
+    with pytest.raises(ValueError, match="declaring 1 ranks"):
+        make(tmp_path, declared=2)[3].resume(None)
+
+
+def test_a_rank_the_checkpoint_holds_nothing_of_takes_rank_0s_position_and_keeps_its_rng(
+        tmp_path: Path) -> None:
+    """Growing back: the checkpoint was written by fewer ranks than now run."""
+    model, opt, loader, ckpt = make(tmp_path, declared=2)
+    train_parts(model, opt, iter(loader), 4)
+    torch.manual_seed(7)
+    ckpt.save(4)
+    _, _, loader2, ckpt2 = make(tmp_path, declared=2)
+    ckpt2.rank = 1  # a second rank of the grown world: no key of its own in step_4
+    torch.manual_seed(99)
+    seeded = global_rng()
+    assert ckpt2.load(tmp_path / "step_4")["step"] == 4
+    assert global_rng() == seeded
+    assert loader2.position == 4
