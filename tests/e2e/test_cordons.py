@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.nodes import Nodes, clean_ddp, ended, summary
 from tests.e2e.system import OPERATOR_TOKEN, Supervisor, wait_until
-from tests.e2e.test_nodes import STEPS, TRAIN, Nodes, _ended, _summary
-from tests.e2e.torchrun import RunResult, run_example, worker_env
+from tests.e2e.torchrun import RunResult, worker_env
 
 pytestmark = pytest.mark.e2e
 
@@ -30,11 +30,7 @@ def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    d = tmp_path_factory.mktemp("clean")
-    r = run_example("train_ddp.py", d, "--steps", str(STEPS), *TRAIN,
-                    "--checkpoint-dir", str(d / "ck"))
-    assert r.returncode == 0 and r.summary is not None, r.output[-3000:]
-    return r
+    return clean_ddp(tmp_path_factory)
 
 
 class FaultyNodes(Nodes):
@@ -73,11 +69,11 @@ def test_a_node_that_fails_twice_on_the_machine_is_cordoned_and_replaced_at_the_
     try:
         wait_until(lambda: nodes.step() >= 1, 120, "training to start")
         (bad,) = [n for n in ("node0", "node1") if nodes.member(n)["node_rank"] == 1]
-        finished = wait_until(lambda: _ended(supervisor, run), 300, "the run to end")
+        finished = wait_until(lambda: ended(supervisor, run), 300, "the run to end")
         assert finished["status"] == "completed", finished
     finally:
         nodes.stop()
-    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
     # The second failure is the evidence that cordons the node: the restart it caused is
     # decided again before it trains, with the spare in the node's rank.
@@ -102,11 +98,11 @@ def test_a_node_whose_preflight_fails_is_replaced_before_the_first_step(
     nodes.start("node1", env={"TRAINWARDEN_PREFLIGHT_INJECT": "fail:compute"})
     nodes.start("spare0", "--spare")
     try:
-        finished = wait_until(lambda: _ended(supervisor, run), 300, "the run to end")
+        finished = wait_until(lambda: ended(supervisor, run), 300, "the run to end")
         assert finished["status"] == "completed", finished
     finally:
         nodes.stop()
-    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     host = _host(supervisor, "node1")
     assert host["state"] == "cordoned", host
     events = supervisor.get(f"/runs/{run}/events")["events"]
@@ -137,7 +133,7 @@ def test_an_operator_cordons_and_uncordons_a_node_through_the_cli(
             f"{supervisor.url}/api/v1/runs/{run}/restart", json={"reason": "replace it"},
             headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}, timeout=10)
         assert r.status_code == 200, r.text
-        finished = wait_until(lambda: _ended(supervisor, run), 300, "the run to end")
+        finished = wait_until(lambda: ended(supervisor, run), 300, "the run to end")
         assert finished["status"] == "completed", finished
         back = cli(supervisor, "uncordon", node, "--reason", "fans replaced")
         assert back.returncode == 0, back.stderr
@@ -147,7 +143,7 @@ def test_an_operator_cordons_and_uncordons_a_node_through_the_cli(
         assert "probation" in row, listed.stdout
     finally:
         nodes.stop()
-    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
     assert acts[-1]["actor"] == "operator"
     assert acts[-1]["plan"]["membership"]["members"]["spare0"] == 1, acts[-1]

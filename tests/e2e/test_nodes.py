@@ -13,16 +13,11 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.system import Agent, Supervisor, ddp_script, free_port, wait_until
-from tests.e2e.torchrun import RunResult, run_example
+from tests.e2e.nodes import KILL_AT, Nodes, clean_ddp, ended, summary
+from tests.e2e.system import Supervisor, wait_until
+from tests.e2e.torchrun import RunResult
 
 pytestmark = pytest.mark.e2e
-
-STEPS = 400
-TRAIN = ["--hidden", "32", "--seed", "11", "--checkpoint-every-steps", "50",
-         "--step-sleep", "0.02"]
-KILL_AT = 120  # after the checkpoint of step 100
-
 
 @pytest.fixture
 def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
@@ -33,55 +28,7 @@ def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """The same training without a fault: two ranks, one torchrun."""
-    d = tmp_path_factory.mktemp("clean")
-    r = run_example("train_ddp.py", d, "--steps", str(STEPS), *TRAIN,
-                    "--checkpoint-dir", str(d / "ck"))
-    assert r.returncode == 0 and r.summary is not None, r.output[-3000:]
-    return r
-
-
-class Nodes:
-    """The run's agents, started as a user starts them (the spare with --spare)."""
-
-    def __init__(self, sup: Supervisor, run: str, work: Path) -> None:
-        self.sup, self.run, self.work = sup, run, work
-        self.port = free_port()
-        self.agents: dict[str, Agent] = {}
-
-    def command(self) -> list[str]:
-        return ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run}",
-                *ddp_script("--steps", str(STEPS), *TRAIN, "--checkpoint-dir",
-                            str(self.work / "ck"), "--summary-json",
-                            str(self.work / "summary.json"))]
-
-    def start(self, node: str, *agent_args: str, env: dict[str, str] | None = None) -> Agent:
-        a = Agent(self.sup.url, self.run, node, self.work / node, self.command(),
-                  agent_args=agent_args, env=env)
-        self.agents[node] = a
-        return a
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            a.signal_tree(signal.SIGCONT)
-            a.stop()
-
-    def step(self) -> int:
-        return int((self.sup.get_or_none(f"/runs/{self.run}") or {}).get("step") or 0)
-
-    def member(self, node: str) -> dict[str, Any]:
-        (a,) = [a for a in self.sup.get(f"/runs/{self.run}")["agents"] if a["node"] == node]
-        return a
-
-
-def _ended(sup: Supervisor, run: str) -> dict[str, Any] | None:
-    r = sup.get(f"/runs/{run}")
-    return r if r["status"] in ("completed", "failed", "stopped") else None
-
-
-def _summary(work: Path) -> dict[str, Any]:
-    return __import__("json").loads((work / "summary.json").read_text())
+    return clean_ddp(tmp_path_factory)
 
 
 def _two_members_and_a_spare(supervisor: Supervisor, tmp_path: Path, run: str) -> Nodes:
@@ -109,14 +56,14 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
         wait_until(lambda: nodes.step() >= KILL_AT, 120, f"step {KILL_AT}")
         killed_at = time.time()
         nodes.agents[victim].signal_tree(signal.SIGKILL)
-        finished = wait_until(lambda: _ended(supervisor, run), 240, "the run to end")
+        finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
         for node, a in nodes.agents.items():
             if node != victim:
                 assert a.wait(60) == 0, a.tail()
     finally:
         nodes.stop()
-    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     incidents = supervisor.get(f"/runs/{run}/incidents")["incidents"]
     lost = [i for i in incidents if i["kind"] == "node_lost"]
     assert [i["node"] for i in lost] == [victim], incidents
@@ -159,7 +106,7 @@ def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
         # Its workers are gone, its agent stays up as a spare.
         wait_until(lambda: not [p for p in frozen[1:] if p.is_running()
                                 and p.status() != "zombie"], 60, "the woken workers to die")
-        finished = wait_until(lambda: _ended(supervisor, run), 240, "the run to end")
+        finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
         for node in ("node0", "node1", "spare0"):
             if node != victim:
@@ -167,7 +114,7 @@ def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
     finally:
         nodes.stop()
     assert woke, woke
-    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     # Nothing the woken node sent after the replacement counts: no checkpoint of its, no
     # step of the new attempts, no incident of its.
     ckpts = supervisor.get(f"/runs/{run}/checkpoints")["checkpoints"]
@@ -213,11 +160,11 @@ def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the
         assert supervisor.get(f"/runs/{run}")["status"] == "restarting"
         # A spare registers: the run restarts on it at once and ends as a clean run.
         nodes.start("spare0", "--spare")
-        finished = wait_until(lambda: _ended(supervisor, run), 240, "the run to end")
+        finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
     finally:
         nodes.stop()
-    assert _summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
     assert [a["cause"] for a in acts] == ["crash", "node_lost", "replace"], acts
     assert acts[-1]["status"] == "resumed", acts

@@ -1,0 +1,71 @@
+"""What the multi-node e2e tests share: the README's two-node torchrun command run by one agent
+per node on this machine (``Nodes``), the clean run they compare with, and small reads."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.system import Agent, Supervisor, ddp_script, free_port
+from tests.e2e.torchrun import RunResult, run_example
+
+STEPS = 400
+TRAIN = ["--hidden", "32", "--seed", "11", "--checkpoint-every-steps", "50",
+         "--step-sleep", "0.02"]
+KILL_AT = 120  # after the checkpoint of step 100
+
+
+class Nodes:
+    """The run's agents, started as a user starts them (the spare with --spare)."""
+
+    def __init__(self, sup: Supervisor, run: str, work: Path) -> None:
+        self.sup, self.run, self.work = sup, run, work
+        self.port = free_port()
+        self.agents: dict[str, Agent] = {}
+
+    def command(self) -> list[str]:
+        return ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run}",
+                *ddp_script("--steps", str(STEPS), *TRAIN, "--checkpoint-dir",
+                            str(self.work / "ck"), "--summary-json",
+                            str(self.work / "summary.json"), "--batch-log",
+                            str(self.work / "batches"))]
+
+    def start(self, node: str, *agent_args: str, env: dict[str, str] | None = None) -> Agent:
+        a = Agent(self.sup.url, self.run, node, self.work / node, self.command(),
+                  agent_args=agent_args, env=env)
+        self.agents[node] = a
+        return a
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            a.signal_tree(signal.SIGCONT)
+            a.stop()
+
+    def step(self) -> int:
+        return int((self.sup.get_or_none(f"/runs/{self.run}") or {}).get("step") or 0)
+
+    def member(self, node: str) -> dict[str, Any]:
+        (a,) = [a for a in self.sup.get(f"/runs/{self.run}")["agents"] if a["node"] == node]
+        return a
+
+
+def ended(sup: Supervisor, run: str) -> dict[str, Any] | None:
+    r = sup.get(f"/runs/{run}")
+    return r if r["status"] in ("completed", "failed", "stopped") else None
+
+
+def summary(work: Path) -> dict[str, Any]:
+    return __import__("json").loads((work / "summary.json").read_text())
+
+
+def clean_ddp(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The same training without a fault: two ranks, one torchrun."""
+    d = tmp_path_factory.mktemp("clean")
+    r = run_example("train_ddp.py", d, "--steps", str(STEPS), *TRAIN,
+                    "--checkpoint-dir", str(d / "ck"))
+    assert r.returncode == 0 and r.summary is not None, r.output[-3000:]
+    return r

@@ -1,0 +1,100 @@
+"""A run with no spare left shrinks to the nodes it has and grows back, end to end: two agents
+on this machine started with ``--min-nodes 1`` (each a node), the README's two-node torchrun
+command, the defaults a user gets otherwise (node-lost deadline 30 s).  One member's whole
+process tree is SIGKILLed; the run goes on with the other, the same global batch spread over
+fewer ranks; a spare that registers later brings it back to two nodes at the next
+checkpoint.  The batch logs show every global batch trained exactly once."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.nodes import KILL_AT, STEPS, Nodes, clean_ddp, ended, summary
+from tests.e2e.system import Supervisor, wait_until
+from tests.e2e.torchrun import RunResult, effective_history, read_batch_logs
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
+    sup = Supervisor(tmp_path / "supervisor").start()
+    yield sup
+    sup.stop()
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    return clean_ddp(tmp_path_factory)
+
+
+def _events(sup: Supervisor, run: str, name: str) -> list[dict[str, Any]]:
+    """The run's events named ``name``, oldest first."""
+    return sorted((e for e in sup.get(f"/runs/{run}/events")["events"] if e["name"] == name),
+                  key=lambda e: e["id"])
+
+
+def test_no_spare_the_run_shrinks_to_one_node_and_grows_back_when_a_spare_registers(
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path) -> None:
+    run = "elastic"
+    nodes = Nodes(supervisor, run, tmp_path / "run")
+    nodes.start("node0", "--min-nodes", "1")
+    nodes.start("node1", "--min-nodes", "1")
+    try:
+        wait_until(lambda: nodes.step() >= KILL_AT, 180, f"step {KILL_AT}")
+        (victim,) = [n for n in ("node0", "node1") if nodes.member(n)["node_rank"] == 1]
+        (survivor,) = {"node0", "node1"} - {victim}
+        nodes.agents[victim].signal_tree(signal.SIGKILL)
+
+        def shrunk() -> dict[str, Any] | None:
+            r = supervisor.get(f"/runs/{run}")
+            return r if (r["membership"]["world"] == 1 and r["status"] == "running"
+                         and r["attempt"] >= 1 and (r["step"] or 0) > KILL_AT) else None
+
+        r = wait_until(shrunk, 150, "the run to train on one node past the kill")
+        assert r["membership"]["nnodes"] == 2 and r["membership"]["missing"] == [], r
+        assert [(e["details"]["from"], e["details"]["to"])
+                for e in _events(supervisor, run, "world_resized")] == [(2, 1)]
+        # A spare registers: the run grows back to two nodes at its next checkpoint.
+        nodes.start("spare0", "--spare")
+        finished = wait_until(lambda: ended(supervisor, run), 300, "the run to end")
+        assert finished["status"] == "completed", finished
+        for node in (survivor, "spare0"):
+            assert nodes.agents[node].wait(60) == 0, nodes.agents[node].tail()
+    finally:
+        nodes.stop()
+    acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
+    shrink = [a for a in acts if a["cause"] == "node_lost"]
+    assert len(shrink) == 1 and shrink[0]["status"] == "resumed", acts
+    assert "the world shrinks from 2 to 1 of 2 nodes" in shrink[0]["reason"], shrink
+    assert "shrink" in shrink[0]["reason"].split("; ")[-1], shrink  # the choice, with figures
+    grow = [a for a in acts if a["cause"] == "grow"]
+    assert len(grow) == 1 and grow[0]["status"] == "resumed", acts
+    assert grow[0]["plan"]["membership"]["members"] == {survivor: 0, "spare0": 1}, grow
+    planned = _events(supervisor, run, "grow_planned")
+    assert len(planned) == 1, planned
+    ck_step = int(grow[0]["plan"]["checkpoint"].rsplit("_", 1)[1])
+    assert ck_step > planned[0]["details"]["after_step"], (grow, planned)
+    assert [(e["details"]["from"], e["details"]["to"])
+            for e in _events(supervisor, run, "world_resized")] == [(2, 1), (1, 2)]
+    assert finished["membership"]["world"] == 2
+    # Every global batch trained exactly once on the final lineage, each at its own step,
+    # by every rank of each attempt; the result is the clean two-node run's.
+    logs = read_batch_logs(nodes.work / "batches")
+    assert effective_history(logs[0]) == {s: s for s in range(STEPS)}
+    # rank 1 exists again from the grow: it trained the rest, from the checkpoint on
+    last = max(float(a) for a, *_ in logs[1])  # "attempt.torchrun restart"
+    assert {s: g for a, s, g, _ in logs[1] if float(a) == last} == {
+        s: s for s in range(ck_step, STEPS)}
+    assert {s for a, s, _g, _ in logs[0] if float(a) == last} == set(range(ck_step, STEPS))
+    final = summary(nodes.work)
+    ref = clean.summary
+    assert ref is not None
+    assert abs(final["final_train_loss"] - ref["final_train_loss"]) <= 0.01 * abs(
+        ref["final_train_loss"])
+    assert final["weights_sha256"] == ref["weights_sha256"]
