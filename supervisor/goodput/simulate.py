@@ -315,7 +315,8 @@ def _run(cfg: SimConfig) -> tuple[list[Event], NodeStats]:
             if kind.needs_node:
                 ready, from_pool = pool.take(detected)
                 start = world.lose(detected, ready)  # ready, unless the run shrinks
-                pool.record(detected, start, from_pool, horizon, shrank=start < ready)
+                pool.record(detected, start, from_pool, horizon,
+                            shrank=detected == start < ready)
             world.join(start)  # (a restart takes every node arrived by then)
             fewest = min(fewest, world.nodes)
             t = start + kind.restart_s
