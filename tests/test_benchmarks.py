@@ -195,3 +195,21 @@ def test_spares_benchmark_smoke() -> None:
     assert {"a node always at hand", "0% (0)", "1% (20)", "2% (41)"} <= rows.keys(), rows
     ettr = {k: float(v[-2].rstrip("%")) for k, v in rows.items()}
     assert ettr["0% (0)"] < ettr["2% (41)"] <= ettr["a node always at hand"], ettr
+
+
+def test_shrink_benchmark_smoke() -> None:
+    """Two simulated days of the shrink benchmark: with the node back after 10 minutes and
+    the measured restart, the run that shrinks keeps more of its time than the one that
+    waits, and its slower steps show as capacity."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "shrink.py"), "--days", "2",
+                           "--seeds", "1", "--return-min", "10"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = proc.stdout.split("Restart measured:")[1].split("Restart 5 min:")[0]
+    rows = {ln.split(" | ")[1]: ln.split(" | ") for ln in measured.splitlines()
+            if ln.startswith("| ") and "%" in ln}
+    assert {"node at hand", "wait", "shrink"} <= rows.keys(), proc.stdout[-2000:]
+    ettr = {k: float(v[2].rstrip("%")) for k, v in rows.items()}
+    assert ettr["wait"] < ettr["shrink"] <= ettr["node at hand"], ettr
+    assert float(rows["shrink"][3].rstrip("%")) > 0.0 == float(rows["wait"][3].rstrip("%"))
+    assert rows["shrink"][-1].startswith("shrink ("), rows["shrink"]

@@ -7,6 +7,8 @@
 * ``mfu``: MFU bands, per-rank step shares, scaling efficiency and its usual causes;
 * ``plan``: the capacity planner behind ``trainwarden plan`` (``plan_cli``: its command line);
 * ``simulate``: a long run under a failure schedule, as an event stream for the accumulator.
+* ``elastic``: a node lost with no spare free: the training lost waiting for a node or
+  shrinking to the nodes left, and which to choose.
 
 A figure shown, exported and acted on is computed here once; the store, the API, the
 dashboard and ``/metrics`` feed these modules and show what they return.

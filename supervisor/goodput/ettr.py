@@ -21,6 +21,9 @@ to exactly one part, so the parts add up to the wall time (to float rounding):
 * ``straggler``: per step on the lineage, (max over ranks of pre-collective time) - (median
   over ranks), pre-collective time being ``data_s + compute_s``: what the gang waited on its
   slowest rank beyond the typical one;
+* ``capacity``: per step on the lineage, the step time beyond what the full world would take
+  (``StepDone.capacity_s``): a run shrunk to fewer nodes keeps its global batch, so each of
+  its steps is slower;
 * ``idle``: no agent running (or the run ended and was later continued);
 * ``other``: time between two steps of a running attempt that no save explains: evaluation,
   logging, the Python loop between two timed steps, steps whose report was lost.  It cannot
@@ -63,7 +66,7 @@ from trainwarden.supervisor.detect._stats import median
 from trainwarden.supervisor.enums import NEVER_INTERRUPTING
 
 PARTS = ("productive", "lost", "detection", "restart", "startup", "checkpoint", "data_wait",
-         "straggler", "idle", "other")
+         "straggler", "capacity", "idle", "other")
 BADPUT = PARTS[1:]
 
 # Incident kinds that do not stop training: their cost is measured as it happens (straggler
@@ -83,7 +86,8 @@ class StepDone:
     (the slowest rank's ``step_s``; ``None``: not timed, the step is taken to span from the
     previous step's end, less any checkpoint stall reported in between); ``data_s`` and
     ``straggler_s``: the parts of the step lost to data wait and to the slowest rank (see
-    ``gang_step``)."""
+    ``gang_step``); ``capacity_s``: the part beyond what the full world would take (a world
+    shrunk to fewer nodes, the global batch kept)."""
 
     attempt: int
     step: int
@@ -91,6 +95,7 @@ class StepDone:
     step_s: float | None
     data_s: float = 0.0
     straggler_s: float = 0.0
+    capacity_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,7 @@ class Breakdown:
     checkpoint: float = 0.0
     data_wait: float = 0.0
     straggler: float = 0.0
+    capacity: float = 0.0
     idle: float = 0.0
     other: float = 0.0
     steps_final: int = 0  # steps on the final lineage
@@ -309,29 +315,33 @@ class EttrConfig:
 
 @dataclass
 class _Cum:
-    """Step parts summed over the lineage up to some step (productive, data, straggler, n)."""
+    """Step parts summed over the lineage up to some step (productive, data, straggler, n,
+    capacity)."""
 
     productive: float = 0.0
     data: float = 0.0
     straggler: float = 0.0
     steps: int = 0
+    capacity: float = 0.0
 
     def copy(self) -> _Cum:
-        return _Cum(self.productive, self.data, self.straggler, self.steps)
+        return _Cum(self.productive, self.data, self.straggler, self.steps, self.capacity)
 
     def minus(self, o: _Cum) -> _Cum:
         return _Cum(self.productive - o.productive, self.data - o.data,
-                    self.straggler - o.straggler, self.steps - o.steps)
+                    self.straggler - o.straggler, self.steps - o.steps,
+                    self.capacity - o.capacity)
 
     @property
     def time(self) -> float:
-        return self.productive + self.data + self.straggler
+        return self.productive + self.data + self.straggler + self.capacity
 
 
 def _lerp(a: _Cum, b: _Cum, f: float) -> _Cum:
     return _Cum(a.productive + (b.productive - a.productive) * f,
                 a.data + (b.data - a.data) * f, a.straggler + (b.straggler - a.straggler) * f,
-                round(a.steps + (b.steps - a.steps) * f))
+                round(a.steps + (b.steps - a.steps) * f),
+                a.capacity + (b.capacity - a.capacity) * f)
 
 
 @dataclass(frozen=True)
@@ -485,11 +495,12 @@ class EttrAccumulator:
                 del table[k]
 
     def _append(self, step: int, productive: float, data: float, strag: float,
-                t: float) -> None:
+                t: float, capacity: float = 0.0) -> None:
         if self._head is None:
             self._head = self._base = step
         self._cum = _Cum(self._cum.productive + productive, self._cum.data + data,
-                         self._cum.straggler + strag, self._cum.steps + 1)
+                         self._cum.straggler + strag, self._cum.steps + 1,
+                         self._cum.capacity + capacity)
         self._head = step + 1
         self._ring[self._head] = self._cum.copy()
         self._ring_t[self._head] = t
@@ -604,9 +615,11 @@ class EttrAccumulator:
             f = credited / total if total > 0 else 0.0
             data = max(0.0, e.data_s) * f if _finite(e.data_s) else 0.0
             strag = max(0.0, e.straggler_s) * f if _finite(e.straggler_s) else 0.0
+            cap = max(0.0, e.capacity_s) * f if _finite(e.capacity_s) else 0.0
             strag = min(strag, credited)
             data = min(data, credited - strag)
-            self._append(e.step, credited - data - strag, data, strag, e.t)
+            cap = min(cap, credited - strag - data)  # (the step's own parts come first)
+            self._append(e.step, credited - data - strag - cap, data, strag, e.t, cap)
             self._last_step = e.step
         self._move_cursor(max(e.t, self._cursor))
 
@@ -623,6 +636,7 @@ class EttrAccumulator:
         totals["productive"] = self._cum.productive
         totals["data_wait"] = self._cum.data
         totals["straggler"] = self._cum.straggler
+        totals["capacity"] = self._cum.capacity
         return Breakdown(start=self.start, end=end, steps_final=self._cum.steps,
                          steps_lost=self._steps_lost, **totals)
 

@@ -25,6 +25,22 @@ node rejoining (the dead one then goes to repair in its turn).  The wait is part
 restart (from the decision to the first step); the fault clock runs while training only, so
 no fault comes while the run waits.  With the defaults (no spares, ``replace_s`` 0) a node is
 at hand at once and such a fault costs what any other does.
+
+Shrinking (``min_nodes`` below the full world of ``nodes``; unset: never): a node loss that
+finds no spare free restarts the gang at once, ``restart_s`` after the detection, on the
+nodes left, if they are at least ``min_nodes`` (else the run waits as above, for the first
+node that brings the world back to ``min_nodes``).  A lost node takes ``replica_nodes`` out
+of the world (a data-parallel replica's nodes: the replica cannot train without it; each
+loss is taken to hit a replica of its own).  The run keeps its global batch (each rank does
+more micro-batches), so a step on ``n`` of the ``N`` nodes takes ``step_s x N / n /
+shrink_efficiency``; the part beyond ``step_s`` is the step's ``capacity_s``.  The node that
+takes the lost one's rank arrives when it would have ended the wait (a spare repaired, a node
+from outside), and the run grows back at its first checkpoint after the node arrived: a
+planned restart from that checkpoint (once it is written), costing the restart time of the
+kind that needs a node; a restart for a fault takes the nodes that have arrived at once.
+The fault rate stays the whole job's while shrunk (one replica of many makes little
+difference), and the fault clock runs while training only, so no fault comes during the
+planned restart either.
 Deterministic for a seed.
 """
 
@@ -95,6 +111,17 @@ class SimConfig:
     replace_s: float = bounded(0.0, ge=0)
     # a dead node swapped for a spare rejoins the spares this long after the detection
     repair_s: float = bounded(0.0, ge=0)
+    # the full world, in nodes (what ``min_nodes`` and ``replica_nodes`` are counted against)
+    nodes: int = bounded(1, ge=1, integer=True)
+    # the smallest world the run trains on (the run's ``--min-nodes``); None: the full world,
+    # a node loss with no spare free waits for a node (no shrinking)
+    min_nodes: int | None = bounded(None, ge=1, integer=True,
+                                    hint="leave it unset not to shrink")
+    # nodes a lost node takes out of the world (a data-parallel replica's)
+    replica_nodes: int = bounded(1, ge=1, integer=True)
+    # a shrunk world's throughput per node against the full world's (1: a step on n of N
+    # nodes takes N / n as long)
+    shrink_efficiency: float = bounded(1.0, gt=0, le=1)
 
     def __post_init__(self) -> None:
         check(self)
@@ -102,6 +129,23 @@ class SimConfig:
         cross_check(bool(self.kinds) and abs(shares - 1.0) <= 1e-6, self, "kinds",
                     "fault kinds whose shares add up to 1", got=round(shares, 6),
                     hint="scale the shares")
+        cross_check(self.min_nodes is None or self.min_nodes <= self.nodes, self, "min_nodes",
+                    f"<= nodes ({self.nodes})", got=self.min_nodes,
+                    hint="set nodes to the full world, or leave min_nodes unset not to shrink")
+        cross_check(self.nodes % self.replica_nodes == 0, self, "replica_nodes",
+                    f"a divisor of nodes ({self.nodes})", got=self.replica_nodes,
+                    hint="the world is a whole number of data-parallel replicas")
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether a node loss can restart the gang on fewer nodes."""
+        return self.min_nodes is not None and self.min_nodes <= self.nodes - self.replica_nodes
+
+    @property
+    def grow_s(self) -> float:
+        """The planned restart back to a larger world: the restart of a kind that needs a
+        node (the same gang restart, with no fault to detect)."""
+        return next((k.restart_s for k in self.kinds if k.needs_node), 0.0)
 
     @property
     def restart_overhead_s(self) -> float:
@@ -118,6 +162,11 @@ class NodeStats:
     wait_s: float = 0.0  # time waited for a node, up to the end of the run
     from_outside: int = 0  # nodes that came from outside the pool (``replace_s``)
     fewest_free: int | None = None  # spares left free after a loss, at the lowest
+    shrinks: int = 0  # of the losses, those that restarted on fewer nodes instead of waiting
+    grows: int = 0  # planned restarts back to a larger world
+    grow_s: float = 0.0  # their time, decision to the first step, up to the end of the run
+    shrunk_s: float = 0.0  # step time trained on fewer nodes than the full world
+    fewest_nodes: int | None = None  # the smallest world trained on (None: never shrunk)
 
 
 @dataclass(frozen=True)
@@ -138,8 +187,9 @@ class _Pool:
         self.repairing: list[float] = []  # a heap of the times repaired nodes rejoin
         self.stats = NodeStats()
 
-    def node_at(self, t: float, horizon: float) -> float:
-        """When a node takes the rank of a node whose loss was detected at ``t``."""
+    def take(self, t: float) -> tuple[float, bool]:
+        """When a node takes the rank of a node whose loss was detected at ``t``, and whether
+        it comes from the pool (else from outside)."""
         while self.repairing and self.repairing[0] <= t:
             heapq.heappop(self.repairing)
             self.free += 1
@@ -153,13 +203,62 @@ class _Pool:
             ready, from_pool = outside, False
         if from_pool:  # the dead node goes to repair (one from outside takes its place)
             heapq.heappush(self.repairing, t + self.cfg.repair_s)
+        return ready, from_pool
+
+    def record(self, t: float, start: float, from_pool: bool, horizon: float, *,
+               shrank: bool) -> None:
+        """A loss detected at ``t`` whose restart began at ``start`` (a wait when later)."""
         s = self.stats
-        self.stats = NodeStats(
-            losses=s.losses + 1, waits=s.waits + (ready > t),
-            wait_s=s.wait_s + max(0.0, min(ready, horizon) - min(t, horizon)),
+        self.stats = replace(
+            s, losses=s.losses + 1, waits=s.waits + (start > t),
+            wait_s=s.wait_s + max(0.0, min(start, horizon) - min(t, horizon)),
             from_outside=s.from_outside + (not from_pool),
-            fewest_free=self.free if s.fewest_free is None else min(s.fewest_free, self.free))
-        return ready
+            fewest_free=self.free if s.fewest_free is None else min(s.fewest_free, self.free),
+            shrinks=s.shrinks + shrank)
+
+    def note(self, **add: float) -> None:
+        """Add to the shrink counters (``grows``, ``grow_s``, ``shrunk_s``)."""
+        self.stats = replace(self.stats, **{k: getattr(self.stats, k) + v
+                                            for k, v in add.items()})
+
+
+class _World:
+    """The nodes the gang trains on: the full world less a replica per lost node whose
+    replacement has not joined yet (only ever short when shrinking)."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.coming: list[float] = []  # a heap: when each missing node's replacement arrives
+
+    @property
+    def nodes(self) -> int:
+        return self.cfg.nodes - self.cfg.replica_nodes * len(self.coming)
+
+    def step_s(self) -> float:
+        """A step's wall time on this world: the global batch kept, so N / n times longer."""
+        if not self.coming:
+            return self.cfg.step_s  # (exactly: a full world's run is unchanged to the bit)
+        return self.cfg.step_s * self.cfg.nodes / (self.nodes * self.cfg.shrink_efficiency)
+
+    def arrived(self, t: float) -> bool:
+        return bool(self.coming) and self.coming[0] <= t
+
+    def join(self, t: float) -> None:
+        """The gang restarts at ``t``: every node arrived by then joins."""
+        while self.arrived(t):
+            heapq.heappop(self.coming)
+
+    def lose(self, t: float, ready: float) -> float:
+        """A node lost at ``t`` whose replacement arrives at ``ready``: when the gang can
+        restart (at once on fewer nodes where ``min_nodes`` allows, else once enough nodes
+        arrived)."""
+        if ready <= t:
+            return t
+        heapq.heappush(self.coming, ready)
+        need = self.cfg.min_nodes if self.cfg.shrinks else self.cfg.nodes
+        assert need is not None
+        short = -(-(need - self.nodes) // self.cfg.replica_nodes)  # replicas to wait for
+        return t if short <= 0 else heapq.nsmallest(short, self.coming)[-1]
 
 
 def events(cfg: SimConfig) -> list[Event]:
@@ -170,6 +269,7 @@ def events(cfg: SimConfig) -> list[Event]:
 def _run(cfg: SimConfig) -> tuple[list[Event], NodeStats]:
     rng = random.Random(cfg.seed)
     pool = _Pool(cfg)
+    world = _World(cfg)
     horizon = cfg.days * 86_400.0
     names = list(cfg.kinds)
     weights = [k.share for k in cfg.kinds]
@@ -183,6 +283,7 @@ def _run(cfg: SimConfig) -> tuple[list[Event], NodeStats]:
     writing: CheckpointSaved | None = None  # the asynchronous save being written
     last_save = t
     fault = next_fault(t)
+    shrunk_s, fewest = 0.0, cfg.nodes  # step time on fewer nodes; the smallest world
 
     def written(upto: float) -> None:  # the save being written completes before ``upto``
         nonlocal writing
@@ -191,34 +292,45 @@ def _run(cfg: SimConfig) -> tuple[list[Event], NodeStats]:
             writing = None
 
     while t < horizon:
-        if fault < t + cfg.step_s:  # it hits the step in flight (or the save before it)
+        step_s = world.step_s()
+        extra = step_s - cfg.step_s  # a shrunk world's capacity loss (0 at the full world)
+        if fault < t + step_s:  # it hits the step in flight (or the save before it)
             written(fault)
             writing = None  # a save still being written is lost
             kind = rng.choices(names, weights)[0]
             detected = fault + kind.detect_s
             target = max(s for at, s in saves if at <= fault)
             if kind.trains_until_detected:
-                while t + cfg.step_s <= detected:
-                    t += cfg.step_s
-                    out.append(StepDone(attempt, step, t, cfg.step_s))
+                while t + step_s <= detected:
+                    t += step_s
+                    out.append(StepDone(attempt, step, t, step_s, capacity_s=extra))
                     step += 1
                 target = max((s for at, s in saves if at <= fault), default=0)
             out.append(Incident(detected, kind.name, t_fault=fault))
             attempt += 1
             out.append(RestartDecided(detected, attempt, resume_step=target))
             if kind.trains_until_detected:  # the step in flight ends, late, while stopping
-                out.append(StepDone(attempt - 1, step, t + cfg.step_s, cfg.step_s))
-            ready = pool.node_at(detected, horizon) if kind.needs_node else detected
-            t = ready + kind.restart_s
+                out.append(StepDone(attempt - 1, step, t + step_s, step_s, capacity_s=extra))
+            start = detected
+            if kind.needs_node:
+                ready, from_pool = pool.take(detected)
+                start = world.lose(detected, ready)  # ready, unless the run shrinks
+                pool.record(detected, start, from_pool, horizon,
+                            shrank=detected == start < ready)
+            world.join(start)  # (a restart takes every node arrived by then)
+            fewest = min(fewest, world.nodes)
+            t = start + kind.restart_s
             out.append(Resumed(t, attempt, target))
             step, last_save = target, t
             saves = [(at, s) for at, s in saves if s <= target][-2:]
             fault = next_fault(t)
             continue
-        written(t + cfg.step_s)
-        t += cfg.step_s
-        out.append(StepDone(attempt, step, t, cfg.step_s))
+        written(t + step_s)
+        t += step_s
+        out.append(StepDone(attempt, step, t, step_s, capacity_s=extra))
         step += 1
+        if extra:
+            shrunk_s += step_s
         if t - last_save >= cfg.interval_s:
             wait = 0.0 if writing is None else writing.t - t  # one save in flight at a time
             if fault < t + wait + cfg.stall_s:
@@ -232,7 +344,21 @@ def _run(cfg: SimConfig) -> tuple[list[Event], NodeStats]:
                 out.append(CheckpointSaved(t, step, stall))
             saves = [*saves[-2:], (t + cfg.write_s, step)]
             last_save = t
-    return out, pool.stats
+            if world.arrived(t - stall):  # a node came: grow back from this checkpoint
+                attempt += 1
+                out.append(RestartDecided(t, attempt, resume_step=step))
+                written(t + cfg.write_s)  # (the restart loads it once it is written)
+                world.join(t)
+                resumed = t + cfg.write_s + cfg.grow_s
+                pool.note(grows=1, grow_s=max(0.0, min(resumed, horizon) - min(t, horizon)))
+                out.append(Resumed(resumed, attempt, step))
+                fault += resumed - t  # the fault clock stops while the gang restarts
+                t = last_save = resumed
+    stats = pool.stats
+    if cfg.shrinks:
+        stats = replace(stats, shrunk_s=shrunk_s,
+                        fewest_nodes=fewest if fewest < cfg.nodes else None)
+    return out, stats
 
 
 def simulate(cfg: SimConfig) -> SimResult:

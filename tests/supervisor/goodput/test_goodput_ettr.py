@@ -313,3 +313,35 @@ def test_a_spike_trained_through_is_detection_from_its_first_step_to_the_inciden
     assert b.restart == pytest.approx(0.5)
     assert b.steps_final == 5
     assert_adds_up(b)
+
+
+def test_capacity_is_the_shrunk_steps_time_beyond_the_full_world_s() -> None:
+    """Steps of a world shrunk to half its nodes take 2 s where the full world takes 1 s:
+    1 s of each is ``capacity``, on the lineage like the step's other parts, and lost with
+    the step when a restore throws it away.  A planned restart (no incident: the grow back
+    at a checkpoint) is restart time and loses nothing."""
+    assert "capacity" in PARTS and PARTS.index("capacity") > PARTS.index("straggler")
+    ev: list[Event] = [StepDone(0, s, 2.0 * (s + 1), 2.0, capacity_s=1.0) for s in range(10)]
+    ev += [CheckpointSaved(20.0, 10),
+           RestartDecided(20.0, 1, resume_step=10),  # grow back from the save, 5 s
+           Resumed(25.0, 1, 10)]
+    ev += [StepDone(1, s, 25.0 + (s - 9), 1.0) for s in range(10, 15)]  # full world again
+    b = feed_all(ev).snapshot(now=30.0)
+    assert b.capacity == pytest.approx(10 * 1.0)
+    assert b.productive == pytest.approx(10 * 1.0 + 5 * 1.0)
+    assert b.restart == pytest.approx(5.0) and b.lost == 0.0 and b.steps_final == 15
+    assert_adds_up(b)
+    # a crash in step 15 rolls back to step 5's checkpoint: shrunk steps 5-9 (capacity and
+    # all) and full steps 10-14 are lost
+    ev = [*ev[:10], CheckpointSaved(10.0, 5), *ev[10:],
+          Incident(31.0, "crash", t_fault=30.5), RestartDecided(31.0, 2, resume_step=5)]
+    b = feed_all(ev).snapshot(now=31.0)
+    assert b.capacity == pytest.approx(5 * 1.0)
+    assert b.lost == pytest.approx(5 * 2.0 + 5 * 1.0 + 0.5)  # and the step in flight
+    assert_adds_up(b)
+
+
+def test_capacity_is_capped_at_what_the_step_leaves() -> None:
+    acc = feed_all([StepDone(0, 0, 2.0, 2.0, data_s=0.5, straggler_s=0.5, capacity_s=5.0)])
+    b = acc.snapshot(now=2.0)
+    assert (b.data_wait, b.straggler, b.capacity, b.productive) == (0.5, 0.5, 1.0, 0.0)

@@ -1,6 +1,8 @@
 """The simulated long run: the ETTR accumulator on a Poisson failure schedule agrees with
 Meta's expected-ETTR model, and each fault kind lands in its part; a node that died for good
-restarts the gang once a spare, a repaired node or one from outside takes its rank."""
+restarts the gang once a spare, a repaired node or one from outside takes its rank, or
+at once on the nodes left (down to ``min_nodes``), growing back at a checkpoint once a node
+comes."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import math
 
 import pytest
 
-from trainwarden.supervisor.goodput.ettr import CheckpointSaved, Event, Incident, Resumed
+from trainwarden.supervisor.goodput.ettr import (
+    CheckpointSaved,
+    Event,
+    Incident,
+    RestartDecided,
+    Resumed,
+    StepDone,
+)
 from trainwarden.supervisor.goodput.interval import expected_ettr
 from trainwarden.supervisor.goodput.simulate import (
     LLAMA3_HARDWARE_SHARE,
@@ -260,3 +269,105 @@ def test_the_node_settings_are_bounded() -> None:
         node_run(spares=-1)
     with pytest.raises(ValueError, match=r"^SimConfig\.replace_s must be >= 0"):
         node_run(replace_s=-1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Shrinking to the nodes left
+
+
+def shrink_run(**kw: object) -> SimConfig:
+    """``node_run`` on 16 nodes, a node from outside 10 min after each loss, no spares,
+    asynchronous saves written in 3 s."""
+    base: dict[str, object] = dict(nodes=16, replace_s=600.0, write_s=3.0)
+    return node_run(**{**base, **kw})
+
+
+def test_without_min_nodes_or_at_the_full_world_the_run_waits_as_before() -> None:
+    waits = shrink_run()
+    for same in (shrink_run(min_nodes=16), shrink_run(min_nodes=16, replica_nodes=4),
+                 shrink_run(nodes=1)):
+        assert not same.shrinks
+        assert events(same) == events(waits)
+        assert simulate(same).breakdown == simulate(waits).breakdown
+    r = simulate(waits)
+    assert r.breakdown.capacity == 0.0
+    assert (r.nodes.shrinks, r.nodes.grows, r.nodes.shrunk_s, r.nodes.fewest_nodes) == (
+        0, 0, 0.0, None)
+
+
+def test_a_loss_with_no_spare_restarts_at_once_on_the_nodes_left_and_grows_back() -> None:
+    """Each loss restarts 10 s after its detection on 15 of 16 nodes (steps 16/15 as long,
+    the extra their capacity); the run grows back at the first checkpoint after the node
+    from outside arrived, a planned restart from that checkpoint once it is written."""
+    cfg = shrink_run(min_nodes=12)
+    evs = events(cfg)
+    r = simulate(cfg)
+    b, n = r.breakdown, r.nodes
+    pairs = losses([e for e in evs if not isinstance(e, Resumed) or _after_incident(evs, e)])
+    assert [s - d for d, s in pairs] == [pytest.approx(10.0)] * len(pairs)
+    assert n.losses == n.shrinks == len(pairs) >= 20 and n.waits == 0 and n.wait_s == 0.0
+    assert 0 < n.grows <= n.shrinks and n.fewest_nodes is not None and n.fewest_nodes <= 15
+    shrunk = [e for e in evs if isinstance(e, StepDone) and e.capacity_s > 0]
+    assert shrunk and all(e.step_s == pytest.approx(10.0 * 16 / 15) for e in shrunk
+                          if e.capacity_s == pytest.approx(10.0 / 15))
+    assert n.shrunk_s == pytest.approx(sum(e.step_s or 0.0 for e in shrunk))
+    # each grow back: decided at a save's release, resumed once written (3 s) and restarted
+    grows = [(d, next(x for x in evs if isinstance(x, Resumed) and x.attempt == d.attempt))
+             for d in evs if isinstance(d, RestartDecided) and not _incident_at(evs, d.t)]
+    assert len(grows) == n.grows
+    for decided, resumed in grows:
+        assert resumed.t - decided.t == pytest.approx(3.0 + 10.0)
+        assert resumed.step == decided.resume_step
+    assert n.grow_s == pytest.approx(13.0 * n.grows)
+    # capacity as the accumulator reads it: the shrunk steps on the lineage, beyond 10 s each
+    assert 0 < b.capacity <= sum(e.capacity_s for e in shrunk) + 1e-6
+    assert sum(b.parts().values()) == pytest.approx(b.wall_s)
+    assert b.ettr is not None and b.ettr > (simulate(shrink_run()).breakdown.ettr or 0.0)
+    assert simulate(cfg) == r  # deterministic for a seed
+
+
+def _incident_at(evs: list[Event], t: float) -> bool:
+    return any(isinstance(e, Incident) and e.t_detected == t for e in evs)
+
+
+def _after_incident(evs: list[Event], resumed: Resumed) -> bool:
+    """A resume that follows an incident's restart (not a grow back)."""
+    decided = next(e for e in evs if isinstance(e, RestartDecided)
+                   and e.attempt == resumed.attempt)
+    return _incident_at(evs, decided.t)
+
+
+def test_below_min_nodes_the_run_waits_for_the_first_node_back() -> None:
+    """min_nodes 15 of 16: one loss shrinks; a second one while shrunk waits for the first
+    replacement to arrive (back to 15), not for its own."""
+    cfg = shrink_run(min_nodes=15, replace_s=6 * HOUR, mtbf_s=HOUR, days=3)
+    r = simulate(cfg)
+    assert 0 < r.nodes.waits < r.nodes.losses and r.nodes.shrinks > 0
+    assert r.nodes.fewest_nodes == 15
+    assert r.nodes.waits + r.nodes.shrinks == r.nodes.losses
+    assert r.nodes.wait_s < r.nodes.waits * 6 * HOUR  # the node before it came sooner
+
+
+def test_a_replica_leaves_with_its_node_and_steps_slow_with_the_efficiency() -> None:
+    cfg = shrink_run(min_nodes=8, replica_nodes=4, shrink_efficiency=0.8)
+    steps = {round(e.step_s or 0.0, 9) for e in events(cfg) if isinstance(e, StepDone)}
+    # 12 of 16 nodes at 80%: 10 x 16 / 12 / 0.8; 8 of 16 if two losses overlap
+    assert round(10.0 * 16 / 12 / 0.8, 9) in steps
+    assert steps <= {10.0, round(10.0 * 16 / 12 / 0.8, 9), round(10.0 * 16 / 8 / 0.8, 9)}
+    assert simulate(cfg).nodes.fewest_nodes in (8, 12)
+
+
+def test_the_shrink_settings_are_bounded() -> None:
+    with pytest.raises(ValueError, match=r"^SimConfig\.min_nodes must be <= nodes \(16\) "
+                                         r"\(got 17\); set nodes to the full world"):
+        shrink_run(min_nodes=17)
+    with pytest.raises(ValueError, match=r"^SimConfig\.min_nodes must be an integer >= 1 "
+                                         r"\(got 0\); leave it unset not to shrink"):
+        shrink_run(min_nodes=0)
+    with pytest.raises(ValueError, match=r"^SimConfig\.replica_nodes must be a divisor of "
+                                         r"nodes \(16\) \(got 3\)"):
+        shrink_run(replica_nodes=3)
+    with pytest.raises(ValueError, match=r"^SimConfig\.shrink_efficiency must be in \(0, 1\]"):
+        shrink_run(shrink_efficiency=1.5)
+    with pytest.raises(ValueError, match=r"^SimConfig\.nodes must be an integer >= 1"):
+        shrink_run(nodes=0)
