@@ -34,6 +34,7 @@ from trainwarden.supervisor.enums import (
     RunStatus,
     SupervisorEvent,
 )
+from trainwarden.supervisor.store import efficiency as eff
 from trainwarden.supervisor.store import hosts, registry, windows
 from trainwarden.supervisor.store import membership as store_membership
 from trainwarden.supervisor.store import recovery as rec
@@ -149,7 +150,7 @@ def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
 
 def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None,
                  grow: bool = False
-                 ) -> tuple[membership.MemberPlan, RunMembership, policy.ShrinkChoice | None]:
+                 ) -> tuple[membership.MemberPlan, RunMembership, policy.ResizeChoice | None]:
     """The members the next attempt gets (``membership.plan_members`` on the store's
     facts), and, when a node rank has no node fit to run and the run accepts fewer nodes,
     the policy's choice between shrinking and waiting (None: there was none to make)."""
@@ -160,14 +161,16 @@ def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | N
     world = facts.current or len(plan.members)
     fit = world - len(plan.waiting) - len(plan.kept_cordoned)
     choice = policy.choose_shrink(declared=plan.full or world, world=world, fit=fit,
-                                  min_nodes=facts.min_nodes)
+                                  min_nodes=facts.min_nodes,
+                                  figures=policy.ElasticFigures(
+                                      **eff.elastic_figures(conn, run_id=run_id)))
     if choice.shrink:
         plan = membership.plan_members(facts, shrink=True)
     return plan, m, choice
 
 
 def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan,
-                   m: RunMembership, now: float, choice: policy.ShrinkChoice | None = None
+                   m: RunMembership, now: float, choice: policy.ResizeChoice | None = None
                    ) -> tuple[list[int], dict[str, Any] | None]:
     """Record the attempt's members; returns the agents its restart commands go to (the
     members fit to run: a waiting rank's missing node gets none) and the membership the

@@ -46,6 +46,7 @@ from trainwarden.supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
+from trainwarden.supervisor.goodput import elastic
 
 
 def setting_name(field: str) -> str:
@@ -531,7 +532,23 @@ def on_grow(run: RunFacts, *, joined: Sequence[str], world: int, declared: int,
 
 
 @dataclass(frozen=True)
-class ShrinkChoice:
+class ElasticFigures:
+    """The run's own figures the choice between shrinking and waiting reads (None: not
+    measured yet; the documented assumption is used and said)."""
+
+    step_s: float | None = None  # a step's time, the newest steps
+    restart_s: float | None = None  # a restart's decision to its first step, mean
+    interval_s: float | None = None  # between two checkpoints of one attempt, mean
+
+
+# What an unmeasured figure is taken as (said in the reason when used).
+ASSUMED_STEP_S = 1.0
+ASSUMED_RESTART_S = 60.0
+ASSUMED_INTERVAL_S = 600.0
+
+
+@dataclass(frozen=True)
+class ResizeChoice:
     """Whether a restart that finds a node rank with no node fit to run (and no free spare)
     goes on with fewer nodes, and why (the restart's reason carries it)."""
 
@@ -539,21 +556,31 @@ class ShrinkChoice:
     reason: str
 
 
-def choose_shrink(*, declared: int, world: int, fit: int, min_nodes: int | None
-                  ) -> ShrinkChoice:
-    """Shrink to the ``fit`` members, or wait for a node.  A run shrinks only when it accepts
-    that world (``min_nodes``); then a smaller world trains at ``fit / world`` of the speed
-    at once, where waiting trains nothing until a node arrives."""
+def choose_shrink(*, declared: int, world: int, fit: int, min_nodes: int | None,
+                  figures: ElasticFigures | None = None) -> ResizeChoice:
+    """Shrink to the ``fit`` members, or wait for a node: only within the run's
+    ``min_nodes``, and then by the training each option is expected to lose
+    (``goodput.elastic.choose``, from the run's own step, restart and checkpoint times; a
+    lost node's return time is unknown)."""
     if min_nodes is None or min_nodes >= world:
-        return ShrinkChoice(False, f"the run accepts no fewer than {world} nodes "
+        return ResizeChoice(False, f"the run accepts no fewer than {world} nodes "
                                    "(trainwarden agent --min-nodes): it waits for a node")
     if fit < min_nodes:
-        return ShrinkChoice(False, f"only {fit} node(s) fit to run, fewer than the "
+        return ResizeChoice(False, f"only {fit} node(s) fit to run, fewer than the "
                                    f"{min_nodes} the run accepts (--min-nodes): it waits for "
                                    "a node")
-    return ShrinkChoice(True, f"no spare is free: shrinking to {fit} of {declared} nodes "
-                              f"(--min-nodes {min_nodes}) trains at {fit}/{declared} of full "
-                              "speed at once, waiting trains nothing until a node arrives")
+    f = figures or ElasticFigures()
+    assumed = [name for name, v in (("step", f.step_s), ("restart", f.restart_s),
+                                    ("checkpoint interval", f.interval_s)) if v is None]
+    loss = elastic.NodeLoss(
+        nodes=declared, live_nodes=fit, min_nodes=min_nodes,
+        step_s=f.step_s if f.step_s is not None and f.step_s > 0 else ASSUMED_STEP_S,
+        restart_s=f.restart_s if f.restart_s is not None else ASSUMED_RESTART_S,
+        to_checkpoint_s=(f.interval_s if f.interval_s is not None else ASSUMED_INTERVAL_S) / 2)
+    c = elastic.choose(loss)
+    said = (f"; not measured yet, assumed: {', '.join(assumed)} time"
+            if assumed else "")
+    return ResizeChoice(c.choice == "shrink", f"no spare is free: {c.reason}{said}")
 
 
 def on_member_cordoned(run: RunFacts, *, cordoned: Sequence[str], pending: ResumePlan,

@@ -173,3 +173,29 @@ def rank_phase_means(conn: Connection, *, run_id: int, attempt: int, step_from: 
          .group_by(c.rank).order_by(c.rank))
     return [(int(r), None if d is None else float(d), None if k is None else float(k),
              None if s is None else float(s)) for r, d, k, s in conn.execute(q)]
+
+
+ELASTIC_STEPS_READ = 50  # the newest steps whose time a shrink-or-wait choice reads
+
+
+def elastic_figures(conn: Connection, *, run_id: int) -> dict[str, float | None]:
+    """The run's figures a choice between shrinking and waiting reads (None: not measured):
+    ``step_s``, the median of its newest steps' time (the slowest rank's); ``restart_s``, the
+    mean decision-to-first-step time of its restarts that reached a first step;
+    ``interval_s``, the mean time between two consecutive complete checkpoints of one
+    attempt."""
+    sa = step_aggregates.c
+    times = sorted(float(t) for (t,) in conn.execute(
+        select(sa.step_s_max).where(sa.run_id == run_id, sa.step_s_max.is_not(None))
+        .order_by(sa.t_last.desc()).limit(ELASTIC_STEPS_READ)) if math.isfinite(float(t)))
+    step_s = times[len(times) // 2] if times else None
+    restarts = [m["first_step"] - m["decided"]
+                for m in restart_milestones(conn, run_id=run_id).values()
+                if m["first_step"] is not None and m["decided"] is not None
+                and m["first_step"] >= m["decided"]]
+    ckpts = complete_checkpoints(conn, run_id=run_id)
+    gaps = [float(b["t"]) - float(a["t"]) for a, b in itertools.pairwise(ckpts)
+            if a["attempt"] == b["attempt"] and b["t"] > a["t"]]
+    return {"step_s": step_s,
+            "restart_s": sum(restarts) / len(restarts) if restarts else None,
+            "interval_s": sum(gaps) / len(gaps) if gaps else None}

@@ -247,3 +247,13 @@ def test_a_second_restart_counts_the_exits_of_its_own_attempt_only(
     assert first["workers_stopped"] == pytest.approx(t0 + 67.5)
     assert second["workers_stopped"] == pytest.approx(t0 + 130)
     assert second["first_step"] is None  # attempt 2 has not started
+
+
+def test_the_figures_a_shrink_or_wait_choice_reads(client: TestClient, clock: FakeClock,
+                                                   evaluator: Evaluator, db: Database) -> None:
+    script(client, clock, evaluator)
+    with db.read() as conn:
+        f = eff.elastic_figures(conn, run_id=1)
+    assert f["restart_s"] == pytest.approx(75.0 - 66.0)  # decided -> first step
+    assert f["interval_s"] == pytest.approx(20.0)  # checkpoints 20 s apart in an attempt
+    assert f["step_s"] == pytest.approx(0.7)  # the slowest rank's step, the median step

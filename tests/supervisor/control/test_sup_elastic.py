@@ -74,10 +74,15 @@ def test_a_shrunk_world_grows_back_only_when_asked_and_only_with_free_nodes() ->
     assert not can_shrink(facts(min_nodes=3))
 
 
-def test_the_policy_shrinks_only_within_min_nodes_and_says_why() -> None:
+def test_the_policy_shrinks_only_within_min_nodes_by_the_training_each_option_loses() -> None:
+    figures = policy.ElasticFigures(step_s=0.5, restart_s=10.0, interval_s=20.0)
+    c = policy.choose_shrink(declared=2, world=2, fit=1, min_nodes=1, figures=figures)
+    # an unknown return (4 h) waited for loses far more than a shrink and a grow back
+    assert c.shrink and c.reason.startswith("no spare is free: shrink on 1 of 2 nodes: "), c
+    assert "return time unknown" in c.reason and "assumed" not in c.reason
     c = policy.choose_shrink(declared=2, world=2, fit=1, min_nodes=1)
-    assert c.shrink and "shrinking to 1 of 2 nodes" in c.reason
-    c = policy.choose_shrink(declared=3, world=3, fit=1, min_nodes=2)
+    assert c.shrink and "assumed: step, restart, checkpoint interval time" in c.reason
+    c = policy.choose_shrink(declared=3, world=3, fit=1, min_nodes=2, figures=figures)
     assert not c.shrink and "fewer than the 2" in c.reason
     assert not policy.choose_shrink(declared=2, world=2, fit=1, min_nodes=None).shrink
 
@@ -122,7 +127,7 @@ def test_a_lost_member_without_a_spare_shrinks_the_run_then_it_grows_back_at_a_c
     (act,) = get(client, "/actions")["actions"]
     assert act["cause"] == "node_lost"
     assert "the world shrinks from 2 to 1 of 2 nodes" in act["reason"], act["reason"]
-    assert "no spare is free: shrinking to 1 of 2 nodes" in act["reason"]
+    assert "no spare is free: shrink on 1 of 2 nodes" in act["reason"]
     m = act["plan"]["membership"]
     assert m["members"] == {"n0": 0} and m["nnodes"] == 1 and m["declared"] == 2
     assert m["waiting"] == [] and m["epoch"] == 1
