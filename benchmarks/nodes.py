@@ -11,6 +11,10 @@ whole process tree of the node holding node rank 1 (agent, torchrun, worker) is 
   progress mark), with the restart anatomy's phases of that restart (stop, launch,
   rendezvous, checkpoint load, first step), and whether the run ends with the clean run's
   weights.
+* ``shrink``: no spare, both members started with ``--min-nodes 1``: the run goes on with the
+  surviving node (the same global batch, two micro-batches per step on its one rank).
+  Measured as ``spare``: to the decision, to the first step on the smaller world, that
+  restart's phases, and whether the run ends with the clean two-node run's weights.
 * ``none``: no spare (what a run without spares gets, and what every run got before spares:
   its gang restart waits for the node that is gone).  Measured: whether a step resumes within
   ``--wait`` seconds after the kill, the run's status and reason at the end of the wait, and
@@ -18,6 +22,7 @@ whole process tree of the node holding node rank 1 (agent, torchrun, worker) is 
 
     .venv/bin/python benchmarks/nodes.py --json /tmp/nodes.json
     .venv/bin/python benchmarks/nodes.py --modes spare --repeat 3
+    .venv/bin/python benchmarks/nodes.py --modes shrink --repeat 3
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
     try:
         for node in ("node0", "node1"):
             agents[node] = Agent(sup.url, run, node, work / node,
-                                 _command(work, run, port, args.steps, train))
+                                 _command(work, run, port, args.steps, train),
+                                 agent_args=("--min-nodes", "1") if mode == "shrink" else ())
         if mode == "spare":
             agents["spare0"] = Agent(sup.url, run, "spare0", work / "spare0",
                                      _command(work, run, port, args.steps, train),
@@ -72,7 +78,7 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
         killed_at = time.time()
         agents[victim].signal_tree(signal.SIGKILL)
         out["victim"] = victim
-        if mode == "spare":
+        if mode in ("spare", "shrink"):
             def replaced() -> dict[str, Any] | None:
                 acts = sup.get(f"/runs/{run}/actions")["actions"]
                 done = [a for a in acts if a["cause"] == "node_lost"
@@ -114,7 +120,8 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", default="spare,none", help="spare, none (comma-separated)")
+    p.add_argument("--modes", default="spare,shrink,none",
+                   help="spare, shrink, none (comma-separated)")
     p.add_argument("--repeat", type=int, default=1, help="runs per mode")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--kill-at", type=int, default=120)

@@ -153,6 +153,9 @@ class BadputSeconds(_Answer):
     checkpoint: float | None
     data_wait: float | None
     straggler: float | None
+    capacity: float | None = Field(description="the slower steps of a shrunk world: of each "
+                                                "step on k of N declared nodes, 1 - k/N of "
+                                                "its time")
     idle: float | None
     other: float | None
 

@@ -138,7 +138,7 @@ def restart_cause(actor: str | None, cause: str | None) -> str:
     return cause or RestartCause.CRASH
 
 
-RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE, RestartCause.REPLACE)
+RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE, RestartCause.REPLACE, RestartCause.GROW)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ What becomes which event:
   step's time, the workers training on through it), else the end of that attempt's newest
   step: when progress stopped);
 * restart actions -> ``RestartDecided`` at creation (a rollback's target as the resume step)
-  and ``Resumed`` when it resumed;
+  and ``Resumed`` when it resumed; a restart whose membership runs fewer nodes than the run
+  declares (a shrink) makes its attempt's steps complete with that share of the ranks, and
+  each such step's time beyond the full world's (``1 - nodes / declared`` of it) is
+  ``capacity``;
 * the run's ``PresenceEvent`` rows -> ``AgentsDown`` at an ``agents_down``'s ``since`` (the
   newest heartbeat before the agents went silent for the node-lost deadline), ``AgentsUp`` at
   the first ``agent_registered`` after it (an agent process started) or an ``agents_up``;
@@ -30,6 +33,7 @@ What becomes which event:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,7 +66,8 @@ MAX_PARTIAL_STEPS = 4096  # steps waiting for their last rank, oldest dropped be
 # part each reads.
 CAUSES = {"lost_progress": "lost", "detection": "detection", "restart": "restart",
           "startup": "startup", "checkpoint": "checkpoint", "data_wait": "data_wait",
-          "straggler": "straggler", "idle": "idle", "other": "other"}
+          "straggler": "straggler", "capacity": "capacity", "idle": "idle",
+          "other": "other"}
 NOT_MEASURED: dict[str, str] = {}  # causes not measured (null in the API), with the reason
 FINAL_ACTION = frozenset({ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatus.SUPERSEDED,
                           ActionStatus.DONE})
@@ -104,6 +109,8 @@ class LiveGoodput:
     ended: bool = False
     _partial: dict[tuple[int, int], _Partial] = field(default_factory=dict)
     _last_step_t: dict[int, float] = field(default_factory=dict)  # attempt -> newest step end
+    # attempt -> (nodes, declared nodes) of an attempt that runs fewer nodes than declared
+    _shrunk: dict[int, tuple[int, int]] = field(default_factory=dict)
     # snapshots, one per SERIES_EVERY_S, for the series and the windowed ETTR
     history: deque[Breakdown] = field(default_factory=lambda: deque(maxlen=SERIES_POINTS))
 
@@ -137,6 +144,9 @@ class LiveGoodput:
               incidents: Iterable[Mapping[str, Any]],
               actions: Iterable[Mapping[str, Any]], presence: Iterable[Mapping[str, Any]],
               ended_at: float | None) -> None:
+        actions = list(actions)
+        for a in actions:  # first: an attempt's world is known before its steps
+            self._learn_world(a)
         events: list[Event] = []
         events.extend(self._steps(steps, max(1, world)))
         for c in checkpoints:
@@ -156,7 +166,7 @@ class LiveGoodput:
                 fault = self._last_step_t.get(int(inc["attempt"]))
             events.append(Incident(t_detected=float(inc["opened_at"]), kind=str(inc["kind"]),
                                    t_fault=None if fault is None else float(fault)))
-        for a in actions:
+        for a in actions:  # (after the incidents: one at a decision's time comes first)
             events.extend(self._action(a))
         for p in presence:
             events.extend(self._presence(p))
@@ -183,7 +193,7 @@ class LiveGoodput:
                 p.step_s += step_s
                 p.data_s += data_s
                 p.pre_s += pre_s
-            if len(p.ranks) >= world:
+            if len(p.ranks) >= self._ranks_of(attempt, world):
                 done.append(key)
         out: list[Event] = []
         for key in done:
@@ -197,10 +207,19 @@ class LiveGoodput:
             out.append(self._gang(min(partial)))
         return out
 
+    def _ranks_of(self, attempt: int, world: int) -> int:
+        """The ranks a step of ``attempt`` has: the run's, or its share on a shrunk world."""
+        shrunk = self._shrunk.get(attempt)
+        return world if shrunk is None else max(1, world * shrunk[0] // shrunk[1])
+
     def _gang(self, key: tuple[int, int]) -> Event:
         p = self._partial.pop(key)
         self._last_step_t[key[0]] = max(p.t, self._last_step_t.get(key[0], p.t))
-        return gang_step_values(key[0], key[1], p.t, p.step_s, p.data_s, p.pre_s)
+        done = gang_step_values(key[0], key[1], p.t, p.step_s, p.data_s, p.pre_s)
+        shrunk = self._shrunk.get(key[0])
+        if shrunk is None or done.step_s is None:
+            return done
+        return dataclasses.replace(done, capacity_s=done.step_s * (1 - shrunk[0] / shrunk[1]))
 
     def _action(self, a: Mapping[str, Any]) -> list[Event]:
         aid = int(a["id"])
@@ -222,6 +241,14 @@ class LiveGoodput:
         else:
             self.pending_actions.add(aid)
         return out
+
+    def _learn_world(self, a: Mapping[str, Any]) -> None:
+        """A restart whose membership runs fewer nodes than declared: its attempt's steps
+        have that share of the ranks, and their extra time is capacity lost."""
+        m = (a.get("plan") or {}).get("membership")
+        if isinstance(m, dict) and isinstance(m.get("nnodes"), int) and isinstance(
+                m.get("declared"), int) and 0 < m["nnodes"] < m["declared"]:
+            self._shrunk[int(a["attempt"])] = (int(m["nnodes"]), int(m["declared"]))
 
     def _presence(self, p: Mapping[str, Any]) -> list[Event]:
         name, details = p["name"], p.get("details") or {}

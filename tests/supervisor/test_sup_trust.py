@@ -243,7 +243,7 @@ def test_a_node_beyond_the_world_the_members_declare_is_a_spare_and_steers_nothi
         r = _register_cmd(client, "r1", f"n{i}", command)
         assert r.status_code == 200 and r.json()["membership"] == {
             "role": "member", "node_rank": i, "nnodes": admitted, "epoch": 0,
-            "endpoint": "testclient:29500"}, r.text
+            "endpoint": "testclient:29500", "declared": admitted}, r.text
     r = _register_cmd(client, "r1", "extra", ["torchrun", "--nnodes=99", "train.py"])
     assert r.status_code == 200, r.text
     assert r.json()["membership"]["role"] == "spare", r.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.supervisor.sup_helpers import (
@@ -145,9 +146,15 @@ def test_a_lost_member_without_a_spare_shrinks_the_run_then_it_grows_back_at_a_c
     assert _nodes_cell(run).endswith(" SHRUNK"), _nodes_cell(run)
     # the survivor takes the restart and trains attempt 1 on one node
     assert [c["kind"] for c in ingest(client, ids["n0"], 2, [])["commands"]] == ["restart"]
-    ingest(client, ids["n0"], 3, [step(0, 1, attempt=1), step(0, 2, attempt=1)], attempt=1)
+    t = clock.now
+    ingest(client, ids["n0"], 3, [step(0, 1, attempt=1, t=t + 1), step(0, 2, attempt=1, t=t + 2)],
+           attempt=1)
+    clock.advance(3)
     evaluator.tick()
     assert get(client, "")["status"] == "running"
+    # the goodput counts the shrunk steps (one rank of the two is all they have), and half
+    # of each one's 0.25 s as capacity lost: the full world would have taken 0.125 s
+    assert get(client, "")["goodput"]["badput_s"]["capacity"] == pytest.approx(2 * 0.125)
     # the lost node comes back (a new agent process on it): a spare, not a member yet
     back = register(client, node="n1", min_nodes=1)
     assert back["membership"]["role"] == "spare", back
