@@ -125,6 +125,9 @@ class Agent:
         self.batch_phase = random.random() if batch_phase is None else batch_phase
         self._signal: int | None = None
         self._registered_attempt_checked = False
+        # Launched before the supervisor answered (its membership unknown): the first
+        # registration reply realigns the workers with it.
+        self._launched_unregistered = False
         self.started_at = clock()
         self.watch = HangWatch(config.hang)
         self._hung_attempt: int | None = None
@@ -491,6 +494,7 @@ class Agent:
         if self.uplink.refused:
             self._refused()
         elif reply is None:
+            self._launched_unregistered = True
             log.warning("the supervisor did not accept the registration within %.0f s: "
                         "launching attempt %d from the local state (run uuid %s); it is "
                         "checked once the supervisor answers", self.cfg.register_wait_s,
@@ -550,12 +554,50 @@ class Agent:
         if reg is None or self._registered_attempt_checked:
             return
         self._registered_attempt_checked = True
+        if self._launched_unregistered:
+            self._launched_unregistered = False
+            self._learn_registration(reg)
+            self._realign_membership()
         # Training was launched before registering (it never waits on the supervisor), so it
         # runs the attempt this node last knew; say so when the supervisor knows better.
         if reg.get("attempt") not in (None, self._attempt):
             log.warning("supervisor says the run is at attempt %s, local workers run attempt "
                         "%d: the supervisor's next restart command realigns them",
                         reg.get("attempt"), self._attempt)
+
+    def _realign_membership(self) -> None:
+        """A registration answered after torchrun was launched as written (the supervisor was
+        away at the start): the other members run the static rendezvous of the membership
+        the supervisor decided, and would wait on this node for ever.  Relaunch this node's
+        workers as its node rank (the same attempt, from the newest checkpoint), or stop
+        them when it is a spare."""
+        if not (self.launcher.running or self.launcher.stopping) or self.executor.busy:
+            return
+        if self.role == NodeRole.MEMBER:
+            if self.membership is None:
+                return
+            want = rewrite(self.cfg.command, self.membership)
+            if self.launcher.command == want:
+                return
+        log.warning("the supervisor answered after torchrun was launched as written: "
+                    "relaunching attempt %d as %s", self._attempt,
+                    f"node rank {self.membership.node_rank} of membership epoch "
+                    f"{self.membership.epoch}" if self.membership is not None
+                    and self.role == NodeRole.MEMBER else "a spare (nothing runs)")
+        self.launcher.stop()
+        self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
+                    "name": protocol.AgentEventName.MEMBERSHIP_REALIGNED,
+                    "message": "relaunched for the membership the supervisor decided",
+                    "details": {"role": self.role,
+                                "node_rank": self.membership.node_rank
+                                if self.membership is not None else None,
+                                "epoch": self.membership.epoch
+                                if self.membership is not None else None}})
+        if self.role == NodeRole.MEMBER:
+            self.launch(self._attempt, self.plan_path)
+        else:
+            self.exit_reported = True  # a spare's stop is no exit of the run's
+            self.state = AgentState.SPARE
 
     def _replace_foreign_state(self, reply: protocol.RegisterReply) -> None:
         """The supervisor answered only after the workers were launched from the local state,

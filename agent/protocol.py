@@ -148,6 +148,11 @@ class AgentEventName(StrEnum):
     # The agent found it had not run for longer than the node-lost deadline (stopped,
     # frozen) and killed its workers; details: {"gap_s", "node_lost_s"}.
     WOKE_UP = "agent_woke_up"
+    # The supervisor answered only after torchrun was launched as written (it was away at the
+    # start), and its membership asks for another command (the static rendezvous of this
+    # node's rank, or nothing for a spare): the workers were relaunched as it says;
+    # details: {"role", "node_rank", "epoch"}.
+    MEMBERSHIP_REALIGNED = "membership_realigned"
 
 
 # The name ``trainwarden.agent.uplink`` uses (kept for it).

@@ -46,6 +46,7 @@ class FakeSupervisor:
         self.attempt = 0
         self.protect: list[str] | None = None  # None: an older supervisor (no field)
         self.run_uuid: str | None = "uuid-of-run-1"  # None: an older supervisor (no field)
+        self.membership: dict[str, Any] | None = None  # the registration reply's, when set
         self.finished: str | None = None  # the run has ended: registration answers 409
 
     # -- behaviour ---------------------------------------------------------------------------
@@ -70,6 +71,8 @@ class FakeSupervisor:
                        "next_seq": max(self.next_seq, stored), "heartbeat_interval_s": 1.0}
                 if self.run_uuid is not None:
                     reg["run_uuid"] = self.run_uuid
+                if self.membership is not None:
+                    reg["membership"] = self.membership
                 return 200, reg
             if method == "POST" and path == "/api/v1/ingest":
                 seq = data["seq"]

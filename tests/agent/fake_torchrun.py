@@ -14,6 +14,7 @@ Modes (``--mode``):
             torch's failure summary and exits 1 (as torchrun does)
   hang      workers send ``--steps`` steps, then block in ``stuck_in_collective`` forever;
             like the real in-training library they dump their stacks on SIGUSR1
+Unknown options (torchrun's ``--nnodes``, ``--node-rank``...) are accepted and recorded.
 Options: ``--ignore-term`` makes workers (and a grandchild each) ignore SIGTERM;
 ``--grandchild`` gives each worker a child that sleeps forever.
 """
@@ -45,6 +46,7 @@ def _record(pid_dir: Path, role: str) -> None:
     data: dict[str, Any] = {k: os.environ.get(k) for k in keys}
     data["pid"] = os.getpid()
     data["role"] = role
+    data["argv"] = sys.argv[1:]
     plan = os.environ.get(protocol.ENV_RESUME_PLAN)
     if plan:
         data["plan"] = json.loads(Path(plan).read_text())
@@ -179,7 +181,9 @@ def main() -> int:
     ap.add_argument("--code", type=int, default=0)
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--grandchild", action="store_true")
-    args = ap.parse_args()
+    # torchrun's own rendezvous options (what the agent writes for a membership) are taken
+    # and recorded (``argv``), not acted on
+    args, _ = ap.parse_known_args()
     return {"torchrun": torchrun, "worker": worker, "grandchild": grandchild}[args.role](args)
 
 

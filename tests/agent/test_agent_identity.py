@@ -192,3 +192,69 @@ def test_a_foreign_state_found_only_once_the_supervisor_answers_is_replaced(
         w["pid"] not in fake_run.alive("worker") for w in _workers(fake_run, "1"))
     _tick_until(agent, lambda: fresh.items("step"), "steps delivered")
     assert {s["attempt"] for s in fresh.items("step")} == {0}
+
+
+def _torchrun_named(fake_run: FakeRun) -> list[str]:
+    """The fake torchrun behind an executable named ``torchrun``, with the rendezvous options
+    of the README's two-node command: the agent rewrites it for a membership."""
+    exe = fake_run.tmp_path / "bin" / "torchrun"
+    exe.parent.mkdir(exist_ok=True)
+    inner = fake_run.command("serve")
+    exe.write_text("#!/bin/sh\nexec " + " ".join(inner[:2]) + ' "$@"\n')
+    exe.chmod(0o755)
+    return [str(exe), "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:29400", *inner[2:]]
+
+
+def _torchruns(fake_run: FakeRun) -> list[dict[str, Any]]:
+    return [r for r in fake_run.records("torchrun")]
+
+
+def test_a_member_launched_before_the_supervisor_answered_is_relaunched_as_its_rank(
+        xdg: Path, fake_run: FakeRun, fake_supervisor: FakeSupervisor,
+        agents: list[Agent]) -> None:
+    """The supervisor is away at the start: torchrun runs as written (training never waits
+    on it).  The other members run the static rendezvous the supervisor decided and would
+    wait on this node for ever, so once the registration answers, this node's workers are
+    relaunched as its node rank, the same attempt."""
+    fake_supervisor.down = "connect"
+    fake_supervisor.membership = {"role": "member", "node_rank": 1, "nnodes": 2, "epoch": 3,
+                                  "endpoint": "10.0.0.5:29403", "declared": 2}
+    cfg = AgentConfig(supervisor_url="http://supervisor.test", run="run1", node="node1",
+                      command=_torchrun_named(fake_run), token="agent-token",
+                      stop_grace_s=0.5, flush_timeout_s=2.0, register_wait_s=0.2)
+    agent = _agent(agents, cfg, fake_supervisor)
+    agent.start()
+    first = wait_for(lambda: _torchruns(fake_run), what="torchrun as written")
+    assert "--rdzv-backend=c10d" in first[0]["argv"]
+    fake_supervisor.down = None
+    agent.uplink._next_try = 0.0  # no need to sit out the backoff
+    again = _tick_until(agent, lambda: [r for r in _torchruns(fake_run)
+                                        if "--node-rank=1" in r["argv"]], "the relaunch")
+    assert "--rdzv-endpoint=10.0.0.5:29403" in again[0]["argv"]
+    assert again[0][protocol.ENV_ATTEMPT] == first[0][protocol.ENV_ATTEMPT]
+    assert first[0]["pid"] not in fake_run.alive("torchrun")
+    _tick_until(agent, lambda: [e for e in fake_supervisor.items("event")
+                                if e["name"] == "membership_realigned"], "the event")
+
+
+def test_a_node_the_late_registration_makes_a_spare_stops_what_it_launched(
+        xdg: Path, fake_run: FakeRun, fake_supervisor: FakeSupervisor,
+        agents: list[Agent]) -> None:
+    fake_supervisor.down = "connect"
+    fake_supervisor.membership = {"role": "spare", "node_rank": None, "nnodes": 2, "epoch": 0,
+                                  "endpoint": None, "declared": 2}
+    cfg = AgentConfig(supervisor_url="http://supervisor.test", run="run1", node="node1",
+                      command=_torchrun_named(fake_run), token="agent-token",
+                      stop_grace_s=0.5, flush_timeout_s=2.0, register_wait_s=0.2)
+    agent = _agent(agents, cfg, fake_supervisor)
+    agent.start()
+    wait_for(lambda: fake_run.alive("worker"), what="the workers as written")
+    fake_supervisor.down = None
+    agent.uplink._next_try = 0.0
+    _tick_until(agent, lambda: not fake_run.alive("torchrun") and not fake_run.alive("worker"),
+                "the spare's workers stopped")
+    (ev,) = _tick_until(agent, lambda: [e for e in fake_supervisor.items("event")
+                                        if e["name"] == "membership_realigned"], "the event")
+    assert ev["details"]["role"] == "spare" and agent.state == "spare"
+    assert len(_torchruns(fake_run)) == 1  # nothing relaunched
