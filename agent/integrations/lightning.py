@@ -13,11 +13,11 @@ What it does:
 
 * **Data order.** ``tw.dataloader(ds, batch_size=...)`` hands out trainwarden's global batch
   order (the ``ResumableLoader`` order: global batch ``g`` is a pure function of seed, ``g``
-  and rank; with ``accumulate_grad_batches=k`` a global batch is the ``k`` micro-batches of
-  one optimiser step).  It starts at the resumed step's batch at once, never replays, and
-  never hands out a batch of the plan's skip ranges.  Lightning's ``DistributedSampler`` is not
-  involved (the loader is rank-aware itself).  Its iterator draws nothing from the global RNG
-  (the DataLoader gets a generator of its own).
+  and rank; with ``accumulate_grad_batches=k`` a global batch is every rank's ``k``
+  micro-batches of one optimiser step).  It starts at the resumed step's batch at once, never
+  replays, and never hands out a batch of the plan's skip ranges.  Lightning's
+  ``DistributedSampler`` is not involved (the loader is rank-aware itself).  Its iterator
+  draws nothing from the global RNG (the DataLoader gets a generator of its own).
 * **Checkpoints.** ``tw.model_checkpoint(...)`` is a ``ModelCheckpoint`` that writes
   ``<dir>/step_<N>/checkpoint.ckpt`` (the state after N optimiser steps), adds the per-rank RNG
   states and, once every rank is done, ``trainwarden.json`` (metadata and the size of every
@@ -268,6 +268,7 @@ class TrainwardenCallback(Callback):
                                             grad_norm=grad_norm)
         self._resumed = False
         self._full_accumulation: int | None = None  # the Trainer's own, for the full world
+        self._full_val_check: int | float | None = None  # the Trainer's val_check_interval
         self._sigterm_before: Any = None  # SIGTERM's handler before Lightning installed its own
         self._first = True
         self._hooks: list[Any] = []
@@ -328,14 +329,14 @@ class TrainwardenCallback(Callback):
         if not self._resumed:
             raise RuntimeError("trainwarden: call trainer.fit(..., ckpt_path=tw.ckpt_path()): "
                                "it applies the resume plan and positions the data")
-        self._keep_global_batch(trainer)
+        self._keep_global_batch(trainer, pl_module)
         for loader in self.loaders:
             loader.full_micro = self._full_accumulation or trainer.accumulate_grad_batches
             loader.micro = trainer.accumulate_grad_batches
         # Lightning installs its SIGTERM handler after this hook and before on_train_start.
         self._sigterm_before = signal.getsignal(signal.SIGTERM)
 
-    def _keep_global_batch(self, trainer: pl.Trainer) -> None:
+    def _keep_global_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """On fewer ranks than the run declares, accumulate over more micro-batches so a step
         trains the declared world's global batch: the Trainer's accumulate_grad_batches (the
         full world's) x declared / running."""
@@ -347,11 +348,33 @@ class TrainwardenCallback(Callback):
                                      declared=s.declared_world_size)
         except ValueError as e:
             raise ValueError(f"trainwarden's Lightning callback: {e}") from None
+        if steps != self._full_accumulation and not pl_module.automatic_optimization:
+            raise ValueError(
+                f"trainwarden's Lightning callback: on {s.world_size} of the "
+                f"{s.declared_world_size} ranks declared a step takes {steps} micro-batches, "
+                "which Lightning accumulates for automatic optimization only: restart on the "
+                "full world, or train with automatic optimization")
         if steps != trainer.accumulate_grad_batches:
             log.info("trainwarden: %d of %d declared ranks: accumulate_grad_batches %d -> %d "
                      "(the same global batch)", s.world_size, s.declared_world_size,
                      trainer.accumulate_grad_batches, steps)
             trainer.accumulate_grad_batches = steps
+        # An int val_check_interval counts training micro-batches: validate after the same
+        # optimiser steps as on the full world.
+        if self._full_val_check is None:
+            self._full_val_check = trainer.val_check_interval
+        full = self._full_val_check
+        if isinstance(full, int) and not isinstance(full, bool):
+            batches, rest = divmod(full * steps, self._full_accumulation)
+            if rest:
+                raise ValueError(
+                    f"trainwarden's Lightning callback: val_check_interval={full} training "
+                    f"batches ({full}/{self._full_accumulation} optimiser steps) is no whole "
+                    f"number of batches at {steps} per step on {s.world_size} of the "
+                    f"{s.declared_world_size} ranks declared: give val_check_interval as a "
+                    f"multiple of accumulate_grad_batches ({self._full_accumulation}), or "
+                    "restart on the full world")
+            trainer.val_check_interval = batches
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

@@ -74,7 +74,8 @@ def global_batch(g: int, *, batch_size: int, accumulate: int, declared: int) -> 
 
 
 def fit(ckdir: Path, steps: int, *, batch_size: int = 4, accumulate: int = 1,
-        world: int = 1, every: int = 2) -> SimpleNamespace:
+        world: int = 1, every: int = 2, val_check_interval: int | None = None,
+        manual: bool = False) -> SimpleNamespace:
     """One start of a Lightning run (rank 0 of ``world``) to ``steps`` optimiser steps,
     resuming from ``ckdir``.  Returns the callback, the module, the trainer and, per step,
     the samples (dataset indices) it trained."""
@@ -83,31 +84,49 @@ def fit(ckdir: Path, steps: int, *, batch_size: int = 4, accumulate: int = 1,
     from trainwarden.agent.integrations.lightning import TrainwardenCallback
 
     trained: dict[int, list[int]] = {}
+    validated: list[int] = []  # the optimiser steps done at each validation
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Linear(4, 1)
+            self.automatic_optimization = not manual
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y, ids = batch
             trained.setdefault(self.trainer.global_step, []).extend(ids.tolist())
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            if manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                validated.append(self.trainer.global_step)
 
         def configure_optimizers(self) -> Any:
             return torch.optim.Adam(self.parameters(), lr=0.05)
 
+    val: dict[str, Any] = {}
+    if val_check_interval is not None:
+        val = {"val_dataloaders": torch.utils.data.DataLoader(data(), batch_size=32)}
     with FakeWorld(world):
         torch.manual_seed(0)
         module = Module()
         tw = TrainwardenCallback(ckdir, keep=10, seed=SEED, retention_grace_s=0.0)
         trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
                              enable_progress_bar=False, enable_model_summary=False,
-                             accumulate_grad_batches=accumulate,
+                             accumulate_grad_batches=accumulate, num_sanity_val_steps=0,
+                             val_check_interval=val_check_interval,
+                             limit_val_batches=1 if val_check_interval else None,
                              callbacks=[tw, tw.model_checkpoint(every_n_train_steps=every)])
         loader = tw.dataloader(data(), batch_size=batch_size)
-        trainer.fit(module, train_dataloaders=loader, ckpt_path=tw.ckpt_path())
-    return SimpleNamespace(tw=tw, module=module, trainer=trainer, trained=trained)
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=tw.ckpt_path(), **val)
+    return SimpleNamespace(tw=tw, module=module, trainer=trainer, trained=trained,
+                           validated=validated)
 
 
 def reports(agent: Receiver, n: int) -> list[tuple[int, int, int]]:
@@ -148,6 +167,17 @@ def test_the_ranks_running_share_the_declared_worlds_micro_batches(
         assert all(len(m) == 2 for m in got)
         assert sorted(i for m in got for i in m) == global_batch(
             6 + step, batch_size=2, accumulate=accumulate, declared=declared)
+
+
+def test_manual_optimization_on_fewer_ranks_is_refused(
+        tmp_path: Path, agent: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    fit(tmp_path / "whole", 2, manual=True)  # the full world: one micro-batch a step
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
+    with pytest.raises(ValueError, match="on 1 of the 2 ranks declared a step takes 2 "
+                                         "micro-batches, which Lightning accumulates for "
+                                         "automatic optimization only: restart on the full "
+                                         "world"):
+        fit(tmp_path / "ck", 2, manual=True)
 
 
 def test_a_world_that_cannot_share_the_micro_batches_evenly_is_refused(
@@ -254,3 +284,25 @@ def test_the_full_worlds_progress_is_left_as_saved() -> None:
     assert inside == ckpt(6, 12)
     assert not restore_progress({"global_step": 0}, 2)
 
+
+
+def test_validation_comes_after_the_same_steps_on_fewer_ranks(
+        tmp_path: Path, agent: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``val_check_interval`` counts training micro-batches: on one rank of two it is doubled
+    with the accumulation, so validation follows the same optimiser steps (and a save and
+    resume in between keeps them)."""
+    whole = fit(tmp_path / "whole", 8, accumulate=2, val_check_interval=6, every=3)
+    assert whole.validated == [3, 6]
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
+    ck = tmp_path / "ck"
+    a = fit(ck, 4, world=2, accumulate=2, val_check_interval=6, every=4)
+    b = fit(ck, 8, accumulate=2, val_check_interval=6, every=4)
+    assert b.trainer.val_check_interval == 12
+    assert a.validated + b.validated == [3, 6]
+    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "3")
+    with pytest.raises(ValueError, match=r"val_check_interval=3 training batches \(3/2 "
+                                         r"optimiser steps\) is no whole number of batches at "
+                                         r"3 per step on 2 of the 3 ranks declared: give "
+                                         r"val_check_interval as a multiple of "
+                                         r"accumulate_grad_batches \(2\)"):
+        fit(tmp_path / "odd", 2, world=2, accumulate=2, val_check_interval=3)
