@@ -9,6 +9,7 @@ CPU/gloo by default (Lightning's DDP strategy), CUDA/NCCL where available.  Take
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from datetime import timedelta
@@ -27,11 +28,12 @@ from trainwarden.agent.worker.faults import FaultInjector
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, hidden: int, lr: float, step_sleep: float, fsdp: bool = False) -> None:
+    def __init__(self, hidden: int, lr: float, step_sleep: float, fsdp: bool = False,
+                 dropout: float = 0.1) -> None:
         super().__init__()
         self.fsdp = fsdp
         self.net = build_model(hidden)
-        self.drop = torch.nn.Dropout(0.1)  # random numbers every step: resume must restore RNG
+        self.drop = torch.nn.Dropout(dropout)  # random numbers every step: resume must restore RNG
         self.lr, self.step_sleep = lr, step_sleep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,21 +64,30 @@ class ExampleHooks(pl.Callback):
     def __init__(self, tw: TrainwardenCallback, faults: FaultInjector,
                  log: common.BatchLog) -> None:
         self.tw, self.faults, self.batch_log = tw, faults, log
+        self.logged = -1
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.faults.before_step(trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        # Once per optimiser step (a step is several micro-batches with accumulation).
         last = self.tw.last
-        if last is not None and last.step == trainer.global_step - 1:
+        if last is not None and last.step == trainer.global_step - 1 and last.step != self.logged:
+            self.logged = last.step
             self.batch_log.write(last.step, last.batch_index, last.lr or 0.0)
             self.faults.slowdown(last.step, self.tw.timer.compute_s or 0.0)
 
 
+def own_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per layer) through "
+                   "Lightning's ModelParallelStrategy; its FSDPStrategy (FSDP1) refuses the CPU")
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="dropout probability on the input (0: no random draws that a resize "
+                   "changes, so a run on fewer ranks can end bit-identical)")
+
+
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--fsdp", action="store_true", help="FSDP2 (fully_shard per layer) through Lightning's "
-        "ModelParallelStrategy; its FSDPStrategy (FSDP1) refuses the CPU"))
+    args = common.parse_args(__doc__.splitlines()[0], own_flags)
     if args.async_checkpoint:
         raise SystemExit("--async-checkpoint: Lightning's ModelCheckpoint saves synchronously")
     torch.set_num_threads(1)
@@ -86,7 +97,8 @@ def main() -> None:
                            fired_dir=args.checkpoint_dir)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    module = Regression(args.hidden, args.lr, args.step_sleep, fsdp=args.fsdp)
+    module = Regression(args.hidden, args.lr, args.step_sleep, fsdp=args.fsdp,
+                        dropout=args.dropout)
     tw = TrainwardenCallback(args.checkpoint_dir, keep=args.keep,
                              retention_grace_s=args.retention_grace, seed=args.seed,
                              config=vars(args) | {"inject": [str(f) for f in args.inject]})
@@ -123,6 +135,9 @@ def main() -> None:
     common.write_summary(args.summary_json, final_step=args.steps, final_train_loss=final_train,
                          final_eval_loss=final_eval, weights_sha256=digest,
                          attempt=info.attempt, started_at_step=start, resumed_from=ckpt_path,
+                         world_size=info.world_size,
+                         declared_world_size=info.declared_world_size,
+                         accumulate_grad_batches=trainer.accumulate_grad_batches,
                          skipped=[list(r) for r in tw.skipped], wall_s=time.time() - t_start)
     dist.destroy_process_group()
 

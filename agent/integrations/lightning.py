@@ -13,11 +13,11 @@ What it does:
 
 * **Data order.** ``tw.dataloader(ds, batch_size=...)`` hands out trainwarden's global batch
   order (the ``ResumableLoader`` order: global batch ``g`` is a pure function of seed, ``g``
-  and rank; with ``accumulate_grad_batches=k`` a global batch is the ``k`` micro-batches of
-  one optimiser step).  It starts at the resumed step's batch at once, never replays, and
-  never hands out a batch of the plan's skip ranges.  Lightning's ``DistributedSampler`` is not
-  involved (the loader is rank-aware itself).  Its iterator draws nothing from the global RNG
-  (the DataLoader gets a generator of its own).
+  and rank; with ``accumulate_grad_batches=k`` a global batch is every rank's ``k``
+  micro-batches of one optimiser step).  It starts at the resumed step's batch at once, never
+  replays, and never hands out a batch of the plan's skip ranges.  Lightning's
+  ``DistributedSampler`` is not involved (the loader is rank-aware itself).  Its iterator
+  draws nothing from the global RNG (the DataLoader gets a generator of its own).
 * **Checkpoints.** ``tw.model_checkpoint(...)`` is a ``ModelCheckpoint`` that writes
   ``<dir>/step_<N>/checkpoint.ckpt`` (the state after N optimiser steps), adds the per-rank RNG
   states and, once every rank is done, ``trainwarden.json`` (metadata and the size of every
@@ -32,9 +32,14 @@ What it does:
 * **LR.** The plan's factor multiplies the LR the schedulers set, for the optimiser step only.
 * **Reports.** Every optimiser step: step, loss (this rank's mean over its micro-batches), LR,
   grad norm, samples, data/compute/step times, the global batch index.
-* **World size.** Only the run's full world: a start on fewer ranks than
-  ``TRAINWARDEN_DECLARED_WORLD_SIZE`` declares is refused with a ``ValueError`` before the
-  first step (the global batch would change); a hand-written loop keeps it on fewer ranks.
+* **World size.** On fewer ranks than ``TRAINWARDEN_DECLARED_WORLD_SIZE`` declares,
+  ``accumulate_grad_batches`` is multiplied by declared / running and each rank trains its
+  consecutive share of the global batch's micro-batches, so a step trains the same global
+  batch (the same samples, averaged the same way; equal up to summation order and dropout
+  draws).  A world that cannot share the micro-batches evenly is refused with a
+  ``ValueError`` before the first step.  A checkpoint written on another number of ranks
+  resumes at the next global batch: Lightning's saved loop progress, which counts
+  micro-batches of the accumulation it was written with, is set to the current one's.
 * **Stop.** Under the trainwarden agent (``TRAINWARDEN_AGENT_SOCKET`` set), SIGTERM does what
   it did before ``fit`` (by default: the process ends at once), as in a hand-written loop.
   Lightning's own handler only sets a flag for the next batch and broadcasts it from inside
@@ -48,6 +53,7 @@ What it does:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -68,12 +74,15 @@ from trainwarden.agent.integrations._core import (
     OptimizerPlan,
     RunSession,
     StepRecord,
+    accumulation_for,
     attach_grad_timer,
     report,
 )
 from trainwarden.agent.protocol import ENV_AGENT_SOCKET
 from trainwarden.agent.worker.data import GlobalBatchOrder
 from trainwarden.agent.worker.report import PhaseTimer, Reporter, training_done
+
+log = logging.getLogger("trainwarden")
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 CKPT_FILE = "checkpoint.ckpt"
@@ -94,22 +103,30 @@ class _Tagged(Dataset[Any]):
 
 
 class _StepSampler:
-    """Index lists for the micro-batches of each step from ``start`` on, in global order."""
+    """Index lists for this rank's micro-batches of each step from ``start`` on, in global order.
 
-    def __init__(self, order: GlobalBatchOrder, session: RunSession, start: int,
-                 micro: int, issued: deque[tuple[int, int]]) -> None:
-        self.order, self.session, self.start, self.micro, self.issued = (
-            order, session, start, micro, issued)
+    A global batch is the ``declared x full`` micro-batches of ``per`` samples the declared
+    world trains in one step (``full``: the Trainer's own ``accumulate_grad_batches``), slot
+    after slot; this rank trains the ``micro`` consecutive ones from ``rank x micro`` on.  On
+    the full world that is its own slot, split into ``full`` micro-batches."""
+
+    def __init__(self, order: GlobalBatchOrder, session: RunSession, start: int, *,
+                 per: int, full: int, micro: int, issued: deque[tuple[int, int]]) -> None:
+        self.order, self.session, self.start, self.issued = order, session, start, issued
+        self.per, self.full, self.micro = per, full, micro
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         step = self.start
-        per = self.order.batch_size // self.micro
+        first = self.order.rank * self.micro
         while True:
             g = self.session.batch_index(step)
-            idx = self.order.indices(g)
-            for m in range(self.micro):
+            slot_indices: tuple[int, list[int]] = (-1, [])
+            for j in range(first, first + self.micro):
+                slot, m = divmod(j, self.full)
+                if slot_indices[0] != slot:
+                    slot_indices = (slot, self.order.slot_indices(g, slot))
                 self.issued.append((step, g))
-                yield [(g, i) for i in idx[m * per:(m + 1) * per]]
+                yield [(g, i) for i in slot_indices[1][m * self.per:(m + 1) * self.per]]
             step += 1
 
 
@@ -136,7 +153,8 @@ class TrainwardenLoader:
         self.num_workers = num_workers
         self.collate = collate_fn or default_collate
         self.transform = transform
-        self.micro = 1
+        self.full_micro = 1  # the Trainer's accumulate_grad_batches: the full world's
+        self.micro = 1  # the micro-batches this rank trains per step (more on fewer ranks)
         self._trained_to: int | None = None  # the next step once a step was trained
         self.issued: deque[tuple[int, int]] = deque()
 
@@ -164,11 +182,12 @@ class TrainwardenLoader:
 
     def __iter__(self) -> Iterator[Any]:
         s = self.session
-        order = GlobalBatchOrder(len(self.dataset), batch_size=self.batch_size * self.micro,
+        order = GlobalBatchOrder(len(self.dataset), batch_size=self.batch_size * self.full_micro,
                                  rank=s.rank, world_size=s.world_size, seed=s.seed or 0,
-                                 shuffle=self.shuffle)
+                                 shuffle=self.shuffle, declared_world_size=s.declared_world_size)
         self.issued.clear()
-        sampler = _StepSampler(order, s, self.next_step, self.micro, self.issued)
+        sampler = _StepSampler(order, s, self.next_step, per=self.batch_size,
+                               full=self.full_micro, micro=self.micro, issued=self.issued)
         # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
         # global RNG, which would shift every random stream after a resume.
         gen = torch.Generator().manual_seed(s.seed or 0)
@@ -248,6 +267,8 @@ class TrainwardenCallback(Callback):
         self.optimizer_plan = OptimizerPlan(self.session, lambda: self._step,
                                             grad_norm=grad_norm)
         self._resumed = False
+        self._full_accumulation: int | None = None  # the Trainer's own, for the full world
+        self._full_val_check: int | float | None = None  # the Trainer's val_check_interval
         self._sigterm_before: Any = None  # SIGTERM's handler before Lightning installed its own
         self._first = True
         self._hooks: list[Any] = []
@@ -308,11 +329,64 @@ class TrainwardenCallback(Callback):
         if not self._resumed:
             raise RuntimeError("trainwarden: call trainer.fit(..., ckpt_path=tw.ckpt_path()): "
                                "it applies the resume plan and positions the data")
-        _check_full_world(trainer.world_size, self.session.declared_world_size)
+        self._keep_global_batch(trainer, pl_module)
         for loader in self.loaders:
+            loader.full_micro = self._full_accumulation or trainer.accumulate_grad_batches
             loader.micro = trainer.accumulate_grad_batches
         # Lightning installs its SIGTERM handler after this hook and before on_train_start.
         self._sigterm_before = signal.getsignal(signal.SIGTERM)
+
+    def _keep_global_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """On fewer ranks than the run declares, accumulate over more micro-batches so a step
+        trains the declared world's global batch: the Trainer's accumulate_grad_batches (the
+        full world's) x declared / running."""
+        s = self.session
+        if self._full_accumulation is None:
+            self._full_accumulation = trainer.accumulate_grad_batches
+        try:
+            steps = accumulation_for(self._full_accumulation, world_size=s.world_size,
+                                     declared=s.declared_world_size)
+        except ValueError as e:
+            raise ValueError(f"trainwarden's Lightning callback: {e}") from None
+        if steps != self._full_accumulation and not pl_module.automatic_optimization:
+            raise ValueError(
+                f"trainwarden's Lightning callback: on {s.world_size} of the "
+                f"{s.declared_world_size} ranks declared a step takes {steps} micro-batches, "
+                "which Lightning accumulates for automatic optimization only: restart on the "
+                "full world, or train with automatic optimization")
+        if steps != trainer.accumulate_grad_batches:
+            log.info("trainwarden: %d of %d declared ranks: accumulate_grad_batches %d -> %d "
+                     "(the same global batch)", s.world_size, s.declared_world_size,
+                     trainer.accumulate_grad_batches, steps)
+            trainer.accumulate_grad_batches = steps
+        # An int val_check_interval counts training micro-batches: validate after the same
+        # optimiser steps as on the full world.
+        if self._full_val_check is None:
+            self._full_val_check = trainer.val_check_interval
+        full = self._full_val_check
+        if isinstance(full, int) and not isinstance(full, bool):
+            batches, rest = divmod(full * steps, self._full_accumulation)
+            if rest:
+                raise ValueError(
+                    f"trainwarden's Lightning callback: val_check_interval={full} training "
+                    f"batches ({full}/{self._full_accumulation} optimiser steps) is no whole "
+                    f"number of batches at {steps} per step on {s.world_size} of the "
+                    f"{s.declared_world_size} ranks declared: give val_check_interval as a "
+                    f"multiple of accumulate_grad_batches ({self._full_accumulation}), or "
+                    "restart on the full world")
+            trainer.val_check_interval = batches
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Lightning's saved loop progress counts the micro-batches trained so far, and the
+        loop accumulates until that count is a multiple of ``accumulate_grad_batches``.  A
+        checkpoint of another world size counts micro-batches of another accumulation (and a
+        time-based save may fall inside a step), so the count is put where the current
+        accumulation has it after the saved step: ``step x accumulate_grad_batches``.  The
+        first step of this start then trains all its micro-batches, from the loader's first
+        one (the next global batch).  A checkpoint of the same world, saved after its step,
+        already has that count and is left as it is."""
+        restore_progress(checkpoint, trainer.accumulate_grad_batches)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_step != self.session.resumed.start_step:
@@ -392,16 +466,27 @@ class TrainwardenCallback(Callback):
         training_done(reporter=self.session.reporter)
 
 
-def _check_full_world(world_size: int, declared: int) -> None:
-    """The callback trains on the run's full world only.  Keeping the global batch on fewer
-    ranks would take more accumulated micro-batches per step, and Lightning's saved loop
-    progress counts micro-batches of the old accumulation, so the first steps after such a
-    resume would accumulate the wrong number."""
-    if world_size != declared:
-        raise ValueError(
-            f"trainwarden's Lightning callback trains only on the run's full world: this start "
-            f"has {world_size} of the {declared} ranks declared "
-            "(TRAINWARDEN_DECLARED_WORLD_SIZE), and on fewer the global batch would change. "
-            "Restart on the full world, or train with a hand-written loop (ResumableLoader and "
-            "batch.parts(model)), which keeps the global batch on fewer ranks")
-
+def restore_progress(checkpoint: dict[str, Any], accumulation: int) -> bool:
+    """Set the training batch progress of a Lightning ``checkpoint`` (in place) to where
+    ``accumulation`` micro-batches per step have it after the checkpoint's step, keeping the
+    stage the save happened in (the offsets between the counters).  Returns whether it
+    changed anything."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not fit or "epoch_loop.batch_progress" not in fit:
+        return False
+    progress = fit["epoch_loop.batch_progress"]
+    step = int(checkpoint["global_step"])
+    total, current = progress["total"], progress["current"]
+    delta = step * accumulation - int(total["ready"])
+    if delta == 0:
+        return False
+    if total != current:  # the loader has no length: one epoch, never reset within the run
+        raise RuntimeError(
+            f"trainwarden: checkpoint at step {step} holds batch progress {progress} with a "
+            "current epoch's count other than the total, which this callback never writes")
+    log.info("trainwarden: loop progress of step %d: %d micro-batches -> %d (%d per step)",
+             step, total["ready"], step * accumulation, accumulation)
+    for counts in (total, current):
+        for key in ("ready", "started", "processed", "completed"):
+            counts[key] = max(0, int(counts[key]) + delta)
+    return True

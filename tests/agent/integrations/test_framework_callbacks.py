@@ -185,14 +185,6 @@ def test_hf_refuses_a_checkpoint_of_another_declared_world(
         tw2.resume_from_checkpoint()
 
 
-def test_lightning_refuses_fewer_ranks_than_declared(
-        tmp_path: Path, agent: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_DECLARED_WORLD_SIZE, "2")
-    with pytest.raises(ValueError, match="Lightning callback trains only on the run's full "
-                                         "world: this start has 1 of the 2 ranks declared"):
-        lightning_fit(tmp_path / "ck", 2, ckpt_path_first=True)
-
-
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[int]:
         yield from range(4)
