@@ -4,13 +4,14 @@ per node on this machine (``Nodes``), the clean run they compare with, and small
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.system import Agent, Supervisor, ddp_script, free_port
-from tests.e2e.torchrun import RunResult, run_example
+from tests.e2e.system import Agent, Supervisor, free_port
+from tests.e2e.torchrun import EXAMPLES, RunResult, run_example, worker_env
 
 STEPS = 400
 TRAIN = ["--hidden", "32", "--seed", "11", "--checkpoint-every-steps", "50",
@@ -19,24 +20,27 @@ KILL_AT = 120  # after the checkpoint of step 100
 
 
 class Nodes:
-    """The run's agents, started as a user starts them (the spare with --spare)."""
+    """The run's agents, started as a user starts them (the spare with --spare), each running
+    ``script`` (an example) with ``train``; ``env`` is added to every agent's environment."""
 
-    def __init__(self, sup: Supervisor, run: str, work: Path) -> None:
+    def __init__(self, sup: Supervisor, run: str, work: Path, script: str = "train_ddp.py",
+                 train: Sequence[str] = ("--steps", str(STEPS), *TRAIN),
+                 env: dict[str, str] | None = None) -> None:
         self.sup, self.run, self.work = sup, run, work
+        self.script, self.train, self.env = script, list(train), dict(env or {})
         self.port = free_port()
         self.agents: dict[str, Agent] = {}
 
     def command(self) -> list[str]:
         return ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run}",
-                *ddp_script("--steps", str(STEPS), *TRAIN, "--checkpoint-dir",
-                            str(self.work / "ck"), "--summary-json",
-                            str(self.work / "summary.json"), "--batch-log",
-                            str(self.work / "batches"))]
+                str(EXAMPLES / self.script), *self.train, "--checkpoint-dir",
+                str(self.work / "ck"), "--summary-json", str(self.work / "summary.json"),
+                "--batch-log", str(self.work / "batches")]
 
     def start(self, node: str, *agent_args: str, env: dict[str, str] | None = None) -> Agent:
         a = Agent(self.sup.url, self.run, node, self.work / node, self.command(),
-                  agent_args=agent_args, env=env)
+                  agent_args=agent_args, env={**self.env, **(env or {})})
         self.agents[node] = a
         return a
 
@@ -64,8 +68,16 @@ def summary(work: Path) -> dict[str, Any]:
 
 def clean_ddp(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The same training without a fault: two ranks, one torchrun."""
+    return clean_run(tmp_path_factory)
+
+
+def clean_run(tmp_path_factory: pytest.TempPathFactory, script: str = "train_ddp.py",
+              train: Sequence[str] = ("--steps", str(STEPS), *TRAIN),
+              env: dict[str, str] | None = None) -> RunResult:
+    """``Nodes``' training without a fault: the same two ranks in one torchrun (the world,
+    hence the numerics, of two nodes of one rank each)."""
     d = tmp_path_factory.mktemp("clean")
-    r = run_example("train_ddp.py", d, "--steps", str(STEPS), *TRAIN,
-                    "--checkpoint-dir", str(d / "ck"))
+    r = run_example(script, d, *train, "--checkpoint-dir", str(d / "ck"),
+                    env=worker_env(**(env or {})))
     assert r.returncode == 0 and r.summary is not None, r.output[-3000:]
     return r

@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 
 from tests.e2e.system import Agent, Supervisor, wait_until
-from tests.e2e.torchrun import EXAMPLES, RunResult, effective_history, read_batch_logs, run_example
+from tests.e2e.torchrun import (
+    EXAMPLES,
+    OFFLINE,
+    RunResult,
+    effective_history,
+    read_batch_logs,
+    run_example,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -25,7 +32,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 SUPERVISOR_ENV = {"TRAINWARDEN_ROLLBACK_LR_STEPS": "30",
                   "TRAINWARDEN_ROLLBACK_LR_RAMP_STEPS": "20",
                   "TRAINWARDEN_RESTART_BACKOFF_S": "0.5"}
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 @dataclass(frozen=True)

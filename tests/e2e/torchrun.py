@@ -13,6 +13,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# The Hugging Face examples build their models from configs: nothing may be fetched.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 @dataclass
