@@ -578,7 +578,7 @@ def choose_shrink(*, declared: int, world: int, fit: int, min_nodes: int | None,
         restart_s=f.restart_s if f.restart_s is not None else ASSUMED_RESTART_S,
         to_checkpoint_s=(f.interval_s if f.interval_s is not None else ASSUMED_INTERVAL_S) / 2)
     c = elastic.choose(loss)
-    said = (f"; not measured yet, assumed: {', '.join(assumed)} time"
+    said = (f" (not measured yet, so assumed: {', '.join(assumed)} time)"
             if assumed else "")
     return ResizeChoice(c.choice == "shrink", f"no spare is free: {c.reason}{said}")
 
