@@ -40,7 +40,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: the test helpers live in the repository
     sys.path.insert(0, str(REPO))
 
-from tests.e2e.system import Agent, Supervisor, ddp_script, free_port, wait_until  # noqa: E402
+from tests.e2e.system import (  # noqa: E402
+    Agent,
+    Supervisor,
+    ddp_script,
+    free_rendezvous_port,
+    wait_until,
+)
 from tests.e2e.torchrun import run_example  # noqa: E402
 
 FINAL = ("completed", "failed", "stopped")
@@ -56,7 +62,7 @@ def _command(work: Path, run: str, port: int, steps: int, train: list[str]) -> l
 def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
         clean_sha: str | None) -> dict[str, Any]:
     sup = Supervisor(tmp / "supervisor").start()
-    run, work, port = f"nodes-{mode}", tmp / "run", free_port()
+    run, work, port = f"nodes-{mode}", tmp / "run", free_rendezvous_port()
     agents: dict[str, Agent] = {}
     out: dict[str, Any] = {"mode": mode}
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.system import Agent, Supervisor, free_port
+from tests.e2e.system import Agent, Supervisor, free_rendezvous_port
 from tests.e2e.torchrun import EXAMPLES, RunResult, run_example, worker_env
 
 STEPS = 400
@@ -28,7 +28,7 @@ class Nodes:
                  env: dict[str, str] | None = None) -> None:
         self.sup, self.run, self.work = sup, run, work
         self.script, self.train, self.env = script, list(train), dict(env or {})
-        self.port = free_port()
+        self.port = free_rendezvous_port()
         self.agents: dict[str, Agent] = {}
 
     def command(self) -> list[str]:

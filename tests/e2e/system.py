@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +28,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_rendezvous_port(span: int = 10) -> int:
+    """A rendezvous port for a multi-node command, as a user picks one (torchrun's 29400):
+    below the kernel's ephemeral range, so no client connection (gloo's, a store's) holds it
+    or the next ``span`` ports the agent moves it to with the membership epoch; free now."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 12000), low - 100)
+        try:
+            for port in range(base, base + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {span} free ports below the ephemeral range ({low})")
 
 
 def wait_until(cond: Any, timeout: float, what: str, interval: float = 0.2) -> Any:

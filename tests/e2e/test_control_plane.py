@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.system import Agent, Supervisor, ddp_script, free_port, wait_until
+from tests.e2e.system import Agent, Supervisor, ddp_script, free_rendezvous_port, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
 from trainwarden.supervisor.goodput.anatomy import PHASES
 
@@ -92,7 +92,7 @@ def test_crash_on_rank_1_restarts_the_run_from_the_newest_checkpoint(
 
 def test_two_nodes_restart_together_after_a_crash_on_one(
         supervisor: Supervisor, tmp_path: Path) -> None:
-    port = free_port()
+    port = free_rendezvous_port()
     ck = tmp_path / "ck"
     summary = tmp_path / "summary.json"
     agents = [

@@ -70,7 +70,9 @@ def test_a_node_that_fails_twice_on_the_machine_is_cordoned_and_replaced_at_the_
         wait_until(lambda: nodes.step() >= 1, 120, "training to start")
         (bad,) = [n for n in ("node0", "node1") if nodes.member(n)["node_rank"] == 1]
         finished = wait_until(lambda: ended(supervisor, run), 300, "the run to end")
-        assert finished["status"] == "completed", finished
+        assert finished["status"] == "completed", (
+            finished["reason"], supervisor.get(f"/runs/{run}/incidents")["incidents"],
+            supervisor.get(f"/runs/{run}/actions")["actions"])
     finally:
         nodes.stop()
     assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
