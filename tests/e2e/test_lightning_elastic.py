@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.torchrun import RunResult, run_example, worker_env
+from tests.e2e.torchrun import RunResult, run_example, trained, worker_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -38,17 +38,6 @@ def launch(workdir: Path, ckpt: Path, *, nproc: int, steps: int) -> RunResult:
     assert (r.summary["world_size"], r.summary["declared_world_size"],
             r.summary["accumulate_grad_batches"]) == (nproc, 2, 2 // nproc)
     return r
-
-
-def trained(lineage: list[RunResult]) -> list[tuple[int, int]]:
-    """(step, global batch) as the lineage trained them, launch after launch; every rank of a
-    launch trains the same global batch at each step."""
-    rows: list[tuple[int, int]] = []
-    for r in lineage:
-        per_rank = {rank: [(s, g) for _a, s, g, _lr in log] for rank, log in r.batch_log.items()}
-        assert all(v == per_rank[0] for v in per_rank.values()), per_rank
-        rows += per_rank[0]
-    return rows
 
 
 def test_two_ranks_shrink_to_one_grow_back_and_end_as_the_full_world(tmp_path: Path) -> None:

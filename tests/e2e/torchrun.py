@@ -72,3 +72,14 @@ def effective_history(rows: list[tuple[str, int, int, float]]) -> dict[int, int]
     for _attempt, step, index, _lr in rows:
         hist[step] = index
     return hist
+
+
+def trained(lineage: list[RunResult]) -> list[tuple[int, int]]:
+    """(step, global batch) as the lineage trained them, launch after launch; every rank of a
+    launch trains the same global batch at each step."""
+    rows: list[tuple[int, int]] = []
+    for r in lineage:
+        per_rank = {rank: [(s, g) for _a, s, g, _lr in log] for rank, log in r.batch_log.items()}
+        assert all(v == per_rank[0] for v in per_rank.values()), per_rank
+        rows += per_rank[0]
+    return rows
