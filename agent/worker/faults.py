@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,9 +87,10 @@ class FaultInjector:
     """Applies the parsed faults to this rank's training loop."""
 
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int,
-                 attempt: int | None = None, fired_dir: str | os.PathLike[str] | None = None
-                 ) -> None:
+                 attempt: int | None = None, fired_dir: str | os.PathLike[str] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.rank = rank
+        self._sleep = sleep  # injected: a test patching ``time.sleep`` would spin every thread
         self._announced: set[tuple[str, int]] = set()
         if attempt is None:
             attempt = current_attempt() + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -137,7 +139,7 @@ class FaultInjector:
         for f in self.faults:
             if f.kind == "slow" and f.step <= step < f.step + (f.length or 1 << 62):
                 self._announce(f, step)
-                time.sleep(compute_s * (f.factor - 1.0))
+                self._sleep(compute_s * (f.factor - 1.0))
 
     def data_faults(self, batch_index: int) -> list[Fault]:
         """The spike and nan faults that corrupt global batch ``batch_index`` (announced by

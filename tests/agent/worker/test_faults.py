@@ -49,14 +49,14 @@ def test_with_a_marker_dir_each_process_fault_fires_once_per_run(tmp_path, monke
 
     monkeypatch.setattr(mod, "get_reporter", lambda: type("R", (), {
         "event": lambda self, *a, **k: True})())
-    monkeypatch.setattr(mod.time, "sleep", lambda s: slept.append(s))
     slept: list[float] = []
     sched = [parse_fault("crash@5"), parse_fault("slow@8:len=3:factor=2")]
     assert str(sched[1]) == "slow@8:len=3"
     first = FaultInjector(sched, rank=1, world_size=2, attempt=0, fired_dir=tmp_path)
     assert [f.kind for f in first.faults] == ["crash", "slow"]
     first._announce(first.faults[0], 5)  # what before_step(5) does before the SIGKILL
-    later = FaultInjector(sched, rank=1, world_size=2, attempt=1, fired_dir=tmp_path)
+    later = FaultInjector(sched, rank=1, world_size=2, attempt=1, fired_dir=tmp_path,
+                          sleep=slept.append)
     assert [f.kind for f in later.faults] == ["slow"]
     for step in range(5, 14):
         later.slowdown(step, 0.5)
