@@ -182,6 +182,20 @@ def attach_root_causes(failed: list[dict[str, Any]], output: str, stderr: str) -
             f"{rc.exc_type}: {rc.message}" if rc.message else rc.exc_type)
 
 
+def launcher_failure(exit_code: int, stderr: str) -> dict[str, Any] | None:
+    """The failed-rank entry for torchrun itself, when it exited with an error and named no
+    failed worker (its rendezvous failed before any worker ran, say): ``rank`` None,
+    ``launcher`` true, its own traceback as the root cause; None when it left none."""
+    rc = rootcause.from_launcher(stderr) if exit_code > 0 else None
+    if rc is None:
+        return None
+    rc = dataclasses.replace(rc, host=socket.gethostname())
+    return {"rank": None, "exit_code": exit_code, "launcher": True,
+            "root_cause": untrusted.clean_json(rc.as_dict()),
+            "message": untrusted.clean(f"{rc.exc_type}: {rc.message}" if rc.message
+                                       else rc.exc_type)}
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -398,7 +412,11 @@ class Launcher:
         self.pump_output()  # the summary is the last thing torchrun wrote
         tail = self._tail.decode(errors="replace")
         failed = parse_failure_summary(tail)
-        attach_root_causes(failed, tail, self._attempt_stderr())
+        stderr = self._attempt_stderr()
+        attach_root_causes(failed, tail, stderr)
+        if not failed and not self._stop_requested:
+            own = launcher_failure(rc, stderr)
+            failed += [own] if own is not None else []
         self._exit = ExitInfo(
             t=self._clock(),
             attempt=self.attempt,

@@ -47,6 +47,7 @@ class RootCauseSource(StrEnum):
     ERROR_FILE = "error_file"  # torchrun's structured error file
     SUMMARY = "summary"  # the traceback in torchrun's failure summary
     STDERR = "stderr"  # parsed from the node's stderr
+    LAUNCHER = "launcher"  # torchrun's own traceback: it failed before any worker did
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,15 @@ def from_stderr(text: str, *, rank: int, sole_failure: bool) -> RootCause | None
     return None if rc is None else _with(rc, source=RootCauseSource.STDERR)
 
 
+def from_launcher(text: str) -> RootCause | None:
+    """torchrun's own failure, from the node's stderr, when it exited with an error and
+    named no failed worker (its rendezvous failed, say): the last traceback there that no
+    rank wrote."""
+    groups = split_by_rank(text)
+    rc = parse_traceback(groups[None]) if None in groups else None
+    return None if rc is None else _with(rc, source=RootCauseSource.LAUNCHER)
+
+
 def _with(rc: RootCause, **changes: Any) -> RootCause:
     return replace(rc, **changes)
 
@@ -328,6 +338,16 @@ def classify(rc: RootCause | None, *, exit_code: int | None = None,
     if rc.user_frame is not None:
         return FailureClass.USER_CODE
     return FailureClass.UNKNOWN
+
+
+_PORT_IN_USE = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+
+
+def port_in_use(rc: RootCause | None) -> bool:
+    """Whether the failure is a socket that could not listen because its port is taken (the
+    rendezvous host's c10d store, say: another process, or a client connection's local end,
+    holds the port)."""
+    return rc is not None and bool(_PORT_IN_USE.search(f"{rc.exc_type}: {rc.message}"))
 
 
 def fingerprint(rc: RootCause | None, *, exit_code: int | None = None,

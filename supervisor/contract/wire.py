@@ -252,6 +252,8 @@ class FailedRank(_Wire):
     # (colour codes, a NUL) as visible escapes.
     message: AgentText | None = None
     root_cause: RootCause | None = None
+    # torchrun itself failed before any worker did (its rendezvous, say): rank is None
+    launcher: bool | None = None
 
     @field_validator("root_cause", mode="wrap")
     @classmethod

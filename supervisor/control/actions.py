@@ -149,13 +149,13 @@ def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
 
 
 def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None,
-                 grow: bool = False
+                 grow: bool = False, move_endpoint: bool = False
                  ) -> tuple[membership.MemberPlan, RunMembership, policy.ResizeChoice | None]:
     """The members the next attempt gets (``membership.plan_members`` on the store's
     facts), and, when a node rank has no node fit to run and the run accepts fewer nodes,
     the policy's choice between shrinking and waiting (None: there was none to make)."""
     facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s)
-    plan = membership.plan_members(facts, grow=grow)
+    plan = membership.plan_members(facts, grow=grow, move_endpoint=move_endpoint)
     if not (plan.waiting or plan.kept_cordoned) or not membership.can_shrink(facts):
         return plan, m, None
     world = facts.current or len(plan.members)
@@ -184,12 +184,13 @@ def _apply_members(conn: Connection, *, run: RunRow, plan: membership.MemberPlan
     endpoint = store_membership.rendezvous(
         store_membership.run_membership(conn, run_id=int(run["id"])))
     attempt = int(run["attempt"])
-    if plan.replaced:
+    if plan.replaced or plan.moved:
         rec.insert_event(
             conn, run_id=run["id"], agent_id=None, attempt=attempt, rank=None, t=now,
             name=SupervisorEvent.MEMBERSHIP_CHANGED, step=None, message=plan.summary(),
             details={"epoch": plan.epoch, "members": {str(k): v for k, v in plan.members.items()},
-                     "replaced": [dataclasses.asdict(r) for r in plan.replaced]})
+                     "replaced": [dataclasses.asdict(r) for r in plan.replaced],
+                     "endpoint": endpoint, "moved": plan.moved})
     if plan.resized:
         rec.insert_event(
             conn, run_id=run["id"], agent_id=None, attempt=attempt, rank=None, t=now,
@@ -236,7 +237,8 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     if isinstance(decision, Restart):
         members, m, choice = plan_members(conn, run_id=run_id, now=now,
                                           live_s=live_s if decision.replace_lost else None,
-                                          grow=decision.grow)
+                                          grow=decision.grow,
+                                          move_endpoint=decision.move_endpoint)
         agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now,
                                                  choice=choice)
         said = "; ".join(x for x in (members.summary(), choice.reason if choice else "") if x)

@@ -73,6 +73,8 @@ class MemberPlan:
     declared: int | None = None  # the declared world (None: as ``nnodes``)
     world_before: int | None = None  # the world of the attempt before this plan
     dropped: tuple[Dropped, ...] = ()  # nodes a shrink left out
+    # The rendezvous moved to a new port with the same members (the last attempt's was taken).
+    moved: bool = False
 
     @property
     def full(self) -> int | None:
@@ -99,6 +101,9 @@ class MemberPlan:
                   for k in self.waiting]
         parts += [f"node rank {k} stays on {node} (cordoned; no spare left)"
                   for k, node in sorted(self.kept_cordoned.items())]
+        if self.moved:
+            parts.append(f"the rendezvous moves to a new port (membership epoch {self.epoch}): "
+                         "the last one was taken")
         return "; ".join(parts)
 
     def wire(self, endpoint: str | None) -> dict[str, object]:
@@ -109,8 +114,8 @@ class MemberPlan:
                 "waiting": list(self.waiting)}
 
 
-def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
-                 ) -> MemberPlan:
+def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False,
+                 move_endpoint: bool = False) -> MemberPlan:
     """Keep every member fit to run; give the rank of one that is not (lost, cordoned) to the
     next free spare.  Without a free spare a cordoned member keeps its rank (it still runs),
     and a lost one's rank waits (its node stays recorded, so it takes its rank back if it
@@ -119,7 +124,8 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
     ``shrink`` (the policy's choice, for a run with ``min_nodes``): rather than wait, or keep
     a cordoned member, the members fit to run go on as a smaller world of at least
     ``min_nodes``.  ``grow``: a shrunk run takes free spares for the node ranks above its
-    world, up to the declared one."""
+    world, up to the declared one.  ``move_endpoint``: the epoch grows even when the members
+    stay (the rendezvous port moves with it; a world of one node has none to move)."""
     if f.nnodes is None:
         return MemberPlan(epoch=f.epoch, nnodes=None, members=dict(f.members))
     world = f.current or f.nnodes
@@ -163,8 +169,9 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
             replaced.append(Replacement(node_rank=rank, old=None, new=members[rank],
                                         why="grow"))
     nnodes = len(members) if world < f.nnodes else f.nnodes
-    return MemberPlan(epoch=f.epoch + 1 if replaced else f.epoch, nnodes=nnodes,
-                      members=members,
+    moved = move_endpoint and not replaced and nnodes > 1
+    return MemberPlan(epoch=f.epoch + 1 if replaced or moved else f.epoch, nnodes=nnodes,
+                      members=members, moved=moved,
                       replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing,
                       kept_cordoned=kept, declared=f.nnodes, world_before=world)
 

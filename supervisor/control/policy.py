@@ -249,6 +249,9 @@ class Restart:
     replace_lost: bool = False
     # A shrunk run grows back: free spares take the node ranks above its current world.
     grow: bool = False
+    # The rendezvous moves to a new port (the membership epoch grows): the last attempt's
+    # failed because a port was taken (``rootcause.port_in_use``), and would again.
+    move_endpoint: bool = False
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
@@ -366,11 +369,12 @@ def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | Non
     else:
         what = f"ended ({ex.outcome})"
     msg = first.get("message")
-    cause = f"worker on {where} {what}" + (f": {msg}" if msg else "")
+    who = "torchrun" if first.get("launcher") is True else "worker"
+    cause = f"{who} on {where} {what}" + (f": {msg}" if msg else "")
     rc = rootcause.from_dict(first.get("root_cause"))
     if rc is not None:  # the exception and where first: what the person paged reads
         cause = f"{rootcause.headline(rc, rank=rank, host=rc.host or ex.node)}; " \
-                f"worker on {where} {what}"
+                f"{who} on {where} {what}"
     if ex.outcome == ExitOutcome.STOPPED:
         cause = f"worker group on node {ex.node} was stopped outside the supervisor ({what})"
     return cause, rank, code, sig
@@ -504,6 +508,7 @@ def on_exit(
         reason=f"gang restart after {kind}: {cause}",
         incident=incident,
         cause=CAUSE_OF_KIND[kind],
+        move_endpoint=crash is not None and rootcause.port_in_use(crash.root_cause),
     )
 
 

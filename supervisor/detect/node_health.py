@@ -15,7 +15,9 @@ What counts against a node, and as what (``EvidenceKind``):
   the script's own ``sys.exit``).  Two machine failures are left out on purpose: running out
   of memory (the workload's size far more often than the machine's fault) and a peer's
   connection lost (reset or closed by the peer, a broken pipe: the symptom a survivor shows
-  when another node died, and that node's own failure is its evidence).  A collective
+  when another node died, and that node's own failure is its evidence).  Nor is a failure of
+  torchrun itself before any worker ran (its rendezvous: a port taken, a peer that never
+  came): the node's devices had no part in it.  A collective
   timeout names the rank that waited, not the one that never arrived: ``collective_timeouts``
   turns counting them off.
 * ``hang_culprit``: a hang whose culprit analysis (``detect.stacks``) names a rank on the node
@@ -139,6 +141,8 @@ def incident_evidence(kind: str, *, node: str | None, rank: int | None, cause: s
             return []
         said = f"{rc.exc_type}: {rc.message}" if rc is not None else ""
         if _PEER_LOST.search(said) or _OUT_OF_MEMORY.search(said):
+            return []
+        if rc is not None and rc.source == rootcause.RootCauseSource.LAUNCHER:
             return []
         how = (f"killed by signal {signal}" if signal else said or
                (f"exit code {exit_code}" if exit_code is not None else "crashed"))

@@ -6,6 +6,7 @@ tree, frozen by SIGSTOP of it."""
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +171,36 @@ def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the
     assert acts[-1]["status"] == "resumed", acts
     assert acts[-1]["plan"]["membership"]["members"]["spare0"] == 1, acts
     assert finished["restarts_by_cause"]["node_lost"] == 1, finished
+
+
+def test_a_taken_rendezvous_port_moves_the_rendezvous_and_the_run_ends_as_a_clean_one(
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path) -> None:
+    """Another process holds the rendezvous port on the host of node rank 0: its torchrun
+    cannot listen and fails before any worker starts.  The incident says so, the restart moves
+    the rendezvous to a new port with the same members, and the run ends as a clean one; the
+    host is not charged with an infrastructure failure."""
+    run = "porttaken"
+    nodes = Nodes(supervisor, run, tmp_path / "run")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", nodes.port))
+        held.listen()
+        try:
+            nodes.start("node0")
+            nodes.start("node1")
+            wait_until(lambda: supervisor.get_or_none(f"/runs/{run}"), 60, "the run to register")
+            finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
+            assert finished["status"] == "completed", finished
+        finally:
+            nodes.stop()
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    (inc,) = supervisor.get(f"/runs/{run}/incidents")["incidents"]
+    assert "EADDRINUSE" in inc["cause"] and f"port: {nodes.port}" in inc["cause"], inc
+    host = inc["node"]
+    assert f"torchrun on node {host} exited with code 1" in inc["cause"], inc
+    (act,) = supervisor.get(f"/runs/{run}/actions")["actions"]
+    assert "the rendezvous moves to a new port" in act["reason"], act
+    assert act["plan"]["membership"]["endpoint"].endswith(f":{nodes.port + 1}"), act
+    assert act["status"] == "resumed", act
+    h = supervisor.get(f"/hosts/{host}")
+    assert h["state"] == "healthy", h
+    assert [e for e in h["evidence"] if e["kind"] == "infra_failure"] == [], h

@@ -11,7 +11,12 @@ import pytest
 
 from trainwarden.agent.core import rootcause as rc_
 from trainwarden.agent.core.rootcause import FailureClass, Frame, RootCause
-from trainwarden.agent.launcher import attach_root_causes, parse_failure_summary, read_error_file
+from trainwarden.agent.launcher import (
+    attach_root_causes,
+    launcher_failure,
+    parse_failure_summary,
+    read_error_file,
+)
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "tracebacks"
 
@@ -204,3 +209,36 @@ def test_wire_dict_round_trip() -> None:
     a = rc("KeyError", "/home/u/train.py", 57, "collate", "'label'")
     assert rc_.from_dict(a.as_dict()) == a
     assert rc_.from_dict({"exc_type": 3}) is None and rc_.from_dict("x") is None
+
+
+def test_torchrun_failing_before_any_worker_is_its_own_root_cause() -> None:
+    """torchrun's static rendezvous on the host whose port is taken: it exits 1 with its own
+    traceback and no failure summary; the entry names torchrun, the port taken and the
+    launcher as the source."""
+    out = text("torchrun_rendezvous_port_in_use.stderr.txt")
+    failed = parse_failure_summary(out)
+    attach_root_causes(failed, out, out)
+    assert failed == []  # no worker ran
+    entry = launcher_failure(1, out)
+    assert entry is not None and entry["rank"] is None and entry["launcher"] is True
+    assert entry["message"].startswith("torch.distributed.DistNetworkError: The server socket "
+                                       "has failed to listen")
+    rc = rc_.from_dict(entry["root_cause"])
+    assert rc is not None and rc.source == rc_.RootCauseSource.LAUNCHER
+    assert rc.frame is not None and rc.frame.short == \
+        "static_tcp_rendezvous.py:67 in next_rendezvous"
+    assert rc_.port_in_use(rc)
+    assert rc_.classify(rc, exit_code=1) == FailureClass.MACHINE
+    assert launcher_failure(0, out) is None  # a clean exit has no failure
+    assert launcher_failure(1, "torchrun: error: unrecognized arguments") is None
+
+
+def test_only_a_taken_port_reads_as_one() -> None:
+    def rc(exc: str, msg: str) -> RootCause:
+        return RootCause(exc, msg, None, None, "")
+
+    assert rc_.port_in_use(rc("OSError", "[Errno 98] Address already in use"))
+    assert not rc_.port_in_use(rc("torch.distributed.DistNetworkError",
+                                  "failed to connect to 127.0.0.1:29500: Connection refused"))
+    assert not rc_.port_in_use(rc("KeyError", "'label'"))
+    assert not rc_.port_in_use(None)

@@ -80,6 +80,19 @@ def test_without_a_spare_a_cordoned_member_keeps_its_rank() -> None:
     assert p.waiting == (1,) and p.kept_cordoned == {}
 
 
+def test_moving_the_endpoint_grows_the_epoch_and_keeps_the_members() -> None:
+    """The last attempt's rendezvous port was taken: the same members, a new epoch (the port
+    moves with it); a replacement already moves it, once; a one-node world has none."""
+    p = plan_members(facts(), move_endpoint=True)
+    assert p.members == {0: "n0", 1: "n1"} and p.epoch == 4 and p.moved
+    assert p.summary() == ("the rendezvous moves to a new port (membership epoch 4): the last "
+                           "one was taken")
+    p = plan_members(facts(live=LIVE - {"n0"}), move_endpoint=True)
+    assert p.epoch == 4 and not p.moved and p.replaced
+    p = plan_members(facts(nnodes=1, members={0: "n0"}), move_endpoint=True)
+    assert p.epoch == 3 and not p.moved
+
+
 def test_a_command_without_a_world_decides_nothing() -> None:
     p = plan_members(facts(nnodes=None, live=frozenset()))
     assert p.members == {0: "n0", 1: "n1"} and p.nnodes is None and p.waiting == ()
@@ -193,6 +206,48 @@ def test_a_crash_while_a_spare_waits_restarts_on_the_same_members(
     assert act["plan"]["membership"]["epoch"] == 0
     assert heartbeat(client, ids["s0"], 0)["commands"] == []  # the spare is not restarted
     assert as_agent(client, ids["s0"])  # (it keeps its credential)
+
+
+def port_taken(attempt: int = 0) -> dict[str, Any]:
+    """What the agent on the rendezvous host reports when its torchrun could not listen."""
+    msg = ("The server socket has failed to listen on any local network address. port: "
+           "29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    return {"type": "exit", "attempt": attempt, "t": 200.0, "exit_code": 1, "signal": None,
+            "outcome": "crashed",
+            "failed_ranks": [{"rank": None, "exit_code": 1, "launcher": True,
+                              "message": f"torch.distributed.DistNetworkError: {msg}",
+                              "root_cause": {
+                                  "exc_type": "torch.distributed.DistNetworkError",
+                                  "message": msg, "source": "launcher", "traceback": "",
+                                  "frame": {"file": "/x/torch/distributed/elastic/rendezvous/"
+                                                    "static_tcp_rendezvous.py",
+                                            "line": 67, "function": "next_rendezvous"},
+                                  "user_frame": None, "rank": None, "host": "n0"}}]}
+
+
+def test_a_taken_rendezvous_port_moves_the_endpoint_and_is_no_evidence_against_the_node(
+        client: TestClient, evaluator: Evaluator) -> None:
+    """The rendezvous host's torchrun could not listen (its port taken): the incident names
+    torchrun's error, the restart keeps the members on a new port, and the node is not
+    charged with an infrastructure failure (twice would cordon it)."""
+    ids = start(client, spare=False)
+    for attempt in (0, 1):
+        ingest(client, ids["n0"], 1 + attempt, [port_taken(attempt)], attempt=attempt)
+        evaluator.tick()
+        inc = max(get(client, "/incidents")["incidents"], key=lambda i: i["id"])
+        assert inc["cause"].startswith("torch.distributed.DistNetworkError: The server socket "
+                                       "has failed to listen"), inc
+        assert "torchrun on node n0 exited with code 1" in inc["cause"]
+        act = max(get(client, "/actions")["actions"], key=lambda a: a["id"])
+        m = act["plan"]["membership"]
+        assert m["members"] == {"n0": 0, "n1": 1} and m["epoch"] == 1 + attempt
+        assert m["endpoint"] == f"testclient:{29501 + attempt}"
+        assert "the rendezvous moves to a new port" in act["reason"]
+        heartbeat(client, ids["n1"], 1 + attempt, attempt=attempt)
+        for aid in ids.values():  # each agent takes the restart (the attempt moves on)
+            heartbeat(client, aid, 10 + attempt, attempt=attempt + 1)
+    host = client.get("/api/v1/hosts/n0", headers=OPERATOR).json()
+    assert host["state"] == "healthy" and host["evidence"] == [], host
 
 
 def test_a_member_that_never_takes_the_restart_is_lost_and_replaced(
