@@ -228,7 +228,9 @@ def test_torchrun_failing_before_any_worker_is_its_own_root_cause() -> None:
     assert rc.frame is not None and rc.frame.short == \
         "static_tcp_rendezvous.py:67 in next_rendezvous"
     assert rc_.port_in_use(rc)
+    assert rc.user_frame is None  # torchrun's frames are not the user's script
     assert rc_.classify(rc, exit_code=1) == FailureClass.MACHINE
+    assert rc_.fingerprint(rc, exit_code=1) is None
     assert launcher_failure(0, out) is None  # a clean exit has no failure
     assert launcher_failure(1, "torchrun: error: unrecognized arguments") is None
 
