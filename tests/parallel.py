@@ -42,7 +42,8 @@ def main(argv: list[str]) -> int:
         env = {**os.environ, SHARD_ENV: shard}
         with log.open("wb") as out:
             procs[shard] = (subprocess.Popen(
-                [*pytest, "--basetemp", str(work / f"tmp-{shard}")], cwd=REPO, env=env,
+                [*pytest, "--durations=15", "--basetemp", str(work / f"tmp-{shard}")],
+                cwd=REPO, env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True), log)
     print(f"tests: shards {', '.join(SHARDS)} side by side; logs in {work}", flush=True)
 
