@@ -14,13 +14,16 @@ POSTGRES_ENV = "TRAINWARDEN_TEST_POSTGRES_URL"
 # `make test` runs the suite as two pytest processes side by side (tests/parallel.py), one per
 # core, each taking one shard: the end-to-end tests that start torchrun, one after the other,
 # and everything else beside them (unit and API tests, the browser, packaging, and the
-# framework end-to-end module, which runs one torchrun job at a time).  Much of an
+# end-to-end modules that run one torchrun job at a time and assert no timing: exact resume,
+# the framework integrations, the worker-level elastic runs, the preflight).  Much of an
 # end-to-end test's time is waiting (deadlines, step sleeps, process start-up), which the
 # other shard uses.  TRAINWARDEN_TEST_SHARD selects a shard; unset, every test runs.
 SHARD_ENV = "TRAINWARDEN_TEST_SHARD"
 SHARDS = ("e2e", "rest")
 E2E = REPO / "tests" / "e2e"
-BESIDE_E2E = {"test_frameworks.py"}
+BESIDE_E2E = {"test_frameworks.py", "test_resume.py", "test_resume_plan.py",
+              "test_elastic_worker.py", "test_lightning_elastic.py", "test_lightning_docs.py",
+              "test_preflight.py"}
 
 
 def shard_of(path: Path) -> str:
