@@ -6,7 +6,8 @@ the training command's ``--checkpoint-dir`` and the directories of the checkpoin
 workers reported (learned, newest last, kept in the agent's state).  The supervisor refuses a
 checkpoint outside the roots the agent registered, so a new learned root means a new
 registration before the batch that carries its checkpoint goes out.  Pins are written only
-inside these roots: never in a path the network names.
+inside these roots (the user's directories, and the ones its own workers wrote in): never in
+a path the network names.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ class CheckpointRoots:
         self.free_space_at: Path | None = checkpoint_root
 
     def pin_roots(self) -> list[Path]:
-        """Where pins may be written: --checkpoint-root, else the learned directories."""
+        """Where pins may be written: --checkpoint-root, else the training command's
+        --checkpoint-dir (the user's word too: a spare promoted to a member pins its restart's
+        checkpoint there before its workers report any) and the learned directories."""
         if self.given is not None:
             return [self.given]
-        return [Path(r) for r in self.learned]
+        return [*([self.command_dir] if self.command_dir is not None else []),
+                *(Path(r) for r in self.learned)]
 
     def learn(self, path: object) -> tuple[bool, bool]:
         """A checkpoint path a worker reported: (the learned roots changed, the registered

@@ -522,6 +522,25 @@ def test_without_a_checkpoint_root_pins_follow_the_workers_reported_directory(
     assert saved["checkpoint_roots"] == [str(ck)]
 
 
+def test_without_a_checkpoint_root_a_restart_pins_inside_the_commands_checkpoint_dir(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
+    """A spare promoted to a member has run no worker, so it has learned no checkpoint
+    directory: the restart's checkpoint is pinned inside the training command's
+    --checkpoint-dir (the user's own word), and nothing outside it."""
+    ck, out = fake_run.tmp_path / "ckpt", fake_run.tmp_path / "elsewhere"
+    for d in (ck / "step_50", out / "step_5"):
+        d.mkdir(parents=True)
+    cfg = fake_run.config("serve", "--checkpoint-dir", str(ck), checkpoint_root=None)
+    agent = make_agent(agents, cfg, fake_supervisor)
+    agent.start()
+    fake_supervisor.commands[1] = {"id": 1, "kind": "restart", "attempt": 1,
+                                   "plan": {"checkpoint": str(ck / "step_50")}}
+    tick_until(agent, lambda: (ck / "step_50" / "PINNED").exists(), what="the restart's pin")
+    fake_supervisor.protect = [str(out / "step_5")]
+    tick_until(agent, lambda: agent.pins.refused == 1, what="the path outside refused")
+    assert not (out / "step_5" / "PINNED").exists()
+
+
 def test_heartbeats_carry_disk_of_the_reported_checkpoints_and_gpu_health(
         fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent]) -> None:
     """Without --checkpoint-root the agent measures the disk of the checkpoints the workers
