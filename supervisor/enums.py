@@ -168,8 +168,9 @@ class SupervisorEvent(StrEnum):
     * ``unknown_command_result``: an agent reported on a command not sent to it;
     * ``credentials_revoked``: the run ended, and its agents' credentials were revoked once
       they had the node-lost deadline to report (details: ``agents``);
-    * ``membership_changed``: a restart gave node ranks to spares (details: ``epoch``,
-      ``replaced``: [{node_rank, old, new, why}], ``members``);
+    * ``membership_changed``: a restart gave node ranks to spares, or moved the rendezvous
+      to a new port because the last one was taken (details: ``epoch``, ``replaced``:
+      [{node_rank, old, new, why}], ``members``, ``endpoint``, ``moved``);
     * ``waiting_for_node``: a restart found node ranks with no node fit to run and no spare
       left: every member stands by (details: ``waiting``: {node rank: why});
     * ``world_resized``: a restart runs the attempt on another number of nodes: a shrink
