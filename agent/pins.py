@@ -8,10 +8,11 @@ purpose holds its checkpoint any more; markers somebody else wrote (``ckpt.pin``
 alone.
 
 The paths come over the network, so a pin is written only inside the checkpoint roots this
-agent knows (``--checkpoint-root``, or else the training command's ``--checkpoint-dir`` and the
-directories of the checkpoints its own workers reported): resolved, symlinks followed, strictly below a root.  Anything else is
-refused, logged once and counted (``take_refused`` hands the new refusals to the agent, which
-reports them), and no file is ever written or removed outside the roots.
+agent knows (``--checkpoint-root``, or else the training command's ``--checkpoint-dir`` and
+the directories of the checkpoints its own workers reported): resolved, symlinks followed,
+strictly below a root.  Anything else is refused, logged once and counted (``take_refused``
+hands the new refusals to the agent, which reports them), and no file is ever written or
+removed outside the roots.
 """
 
 from __future__ import annotations

@@ -271,10 +271,15 @@ def from_stderr(text: str, *, rank: int, sole_failure: bool) -> RootCause | None
 def from_launcher(text: str) -> RootCause | None:
     """torchrun's own failure, from the node's stderr, when it exited with an error and
     named no failed worker (its rendezvous failed, say): the last traceback there that no
-    rank wrote.  None of its frames is the user's (torchrun's own script would pass for it)."""
-    groups = split_by_rank(text)
-    rc = parse_traceback(groups[None]) if None in groups else None
-    return None if rc is None else _with(rc, source=RootCauseSource.LAUNCHER, user_frame=None)
+    rank wrote, unless it is torchrun's report of a failed worker (``ChildFailedError``: the
+    worker's failure is the root cause, not torchrun's).  None of its frames is the user's
+    (torchrun's own script would pass for it)."""
+    lines = split_by_rank(text).get(None, "").splitlines()
+    last = max((i for i, ln in enumerate(lines) if ln.strip() == _HEADER), default=None)
+    rc = _parse_at(lines, last)[0] if last is not None else None
+    if rc is None or rc.exc_type.endswith(_LAUNCHER_EXCEPTIONS):
+        return None
+    return _with(rc, source=RootCauseSource.LAUNCHER, user_frame=None)
 
 
 def _with(rc: RootCause, **changes: Any) -> RootCause:

@@ -233,6 +233,8 @@ def test_torchrun_failing_before_any_worker_is_its_own_root_cause() -> None:
     assert rc_.fingerprint(rc, exit_code=1) is None
     assert launcher_failure(0, out) is None  # a clean exit has no failure
     assert launcher_failure(1, "torchrun: error: unrecognized arguments") is None
+    # torchrun reporting a failed worker whose summary did not reach us: not torchrun's own
+    assert launcher_failure(1, text("chained_no_record.stderr.txt")) is None
 
 
 def test_only_a_taken_port_reads_as_one() -> None:
