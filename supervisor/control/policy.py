@@ -404,6 +404,14 @@ def crash_cause(ex: ExitFacts, rank: int | None, code: int | None, sig: int | No
                       rootcause.fingerprint(rc, exit_code=code, signal=sig))
 
 
+def _rendezvous_port_taken(cause: CrashCause | None) -> bool:
+    """The failure is torch.distributed's socket failing to listen on a taken port (the
+    rendezvous store's); a port the script's own code could not take is the script's
+    business, and moving the rendezvous would not help it."""
+    return (cause is not None and cause.failure_class == FailureClass.MACHINE
+            and rootcause.port_in_use(cause.root_cause))
+
+
 def repeated_user_error(cause: CrashCause, recovery: RecoveryFacts | None, cfg: PolicyConfig
                         ) -> bool:
     """The rule: the same failure of the user's code ended the previous attempt too."""
@@ -508,7 +516,7 @@ def on_exit(
         reason=f"gang restart after {kind}: {cause}",
         incident=incident,
         cause=CAUSE_OF_KIND[kind],
-        move_endpoint=crash is not None and rootcause.port_in_use(crash.root_cause),
+        move_endpoint=_rendezvous_port_taken(crash),
     )
 
 

@@ -350,3 +350,32 @@ def test_a_restart_whose_attempt_trained_and_finished_within_one_tick_is_resumed
     assert get(client, "")["status"] == "completed"
     act = get(client, "/actions")["actions"][0]
     assert act["status"] == "resumed" and act["resumed_step"] == 1, act
+
+
+def _failed(exc: str, msg: str, file: str, **entry: Any) -> policy.ExitFacts:
+    rc = {"exc_type": exc, "message": msg, "traceback": "", "source": "stderr",
+          "frame": {"file": file, "line": 7, "function": "f"}, "user_frame": None}
+    if "train.py" in file:
+        rc["user_frame"] = rc["frame"]
+    return policy.ExitFacts(id=1, agent_id=1, node="n1", attempt=2, outcome="crashed",
+                            exit_code=1, signal=None,
+                            failed_ranks=[{"rank": 0, "exit_code": 1, "root_cause": rc,
+                                           **entry}])
+
+
+def test_only_torch_distributed_failing_on_a_taken_port_moves_the_rendezvous() -> None:
+    """The rendezvous store could not listen: the next attempt meets on another port.  The
+    script's own code failing to take a port (its metrics server, say) is the script's
+    business: the rendezvous stays."""
+    taken = ("The server socket has failed to listen on any local network address. port: "
+             "29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    d = decide(RUN, _failed("torch.distributed.DistNetworkError", taken,
+                            "/v/torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py",
+                            rank=None, launcher=True))
+    assert isinstance(d, policy.Restart) and d.move_endpoint
+    assert d.incident is not None and "torchrun on node n1 exited with code 1" in d.incident.cause
+    d = decide(RUN, _failed("OSError", "[Errno 98] Address already in use", "/home/u/train.py"))
+    assert isinstance(d, policy.Restart) and not d.move_endpoint
+    assert d.incident is not None and "worker on node n1 rank 0" in d.incident.cause
+    d = decide(RUN, exit_(2))
+    assert isinstance(d, policy.Restart) and not d.move_endpoint
