@@ -176,10 +176,15 @@ def attach_root_causes(failed: list[dict[str, Any]], output: str, stderr: str) -
                                        sole_failure=len(coded) == 1 and f is coded[0])
         if rc is None:
             continue
-        rc = dataclasses.replace(rc, rank=rank, host=d.get("host") or socket.gethostname())
-        f["root_cause"] = untrusted.clean_json(rc.as_dict())
-        f["message"] = untrusted.clean(
-            f"{rc.exc_type}: {rc.message}" if rc.message else rc.exc_type)
+        f.update(_cause_fields(dataclasses.replace(rc, rank=rank,
+                                                   host=d.get("host") or socket.gethostname())))
+
+
+def _cause_fields(rc: rootcause.RootCause) -> dict[str, Any]:
+    """A failed-rank entry's ``root_cause`` (cleaned) and ``message`` (the exception line)."""
+    return {"root_cause": untrusted.clean_json(rc.as_dict()),
+            "message": untrusted.clean(f"{rc.exc_type}: {rc.message}" if rc.message
+                                       else rc.exc_type)}
 
 
 def launcher_failure(exit_code: int, stderr: str) -> dict[str, Any] | None:
@@ -189,11 +194,8 @@ def launcher_failure(exit_code: int, stderr: str) -> dict[str, Any] | None:
     rc = rootcause.from_launcher(stderr) if exit_code > 0 else None
     if rc is None:
         return None
-    rc = dataclasses.replace(rc, host=socket.gethostname())
     return {"rank": None, "exit_code": exit_code, "launcher": True,
-            "root_cause": untrusted.clean_json(rc.as_dict()),
-            "message": untrusted.clean(f"{rc.exc_type}: {rc.message}" if rc.message
-                                       else rc.exc_type)}
+            **_cause_fields(dataclasses.replace(rc, host=socket.gethostname()))}
 
 
 # --------------------------------------------------------------------------------------------
