@@ -255,11 +255,11 @@ class FailedRank(_Wire):
     # torchrun itself failed before any worker did (its rendezvous, say): rank is None
     launcher: bool | None = None
 
-    @field_validator("root_cause", mode="wrap")
+    @field_validator("root_cause", "launcher", mode="wrap")
     @classmethod
     def _root_cause(cls, v: Any, handler: Any) -> Any:
-        # Evidence, not a claim: a root cause that does not validate is dropped, and the
-        # exit (the crash) is kept.
+        # Evidence, not a claim: a root cause (or its launcher mark) that does not validate
+        # is dropped, and the exit (the crash) is kept.
         try:
             return handler(v)
         except ValueError:

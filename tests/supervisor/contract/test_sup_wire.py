@@ -204,3 +204,16 @@ def test_a_root_cause_source_the_supervisor_does_not_know_is_dropped_not_a_500(
 
     rc = RootCause.model_validate({"exc_type": "KeyError", "source": source})
     assert rc.source is None and rc.exc_type == "KeyError"
+
+
+@pytest.mark.parametrize("mark", [3, ["x"], {"a": 1}])
+def test_a_launcher_mark_that_does_not_validate_is_dropped_and_the_exit_kept(mark: Any) -> None:
+    """``launcher`` only says the failure was torchrun's own: garbage there drops the mark,
+    never the exit report."""
+    item = wire.ExitItem.model_validate({
+        "type": "exit", "t": 1.0, "attempt": 0, "exit_code": 1, "signal": None,
+        "outcome": "crashed", "failed_ranks": [{"rank": None, "exit_code": 1, "launcher": mark,
+                                                "root_cause": {"exc_type": "OSError"}}]})
+    (f,) = item.failed_ranks
+    assert f.launcher is None and f.root_cause is not None and f.exit_code == 1
+    assert wire.FailedRank.model_validate({"launcher": True}).launcher is True
