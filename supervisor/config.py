@@ -120,6 +120,9 @@ class AuthConfig:
     # Directories agents' checkpoint roots must lie in, separated by ':' as in PATH (for
     # example "/data/ckpt:/scratch"); empty: any directory but the system's
     checkpoint_roots_allowed: str = ""
+    # Admit only run-scoped agent tokens (a shared cluster: one team's agents never reach
+    # another team's runs); the bootstrap agent token, scoped to no run, is off
+    scoped_agents_only: bool = False
 
     def __post_init__(self) -> None:
         # (the tokens themselves are never shown in a refusal)
@@ -132,6 +135,11 @@ class AuthConfig:
                     self, "operator_token", "different from agent_token",
                     hint="the same token would grant agents operator rights; choose two "
                          "different tokens")
+        cross_check(not (self.scoped_agents_only and self.agent_token), self, "agent_token",
+                    "unset with scoped_agents_only",
+                    hint="the bootstrap agent token is scoped to no run; drop it and mint a "
+                         "run-scoped agent token per job (trainwarden token create NAME --role "
+                         "agent --scope RUN)")
         for prefix in self.checkpoint_roots_allowed.split(":"):
             cross_check(not prefix.strip() or prefix.strip().startswith("/"), self,
                         "checkpoint_roots_allowed", "absolute directories separated by ':'",

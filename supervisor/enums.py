@@ -20,6 +20,9 @@ ROLES: tuple[Role, ...] = get_args(Role)
 
 
 class RunStatus(StrEnum):
+    # Registered by spares only: no member yet, nothing runs (the first member makes it
+    # running).
+    PENDING = "pending"
     RUNNING = "running"
     RESTARTING = "restarting"  # a gang restart is under way
     COMPLETED = "completed"
@@ -42,6 +45,7 @@ class Verdict(StrEnum):
     ECHO = "echo"  # the attempt already failed: another sign of the same failure
     ONGOING = "ongoing"  # its incident is already open
     WAIT = "wait"  # not yet: a restart under way, a mismatch too young, a command pending
+    NOT_MEMBER = "not_member"  # from a spare, a replaced node or a non-member: recorded only
 
 
 class ActionKind(StrEnum):
@@ -229,3 +233,6 @@ class HostActionKind(StrEnum):
     CORDON = "cordon"  # -> cordoned (the policy's rule, or an operator)
     UNCORDON = "uncordon"  # cordoned -> probation (an operator)
     PROBATION_PASSED = "probation_passed"  # probation -> healthy (a passed preflight)
+    # A node cordoned in one run only (evidence from a source not trusted for the host: the
+    # run replaces it; no other run is affected).
+    RUN_CORDON = "run_cordon"

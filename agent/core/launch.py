@@ -86,6 +86,11 @@ def declared_nnodes(command: Sequence[str]) -> int | None:
         return None
 
 
+# The largest world a run may declare (``--nnodes``).  The supervisor's work is bounded by the
+# nodes that registered, never by the declared world; this bound keeps every figure derived
+# from the declared world (a rank, a count, a database integer) small and exact.
+MAX_NNODES = 65_536
+
 DEFAULT_PORT = 29500  # torchrun's --master-port default
 EPOCH_PORTS = 100  # the rendezvous port moves with the membership epoch, modulo this
 
@@ -184,8 +189,12 @@ def unrewritable(command: Sequence[str]) -> str | None:
             return (f"torchrun --nnodes={nnodes}: an elastic range cannot be rewritten for the "
                     "members the supervisor chooses; give the full world, for example "
                     f"--nnodes={high}, and start spares with trainwarden agent --spare")
-    if nnodes is not None and declared_nnodes(command) is None:
+    declared = declared_nnodes(command)
+    if nnodes is not None and declared is None:
         return f"torchrun --nnodes={nnodes}: not a number of nodes; give one, e.g. --nnodes=2"
+    if declared is not None and not 1 <= declared <= MAX_NNODES:
+        return (f"torchrun --nnodes={nnodes}: give a number of nodes from 1 to {MAX_NNODES} "
+                "(the largest world trainwarden supervises)")
     backend = _value(opts, "--rdzv-backend", "--rdzv_backend")
     if backend is not None and backend not in _SUPPORTED_BACKENDS:
         return (f"torchrun --rdzv-backend={backend}: the agent rewrites only the c10d and "

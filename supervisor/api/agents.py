@@ -30,7 +30,7 @@ from trainwarden.supervisor.api.responses import TakeoverDone, documented
 from trainwarden.supervisor.contract import checkpoint_paths, wire
 from trainwarden.supervisor.contract.limits import NodeName, RunName
 from trainwarden.supervisor.ingest.writer import IngestWriter
-from trainwarden.supervisor.store import credentials, registry
+from trainwarden.supervisor.store import credentials, membership, registry
 from trainwarden.supervisor.store.db import Database
 from trainwarden.supervisor.store.ingest import CheckpointRefused, SeqConflict, UnknownAgent
 
@@ -75,7 +75,8 @@ def register(
     try:
         with db.write() as conn:
             r = registry.register_agent(conn, req=req, now=now, judge=judge,
-                                        peer=request.client.host if request.client else "")
+                                        peer=request.client.host if request.client else "",
+                                        host_trusted=auth.trusted_for_hosts)
             if r["claim"] == "takeover" and r["holder"] is not None:
                 credentials.record_takeover(conn, run_id=r["run_id"], attempt=r["attempt"],
                                             node=req.node, holder=r["holder"],
@@ -84,6 +85,9 @@ def register(
         raise HTTPException(status.HTTP_409_CONFLICT, str(e)) from None
     except registry.CommandRefused as e:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(e)) from None
+    except membership.SettingsConflict as e:
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"run {req.run!r}, node {req.node!r}: {e}") from None
     secret = r["credential"] or presented or ""
     if r["credential"] is not None:
         creds.remember(r["agent_id"], credentials.digest(secret), req.run)

@@ -80,6 +80,14 @@ class Principal:
         stored token named ci)."""
         return self.role if self.token == SETTINGS_TOKEN else f"{self.role}:{self.token}"
 
+    @property
+    def trusted_for_hosts(self) -> bool:
+        """Whether what an agent registered with this token reports about its host (failed
+        or passed preflights, ECC/XID, crashes blamed on the machine) moves the shared
+        health ledger: a token not scoped to runs is the cluster's own.  A run-scoped
+        token's evidence counts against the node in its own run only."""
+        return self.scope is None and self.role != "anonymous"
+
     def covers(self, run: str) -> bool:
         if self.scope is None:
             return True
@@ -209,6 +217,14 @@ class TokenCheck:
                 status.HTTP_403_FORBIDDEN,
                 f"this route needs {what} token (the {self.need} role or above); token "
                 f"{principal.token!r} has the {principal.role} role")
+        if (self.need == "agent" and auth.scoped_agents_only and principal.role == "agent"
+                and principal.scope is None):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"token {principal.token!r} is an agent token scoped to no run, and this "
+                "supervisor admits only run-scoped agent tokens (auth.scoped_agents_only): "
+                "mint one per job, for example trainwarden token create job-42 --role agent "
+                "--scope RUN")
         return principal
 
 

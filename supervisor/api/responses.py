@@ -104,7 +104,10 @@ class MembershipSummary(_Answer):
                                     "not cordoned")
     spares_configured: bool = Field(description="a node registered into the run as a spare")
     missing: list[int] = Field(description="node ranks with no node fit to run and no spare "
-                                           "to take them: the run stands by for them")
+                                           "to take them: the run stands by for them (the "
+                                           "first 64 vacant ones listed)")
+    missing_count: int = Field(0, description="how many node ranks wait for a node, listed "
+                                              "in missing or not")
     world: int | None = Field(description="the nodes the current attempt runs on: fewer than "
                                           "nnodes while the run is shrunk")
     min_nodes: int | None = Field(description="the smallest world the run accepts (agent "
@@ -530,6 +533,9 @@ class EventRecord(_Answer):
     step: int | None
     message: str
     details: dict[str, Any]
+    member: bool = Field(True, description="sent by a member of the run; false: by a spare, "
+                                           "a replaced node or a non-member (kept for the "
+                                           "record, never acted on)")
 
 
 class EventList(_Answer):
@@ -575,6 +581,9 @@ class EvidenceRecord(_Answer):
                                                "(``run``), and what it was read from")
     source: str | None = Field(description="what it was read from (incident:ID, event:ID; "
                                            "null for the GPU counters): recorded once")
+    trusted: bool = Field(True, description="from a source trusted for the host (an agent "
+                                            "registered with a token scoped to no run); "
+                                            "false: it counts in its run only")
 
 
 class HostActionRecord(_Answer):

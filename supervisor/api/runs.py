@@ -59,7 +59,7 @@ def _membership(conn: Connection, run: RunRow, now: float, live_s: float) -> dic
     c = actions.capacity(conn, run_id=int(run["id"]), now=now, live_s=live_s)
     return {"nnodes": c.nnodes, "epoch": c.epoch, "spares": c.spares,
             "spares_configured": c.spares_configured, "missing": list(c.missing),
-            "world": c.world, "min_nodes": c.min_nodes}
+            "missing_count": c.waiting, "world": c.world, "min_nodes": c.min_nodes}
 
 
 def _summary(conn: Connection, run: RunRow, now: float, live_s: float) -> dict[str, Any]:

@@ -135,9 +135,15 @@ def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | N
     facts = membership.MembershipFacts(
         nnodes=m["nnodes"], epoch=m["epoch"],
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
-        spares=spares, cordoned=frozenset(hosts.cordoned_nodes(conn)), world=m["world"],
+        spares=spares, cordoned=frozenset(cordoned_for(conn, run_id=run_id)), world=m["world"],
         min_nodes=m["min_nodes"])
     return facts, m
+
+
+def cordoned_for(conn: Connection, *, run_id: int) -> set[str]:
+    """The nodes a run must not choose as members: those the shared ledger cordons, and
+    those cordoned in this run only."""
+    return hosts.cordoned_nodes(conn) | set(hosts.run_cordons(conn, run_id=run_id))
 
 
 def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
@@ -362,6 +368,11 @@ def advance(conn: Connection, *, action: ActionRow, now: float) -> str:
 def apply_host(conn: Connection, *, decision: policy.HostDecision, now: float) -> int | None:
     """Write a decision about a node's state (``store.hosts``), audited as a host action
     naming who and why; returns the host action's id (None: nothing changed)."""
+    if isinstance(decision, policy.Cordon) and decision.in_run_only:
+        assert decision.run_id is not None
+        return hosts.cordon_in_run(conn, run_id=decision.run_id, node=decision.node,
+                                   reason=decision.reason, actor=decision.actor, now=now,
+                                   evidence_ids=decision.evidence_ids)
     if isinstance(decision, policy.Cordon):
         return hosts.cordon(conn, node=decision.node, reason=decision.reason,
                             actor=decision.actor, now=now, run_id=decision.run_id,

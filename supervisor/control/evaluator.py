@@ -58,7 +58,7 @@ from trainwarden.supervisor.enums import (
     Verdict,
 )
 from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
-from trainwarden.supervisor.store import credentials, hosts, registry, windows
+from trainwarden.supervisor.store import credentials, registry, windows
 from trainwarden.supervisor.store import membership as store_membership
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection, Database
@@ -403,7 +403,8 @@ class Evaluator:
         m = (action["plan"] or {}).get("membership")
         if not isinstance(m, dict):
             return
-        bad = sorted(set(m.get("members") or {}) & hosts.cordoned_nodes(conn))
+        bad = sorted(set(m.get("members") or {})
+                     & actions.cordoned_for(conn, run_id=int(run["id"])))
         if not bad:
             return
         plan, _, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now, live_s=None)
@@ -641,7 +642,8 @@ class Evaluator:
                     f"{ev['message']}",
             attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
             node=ev.get("node"), details={"collective": collective, "event_id": ev["id"],
-                                          **details})
+                                          **details},
+            member=bool(ev.get("member", True)))
         rep.findings += 1
         self._decide(conn, run, finding, now, rep)
 

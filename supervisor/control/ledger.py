@@ -17,6 +17,14 @@ evidence are judged by the rule and the policy cordons (``policy.on_host_evidenc
 audited with the policy as the actor); a passed preflight ends a probation.  Cordoning
 restarts nothing: the membership replaces a cordoned member at the next restart.
 
+Evidence is bounded by its source.  Evidence about a node counts in the shared ledger (it
+cordons the host for every run) only when the run's agent on that node is trusted for its host:
+registered with a token scoped to no run (the cluster's own agents).  Evidence from an agent
+registered with a run-scoped token is recorded as that run's only (``trusted`` false): the same
+rule, judged over that run's evidence, cordons the node in that run only (the run replaces it
+at its next restart), and a passed preflight from it ends no probation.  Only members' evidence
+counts: a spare's or a replaced node's events and readings are never evidence.
+
 What the ledger keeps between ticks is where it read up to; it moves on only once the
 tick's transaction committed (``advance``).
 """
@@ -77,7 +85,8 @@ class HealthLedger:
         t = LedgerTick(incidents_since=now, event_cursor=self._event_cursor,
                        gpu_next=self._gpu_next)
         run_names: dict[int, str] = {}
-        touched: dict[str, int | None] = {}  # node -> the run of its newest evidence
+        # (node, run of its newest evidence or None, in that run only)
+        touched: dict[tuple[str, int | None], bool] = {}
         start = now - self.cfg.window_s if since is None else since
         for inc in hosts.incidents_touched(conn, since=start, kinds=_INCIDENT_KINDS):
             self._incident(conn, inc, run_names, touched, t)
@@ -85,7 +94,14 @@ class HealthLedger:
         if now >= self._gpu_next:
             self._gpus(conn, now, run_names, touched, t)
             t.gpu_next = now + GPU_EVERY_S
-        for node, run_id in sorted(touched.items()):
+        shared: dict[str, int | None] = {}
+        for (node, run_id), local in sorted(touched.items(), key=lambda kv: (kv[0][0],
+                                                                              kv[0][1] or 0)):
+            if local and run_id is not None:
+                self._judge_in_run(conn, node, run_id, now, t)
+            else:
+                shared[node] = run_id
+        for node, run_id in sorted(shared.items()):
             self._judge(conn, node, run_id, now, t)
         return t
 
@@ -101,29 +117,36 @@ class HealthLedger:
 
     def _record(self, conn: Connection, found: Found, *, run_id: int | None,
                 attempt: int | None, t: float, source: str | None,
-                run_names: dict[int, str], touched: dict[str, int | None],
-                tick: LedgerTick) -> int | None:
+                run_names: dict[int, str], touched: dict[tuple[str, int | None], bool],
+                tick: LedgerTick, trusted: bool = True) -> int | None:
         if source is not None and (found.node, source) in self._seen:
             return None
+        if run_id is None:
+            trusted = True  # (the supervisor's own evidence)
         detail = dict(found.detail)
         if run_id is not None:
             if run_id not in run_names:
                 run_names[run_id] = str(registry.get_run(conn, run_id=run_id)["name"])
             detail["run"] = run_names[run_id]
         new = hosts.record_evidence_once(conn, node=found.node, kind=found.kind, run_id=run_id,
-                                         attempt=attempt, t=t, detail=detail, source=source)
+                                         attempt=attempt, t=t, detail=detail, source=source,
+                                         trusted=trusted)
         if source is not None:
             tick.recorded.append((found.node, source))
         if new is not None:
             tick.evidence += 1
             if found.kind != EvidenceKind.PREFLIGHT_PASSED:
-                touched[found.node] = run_id
+                if trusted:  # the newest run per node: drop an older entry of the node
+                    for key in [k for k in touched if k[0] == found.node and not touched[k]]:
+                        del touched[key]
+                touched[(found.node, run_id)] = not trusted
         return new
 
     def _incident(self, conn: Connection, inc: IncidentRow, run_names: dict[int, str],
-                  touched: dict[str, int | None], tick: LedgerTick) -> None:
+                  touched: dict[tuple[str, int | None], bool], tick: LedgerTick) -> None:
         rank_nodes = (windows.rank_nodes(conn, run_id=inc["run_id"])
                       if inc["kind"] == IncidentKind.HANG else {})
+        trust = hosts.node_trust(conn, run_id=inc["run_id"])
         for found in node_health.incident_evidence(
                 inc["kind"], node=inc["node"], rank=inc["rank"], cause=inc["cause"],
                 details=inc["details"] or {}, rank_nodes=rank_nodes, signal=inc["signal"],
@@ -131,23 +154,26 @@ class HealthLedger:
             found.detail["incident_id"] = inc["id"]
             self._record(conn, found, run_id=inc["run_id"], attempt=inc["attempt"],
                          t=float(inc["opened_at"]), source=f"incident:{inc['id']}",
-                         run_names=run_names, touched=touched, tick=tick)
+                         run_names=run_names, touched=touched, tick=tick,
+                         trusted=trust.get(found.node, False))
 
     def _events(self, conn: Connection, now: float, run_names: dict[int, str],
-                touched: dict[str, int | None], tick: LedgerTick) -> None:
+                touched: dict[tuple[str, int | None], bool], tick: LedgerTick) -> None:
         for _ in range(EVENT_PAGES):
             page = windows.events_after(conn, after_id=tick.event_cursor, names=_EVENTS)
             for ev in page:
                 tick.event_cursor = max(tick.event_cursor, int(ev["id"]))
                 # (an event older than the window counts for nothing: a backlog read at the
                 # ledger's first start must not cordon on last month's failures)
-                if ev["node"] and float(ev["t"]) > now - self.cfg.window_s:
+                # (a spare's or a replaced node's events are the record's, never evidence)
+                if ev["node"] and ev.get("member", True) \
+                        and float(ev["t"]) > now - self.cfg.window_s:
                     self._event(conn, ev, now, run_names, touched, tick)
             if len(page) < 1000:
                 return
 
     def _event(self, conn: Connection, ev: NodeEventRow, now: float,
-               run_names: dict[int, str], touched: dict[str, int | None],
+               run_names: dict[int, str], touched: dict[tuple[str, int | None], bool],
                tick: LedgerTick) -> None:
         node = str(ev["node"])
         details = ev["details"] or {}
@@ -174,10 +200,11 @@ class HealthLedger:
         if found is None:
             return
         # Dated when the supervisor learned of it: an agent's clock may be far off.
+        trusted = ev.get("host_trusted") is not False
         new = self._record(conn, found, run_id=ev["run_id"], attempt=ev["attempt"], t=now,
                            source=f"event:{ev['id']}", run_names=run_names, touched=touched,
-                           tick=tick)
-        if new is not None and found.kind == EvidenceKind.PREFLIGHT_PASSED:
+                           tick=tick, trusted=trusted)
+        if new is not None and found.kind == EvidenceKind.PREFLIGHT_PASSED and trusted:
             host = hosts.get_host(conn, node=node)
             if host is not None and host["state"] == HostState.PROBATION:
                 decision = policy.on_preflight_passed(
@@ -186,18 +213,26 @@ class HealthLedger:
                 self._apply(conn, decision, now, tick)
 
     def _gpus(self, conn: Connection, now: float, run_names: dict[int, str],
-              touched: dict[str, int | None], tick: LedgerTick) -> None:
+              touched: dict[tuple[str, int | None], bool], tick: LedgerTick) -> None:
+        # A trusted agent's counters are kept with the host (the newest reading of the node
+        # wins); an untrusted agent's with the agent, so it can neither raise nor reset the
+        # host's.
         seen = hosts.gpu_counters(conn)
-        for node, (run_id, attempt, reading) in sorted(hosts.gpu_readings(conn).items()):
-            before = seen.get(node, {})
-            found, kept = node_health.gpu_evidence(reading, before)
+        newest = {g["node"]: g for g in hosts.gpu_readings(conn) if g["trusted"]}
+        untrusted = [g for g in hosts.gpu_readings(conn) if not g["trusted"]]
+        for g in [*(newest[n] for n in sorted(newest)), *untrusted]:
+            before = seen.get(g["node"], {}) if g["trusted"] else g["counters"]
+            found, kept = node_health.gpu_evidence(g["gpus"], before)
             if kept != before:
-                hosts.set_gpu_counters(conn, node=node, counters=kept, now=now)
+                if g["trusted"]:
+                    hosts.set_gpu_counters(conn, node=g["node"], counters=kept, now=now)
+                else:
+                    hosts.set_agent_gpu_counters(conn, agent_id=g["agent_id"], counters=kept)
             for kind, detail in found:
-                # (no source: the counters kept with the node make it once)
-                self._record(conn, Found(node, kind, detail), run_id=run_id, attempt=attempt,
-                             t=now, source=None, run_names=run_names, touched=touched,
-                             tick=tick)
+                # (no source: the counters kept make it once)
+                self._record(conn, Found(g["node"], kind, detail), run_id=g["run_id"],
+                             attempt=g["attempt"], t=now, source=None, run_names=run_names,
+                             touched=touched, tick=tick, trusted=g["trusted"])
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -215,6 +250,21 @@ class HealthLedger:
         decision = policy.on_host_evidence(node, state=host["state"], cleared_at=cleared,
                                            evidence=evidence, now=now, cfg=self.cfg,
                                            run_id=run_id)
+        self._apply(conn, decision, now, tick)
+
+    def _judge_in_run(self, conn: Connection, node: str, run_id: int, now: float,
+                      tick: LedgerTick) -> None:
+        """The rule over one run's own evidence against ``node`` (from a source not trusted
+        for the host): a cordon in that run only."""
+        here = hosts.run_cordons(conn, run_id=run_id)
+        evidence = [node_health.Evidence(id=e["id"], kind=e["kind"], t=float(e["t"]),
+                                         attempt=e["attempt"], detail=e["detail"])
+                    for e in hosts.evidence(conn, node=node, since=now - self.cfg.window_s,
+                                            run_id=run_id)]
+        decision = policy.on_host_evidence(
+            node, state=HostState.CORDONED if node in here else HostState.HEALTHY,
+            cleared_at=None, evidence=evidence, now=now, cfg=self.cfg, run_id=run_id,
+            in_run_only=True)
         self._apply(conn, decision, now, tick)
 
     @staticmethod

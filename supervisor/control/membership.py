@@ -75,6 +75,13 @@ class MemberPlan:
     dropped: tuple[Dropped, ...] = ()  # nodes a shrink left out
     # The rendezvous moved to a new port with the same members (the last attempt's was taken).
     moved: bool = False
+    # Vacant node ranks waiting beyond those listed in ``waiting`` (a declared world far
+    # larger than the nodes that registered is counted, never enumerated).
+    unlisted: int = 0
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self.waiting) + self.unlisted
 
     @property
     def full(self) -> int | None:
@@ -99,6 +106,8 @@ class MemberPlan:
                   for r in self.replaced]
         parts += [f"node rank {k} waits for a node ({self.missing[k]}; no spare left)"
                   for k in self.waiting]
+        if self.unlisted:
+            parts.append(f"{self.unlisted} more vacant node rank(s) wait for a node")
         parts += [f"node rank {k} stays on {node} (cordoned; no spare left)"
                   for k, node in sorted(self.kept_cordoned.items())]
         if self.moved:
@@ -134,7 +143,8 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
     replaced: list[Replacement] = []
     missing: dict[int, str] = {}
     kept: dict[int, str] = {}
-    for rank in range(world):
+    ranks, unlisted = _ranks(f.members, world, vacant=len(free) + VACANT_LISTED)
+    for rank in ranks:
         node = f.members.get(rank)
         why = ("vacant" if node is None else "lost" if node not in f.live
                else "cordoned" if node in f.cordoned else None)
@@ -173,7 +183,30 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
     return MemberPlan(epoch=f.epoch + 1 if replaced or moved else f.epoch, nnodes=nnodes,
                       members=members, moved=moved,
                       replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing,
-                      kept_cordoned=kept, declared=f.nnodes, world_before=world)
+                      kept_cordoned=kept, declared=f.nnodes, world_before=world,
+                      unlisted=unlisted)
+
+
+VACANT_LISTED = 64  # vacant node ranks listed by number (the rest are counted)
+
+
+def _ranks(members: Mapping[int, str], world: int, *, vacant: int) -> tuple[list[int], int]:
+    """The node ranks below ``world`` a plan looks at: every member's, and the ``vacant``
+    lowest ranks with no member; and how many vacant ranks are left beyond them.  Work grows
+    with the members, never with the declared world."""
+    held = sorted(k for k in members if 0 <= k < world)
+    out: list[int] = []
+    k, i = 0, 0
+    listed = 0
+    while k < world and listed < vacant:
+        if i < len(held) and held[i] == k:
+            i += 1
+        else:
+            out.append(k)
+            listed += 1
+        k += 1
+    ranks = sorted({*held, *out})
+    return ranks, world - len(held) - listed
 
 
 def can_shrink(f: MembershipFacts) -> bool:
@@ -193,8 +226,14 @@ class Capacity:
     spares: int  # free spares: live and not cordoned
     spares_configured: bool  # a node registered into the run as a spare
     missing: tuple[int, ...]  # node ranks with no node fit to run and no spare to take them
+    # (the first ``VACANT_LISTED`` vacant ones listed)
     world: int | None = None  # the nodes the current attempt runs on (a shrink: fewer)
     min_nodes: int | None = None  # the smallest world the run accepts (None: the declared)
+    missing_count: int = 0  # node ranks waiting for a node, listed or not
+
+    @property
+    def waiting(self) -> int:
+        return max(self.missing_count, len(self.missing))
 
 
 def capacity(f: MembershipFacts, *, spares_configured: bool) -> Capacity:
@@ -202,4 +241,4 @@ def capacity(f: MembershipFacts, *, spares_configured: bool) -> Capacity:
     plan = plan_members(f)
     return Capacity(nnodes=f.nnodes, epoch=f.epoch, spares=len(free),
                     spares_configured=spares_configured, missing=plan.waiting,
-                    world=f.current, min_nodes=f.min_nodes)
+                    world=f.current, min_nodes=f.min_nodes, missing_count=plan.waiting_count)

@@ -737,6 +737,9 @@ class FindingFacts:
     # step's time.  Kept on a spike's or NaN's incident (``details["started_at"]``): the
     # fault time of a fault the workers trained through, which no exit report dates.
     started_at: float | None = None
+    # From a member of the run (False: a spare's, a replaced node's or a non-member's event,
+    # recorded and never acted on).
+    member: bool = True
 
 
 def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: frozenset[str],
@@ -749,7 +752,11 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
     current attempt (open or resolved); ``open_watch``: (kind, rank) of the open watch
     incidents (straggler, loss spike), so one episode is one incident, never a flood;
     ``waiting_for``: the missing nodes the current attempt stands by for (no spare was
-    left): their silence is already answered, never restarted into again."""
+    left): their silence is already answered, never restarted into again.  Only members move
+    a run: a non-member's finding is a note."""
+    if not f.member:
+        return Note(Verdict.NOT_MEMBER, f"from {f.node or 'a node'}, not a member of the run: "
+                                        "recorded, not acted on")
     if f.attempt != run.attempt:
         return Note(Verdict.LATE, f"finding of attempt {f.attempt}; the run is at {run.attempt}")
     if run.status in FINAL_STATUSES:
@@ -994,6 +1001,9 @@ class Cordon:
     evidence_ids: tuple[int, ...] = ()
     rule: str = ""  # the setting of the rule that holds (``cordon.<rule>``); "" for an operator
     run_id: int | None = None  # the run whose failure tipped it over
+    # In ``run_id`` only: the evidence came from a source not trusted for the host, so the
+    # run replaces the node and no other run (nor the shared ledger) is affected.
+    in_run_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -1021,10 +1031,12 @@ HostDecision = Note | Cordon | Uncordon | PassProbation
 
 def on_host_evidence(node: str, *, state: str, cleared_at: float | None,
                      evidence: Sequence[node_health.Evidence], now: float,
-                     cfg: node_health.CordonConfig, run_id: int | None = None
-                     ) -> Note | Cordon:
+                     cfg: node_health.CordonConfig, run_id: int | None = None,
+                     in_run_only: bool = False) -> Note | Cordon:
     """What new evidence against ``node`` means: a cordon when the rule holds over its
-    evidence since its last uncordon (``cleared_at``; the older was judged and cleared)."""
+    evidence since its last uncordon (``cleared_at``; the older was judged and cleared).
+    ``in_run_only``: the evidence is run ``run_id``'s own, from a source not trusted for the
+    host (``state`` is the node's in that run): the cordon holds in that run only."""
     if state == HostState.CORDONED:
         return Note(Verdict.IGNORED, f"node {node} is cordoned already")
     if not cfg.enabled:
@@ -1033,8 +1045,11 @@ def on_host_evidence(node: str, *, state: str, cleared_at: float | None,
     verdict = node_health.judge(counted, now=now, cfg=cfg)
     if verdict is None:
         return Note(Verdict.WAIT, "no cordon rule holds")
-    return Cordon(node=node, reason=f"cordon.{verdict.rule}: {verdict.reason}",
-                  evidence_ids=verdict.evidence_ids, rule=verdict.rule, run_id=run_id)
+    where = " (in this run only: its agent's token is not trusted for the host)" \
+        if in_run_only else ""
+    return Cordon(node=node, reason=f"cordon.{verdict.rule}: {verdict.reason}{where}",
+                  evidence_ids=verdict.evidence_ids, rule=verdict.rule, run_id=run_id,
+                  in_run_only=in_run_only)
 
 
 def on_preflight_passed(node: str, *, state: str, since: float, ran_at: float,

@@ -294,7 +294,7 @@ class StoreCollector(Collector):
         cap = actions.capacity(conn, run_id=run_id, now=now, live_s=self.live_s)
         f.spares.add_metric([name], cap.spares)
         f.spares_configured.add_metric([name], 1 if cap.spares_configured else 0)
-        f.nodes_missing.add_metric([name], len(cap.missing))
+        f.nodes_missing.add_metric([name], cap.waiting)
         f.membership_epoch.add_metric([name], cap.epoch)
         if cap.nnodes is not None:
             f.declared_nodes.add_metric([name], cap.nnodes)

@@ -15,10 +15,11 @@ Keyword-only functions taking a ``Connection``, as the rest of the store.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, and_, func, select, update
 
+from trainwarden.agent.core.states import NodeRole
 from trainwarden.supervisor.enums import (
     ACTIVE_STATUSES,
     Actor,
@@ -117,13 +118,15 @@ def cordon(conn: Connection, *, node: str, reason: str, actor: str, now: float,
 
 def uncordon(conn: Connection, *, node: str, reason: str, actor: str, now: float) -> int:
     """A cordoned node goes on probation (healthy again once it passes a preflight); evidence
-    from before now no longer counts against it.  Returns the host action's id;
-    ``HostStateError`` when the node is not cordoned."""
+    from before now no longer counts against it.  Its cordons in single runs are lifted too.
+    Returns the host action's id; ``HostStateError`` when the node is cordoned nowhere."""
+    lifted = conn.execute(update(agents).where(agents.c.node == node, agents.c.cordon.is_not(None))
+                          .values(cordon=None)).rowcount
     changed = conn.execute(
         update(hosts).where(hosts.c.node == node, hosts.c.state == HostState.CORDONED)
         .values(state=HostState.PROBATION, reason=reason, actor=actor, since=now,
                 updated_at=now, cleared_at=now)).rowcount
-    if not changed:
+    if not changed and not lifted:
         h = get_host(conn, node=node)
         state = h["state"] if h is not None else HostState.HEALTHY
         raise HostStateError(node, state, f"node {node!r} is not cordoned (it is {state}): "
@@ -163,14 +166,16 @@ def host_actions(conn: Connection, node: str | None = None, *, limit: int = 1000
 
 def record_evidence_once(conn: Connection, *, node: str, kind: EvidenceKind, run_id: int | None,
                          attempt: int | None, t: float, detail: Mapping[str, Any],
-                         source: str | None) -> int | None:
+                         source: str | None, trusted: bool = True) -> int | None:
     """Record one piece of evidence against ``node`` (its host row made healthy if it has
     none); the new row's id, or None when evidence from ``source`` was recorded for the node
-    already (a source read again on a later tick, or by the next leader)."""
-    _ensure(conn, node, t)
+    already (a source read again on a later tick, or by the next leader).  ``trusted``
+    False: from a source not trusted for the host; it counts in its run only (no host row)."""
+    if trusted:
+        _ensure(conn, node, t)
     stmt = insert(conn, host_evidence).values(
         node=node, kind=kind, run_id=run_id, attempt=attempt, t=t,
-        detail=json_safe(dict(detail)), source=source)
+        detail=json_safe(dict(detail)), source=source, trusted=trusted)
     if source is not None:
         stmt = stmt.on_conflict_do_nothing(index_elements=["node", "source"])
     new = conn.execute(stmt.returning(host_evidence.c.id)).scalar()
@@ -190,11 +195,14 @@ def record_evidence(conn: Connection, *, node: str, kind: EvidenceKind, run_id: 
         host_evidence.c.node == node, host_evidence.c.source == source)).scalar_one())
 
 
-def evidence(conn: Connection, *, node: str, since: float | None = None, limit: int = 1000
-             ) -> list[EvidenceRow]:
+def evidence(conn: Connection, *, node: str, since: float | None = None, limit: int = 1000,
+             run_id: int | None = None) -> list[EvidenceRow]:
     """The node's evidence at or after ``since`` (all of it: None), oldest first; the newest
-    ``limit`` when there is more."""
+    ``limit`` when there is more.  The shared ledger's (from sources trusted for the host);
+    with ``run_id``, the evidence recorded in that run instead, trusted or not."""
     q = select(host_evidence).where(host_evidence.c.node == node)
+    q = (q.where(host_evidence.c.trusted.is_(True)) if run_id is None
+         else q.where(host_evidence.c.run_id == run_id))
     if since is not None:
         q = q.where(host_evidence.c.t >= since)
     q = q.order_by(host_evidence.c.t.desc(), host_evidence.c.id.desc()).limit(limit)
@@ -221,7 +229,8 @@ def host_summaries(conn: Connection, *, since: float) -> list[HostSummary]:
     states = host_states(conn)
     first_seen: dict[str, float] = dict(conn.execute(
         select(agents.c.node, func.min(agents.c.registered_at)).group_by(agents.c.node)).all())
-    against = host_evidence.c.kind != EvidenceKind.PREFLIGHT_PASSED
+    against = and_(host_evidence.c.kind != EvidenceKind.PREFLIGHT_PASSED,
+                   host_evidence.c.trusted.is_(True))
     counts: dict[str, int] = dict(conn.execute(
         select(host_evidence.c.node, func.count())
         .where(host_evidence.c.t >= since, against).group_by(host_evidence.c.node)).all())
@@ -253,20 +262,73 @@ def incidents_touched(conn: Connection, *, since: float, kinds: Sequence[str]
     return [cast(IncidentRow, row(r)) for r in conn.execute(q)]
 
 
-def gpu_readings(conn: Connection) -> dict[str, tuple[int, int | None, dict[str, Any]]]:
-    """node -> (run id, attempt, GPU reading) of the agents of active runs, the newest
-    heartbeat's where a node has several agents."""
-    q = (select(agents.c.node, agents.c.run_id, agents.c.attempt, agents.c.gpus,
-                agents.c.last_seen_at)
+class GpuReading(TypedDict):
+    """A member agent's newest GPU reading, with what its counters are compared against."""
+
+    agent_id: int
+    node: str
+    run_id: int
+    attempt: int | None
+    gpus: dict[str, Any]
+    trusted: bool  # the agent is trusted for its host (else its counters are its own)
+    counters: dict[str, Any]  # the untrusted agent's counters last seen ({} when trusted)
+
+
+def gpu_readings(conn: Connection) -> list[GpuReading]:
+    """The GPU readings of the members of active runs, oldest heartbeat first (a spare's or
+    a replaced node's readings are not evidence)."""
+    q = (select(agents.c.id, agents.c.node, agents.c.run_id, agents.c.attempt, agents.c.gpus,
+                agents.c.host_trusted, agents.c.gpu_counters)
          .join(runs, runs.c.id == agents.c.run_id)
-         .where(runs.c.status.in_(list(ACTIVE_STATUSES)))
-         .order_by(agents.c.last_seen_at))
-    out: dict[str, tuple[int, int | None, dict[str, Any]]] = {}
+         .where(runs.c.status.in_(list(ACTIVE_STATUSES)), agents.c.role == NodeRole.MEMBER)
+         .order_by(agents.c.last_seen_at, agents.c.id))
+    out: list[GpuReading] = []
     for r in conn.execute(q):
         gpus = gpu_health(r.gpus)  # (the shape every reader expects, whatever is stored)
         if gpus is not None:
-            out[str(r.node)] = (int(r.run_id), r.attempt, gpus)
+            out.append(GpuReading(agent_id=int(r.id), node=str(r.node), run_id=int(r.run_id),
+                                  attempt=r.attempt, gpus=gpus, trusted=bool(r.host_trusted),
+                                  counters=dict(r.gpu_counters or {})))
     return out
+
+
+def set_agent_gpu_counters(conn: Connection, *, agent_id: int, counters: Mapping[str, Any]
+                           ) -> None:
+    """The counters last seen from an agent not trusted for its host."""
+    conn.execute(update(agents).where(agents.c.id == agent_id)
+                 .values(gpu_counters=json_safe(dict(counters))))
+
+
+def node_trust(conn: Connection, *, run_id: int) -> dict[str, bool]:
+    """node -> whether the run's agent on it is trusted for its host."""
+    return {str(n): bool(t) for n, t in conn.execute(
+        select(agents.c.node, agents.c.host_trusted).where(agents.c.run_id == run_id))}
+
+
+# ---------------------------------------------------------------------------------------------
+# cordons in one run only
+
+
+def cordon_in_run(conn: Connection, *, run_id: int, node: str, reason: str, actor: str,
+                  now: float, evidence_ids: Sequence[int] = ()) -> int | None:
+    """Cordon ``node`` in ``run_id`` only (its agent there; no other run, and not the shared
+    ledger); the audited host action's id, or None when it is cordoned there already (or
+    the run has no agent on it)."""
+    changed = conn.execute(update(agents).where(agents.c.run_id == run_id,
+                                                agents.c.node == node,
+                                                agents.c.cordon.is_(None))
+                           .values(cordon=reason)).rowcount
+    if not changed:
+        return None
+    return _act(conn, node=node, kind=HostActionKind.RUN_CORDON, actor=actor, reason=reason,
+                now=now, run_id=run_id, evidence_ids=evidence_ids)
+
+
+def run_cordons(conn: Connection, *, run_id: int) -> dict[str, str]:
+    """node -> why it is cordoned in this run only."""
+    return {str(n): str(why) for n, why in conn.execute(
+        select(agents.c.node, agents.c.cordon).where(agents.c.run_id == run_id,
+                                                     agents.c.cordon.is_not(None)))}
 
 
 def gpu_counters(conn: Connection) -> dict[str, dict[str, Any]]:

@@ -4,7 +4,7 @@ and the run's membership epoch.  Keyword-only functions taking a ``Connection``.
 The policy decides each attempt's members (``trainwarden.supervisor.control.membership``);
 this module only records and reads them.  Registration admits a new node as a member while
 the world its torchrun command declares (``--nnodes``) has a free node rank, else as a spare;
-a node that registers again keeps what it was.
+a node that registers again keeps what it was.  The run's settings are its first member's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from typing import Any, TypedDict
 
 from sqlalchemy import Connection, select, update
 
-from trainwarden.agent.core.launch import declared_nnodes, endpoint, rendezvous_port
+from trainwarden.agent.core.launch import (
+    declared_nnodes,
+    endpoint,
+    launcher_args,
+    rendezvous_port,
+)
 from trainwarden.agent.core.states import NodeRole
 from trainwarden.supervisor.store.tables import agents, runs
 
@@ -70,38 +75,85 @@ def run_membership(conn: Connection, *, run_id: int) -> RunMembership:
             "spares": [n for n in nodes if n["role"] == NodeRole.SPARE], "nodes": nodes}
 
 
+class SettingsConflict(Exception):
+    """A registration whose run-level setting disagrees with the run's (fixed by its first
+    member): refused, nothing changed.  The message names the field and both values."""
+
+
+def lowest_free(held: Sequence[int]) -> int:
+    """The lowest node rank not in ``held`` (work grows with the members, never with the
+    declared world)."""
+    k = 0
+    for rank in sorted(set(held)):
+        if rank != k:
+            break
+        k += 1
+    return k
+
+
+def _settings_conflict(run: Any, *, launcher: str, declared: int | None,
+                       min_nodes: int | None) -> str | None:
+    """Why a registration disagrees with the run's settings (None: it agrees).  A
+    registration that gives no ``min_nodes`` takes the run's."""
+    first = "fixed by the run's first member"
+    if launcher != run.launcher:
+        return (f"command: the run's members run a {run.launcher} command ({first}); this "
+                f"registration's is a {launcher} one: register with the run's command")
+    if launcher == "torchrun" and declared != run.nnodes:
+        return (f"--nnodes: the run declares {run.nnodes} node(s) ({first}); this registration "
+                f"declares {declared}: register with --nnodes={run.nnodes}")
+    if min_nodes is not None and min_nodes != run.min_nodes:
+        theirs = run.min_nodes if run.min_nodes is not None else "none (it never shrinks)"
+        return (f"min_nodes: the run's is {theirs} ({first}); this registration asks "
+                f"{min_nodes}: drop --min-nodes, or give the run's")
+    return None
+
+
 def admit(conn: Connection, *, run_id: int, agent_id: int, command: Sequence[str],
-          spare: bool, new: bool, min_nodes: int | None = None) -> None:
-    """Decide what a registering agent is.  A node registering again (``new`` False) keeps its
-    role and node rank.  A new one asking to be a spare is one; otherwise it takes the lowest
-    free node rank of the current world (the declared one, or fewer after a shrink), and
-    becomes a spare when there is none.  ``min_nodes``, when given, is the run's from now on
-    (the newest registration's)."""
-    if min_nodes is not None:
-        conn.execute(update(runs).where(runs.c.id == run_id).values(min_nodes=min_nodes))
+          spare: bool, new: bool, min_nodes: int | None = None) -> NodeRole:
+    """Decide what a registering agent is; returns its role.
+
+    The run's settings (the shape of its command: a torchrun launch or not, the declared
+    world ``--nnodes``, and ``min_nodes``) are fixed by its first member; a later
+    registration, member or spare, that disagrees raises ``SettingsConflict`` (nothing is
+    changed: the caller's transaction is rolled back).  A node registering again (``new``
+    False) keeps its role and node rank.  A new one asking to be a spare is one; otherwise it
+    takes the lowest free node rank of the current world (the declared one, or fewer after a
+    shrink), and becomes a spare when there is none."""
+    run = conn.execute(select(runs.c.nnodes, runs.c.world_nnodes, runs.c.min_nodes,
+                              runs.c.launcher).where(runs.c.id == run_id)).one()
+    launcher = "plain" if launcher_args(list(command)) is None else "torchrun"
+    declared = declared_nnodes(list(command))
+    if run.launcher is not None:
+        why = _settings_conflict(run, launcher=launcher, declared=declared,
+                                 min_nodes=min_nodes)
+        if why is not None:
+            raise SettingsConflict(why)
     if not new:
-        return
-    run = conn.execute(select(runs.c.nnodes, runs.c.world_nnodes)
-                       .where(runs.c.id == run_id)).one()
-    nnodes = run.world_nnodes if run.world_nnodes is not None else run.nnodes
-    if nnodes is None and not spare:
-        nnodes = declared_nnodes(list(command))
-        if nnodes is not None:
-            conn.execute(update(runs).where(runs.c.id == run_id).values(nnodes=nnodes))
-    role, rank = NodeRole.SPARE, None
-    if not spare:
-        held = {int(r[0]) for r in conn.execute(
+        return NodeRole(conn.execute(select(agents.c.role)
+                                     .where(agents.c.id == agent_id)).scalar_one())
+    if spare:
+        role, rank = NodeRole.SPARE, None
+    else:
+        if run.launcher is None:  # the first member: the run's settings are its
+            conn.execute(update(runs).where(runs.c.id == run_id).values(
+                launcher=launcher, nnodes=declared if launcher == "torchrun" else None,
+                min_nodes=min_nodes))
+            nnodes = declared if launcher == "torchrun" else None
+        else:
+            nnodes = run.world_nnodes if run.world_nnodes is not None else run.nnodes
+        held = [int(r[0]) for r in conn.execute(
             select(agents.c.node_rank).where(agents.c.run_id == run_id,
                                              agents.c.role == NodeRole.MEMBER,
                                              agents.c.node_rank.is_not(None),
-                                             agents.c.id != agent_id))}
-        free = [k for k in range(nnodes if nnodes is not None else len(held) + 1)
-                if k not in held]
-        if free:
-            role, rank = NodeRole.MEMBER, free[0]
+                                             agents.c.id != agent_id))]
+        free = lowest_free(held)
+        role, rank = ((NodeRole.MEMBER, free) if nnodes is None or free < nnodes
+                      else (NodeRole.SPARE, None))
     conn.execute(update(agents).where(agents.c.id == agent_id)
                  .values(role=role, node_rank=rank,
                          joined_as=NodeRole.SPARE if spare else NodeRole.MEMBER))
+    return role
 
 
 def assign(conn: Connection, *, run_id: int, members: Mapping[int, int], epoch: int,

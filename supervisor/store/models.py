@@ -31,6 +31,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -147,6 +148,9 @@ class Run(Base):
     min_nodes: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # The nodes the current attempt runs on, after a shrink or a grow; None: ``nnodes``.
     world_nnodes: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The shape of the first member's command, fixed with the run: "torchrun" (a torchrun
+    # launch, its world in ``nnodes``) or "plain"; None before any member registered.
+    launcher: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -195,6 +199,16 @@ class Agent(Base):
     # spares configured, and an alert says when none is left.
     joined_as: Mapped[str] = mapped_column(String(16), default=NodeRole.MEMBER,
                                            server_default=NodeRole.MEMBER.value)
+    # Registered with a token trusted for its host (one not scoped to runs): its evidence
+    # about the node moves the shared health ledger; otherwise it counts in this run only.
+    host_trusted: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    # Why the node is cordoned in this run only (evidence from a source not trusted for the
+    # host); None: not cordoned here.  The shared ledger's cordons are ``hosts``'.
+    cordon: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The NVML counters last seen from this agent, when it is not trusted for its host (a
+    # trusted agent's are kept with the host, ``Host.gpu_counters``).
+    gpu_counters: Mapped[dict[str, Any] | None] = mapped_column(JSONDict(nullable=True),
+                                                                nullable=True)
 
 
 class AgentCredential(Base):
@@ -394,6 +408,9 @@ class Event(Base):
     step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
     details: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)
+    # The agent was a member of the run when the event arrived: a spare's, a replaced
+    # node's or a non-member's events are kept for the record and never acted on.
+    member: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class Exit(Base):
@@ -577,6 +594,9 @@ class HostEvidence(Base):
     t: Mapped[float] = mapped_column(Float)
     detail: Mapped[dict[str, Any]] = mapped_column(JSONDict(), default=dict)
     source: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # From a source trusted for the host (an agent registered with a token not scoped to
+    # runs): it moves the shared ledger.  False: it counts against the node in its run only.
+    trusted: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
 
 
 class HostAction(Base):

@@ -50,7 +50,7 @@ operator revoked (or registered before agents had credentials), or an operator's
 
 def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
                    judge: Callable[[NodeHolder | None], Claim] | None = None,
-                   peer: str = "") -> RegisteredAgent:
+                   peer: str = "", host_trusted: bool = True) -> RegisteredAgent:
     """Create the run (with a new uuid) and the agent if new (an agent re-registering keeps
     its id).  ``judge`` decides on the (run, node)'s current holder (it raises to refuse: the
     caller's transaction then changes nothing; without one, every registration is a new
@@ -58,12 +58,16 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     credential (the reply's ``credential``; None: the presented one stays valid) and revokes
     the old one.  A new node becomes a member while the declared world has a free node rank,
     else a spare (``membership.admit``); its rendezvous address is the one it gives, else
-    ``peer`` (the address its request came from).  Raises ``RunFinished`` for a run that has
-    ended, ``CommandRefused`` for a command that cannot be rewritten: nothing is changed
-    then."""
+    ``peer`` (the address its request came from).  A spare never makes a run running: a run
+    a spare registers first is ``pending`` until its first member registers.
+    ``host_trusted``: the registering token is trusted for the node's host (its evidence
+    moves the shared health ledger).  Raises ``RunFinished`` for a run that has ended,
+    ``CommandRefused`` for a command that cannot be rewritten, ``membership.SettingsConflict``
+    for a run-level setting that disagrees with the run's: nothing is changed then."""
     address = req.address or peer
     ins = insert(conn, runs).values(
-        name=req.run, uuid=str(uuid.uuid4()), status=RunStatus.RUNNING, attempt=0,
+        name=req.run, uuid=str(uuid.uuid4()),
+        status=RunStatus.PENDING if req.spare else RunStatus.RUNNING, attempt=0,
         restarts=0, reason="", created_at=now, updated_at=now,
     )
     conn.execute(ins.on_conflict_do_nothing(index_elements=["name"]))
@@ -90,7 +94,7 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
         "checkpoint_root": req.checkpoint_roots[0] if req.checkpoint_roots else None,
         "agent_version": req.agent_version, "last_seen_at": now,
         "state": AgentState.REGISTERED,
-        "address": address, "devices": req.devices,
+        "address": address, "devices": req.devices, "host_trusted": host_trusted,
     }
     ins = insert(conn, agents).values(
         run_id=run.id, node=req.node, registered_at=now, dropped=0, **values
@@ -99,8 +103,12 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     agent_id = conn.execute(
         select(agents.c.id).where(agents.c.run_id == run.id, agents.c.node == req.node)
     ).scalar_one()
-    membership.admit(conn, run_id=run.id, agent_id=agent_id, command=list(req.command),
-                     spare=req.spare, new=new, min_nodes=req.min_nodes)
+    role = membership.admit(conn, run_id=run.id, agent_id=agent_id, command=list(req.command),
+                            spare=req.spare, new=new, min_nodes=req.min_nodes)
+    if role == NodeRole.MEMBER and run.status == RunStatus.PENDING:
+        conn.execute(update(runs).where(runs.c.id == run.id, runs.c.status == RunStatus.PENDING)
+                     .values(status=RunStatus.RUNNING, updated_at=now,
+                             reason=f"its first member ({req.node}) registered"))
     # When the run's agents ran is read from these (``PresenceEvent``): its idle time.
     conn.execute(events.insert().values(
         run_id=run.id, agent_id=agent_id, attempt=run.attempt, rank=None, t=now,

@@ -205,12 +205,15 @@ class EventRow(TypedDict):
     step: int | None
     message: str
     details: dict[str, Any]
+    # Sent by a member of the run (False: a spare's, a replaced node's: recorded only).
+    member: bool
 
 
 class NodeEventRow(EventRow):
     """An event with the node of the agent that sent it (None: the supervisor's own)."""
 
     node: str | None
+    host_trusted: bool | None  # the agent is trusted for its host (None: no agent)
 
 
 class StepAggregateRow(TypedDict):
@@ -287,6 +290,7 @@ class EvidenceRow(TypedDict):
     t: float
     detail: dict[str, Any]
     source: str | None
+    trusted: bool  # from a source trusted for the host (else: counts in its run only)
 
 
 class HostActionRow(TypedDict):

@@ -161,8 +161,10 @@ def loss_series(conn: Connection, *, run_id: int, attempt: int, limit: int) -> l
 
 def events_after(conn: Connection, *, after_id: int, names: Sequence[str], limit: int = 1000
                  ) -> list[NodeEventRow]:
-    """Events named ``names`` stored after ``after_id`` (any run), in id order."""
-    q = (select(events, agents.c.node).outerjoin(agents, agents.c.id == events.c.agent_id)
+    """Events named ``names`` stored after ``after_id`` (any run), in id order, with the
+    node of the agent that sent it and whether that agent is trusted for its host."""
+    q = (select(events, agents.c.node, agents.c.host_trusted)
+         .outerjoin(agents, agents.c.id == events.c.agent_id)
          .where(events.c.id > after_id, events.c.name.in_(list(names)))
          .order_by(events.c.id).limit(limit))
     return [cast(NodeEventRow, row(r)) for r in conn.execute(q)]

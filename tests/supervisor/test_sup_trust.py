@@ -244,7 +244,15 @@ def test_a_node_beyond_the_world_the_members_declare_is_a_spare_and_steers_nothi
         assert r.status_code == 200 and r.json()["membership"] == {
             "role": "member", "node_rank": i, "nnodes": admitted, "epoch": 0,
             "endpoint": "testclient:29500", "declared": admitted}, r.text
+    # A registration that disagrees with the world the run's first member declared is
+    # refused, naming the field and both values; nothing changes.
+    before = store_snapshot(db)
     r = _register_cmd(client, "r1", "extra", ["torchrun", "--nnodes=99", "train.py"])
+    assert r.status_code == 409, r.text
+    assert "--nnodes" in r.json()["detail"] and f"declares {admitted} node(s)" in \
+        r.json()["detail"] and "declares 99" in r.json()["detail"], r.text
+    assert store_snapshot(db) == before
+    r = _register_cmd(client, "r1", "extra", command)
     assert r.status_code == 200, r.text
     assert r.json()["membership"]["role"] == "spare", r.text
     assert r.json()["membership"]["node_rank"] is None

@@ -56,7 +56,8 @@ def collect(acc: Collected, batch: wire.IngestBatch, *, run_id: int, now: float,
     """``paths``: the batch's checkpoint paths as checked (``_checkpoint_paths``).
     ``member``: False for a spare (one that was replaced, say, and woke up): its steps,
     checkpoints and exits are not the run's and are not stored (the catalogue never lists
-    what it writes); its heartbeat, events and command results are."""
+    what it writes); its heartbeat, events and command results are, its events marked as a
+    non-member's (kept for the record, never acted on)."""
     if not member:
         dropped = (wire.StepItem, wire.CheckpointItem, wire.ExitItem)
         batch = batch.model_copy(update={
@@ -102,6 +103,7 @@ def collect(acc: Collected, batch: wire.IngestBatch, *, run_id: int, now: float,
                 "attempt": it.attempt if it.attempt is not None else batch.attempt,
                 "rank": it.rank, "t": clk.t(it.t, t0, "event"), "name": it.name,
                 "step": it.step, "message": it.message, "details": json_safe(it.details),
+                "member": member,
             })
         elif isinstance(it, wire.CheckpointItem):
             acc.checkpoints.append({
