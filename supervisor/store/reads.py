@@ -43,14 +43,32 @@ def ping(conn: Connection) -> None:
 
 def newest_step(conn: Connection, *, run_id: int, attempt: int | None = None
                 ) -> StepAggregateRow | None:
-    """The newest step aggregate of ``attempt``, or without one of the newest attempt that
-    has any (None before the first step report)."""
+    """The newest step aggregate of ``attempt``, or without one the newest of the run's final
+    lineage (``store.lineage``: while a rollback is under way, the newest step before the
+    point it goes back to); None before the first step report."""
     a = step_aggregates.c
-    q = select(step_aggregates).where(a.run_id == run_id)
     if attempt is not None:
-        q = q.where(a.attempt == attempt)
-    r = conn.execute(q.order_by(a.attempt.desc(), a.step.desc()).limit(1)).first()
-    return cast(StepAggregateRow, row(r)) if r else None
+        r = conn.execute(select(step_aggregates).where(a.run_id == run_id, a.attempt == attempt)
+                         .order_by(a.step.desc()).limit(1)).first()
+        return cast(StepAggregateRow, row(r)) if r else None
+    # Newest attempt first, each below its cut: a primary-key seek per attempt tried.
+    for att, cut in sorted(lineage.run_cuts(conn, run_id=run_id).items(), reverse=True):
+        q = select(step_aggregates).where(a.run_id == run_id, a.attempt == att)
+        if cut is not None:
+            q = q.where(a.step < cut)
+        r = conn.execute(q.order_by(a.step.desc()).limit(1)).first()
+        if r:
+            return cast(StepAggregateRow, row(r))
+    return None
+
+
+def newest_report_time(conn: Connection, *, run_id: int) -> float | None:
+    """When the newest attempt that reported a step completed its newest one (on the
+    lineage or not: the time training last made a step), None before any."""
+    a = step_aggregates.c
+    v = conn.execute(select(a.t_last).where(a.run_id == run_id)
+                     .order_by(a.attempt.desc(), a.step.desc()).limit(1)).scalar()
+    return None if v is None else float(v)
 
 
 def _delivered_step(run_id: int, attempt: int) -> Select[Any]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.supervisor.sup_helpers import (
     OPERATOR,
@@ -16,6 +17,8 @@ from tests.supervisor.sup_helpers import (
     step,
 )
 from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.store import windows
+from trainwarden.supervisor.store.db import Database
 
 SPIKE, HEALTHY = 13_460.0, 0.06
 
@@ -114,3 +117,28 @@ def test_a_step_trained_twice_is_one_point_when_bucketed_one_step_a_bucket(
     assert [p["step_from"] for p in pts] == list(range(140))
     assert all(p["rows"] == 1 and p["ranks"] == 2 and p["samples"] == 16 for p in pts)
     assert {p["loss_mean"] for p in pts if p["step_from"] >= 100} == {HEALTHY}
+
+
+def test_metrics_and_the_detectors_window_read_the_final_lineage(
+        client: TestClient, evaluator: Evaluator, db: Database) -> None:
+    """While the rollback is under way (attempt 1 has not reported), ``/metrics`` says the
+    lineage's newest step and loss, not the old attempt's spike; once attempt 1 trains, the
+    loss and throughput detectors judge its steps after attempt 0's up to the rollback
+    point, and none of the superseded ones."""
+    a = run_with_checkpoints(client)
+    assert client.post("/api/v1/runs/r1/rollback", headers=OPERATOR,
+                       json={"step": 100}).status_code == 202
+    ingest(client, a, 1, [step(rk, s, world_size=2, loss=SPIKE) for s in range(130, 140)
+                          for rk in (0, 1)])
+    text = client.get("/metrics", headers=OPERATOR).text
+    gauges = {s.name: s.value for fam in text_string_to_metric_families(text)
+              for s in fam.samples if s.labels.get("run") == "r1"}
+    assert gauges["trainwarden_run_step"] == 99 and gauges["trainwarden_run_loss"] == 2.5
+    ingest(client, a, 2, [step(rk, s, attempt=1, world_size=2, loss=HEALTHY,
+                               batch_index=s + 30) for s in range(100, 110)
+                          for rk in (0, 1)], attempt=1)
+    with db.read() as conn:
+        rows = windows.loss_series(conn, run_id=1, attempt=1, limit=50)
+    assert [(r["attempt"], r["step"]) for r in rows] == (
+        [(0, s) for s in range(60, 100)] + [(1, s) for s in range(100, 110)])
+    assert max(r["loss"] for r in rows) == 2.5
