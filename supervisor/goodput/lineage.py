@@ -16,7 +16,10 @@ So each step has at most one row on the lineage: the newest attempt that reached
 those whose history continues to the present.  The steps API, the dashboard's charts,
 ``/metrics``, the loss and throughput detectors and the efficiency figures all choose rows
 with ``cuts`` (the store turns them into one SQL condition); a superseded row is shown apart
-(the loss chart's thin lines), never merged into a lineage step.
+(the loss chart's thin lines), never merged into a lineage step.  The ETTR accumulator
+(``ettr``) applies the same rule as its events arrive, without the rows: a restart decided
+with a rollback target, or a new attempt's first step, throws away the lineage's steps from
+there on, and a step of an older attempt completed after a newer one was decided is lost.
 
 Pure: no I/O.
 """
