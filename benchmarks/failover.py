@@ -75,15 +75,14 @@ def failover_of(log: Path, after: float) -> float | None:
     return None
 
 
-def step_records(points: list[dict[str, Any]], steps: int, world: int) -> dict[str, Any]:
+def step_records(lineage: list[dict[str, Any]], superseded: list[dict[str, Any]], steps: int,
+                 world: int) -> dict[str, Any]:
+    """``lineage`` and ``superseded``: the steps API's ``points`` (the final lineage, one
+    attempt's record per step) and ``superseded`` (the other attempts' records)."""
     by_attempt: dict[int, list[dict[str, Any]]] = {}
-    for p in points:
+    for p in [*lineage, *superseded]:
         by_attempt.setdefault(int(p["attempt"]), []).append(p)
-    final: dict[int, dict[str, Any]] = {}  # step -> the last attempt's record of it
-    for p in points:
-        s = int(p["step_from"])
-        if s not in final or p["attempt"] > final[s]["attempt"]:
-            final[s] = p
+    final = {int(p["step_from"]): p for p in lineage}  # step -> its record on the lineage
     return {
         "per_attempt": {a: len(ps) for a, ps in sorted(by_attempt.items())},
         # Lost or doubled records of the steps that made the final model: should be none.
@@ -92,8 +91,7 @@ def step_records(points: list[dict[str, Any]], steps: int, world: int) -> dict[s
         # The last steps of an attempt the supervisor ended (its ranks killed a moment
         # apart), for information.
         "ended_partial": [(int(p["attempt"]), int(p["step_from"]), int(p["ranks"]))
-                          for p in points if p["ranks"] != world and final[int(p["step_from"])]
-                          is not p],
+                          for p in superseded if p["ranks"] != world],
     }
 
 
@@ -175,8 +173,8 @@ def main() -> None:
             out["other_incidents"] = [i["kind"] for i in incidents
                                       if i["kind"] not in {EXPECTED[k] for k in kinds}]
             out["actions"] = len(actions)
-            points = b.get("/runs/failover/steps?max_points=100000")["points"]
-            out["step_records"] = step_records(points, args.steps, 2)
+            body = b.get("/runs/failover/steps?max_points=100000")
+            out["step_records"] = step_records(body["points"], body["superseded"], args.steps, 2)
             weights = json.loads(summary.read_text()).get("weights_sha256") \
                 if summary.exists() else None
             out["weights_equal_clean"] = (weights == clean.summary.get("weights_sha256")) \

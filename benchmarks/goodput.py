@@ -110,14 +110,11 @@ def run_once(sup: Supervisor, label: str, root: Path, train: list[str], timeout:
     fig.status, fig.attempts = run["status"], int(run["attempt"]) + 1
     if summary.exists():
         fig.final_eval_loss = json.loads(summary.read_text()).get("final_eval_loss")
-    points = sup.get(f"/runs/{name}/steps?max_points=100000")["points"]
-    final: dict[int, dict[str, Any]] = {}  # step -> the last attempt's aggregate
-    for p in points:
-        s = int(p["step_from"])
-        if s not in final or p["attempt"] > final[s]["attempt"]:
-            final[s] = p
+    body = sup.get(f"/runs/{name}/steps?max_points=100000")
+    # points: the final lineage (one attempt's aggregate per step); superseded: the rest
+    points = [*body["points"], *body["superseded"]]
     fig.steps_trained = len(points)
-    fig.productive_s = sum(float(p["step_s_max"] or 0.0) for p in final.values())
+    fig.productive_s = sum(float(p["step_s_max"] or 0.0) for p in body["points"])
     fig.ratio = fig.productive_s / fig.wall_s if fig.wall_s > 0 else None
     fig.incidents = incidents_of(sup, name, points)
     return fig

@@ -361,7 +361,12 @@ class StepPoint(_Answer):
 
 class StepSeries(_Answer):
     run: str
-    points: list[StepPoint]
+    points: list[StepPoint] = Field(
+        description="the final lineage: one attempt's row per step (the newest attempt whose "
+                    "history continues to the present)")
+    superseded: list[StepPoint] = Field(
+        description="rows off the final lineage (an older attempt's steps a restart trained "
+                    "again or threw away), bucketed per attempt; empty with ?attempt=")
 
 
 class RankReport(_Answer):

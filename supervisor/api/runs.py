@@ -167,15 +167,18 @@ def get_steps(
     attempt: Annotated[U31 | None, Query()] = None,
 ) -> dict[str, Any]:
     """Per-step aggregates; above ``max_points`` steps they are bucketed by step range (each
-    point: step_from..step_to, loss min/max/mean over finite values, NaN/Inf counts, sums)."""
+    point: step_from..step_to, loss min/max/mean over finite values, NaN/Inf counts, sums).
+    ``points``: the final lineage, one attempt's row per step (after a restart, the steps it
+    trained again are the new attempt's); ``superseded``: the older attempts' rows off it,
+    per attempt.  With ``attempt``: that attempt's own steps."""
     if step_from is not None and step_to is not None and step_to < step_from:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
                             f"'to' ({step_to}) is below 'from' ({step_from})")
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        points = reads.steps(conn, run_id=r["id"], step_from=step_from, step_to=step_to,
-                            max_points=max_points, attempt=attempt)
-    return {"run": run, "points": points}
+        series = reads.steps(conn, run_id=r["id"], step_from=step_from, step_to=step_to,
+                             max_points=max_points, attempt=attempt)
+    return {"run": run, **series}
 
 
 @router.get("/runs/{run}/ranks", response_model=None, responses=documented(RankList))

@@ -2,6 +2,7 @@
 
 * ``ettr``: effective training time ratio and the badput by cause, accumulated
   incrementally from a run's events (``EttrAccumulator.feed`` / ``snapshot``);
+* ``lineage``: which attempt's rows stand for each step after restarts (the final lineage);
 * ``anatomy``: seconds per phase of a restart from its milestones;
 * ``interval``: checkpoint-interval advice (Young/Daly, Meta's expected-ETTR model);
 * ``mfu``: MFU bands, per-rank step shares, scaling efficiency and its usual causes;

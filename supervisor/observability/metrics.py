@@ -100,9 +100,11 @@ class _Families:
         self.info = g("trainwarden_run_info", "Run status (always 1)", labels=["run", "status"])
         self.active = g("trainwarden_run_active", "1 while running or restarting",
                         labels=["run"])
-        self.step = g("trainwarden_run_step", "Newest reported step", labels=["run"])
+        self.step = g("trainwarden_run_step", "Newest step of the final lineage",
+                      labels=["run"])
         self.attempt = g("trainwarden_run_attempt", "Current attempt", labels=["run"])
-        self.loss = g("trainwarden_run_loss", "Newest mean loss (NaN when non-finite)",
+        self.loss = g("trainwarden_run_loss",
+                      "Mean loss of the final lineage's newest step (NaN when non-finite)",
                       labels=["run"])
         self.throughput = g("trainwarden_run_throughput_samples_per_second",
                             "Samples per second over the newest steps", labels=["run"])
@@ -270,8 +272,9 @@ class StoreCollector(Collector):
             util = mfu(reads.flops_declaration(conn, run_id=run_id), tp)
             if util is not None:
                 f.mfu.add_metric([name], util)
-        f.since_step.add_metric(
-            [name], max(0.0, now - (newest["t_last"] if newest else run["created_at"])))
+        last = reads.newest_report_time(conn, run_id=run_id)
+        f.since_step.add_metric([name], max(0.0, now - (last if last is not None
+                                                        else run["created_at"])))
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run_id)
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))

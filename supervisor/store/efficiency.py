@@ -17,6 +17,7 @@ from sqlalchemy import Connection, func, select
 from trainwarden.agent.core.states import CommandStatus
 from trainwarden.agent.protocol import AgentEventName, WorkerEventName
 from trainwarden.supervisor.enums import INTERRUPTING, ActionKind
+from trainwarden.supervisor.store import lineage
 from trainwarden.supervisor.store.rows import started_at
 from trainwarden.supervisor.store.tables import (
     actions,
@@ -180,13 +181,15 @@ ELASTIC_STEPS_READ = 50  # the newest steps whose time a shrink-or-wait choice r
 
 def elastic_figures(conn: Connection, *, run_id: int) -> dict[str, float | None]:
     """The run's figures a choice between shrinking and waiting reads (None: not measured):
-    ``step_s``, the median of its newest steps' time (the slowest rank's); ``restart_s``, the
-    mean decision-to-first-step time of its restarts that reached a first step;
+    ``step_s``, the median of its final lineage's newest steps' time (the slowest rank's);
+    ``restart_s``, the mean decision-to-first-step time of its restarts that reached a first
+    step;
     ``interval_s``, the mean time between two consecutive complete checkpoints of one
     attempt."""
     sa = step_aggregates.c
+    kept = lineage.condition(lineage.run_cuts(conn, run_id=run_id), sa.attempt, sa.step)
     times = sorted(float(t) for (t,) in conn.execute(
-        select(sa.step_s_max).where(sa.run_id == run_id, sa.step_s_max.is_not(None))
+        select(sa.step_s_max).where(sa.run_id == run_id, kept, sa.step_s_max.is_not(None))
         .order_by(sa.t_last.desc()).limit(ELASTIC_STEPS_READ)) if math.isfinite(float(t)))
     step_s = times[len(times) // 2] if times else None
     restarts = [m["first_step"] - m["decided"]

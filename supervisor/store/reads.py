@@ -12,6 +12,7 @@ from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 from trainwarden.agent.protocol import WorkerEventName
 from trainwarden.supervisor.contract.limits import BASELINE_PER_DEVICE_MAX
 from trainwarden.supervisor.enums import ActionKind, IncidentStatus
+from trainwarden.supervisor.store import lineage
 from trainwarden.supervisor.store._sql import row, with_specials
 from trainwarden.supervisor.store.health import number
 from trainwarden.supervisor.store.rows import (
@@ -42,14 +43,32 @@ def ping(conn: Connection) -> None:
 
 def newest_step(conn: Connection, *, run_id: int, attempt: int | None = None
                 ) -> StepAggregateRow | None:
-    """The newest step aggregate of ``attempt``, or without one of the newest attempt that
-    has any (None before the first step report)."""
+    """The newest step aggregate of ``attempt``, or without one the newest of the run's final
+    lineage (``store.lineage``: while a rollback is under way, the newest step before the
+    point it goes back to); None before the first step report."""
     a = step_aggregates.c
-    q = select(step_aggregates).where(a.run_id == run_id)
     if attempt is not None:
-        q = q.where(a.attempt == attempt)
-    r = conn.execute(q.order_by(a.attempt.desc(), a.step.desc()).limit(1)).first()
-    return cast(StepAggregateRow, row(r)) if r else None
+        r = conn.execute(select(step_aggregates).where(a.run_id == run_id, a.attempt == attempt)
+                         .order_by(a.step.desc()).limit(1)).first()
+        return cast(StepAggregateRow, row(r)) if r else None
+    # Newest attempt first, each below its cut: a primary-key seek per attempt tried.
+    for att, cut in sorted(lineage.run_cuts(conn, run_id=run_id).items(), reverse=True):
+        q = select(step_aggregates).where(a.run_id == run_id, a.attempt == att)
+        if cut is not None:
+            q = q.where(a.step < cut)
+        r = conn.execute(q.order_by(a.step.desc()).limit(1)).first()
+        if r:
+            return cast(StepAggregateRow, row(r))
+    return None
+
+
+def newest_report_time(conn: Connection, *, run_id: int) -> float | None:
+    """When the newest attempt that reported a step completed its newest one (on the
+    lineage or not: the time training last made a step), None before any."""
+    a = step_aggregates.c
+    v = conn.execute(select(a.t_last).where(a.run_id == run_id)
+                     .order_by(a.attempt.desc(), a.step.desc()).limit(1)).scalar()
+    return None if v is None else float(v)
 
 
 def _delivered_step(run_id: int, attempt: int) -> Select[Any]:
@@ -105,9 +124,14 @@ def steps(
     step_to: int | None,
     max_points: int,
     attempt: int | None = None,
-) -> list[dict[str, Any]]:
+) -> dict[str, list[dict[str, Any]]]:
     """Per-step aggregates, bucketed by step range on the server when there are more than
-    ``max_points`` of them (each bucket: loss min/max/mean, sums, worst step time)."""
+    ``max_points`` of them (each bucket: loss min/max/mean, sums, worst step time).
+
+    ``points``: the run's final lineage (``store.lineage``), one attempt's row per step;
+    ``superseded``: the rows off it (an old attempt's steps a restart trained again or threw
+    away), bucketed per attempt, to be shown apart.  With ``attempt``: that attempt's own
+    rows as ``points``, on the lineage or not, and no ``superseded``."""
     a = step_aggregates.c
     cond = [a.run_id == run_id]
     if step_from is not None:
@@ -115,7 +139,22 @@ def steps(
     if step_to is not None:
         cond.append(a.step <= step_to)
     if attempt is not None:
-        cond.append(a.attempt == attempt)
+        return {"points": _series(conn, [*cond, a.attempt == attempt], max_points),
+                "superseded": []}
+    cuts = lineage.run_cuts(conn, run_id=run_id)
+    off = lineage.superseded(cuts, a.attempt, a.step)
+    return {"points": _series(conn, [*cond, lineage.condition(cuts, a.attempt, a.step)],
+                              max_points),
+            "superseded": [] if off is None else _series(conn, [*cond, off], max_points,
+                                                         per_attempt=True)}
+
+
+def _series(conn: Connection, cond: list[Any], max_points: int, per_attempt: bool = False
+            ) -> list[dict[str, Any]]:
+    """The step aggregates matching ``cond``, one point per row up to ``max_points`` rows,
+    else bucketed by step range (per attempt with ``per_attempt``: buckets never mix
+    attempts; else ``cond`` must hold one row per step)."""
+    a = step_aggregates.c
     bounds = conn.execute(
         select(func.count(), func.min(a.step), func.max(a.step)).where(*cond)
     ).one()
@@ -136,8 +175,10 @@ def steps(
                 t=d["t_last"],
             ))
         return out
-    width = max(1, math.ceil((hi - lo + 1) / max_points))
+    # (more rows than steps, per attempt: wide enough that the points stay near max_points)
+    width = max(1, math.ceil((hi - lo + 1) / max_points), math.ceil(n / max_points))
     bucket = ((a.step - lo) // width).label("bucket")  # floor division on both backends
+    keys = [a.attempt, bucket] if per_attempt else [bucket]
     q = (
         select(
             bucket,
@@ -148,8 +189,8 @@ def steps(
             func.max(a.step_s_max), func.max(a.t_last),
         )
         .where(*cond)
-        .group_by(bucket)
-        .order_by(bucket)
+        .group_by(*keys)
+        .order_by(bucket, *keys[:-1])
     )
     return [
         _point(

@@ -11,6 +11,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, func, select
 
 from trainwarden.agent.core.states import NodeRole
+from trainwarden.supervisor.store import lineage
 from trainwarden.supervisor.store._sql import row
 from trainwarden.supervisor.store.rows import (
     AgentLiveness,
@@ -134,25 +135,23 @@ def max_rank_step_id(conn: Connection) -> int:
 
 
 def loss_series(conn: Connection, *, run_id: int, attempt: int, limit: int) -> list[LossRow]:
-    """The newest ``limit`` steps of the run's current lineage, oldest first: the steps of
-    ``attempt``, and before its first step those of earlier attempts (the latest attempt wins
-    a step trained twice).  Loss mean, NaN/Inf counts, samples and times per step."""
+    """The newest ``limit`` steps of the run's final lineage (``store.lineage``) once
+    ``attempt`` reported a step (nothing before: a new attempt is judged on its own steps),
+    oldest first.  Loss mean, NaN/Inf counts, samples and times per step."""
     a = step_aggregates.c
-    span = step_range(conn, run_id=run_id, attempt=attempt)
-    cond = a.attempt == attempt
-    if span is not None:  # before the attempt's first step: the history it resumed from
-        cond = cond | ((a.attempt < attempt) & (a.step < span[0]))
-    elif attempt > 0:
-        cond = a.attempt < 0  # nothing yet: judge the new attempt on its own steps
+    if step_range(conn, run_id=run_id, attempt=attempt) is None:
+        return []
+    kept = lineage.condition(lineage.run_cuts(conn, run_id=run_id), a.attempt, a.step)
     q = (select(a.attempt, a.step, a.loss_sum, a.loss_count, a.loss_nonfinite,
                 a.grad_norm_nonfinite, a.samples, a.tokens, a.t_first, a.t_last)
-         .where(a.run_id == run_id, cond)
-         .order_by(a.step.desc(), a.attempt.desc()).limit(limit * 2))
+         .where(a.run_id == run_id, kept)
+         .order_by(a.step.desc(), a.attempt.desc()).limit(limit))
     by_step: dict[int, dict[str, Any]] = {}
     for r in conn.execute(q):
         d = row(r)
-        by_step.setdefault(int(d["step"]), d)  # the latest attempt first for each step
-    rows = [by_step[k] for k in sorted(by_step)][-limit:]
+        # (an attempt newer than the cuts read is on the lineage too: the newest wins)
+        by_step.setdefault(int(d["step"]), d)
+    rows = [by_step[k] for k in sorted(by_step)]
     for d in rows:
         n = int(d["loss_count"] or 0)
         d["loss"] = (d["loss_sum"] / n) if n and d["loss_sum"] is not None else None

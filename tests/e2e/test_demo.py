@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,40 @@ def test_the_demo_restarts_the_crash_rolls_back_the_spike_and_completes(tmp_path
     assert summary["final_step"] == 3000, summary
     assert summary["started_at_step"] == back, summary
     assert summary["skipped"] == [[first, last]], summary
+    # The dashboard's steps after the rollback are the final lineage's: the old attempt
+    # trained on past the rollback point until the restart reached it (the spike in it), and
+    # none of its rows is merged into a step the new attempt trained (one attempt's 2 ranks
+    # and one step's samples a step; the healthy loss).
+    lineage = dashboard_steps(data)
+    per_step = {p["samples"] // p["rows"] for p in lineage["points"]}
+    assert len(per_step) == 1, per_step
+    assert all(p["ranks"] == 2 * p["rows"] for p in lineage["points"]), lineage["points"][:5]
+    after = [p for p in lineage["points"] if p["step_from"] >= back]
+    assert after and {p["attempt"] for p in after} == {rollback["attempt"]}
+    assert max(p["loss_mean"] for p in after) < 1.0, max(p["loss_mean"] for p in after)
+    old = [p for p in lineage["superseded"] if p["attempt"] == rollback["attempt"] - 1]
+    assert min(p["step_from"] for p in old) == back, old[:3]
+    assert max(p["loss_max"] for p in old) > 1000  # the spike, drawn apart
+
+
+def dashboard_steps(data: Path) -> dict[str, Any]:
+    """What the run page's charts read (``/api/v1/runs/demo/steps?max_points=1000``), from
+    the real app on the demo's database."""
+    from fastapi.testclient import TestClient
+
+    from trainwarden.supervisor.config import SupervisorSettings
+    from trainwarden.supervisor.server.app import create_app
+    from trainwarden.supervisor.store.db import make_database
+
+    db = make_database(f"sqlite:///{data / 'trainwarden.db'}")
+    try:
+        settings = SupervisorSettings(agent_token="agent", operator_token="operator")
+        app = create_app(settings, db=db, upgrade_schema=False, start_evaluator=False)
+        with TestClient(app) as client:
+            r = client.get("/api/v1/runs/demo/steps?max_points=1000",
+                           headers={"Authorization": "Bearer operator"})
+            assert r.status_code == 200, r.text
+            out: dict[str, Any] = r.json()
+            return out
+    finally:
+        db.dispose()

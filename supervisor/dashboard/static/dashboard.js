@@ -57,22 +57,26 @@
 
   // ---------------------------------------------------------------- chart data
 
-  function byAttempt(points, value) {
-    // points sorted by step; one series per attempt (the newest few), aligned on one x axis.
+  // The keys of the attempts of some points: the newest few, and "older" for the rest.
+  function attemptKeys(points) {
     var attempts = [];
     points.forEach(function (p) { if (attempts.indexOf(p.attempt) < 0) attempts.push(p.attempt); });
     attempts.sort(function (a, b) { return a - b; });
     var shown = attempts.slice(-MAX_ATTEMPT_SERIES);
-    var older = attempts.length > shown.length;
-    var keys = (older ? ["older"] : []).concat(shown);
+    return {shown: shown, keys: (attempts.length > shown.length ? ["older"] : []).concat(shown)};
+  }
+
+  function attemptKey(shown, p) { return shown.indexOf(p.attempt) >= 0 ? p.attempt : "older"; }
+
+  // points sorted by step; one series per key (keyOf(point)), aligned on one x axis.
+  function byKey(points, keys, keyOf, value) {
     var xs = [];
     var rows = {};
     points.forEach(function (p, i) {
       var x = p.step_from;
       if (!(x in rows)) { rows[x] = {}; xs.push(x); }
-      var k = shown.indexOf(p.attempt) >= 0 ? p.attempt : "older";
       var v = value(p, i);
-      if (v !== null && v !== undefined && isFinite(v)) rows[x][k] = v;
+      if (v !== null && v !== undefined && isFinite(v)) rows[x][keyOf(p, i)] = v;
     });
     xs.sort(function (a, b) { return a - b; });
     var data = [xs];
@@ -80,6 +84,24 @@
       data.push(xs.map(function (x) { return k in rows[x] ? rows[x][k] : null; }));
     });
     return {keys: keys, data: data};
+  }
+
+  // The final lineage's points (one per step): one series per attempt (the newest few).
+  function byAttempt(points, value) {
+    var a = attemptKeys(points);
+    return byKey(points, a.keys, function (p) { return attemptKey(a.shown, p); }, value);
+  }
+
+  // The loss chart: the final lineage's points by attempt, and the superseded attempts'
+  // points (the steps a restart trained again or threw away) as thin lines of their own,
+  // keyed "s:" + attempt, never merged into the lineage's.
+  function lossSeries(points, superseded) {
+    var a = attemptKeys(points), s = attemptKeys(superseded);
+    var keys = a.keys.concat(s.keys.map(function (k) { return "s:" + k; }));
+    var n = points.length;
+    return byKey(points.concat(superseded), keys, function (p, i) {
+      return i < n ? attemptKey(a.shown, p) : "s:" + attemptKey(s.shown, p);
+    }, function (p) { return num(p.loss_mean); });
   }
 
   function throughputOf(points) {
@@ -281,17 +303,31 @@
     charts[id] = {u: u, sig: sig, height: height};
   }
 
-  function attemptLabel(k) { return k === "older" ? "earlier attempts" : "attempt " + k; }
+  function attemptLabel(k) {
+    var off = typeof k === "string" && k.indexOf("s:") === 0;
+    var a = off ? k.slice(2) : k;
+    var name = String(a) === "older" ? "earlier attempts" : "attempt " + a;
+    return off ? name + " (superseded)" : name;
+  }
 
-  function drawSteps(points, mfu) {
-    var loss = byAttempt(points, function (p) { return num(p.loss_mean); });
+  function drawSteps(body, mfu) {
+    var points = body.points, superseded = body.superseded || [];
+    var loss = lossSeries(points, superseded);
     var sc = lossScale(loss.data);
     lossScaleNow = sc;
     lossNote(sc);
     var yScale = sc.log ? {distr: 3, log: 10}
       : {range: function () { return lossScaleNow.range; }};
+    // A superseded attempt is drawn thin and dashed, in its lineage series' colour.
+    var style = function (k) {
+      if (typeof k !== "string" || k.indexOf("s:") !== 0) return {};
+      var at = loss.keys.indexOf(k.slice(2) === "older" ? "older" : Number(k.slice(2)));
+      return {width: 1, dash: [4, 4], stroke: at >= 0 ? COLORS[at % COLORS.length] : "#9ca3af",
+              points: {show: false}};
+    };
     draw("chart-loss", loss.keys, loss.data, attemptLabel,
-         {markers: true, sig: sc.log ? "log" : "linear", scales: {y: yScale}, height: 320});
+         {markers: true, sig: sc.log ? "log" : "linear", scales: {y: yScale}, height: 320,
+          style: style});
     var tp = throughputOf(points);
     var thr = byAttempt(points, function (p, i) { return tp[i]; });
     draw("chart-throughput", thr.keys, thr.data, attemptLabel);
@@ -399,7 +435,7 @@
       var tables = getCached("/runs/" + enc + "/tables", "text");
       return Promise.all([steps, series, tables]).then(function (res) {
         markers = res[1].data.markers;
-        if (res[0].changed || res[1].changed) drawSteps(res[0].data.points, res[1].data.mfu);
+        if (res[0].changed || res[1].changed) drawSteps(res[0].data, res[1].data.mfu);
         if (res[1].changed) { drawRanks(res[1].data.ranks); drawGoodput(res[1].data.goodput); }
         if (res[2].changed) {
           var open = {};

@@ -75,7 +75,7 @@ def test_group_ingest_merges_and_isolates(db: Database) -> None:
         assert count_rows(c, "rank_steps") == 4
         assert count_rows(c, "ingested_batches") == 3
         assert count_rows(c, "events") == 2 + 1  # the two registrations, worker_started
-        pts = reads.steps(c, run_id=1, step_from=None, step_to=None, max_points=100)
+        pts = reads.steps(c, run_id=1, step_from=None, step_to=None, max_points=100)["points"]
         ranks = reads.rank_latest(c, run_id=1)
         ags = {a["id"]: a for a in registry.run_agents(c, run_id=1)}
     assert [(p["step_from"], p["ranks"], p["loss_nonfinite"]) for p in pts] == [(1, 3, 1),
