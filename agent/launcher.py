@@ -122,6 +122,8 @@ def parse_failure_summary(text: str) -> list[dict[str, Any]]:
         last = f.pop("_last", None)
         if last and f["message"].startswith("Traceback"):
             f["message"] = last
+        if f["message"].startswith(rootcause.TORCHRUN_HINT):
+            f["message"] = ""  # torchrun's hint says nothing about the failure
         if f["rank"] is not None:
             out.append(f)
     return out
@@ -159,8 +161,12 @@ def read_error_file(path: str) -> rootcause.RootCause | None:
 
 def attach_root_causes(failed: list[dict[str, Any]], output: str, stderr: str) -> None:
     """Give each failed rank its ``root_cause`` (``RootCause.as_dict``, cleaned), from
-    torchrun's error file, else its failure summary, else the node's stderr; its
-    ``message`` becomes the exception line ("To enable traceback see ..." says nothing)."""
+    torchrun's error file, else its failure summary, else its traceback in the node's stderr,
+    else (it left no traceback: ``os._exit``, argparse's usage error) its last lines of
+    stderr; its ``message`` becomes the exception line, or the last line of stderr
+    ("To enable traceback see ..." says nothing).  A rank killed by a signal (torchrun's
+    stop of the survivors, the OOM killer) is not given the node's last lines: they are
+    another rank's."""
     details = rootcause.summary_details(output)
     coded = [f for f in failed if isinstance(f.get("exit_code"), int) and f["exit_code"] > 0]
     for f in failed:
@@ -174,6 +180,8 @@ def attach_root_causes(failed: list[dict[str, Any]], output: str, stderr: str) -
         if rc is None and stderr:
             rc = rootcause.from_stderr(stderr, rank=rank,
                                        sole_failure=len(coded) == 1 and f is coded[0])
+        if rc is None and stderr and f in coded:
+            rc = rootcause.from_stderr_tail(stderr, rank=rank)
         if rc is None:
             continue
         f.update(_cause_fields(dataclasses.replace(rc, rank=rank,
@@ -182,9 +190,10 @@ def attach_root_causes(failed: list[dict[str, Any]], output: str, stderr: str) -
 
 def _cause_fields(rc: rootcause.RootCause) -> dict[str, Any]:
     """A failed-rank entry's ``root_cause`` (cleaned) and ``message`` (the exception line)."""
+    line = (f"{rc.exc_type}: {rc.message}" if rc.message else rc.exc_type) \
+        if rootcause.has_traceback(rc) else rc.message
     return {"root_cause": untrusted.clean_json(rc.as_dict()),
-            "message": untrusted.clean(f"{rc.exc_type}: {rc.message}" if rc.message
-                                       else rc.exc_type)}
+            "message": untrusted.clean(line)}
 
 
 def launcher_failure(exit_code: int, stderr: str) -> dict[str, Any] | None:

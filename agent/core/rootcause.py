@@ -13,7 +13,11 @@ Sources, best first:
 * the node's stderr, where each worker's traceback lands.  Once the process group is up,
   torch's own excepthook prefixes each line with ``[rankN]: `` (and ``--tee`` adds
   ``[defaultN]:``), so a traceback is attributed to its rank; without a prefix it is
-  attributed only when one rank failed with an exit code.
+  attributed only when one rank failed with an exit code;
+* a rank that left no traceback at all (argparse's usage error, ``os._exit(1)``, a C library's
+  ``abort``): its last lines of stderr (``from_stderr_tail``), torchrun's own lines left out.
+  Its summary says only "To enable traceback see: https://pytorch.org/...", which says
+  nothing about the failure.
 
 What the worker wrote is untrusted text: everything returned here is cut to bounds, and the
 agent passes it through ``trainwarden.agent.core.text`` before it is sent.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -48,6 +52,9 @@ class RootCauseSource(StrEnum):
     SUMMARY = "summary"  # the traceback in torchrun's failure summary
     STDERR = "stderr"  # parsed from the node's stderr
     LAUNCHER = "launcher"  # torchrun's own traceback: it failed before any worker did
+    # No traceback: the last lines the rank wrote to stderr (unprefixed output is the node's:
+    # every local rank writes to it).  ``exc_type`` is empty, ``message`` the last line.
+    STDERR_TAIL = "stderr_tail"
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,9 @@ _LIBRARY_PARTS = ("/site-packages/", "/dist-packages/", "/torch/", "/trainwarden
 _STDLIB_RE = re.compile(r"/lib/python\d+(?:\.\d+)?/")
 # torchrun's own traceback when a worker failed: never a worker's root cause.
 _LAUNCHER_EXCEPTIONS = ("ChildFailedError",)
+# What torchrun's summary says of a worker that wrote no error file: a link to its docs,
+# nothing about the failure.
+TORCHRUN_HINT = "To enable traceback see:"
 
 
 def is_user_file(path: str) -> bool:
@@ -287,6 +297,57 @@ def _with(rc: RootCause, **changes: Any) -> RootCause:
 
 
 # --------------------------------------------------------------------------------------------
+# A rank's last lines of stderr, when it left no traceback
+
+STDERR_TAIL_LINES = 20  # kept as the root cause's "traceback"
+SIGNATURE_LINES = 5  # of those, the distinct last ones that identify a failure
+# torchrun's own log lines (and torch's Python-side ones in a worker): glog's format,
+# "W1206 01:54:25.565000 12499 torch/distributed/run.py:874] ...".
+_TORCH_LOG_RE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d(?:\.\d+)?\s+\d+ torch/\S*\] ?")
+
+
+def _worker_lines(text: str) -> list[str]:
+    """The non-blank lines of ``text`` a worker wrote: torchrun's log lines, its traceback of
+    a failed worker (``ChildFailedError``) and its failure summary left out."""
+    lines = text.splitlines()
+    end = len(lines)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].strip() == _HEADER:
+            rc, _ = _parse_at(lines, i)
+            if rc is not None and rc.exc_type.endswith(_LAUNCHER_EXCEPTIONS):
+                end = i  # torchrun's report of the failure: what follows is torchrun's
+                break
+    if (summary := next((i for i in range(end - 1, -1, -1)
+                         if lines[i].strip() == "Failures:"), None)) is not None:
+        end = summary  # a summary with no traceback before it: its own banner goes too
+        while end > 0 and (lines[end - 1].startswith(("=", "-"))
+                           or lines[end - 1].rstrip().endswith(" FAILED")):
+            end -= 1
+    return [ln for ln in lines[:end] if ln.strip() and not _TORCH_LOG_RE.match(ln)]
+
+
+def from_stderr_tail(text: str, *, rank: int) -> RootCause | None:
+    """What ``rank`` wrote last to the node's stderr when it left no traceback: its own
+    (``[rankN]:``-prefixed) lines where it has some, else the node's unprefixed lines (every
+    local rank writes there before its process group is up).  None when nothing is left
+    once torchrun's own lines are out.  The message is the last line: the one a program
+    that exits on an error prints last (argparse's ``error: argument ...``)."""
+    groups = split_by_rank(text)
+    lines = _worker_lines(groups.get(rank, "")) or _worker_lines(groups.get(None, ""))
+    if not lines:
+        return None
+    tail = lines[-STDERR_TAIL_LINES:]
+    return RootCause(exc_type="", message=_cut(tail[-1].strip(), MESSAGE_CHARS), frame=None,
+                     user_frame=None, traceback=_tail(tail),
+                     source=RootCauseSource.STDERR_TAIL, rank=rank)
+
+
+def has_traceback(rc: RootCause | None) -> bool:
+    """Whether the root cause is an exception (else: only the rank's last lines of stderr)."""
+    return rc is not None and bool(rc.exc_type)
+
+
+# --------------------------------------------------------------------------------------------
 # What the supervisor makes of one: a class, a fingerprint, a line
 
 
@@ -332,9 +393,11 @@ def classify(rc: RootCause | None, *, exit_code: int | None = None,
     """Whose fault: a signal kill (the OOM killer's SIGKILL included) or a distributed,
     memory or device error is the machine's; a Python exception raised from a frame of the
     user's script (not inside torch.distributed) is the user's code; the rest is unknown."""
-    if rc is None:
+    if rc is None or not has_traceback(rc):
         killed = bool(signal) or (exit_code is not None and exit_code < 0)
-        return FailureClass.MACHINE if killed else FailureClass.UNKNOWN
+        # Without a traceback, the last line of stderr may still name the fabric or memory.
+        said = rc is not None and _MACHINE_WORDS.search(rc.message) is not None
+        return FailureClass.MACHINE if killed or said else FailureClass.UNKNOWN
     if _MACHINE_TYPES.search(rc.exc_type) or _MACHINE_WORDS.search(
             f"{rc.exc_type}: {rc.message}"):
         return FailureClass.MACHINE
@@ -368,9 +431,65 @@ def fingerprint(rc: RootCause | None, *, exit_code: int | None = None,
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
+# What makes two failures' last lines differ though the failure is the same: addresses,
+# clocks, process ids, the log prefix of torch's C++ side ("[W1206 01:56:06.468 ...]").
+_VOLATILE = (
+    (re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d(?:\.\d+)?\s+\d+\s*"), ""),
+    (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
+    (re.compile(r"\d{4}-\d\d-\d\d(?:[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?)?"), "<time>"),
+    (re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?"), "<time>"),
+    (re.compile(r"\b(pid|PID)([\s:=]+)\d+"), r"\1\2?"),
+)
+
+
+def _normalised(line: str) -> str:
+    line = line.strip()
+    for pattern, repl in _VOLATILE:
+        line = pattern.sub(repl, line)
+    return line
+
+
+def last_distinct_lines(text: str, n: int = SIGNATURE_LINES) -> list[str]:
+    """The last ``n`` distinct lines of ``text`` (normalised: no clock, address or pid), in
+    the order of their last occurrence.  Ranks that print the same lines interleave them in
+    an order that varies from run to run (two argparse usage errors); each line's last
+    occurrence keeps the order one rank printed them in, whatever the interleaving."""
+    seen: set[str] = set()
+    out: list[str] = []
+    for ln in reversed(text.splitlines()):
+        key = _normalised(ln)
+        if key and key not in seen:
+            seen.add(key)
+            out.append(key)
+            if len(out) == n:
+                break
+    return out[::-1]
+
+
+def signature(rc: RootCause | None, *, ranks: Sequence[int], exit_code: int | None,
+              signal: int | None, phase: str) -> str | None:
+    """The identity of a failure by what it left, whatever its class: the rank or ranks
+    (``ranks``), the exit code or signal, the last distinct lines it left (its traceback's
+    end, or its last lines of stderr) and the phase it failed in (``phase``: before the first
+    step, or the step).  Two attempts in a row failing with the same signature failed the
+    same way with no progress between them: a third would too.  None when nothing was left
+    to read: an empty stderr identifies no failure."""
+    if rc is None:
+        return None
+    lines = last_distinct_lines(rc.traceback or rc.message)
+    if not lines:
+        return None
+    key = json.dumps([sorted(ranks), exit_code, signal, phase, lines])
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
 def headline(rc: RootCause, *, rank: int | None = None, host: str | None = None) -> str:
-    """``KeyError: 'label' at train.py:57 in collate (rank 1, host node1)``"""
-    what = f"{rc.exc_type}: {rc.message}" if rc.message else rc.exc_type
+    """``KeyError: 'label' at train.py:57 in collate (rank 1, host node1)``; without a
+    traceback, the last line of stderr: ``last stderr line: "error: ..." (rank 0, host h)``"""
+    if has_traceback(rc):
+        what = f"{rc.exc_type}: {rc.message}" if rc.message else rc.exc_type
+    else:
+        what = f'last stderr line: "{rc.message}"'
     where = rc.user_frame or rc.frame
     out = what + (f" at {where.short}" if where is not None else "")
     who = [f"rank {rank}"] if rank is not None else []

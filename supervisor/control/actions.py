@@ -68,18 +68,20 @@ def recovery(conn: Connection, run: RunRow, steps: list[int] | None = None
         high_step=high_step(conn, run_id),
         high_at_restarts=tuple(h["high_step"] for h in history),
         previous_failure=previous_failure(conn, run),
+        previous_signature=previous_failure(conn, run, key="signature"),
     )
 
 
-def previous_failure(conn: Connection, run: RunRow) -> str | None:
+def previous_failure(conn: Connection, run: RunRow, key: str = "fingerprint") -> str | None:
     """The fingerprint of the user-code failure that ended the run's previous attempt (the
-    policy put it on that attempt's crash incident), or None."""
+    policy put it on that attempt's crash incident), or None; ``key="signature"``: that
+    failure's signature, whatever its class."""
     attempt = int(run["attempt"]) - 1
     if attempt < 0:
         return None
     for inc in rec.incidents_of(conn, run_id=int(run["id"]), attempt=attempt,
                                 kinds=[IncidentKind.CRASH]):
-        fp = (inc.get("details") or {}).get("fingerprint")
+        fp = (inc.get("details") or {}).get(key)
         if isinstance(fp, str):
             return fp
     return None

@@ -109,6 +109,12 @@ class PolicyConfig:
     # deterministic bug does not go away by itself.  Failures of the machine (signals, OOM,
     # NCCL/gloo, a lost node) are retried as before.
     stop_on_repeated_user_error: bool = True
+    # A run whose failure repeats identically, whatever its class, is stopped at the second
+    # one: the same rank, the same exit code or signal, the same last lines of stderr (its
+    # traceback's end, or what it printed last when it left none, as argparse's usage
+    # error), in the same phase (before the first step, or at the same step), so with no
+    # progress between them.  A third attempt would fail the same way.
+    stop_on_identical_failure: bool = True
 
     def __post_init__(self) -> None:
         check(self)
@@ -175,6 +181,8 @@ def restart_counts(history: Iterable[Mapping[str, Any]]) -> RestartCounts:
 
 # The rule named on a Stop's incident when a user-code failure repeats.
 STOP_REPEATED_USER_ERROR = "repeated_user_error"
+# The rule named on a Stop's incident when a failure repeats identically (any class).
+STOP_IDENTICAL_FAILURE = "identical_failure"
 
 
 @dataclass(frozen=True)
@@ -295,6 +303,9 @@ class RecoveryFacts:
     # The fingerprint (``rootcause.fingerprint``) of the user-code failure that ended the
     # run's previous attempt; None when that attempt ended otherwise.
     previous_failure: str | None = None
+    # The signature (``rootcause.signature``) of the failure that ended the run's previous
+    # attempt, whatever its class; None when that attempt ended otherwise.
+    previous_signature: str | None = None
 
 
 def budget_of(cause: str, cfg: PolicyConfig) -> int:
@@ -369,6 +380,8 @@ def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | Non
     else:
         what = f"ended ({ex.outcome})"
     msg = first.get("message")
+    if isinstance(msg, str) and msg.startswith(rootcause.TORCHRUN_HINT):
+        msg = None  # an older agent's copy of torchrun's hint: it says nothing of the failure
     who = "torchrun" if first.get("launcher") is True else "worker"
     cause = f"{who} on {where} {what}" + (f": {msg}" if msg else "")
     rc = rootcause.from_dict(first.get("root_cause"))
@@ -382,26 +395,51 @@ def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | Non
 
 @dataclass(frozen=True)
 class CrashCause:
-    """What an exit's blamed rank left: its root cause, whose fault, and the fingerprint of a
-    failure of the user's code (None for any other)."""
+    """What an exit's blamed rank left: its root cause, whose fault, the fingerprint of a
+    failure of the user's code (None for any other), and the failure's signature with the
+    words that say what it is made of (``identity``)."""
 
     root_cause: rootcause.RootCause | None
     failure_class: FailureClass
     fingerprint: str | None
+    signature: str | None = None
+    identity: str = ""
 
     def details(self) -> dict[str, Any]:
         """The incident's details: the traceback tail is in ``root_cause``."""
         return {"root_cause": None if self.root_cause is None else self.root_cause.as_dict(),
-                "failure_class": str(self.failure_class), "fingerprint": self.fingerprint}
+                "failure_class": str(self.failure_class), "fingerprint": self.fingerprint,
+                "signature": self.signature}
 
 
-def crash_cause(ex: ExitFacts, rank: int | None, code: int | None, sig: int | None
-                ) -> CrashCause:
-    """The root cause of the rank ``describe_exit`` blamed, classified and fingerprinted."""
+def failure_phase(ex: ExitFacts, step: int | None) -> str:
+    """When the attempt failed: before its first step (no rank reported one), or the step."""
+    return "before the first step" if not ex.rank_steps or step is None else f"at step {step}"
+
+
+def crash_cause(ex: ExitFacts, rank: int | None, code: int | None, sig: int | None,
+                phase: str = "") -> CrashCause:
+    """The root cause of the rank ``describe_exit`` blamed, classified, fingerprinted and
+    signed (``phase``: ``failure_phase``).  A launcher's own failure (torchrun's rendezvous)
+    is not signed: where the rendezvous forms is the membership's to change.
+
+    The ranks signed: the blamed one where what it left is its own (a traceback), else every
+    rank the exit names (the node's): unprefixed stderr is the whole node's, and which of its
+    ranks torchrun names first is a race (two ranks rejecting the same argument)."""
     first = next((f for f in ex.failed_ranks if _int_or_none(f.get("rank")) == rank), None)
     rc = rootcause.from_dict(first.get("root_cause")) if first is not None else None
+    ranks = [rank] if rank is not None else []
+    if rc is not None and not rootcause.has_traceback(rc):
+        ranks = sorted({r for f in ex.failed_ranks if (r := _int_or_none(f.get("rank")))
+                        is not None})
+    sign = None if rank is None else rootcause.signature(
+        rc, ranks=ranks, exit_code=code, signal=sig, phase=phase)
+    what = f"signal {sig}" if sig else f"exit code {code}"
+    lines = "traceback" if rootcause.has_traceback(rc) else "last lines of stderr"
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     return CrashCause(rc, rootcause.classify(rc, exit_code=code, signal=sig),
-                      rootcause.fingerprint(rc, exit_code=code, signal=sig))
+                      rootcause.fingerprint(rc, exit_code=code, signal=sig), sign,
+                      f"{who}, {what}, the same {lines}, {phase}")
 
 
 def _rendezvous_port_taken(cause: CrashCause | None) -> bool:
@@ -417,6 +455,13 @@ def repeated_user_error(cause: CrashCause, recovery: RecoveryFacts | None, cfg: 
     """The rule: the same failure of the user's code ended the previous attempt too."""
     return (cfg.stop_on_repeated_user_error and cause.fingerprint is not None
             and recovery is not None and recovery.previous_failure == cause.fingerprint)
+
+
+def identical_failure(cause: CrashCause, recovery: RecoveryFacts | None, cfg: PolicyConfig
+                      ) -> bool:
+    """The rule: the previous attempt ended with a failure of the same signature."""
+    return (cfg.stop_on_identical_failure and cause.signature is not None
+            and recovery is not None and recovery.previous_signature == cause.signature)
 
 
 def _int_or_none(x: Any) -> int | None:
@@ -444,7 +489,7 @@ def exit_incident(ex: ExitFacts) -> tuple[IncidentSpec, CrashCause | None]:
     )
     if kind != IncidentKind.CRASH:
         return incident, None
-    crash = crash_cause(ex, rank, code, sig)
+    crash = crash_cause(ex, rank, code, sig, failure_phase(ex, incident.step))
     return replace(incident, details={**incident.details, **crash.details()}), crash
 
 
@@ -504,6 +549,11 @@ def on_exit(
                   f"(a bug in the script, not restarted again): {cause}")
         return Stop(status=RunStatus.FAILED, reason=reason, incident=replace(
             incident, details={**incident.details, "stop_rule": STOP_REPEATED_USER_ERROR}))
+    if crash is not None and identical_failure(crash, recovery, cfg):
+        reason = (f"the same failure ended two attempts in a row with no progress between "
+                  f"them ({crash.identity}); not restarted again: {cause}")
+        return Stop(status=RunStatus.FAILED, reason=reason, incident=replace(
+            incident, details={**incident.details, "stop_rule": STOP_IDENTICAL_FAILURE}))
     may, why = budget_left(CAUSE_OF_KIND[kind], run, recovery, cfg)
     if not may:
         return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {cause}",

@@ -2,7 +2,14 @@
 training job from its model size, devices, precision and interconnect.  Standard library
 only: it runs where only the agent is installed.
 
-Sources and formulas (GB = 10^9 bytes throughout, as in the ZeRO paper):
+Units: memory (model states, activations, a device's size) in GiB, 2^30 bytes, as
+``nvidia-smi`` and the allocator count it; a device's size is read in GiB, as its label says
+(an "80 GB" H100 is 80 GiB; nvidia-smi shows 81,559 MiB, 79.6 GiB, the rest within the
+reserve).  Links and storage in GB/s, 10^9 bytes, as their vendors rate them, and so the
+checkpoint's size in GB (it divides by a write rate).  The ZeRO paper's figures are in GB
+(10^9): 7.5B x 16 bytes is its 120 GB, 111.8 GiB here.
+
+Sources and formulas:
 
 * **Bytes per parameter** (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
   Training Trillion Parameter Models", section 3.1): mixed precision with Adam keeps 16-bit
@@ -63,7 +70,8 @@ from typing import Any
 from trainwarden.supervisor.goodput import interval as iv
 from trainwarden.supervisor.goodput.mfu import band
 
-GB = 1e9
+GB = 1e9  # links, storage, the checkpoint's size
+GIB = float(2**30)  # memory
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ACTIVATION_MODES = ("none", "selective", "full")
 
@@ -103,7 +111,7 @@ INTERCONNECTS = {
 
 @dataclass(frozen=True)
 class Device:
-    memory_gb: float
+    memory_gib: float  # as the label says: an "80 GB" card is 80 GiB
     peak_tflops_16: float  # dense bf16/fp16 tensor cores
     peak_tflops_32: float  # dense TF32 tensor cores
     description: str
@@ -146,7 +154,7 @@ class PlanInputs:
     devices: int = 8
     devices_per_node: int = 8
     gpu: str = "h100"
-    device_memory_gb: float | None = None  # default: the gpu's
+    device_memory_gib: float | None = None  # default: the gpu's
     peak_tflops: float | None = None  # default: the gpu's, for the precision
     precision: str = "bf16"
     optimizer: str = "adam"
@@ -204,7 +212,7 @@ class PlanInputs:
         elif not self.failure_rate >= 0:
             raise ValueError("failure_rate must be >= 0 failures per node-day")
         for name in ("restart_s", "checkpoint_interval_s", "checkpoint_write_gb_per_s",
-                     "device_memory_gb", "peak_tflops", "checkpoint_stall_s"):
+                     "device_memory_gib", "peak_tflops", "checkpoint_stall_s"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
@@ -282,10 +290,12 @@ def sync_s(grad_bytes: float, devices: int, bytes_per_s: float, strategy: str) -
 
 @dataclass(frozen=True)
 class MemoryRow:
+    """One strategy's memory per device, in GiB."""
+
     strategy: str
-    states_gb: float
-    activations_gb: float | None  # at the chosen activation checkpointing
-    total_gb: float
+    states_gib: float
+    activations_gib: float | None  # at the chosen activation checkpointing
+    total_gib: float
     fits: bool
 
 
@@ -306,10 +316,10 @@ class Plan:
     flops_per_token: float
     tokens_per_step: float | None  # global
     bytes_per_param: dict[str, int]
-    device_memory_gb: float
-    usable_memory_gb: float
+    device_memory_gib: float
+    usable_memory_gib: float
     peak_flops: float
-    activations_gb: dict[str, float] | None  # per mode, per device
+    activations_gib: dict[str, float] | None  # per mode, per device
     memory: tuple[MemoryRow, ...]
     strategy: str
     strategy_fits: bool
@@ -347,7 +357,7 @@ def _failure_rate(inp: PlanInputs) -> float:
 def make_plan(inp: PlanInputs) -> Plan:
     notes: list[str] = []
     dev = DEVICES[inp.gpu]
-    mem_gb = inp.device_memory_gb if inp.device_memory_gb is not None else dev.memory_gb
+    mem_gib = inp.device_memory_gib if inp.device_memory_gib is not None else dev.memory_gib
     sixteen = inp.precision != "fp32"
     tflops = inp.peak_tflops if inp.peak_tflops is not None else (
         dev.peak_tflops_16 if sixteen else dev.peak_tflops_32)
@@ -371,25 +381,25 @@ def make_plan(inp: PlanInputs) -> Plan:
         assert inp.layers is not None and inp.hidden is not None
         acts = {m: activation_bytes(layers=inp.layers, seq_len=inp.seq_len,
                                     micro_batch=inp.micro_batch, hidden=inp.hidden,
-                                    heads=inp.heads, vocab=inp.vocab, mode=m) / GB
+                                    heads=inp.heads, vocab=inp.vocab, mode=m) / GIB
                 for m in ACTIVATION_MODES}
     else:
         notes.append("activation memory needs the shape (--layers --hidden --heads --seq-len):"
                      " not counted")
-    act_gb = acts[inp.activation_checkpointing] if acts else None
-    usable = mem_gb * (1 - inp.memory_reserve)
+    act_gib = acts[inp.activation_checkpointing] if acts else None
+    usable = mem_gib * (1 - inp.memory_reserve)
     rows = []
     for s in STRATEGIES:
-        states = state_bytes_per_device(params, bpp, inp.devices, s) / GB
-        total = states + (act_gb or 0.0)
-        rows.append(MemoryRow(s, states, act_gb, total, total <= usable))
+        states = state_bytes_per_device(params, bpp, inp.devices, s) / GIB
+        total = states + (act_gib or 0.0)
+        rows.append(MemoryRow(s, states, act_gib, total, total <= usable))
     if inp.strategy is not None:
         strategy = inp.strategy
     else:
         strategy = next((r.strategy for r in rows if r.fits), "zero3")
     fits = next(r.fits for r in rows if r.strategy == strategy)
     if not fits:
-        notes.append(f"{strategy} does not fit in {usable:.1f} GB usable per device: more "
+        notes.append(f"{strategy} does not fit in {usable:.1f} GiB usable per device: more "
                      "devices, activation checkpointing or a smaller micro-batch")
 
     grad_bytes = params * bpp["grads"]
@@ -429,8 +439,8 @@ def make_plan(inp: PlanInputs) -> Plan:
         prior_per_node_day=rate if rate > 0 else None))
     return Plan(inputs=inp, params=params, flops_per_token=fpt,
                 tokens_per_step=tokens_dev * inp.devices if tokens_dev else None,
-                bytes_per_param=bpp, device_memory_gb=mem_gb, usable_memory_gb=usable,
-                peak_flops=peak, activations_gb=acts, memory=tuple(rows), strategy=strategy,
+                bytes_per_param=bpp, device_memory_gib=mem_gib, usable_memory_gib=usable,
+                peak_flops=peak, activations_gib=acts, memory=tuple(rows), strategy=strategy,
                 strategy_fits=fits, sync=tuple(sync_rows), compute_s=compute, step_s=step,
                 mfu=mfu, mfu_band=band(mfu).name if mfu is not None else None, nodes=nodes,
                 failures_per_day=nodes * rate, checkpoint_gb=ckpt_gb,
@@ -483,9 +493,9 @@ def compare(plan: Plan, run: dict[str, Any]) -> tuple[CheckRow, ...]:
     used = [d.get("mem_used_bytes") for a in run.get("agents") or []
             for d in ((a.get("gpus") or {}).get("devices") or [])
             if isinstance(d.get("mem_used_bytes"), int | float)]
-    planned = next(r.total_gb for r in plan.memory if r.strategy == plan.strategy)
-    rows.append(CheckRow(f"memory per device GB ({plan.strategy})", planned,
-                         max(used) / GB if used else None,
+    planned = next(r.total_gib for r in plan.memory if r.strategy == plan.strategy)
+    rows.append(CheckRow(f"memory per device GiB ({plan.strategy})", planned,
+                         max(used) / GIB if used else None,
                          "largest mem_used of any GPU in the agents' latest NVML reading"
                          if used else "no NVML reading from the agents (no GPU or no driver)"))
     rows.append(CheckRow("ranks", float(plan.inputs.devices),

@@ -61,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--devices-per-node", type=int, default=d.devices_per_node)
     h.add_argument("--gpu", choices=list(pl.DEVICES), default=d.gpu,
                    help=f"memory and peak FLOP/s preset (default {d.gpu})")
-    h.add_argument("--device-memory-gb", type=float, help="override the preset's memory")
+    h.add_argument("--device-memory-gib", "--device-memory-gb", type=float,
+                   dest="device_memory_gib", metavar="GIB",
+                   help="override the preset's memory: the card's size as its label says "
+                        "(an 80 GB card: 80), counted as GiB")
     h.add_argument("--peak-tflops", type=float, help="override the preset's dense peak")
     h.add_argument("--interconnect", choices=list(pl.INTERCONNECTS), default=d.interconnect)
     t = p.add_argument_group("training")
@@ -100,7 +103,7 @@ def inputs_from(args: argparse.Namespace) -> pl.PlanInputs:
         seq_len=args.seq_len, vocab=args.vocab, micro_batch=args.micro_batch,
         grad_accum=args.grad_accum, devices=args.devices,
         devices_per_node=args.devices_per_node, gpu=args.gpu,
-        device_memory_gb=args.device_memory_gb, peak_tflops=args.peak_tflops,
+        device_memory_gib=args.device_memory_gib, peak_tflops=args.peak_tflops,
         precision=args.precision, optimizer=args.optimizer, interconnect=args.interconnect,
         activation_checkpointing=args.activation_checkpointing, strategy=args.strategy,
         kernel_efficiency=args.kernel_efficiency, failure_rate=args.failure_rate,
@@ -127,17 +130,17 @@ def render(plan: pl.Plan) -> str:
     out += ["Bytes per parameter",
             table([[b["weights"], b["grads"], b["master"], b["optimizer"], b["total"]]],
                   ["WEIGHTS", "GRADS", "FP32 MASTER", "OPTIMIZER", "TOTAL"]), ""]
-    out += [f"Memory per device (GB; {plan.usable_memory_gb:.1f} usable of "
-            f"{plan.device_memory_gb:g} after a {inp.memory_reserve:.0%} reserve; "
+    out += [f"Memory per device (GiB; {plan.usable_memory_gib:.1f} usable of "
+            f"{plan.device_memory_gib:g} after a {inp.memory_reserve:.0%} reserve; "
             f"activations with checkpointing '{inp.activation_checkpointing}')",
             table([[r.strategy + (" *" if r.strategy == plan.strategy else ""),
-                    _f(r.states_gb), _f(r.activations_gb), _f(r.total_gb),
+                    _f(r.states_gib), _f(r.activations_gib), _f(r.total_gib),
                     "yes" if r.fits else "no"] for r in plan.memory],
                   ["STRATEGY", "MODEL STATES", "ACTIVATIONS", "TOTAL", "FITS"])]
-    if plan.activations_gb:
-        a = plan.activations_gb
-        out.append(f"activations per device: none {a['none']:.1f} GB, selective "
-                   f"{a['selective']:.1f} GB, full {a['full']:.1f} GB (micro-batch "
+    if plan.activations_gib:
+        a = plan.activations_gib
+        out.append(f"activations per device: none {a['none']:.1f} GiB, selective "
+                   f"{a['selective']:.1f} GiB, full {a['full']:.1f} GiB (micro-batch "
                    f"{inp.micro_batch} x {inp.seq_len} tokens)")
     out += ["", f"Gradient sync per step ({plan.strategy}; nominal link rates)",
             table([[r.interconnect + (" *" if r.chosen else ""), f"{r.gb_per_s:g}",

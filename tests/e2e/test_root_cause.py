@@ -2,7 +2,12 @@
 agent and supervisor (torchrun, gloo, 2 ranks on CPU), rank 1 raising KeyError in a helper
 at the same step on every attempt.  The run is stopped at the second failure (one restart),
 and the incident, read from the REST API as a user would curl it, names the exception, the
-file and line, rank 1, and says the fault is in the script."""
+file and line, rank 1, and says the fault is in the script.
+
+And a failure with no traceback at all: the DDP example given an ``--inject`` its argparse
+rejects (usage printed, exit 2, on both ranks, before the first step).  It repeats
+identically, so it is stopped at the second failure too, with argparse's error as the
+cause."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import httpx
 import pytest
 
 from tests.e2e.system import OPERATOR_TOKEN, Agent, Supervisor, wait_until
+from tests.e2e.torchrun import EXAMPLES
 
 pytestmark = pytest.mark.e2e
 
@@ -82,3 +88,43 @@ def test_a_bug_in_the_script_is_stopped_at_its_second_failure_with_its_traceback
     assert [(a["kind"], a["actor"]) for a in acts] == [("restart", "policy"),
                                                        ("stop", "policy")], acts
     assert "KeyError" in acts[1]["reason"]
+
+
+def test_a_rejected_argument_is_stopped_at_its_second_failure_with_the_usage_error(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    agent = Agent(supervisor.url, "usage", "node0", work, [
+        "--nproc_per_node=2", "--standalone", str(EXAMPLES / "train_ddp.py"),
+        "--steps", "50", "--checkpoint-dir", str(work / "ck"), "--inject", "explode@10"])
+    try:
+        run = wait_until(
+            lambda: (r := supervisor.get_or_none("/runs/usage")) is not None
+            and r["status"] in ("completed", "failed", "stopped") and r,
+            180, "the run to end")
+    finally:
+        agent.stop()
+    ctx = f"\nagent:\n{agent.tail()}\nsupervisor:\n{supervisor.tail()}"
+    assert run["status"] == "failed", ctx
+    assert run["restarts"] == 1 and run["attempt"] == 1, (run, ctx)
+    error = "error: argument --inject: --inject 'explode@10': expected KIND@STEP"
+    assert "no progress between them" in run["reason"] and error in run["reason"], run
+    assert "To enable traceback" not in run["reason"]
+
+    incidents = curl(supervisor, "/runs/usage/incidents")["incidents"]
+    crashes = sorted((i for i in incidents if i["kind"] == "crash"), key=lambda i: i["id"])
+    assert [i["attempt"] for i in crashes] == [0, 1], (incidents, ctx)
+    for inc in crashes:
+        assert error in inc["cause"] and "To enable traceback" not in inc["cause"], inc
+        assert inc["cause"].startswith('last stderr line: "train_ddp.py: error: argument '
+                                       "--inject:"), inc["cause"]
+        assert inc["exit_code"] == 2, inc
+        assert inc["step"] is None, inc  # before the first step
+        rc = inc["root_cause"]
+        assert rc["source"] == "stderr_tail" and rc["exc_type"] == "", rc
+        assert "usage: train_ddp.py" in rc["traceback"] and error in rc["traceback"], rc
+    assert crashes[0]["details"]["signature"] == crashes[1]["details"]["signature"]
+    assert crashes[1]["details"]["stop_rule"] == "identical_failure"
+
+    acts = sorted(curl(supervisor, "/runs/usage/actions")["actions"], key=lambda a: a["id"])
+    assert [(a["kind"], a["actor"]) for a in acts] == [("restart", "policy"),
+                                                       ("stop", "policy")], acts

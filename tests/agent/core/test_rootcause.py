@@ -124,7 +124,7 @@ def test_the_agent_prefers_the_error_file_then_the_summary_then_stderr(tmp_path:
     # Without @record: from the node's stderr.
     plain = text("rank_prefixed.stderr.txt")
     failed = parse_failure_summary(plain)
-    assert failed[0]["message"].startswith("To enable traceback")
+    assert failed[0]["message"] == ""  # torchrun's "To enable traceback see: ..." is dropped
     attach_root_causes(failed, plain, plain)
     assert failed[0]["root_cause"]["source"] == "stderr"
     assert failed[0]["root_cause"]["user_frame"]["line"] == 4
@@ -246,3 +246,102 @@ def test_only_a_taken_port_reads_as_one() -> None:
                                   "failed to connect to 127.0.0.1:29500: Connection refused"))
     assert not rc_.port_in_use(rc("KeyError", "'label'"))
     assert not rc_.port_in_use(None)
+
+
+# --- no traceback: the rank's last lines of stderr -------------------------------------------
+
+
+def test_a_usage_error_is_its_last_line_of_stderr_not_torchruns_hint() -> None:
+    """argparse rejects an argument on both ranks (exit 2, no traceback; torch 2.13's real
+    output): each rank's cause is argparse's error line; torchrun's log lines, its
+    ChildFailedError traceback and its summary are not the workers' last words."""
+    out = text("argparse_usage.stderr.txt")
+    failed = parse_failure_summary(out)
+    assert [(f["rank"], f["exit_code"], f["message"]) for f in failed] == [
+        (0, 2, ""), (1, 2, "")]  # torchrun's "To enable traceback see: ..." says nothing
+    attach_root_causes(failed, out, out)
+    error = ("bad.py: error: argument --inject: invalid choice: 'bogus' (choose from "
+             "'crash', 'hang')")
+    for f in failed:
+        assert f["message"] == error, f
+        rc = rc_.from_dict(f["root_cause"])
+        assert rc is not None and rc.source == rc_.RootCauseSource.STDERR_TAIL
+        assert rc.rank == f["rank"] and rc.exc_type == "" and rc.frame is None
+        assert rc.traceback.splitlines()[0].startswith("usage: bad.py [-h]")
+        assert rc.traceback.splitlines()[-1] == error
+        for torchrun in ("W1206", "ChildFailedError", "Failures:", "To enable traceback",
+                         "FAILED"):
+            assert torchrun not in rc.traceback, rc.traceback
+        assert rc_.classify(rc, exit_code=2) == FailureClass.UNKNOWN
+        assert rc_.fingerprint(rc, exit_code=2) is None  # no frame of the user's code
+        assert rc_.headline(rc, rank=0, host="node0") == \
+            f'last stderr line: "{error}" (rank 0, host node0)'
+
+
+def test_a_worker_that_os_exits_says_its_exit_code_rank_and_last_words() -> None:
+    """Rank 1 writes a line and calls os._exit(1) mid-training (torch 2.13's real output):
+    its cause is that line; rank 0, SIGTERMed after losing its peer, keeps its own
+    traceback."""
+    out = text("os_exit_no_traceback.stderr.txt")
+    failed = parse_failure_summary(out)
+    attach_root_causes(failed, out, out)
+    by_rank = {f["rank"]: f for f in failed}
+    one = by_rank[1]
+    assert one["exit_code"] == 1
+    assert one["message"] == "loader: shard 7 is unreadable, giving up"
+    assert one["root_cause"]["source"] == "stderr_tail"
+    assert one["root_cause"]["traceback"] == "loader: shard 7 is unreadable, giving up"
+    assert by_rank[0]["root_cause"]["source"] == "stderr"  # its [rank0] traceback
+    assert "Connection reset by peer" in by_rank[0]["message"]
+
+
+def test_a_rank_killed_by_a_signal_is_not_given_another_ranks_lines() -> None:
+    out = text("gloo_tee_sigkill.stderr.txt")
+    failed = parse_failure_summary(out)
+    attach_root_causes(failed, out, out)
+    killed = next(f for f in failed if f["rank"] == 1)
+    assert "root_cause" not in killed and killed["signal"] == 9
+    assert killed["message"].startswith("Signal 9")  # what torchrun knows of it is kept
+    assert rc_.from_stderr_tail("W1206 01:54:25.565000 12499 torch/distributed/run.py:874] "
+                                "x\n\n", rank=0) is None  # nothing of the worker's own
+
+
+def _usage(rank: int) -> list[str]:
+    return [f"[{rank}] usage: t.py [-h] [--inject {{crash,hang}}]",
+            "t.py: error: argument --inject: invalid choice: 'x'"]
+
+
+def sig(text: str, *, rank: int = 0, code: int | None = 2, signal: int | None = None,
+        phase: str = "before the first step") -> str | None:
+    rc = rc_.from_stderr_tail(text, rank=rank)
+    return rc_.signature(rc, ranks=[rank], exit_code=code, signal=signal, phase=phase)
+
+
+def test_the_signature_of_a_failure_is_rank_code_last_lines_and_phase() -> None:
+    usage = "usage: t.py [-h]\nt.py: error: argument --inject: invalid choice: 'x'\n"
+    base = sig(usage)
+    assert base is not None and base == sig(usage)
+    # Two ranks printing the same lines interleave them differently from run to run.
+    assert sig(usage + usage) == base
+    assert sig("usage: t.py [-h]\nusage: t.py [-h]\nt.py: error: argument --inject: "
+               "invalid choice: 'x'\nt.py: error: argument --inject: invalid choice: 'x'\n"
+               ) == base
+    # Another rank, exit code, signal, phase or last line: another failure.
+    assert sig(usage, rank=1) != base
+    assert sig(usage, code=1) != base
+    assert sig(usage, code=None, signal=9) != base
+    assert sig(usage, phase="at step 41") != base
+    assert sig("usage: t.py [-h]\nt.py: error: argument --inject: invalid choice: 'y'\n") \
+        != base
+    # Clocks, process ids and addresses vary between attempts of the same failure.
+    a = "[E1206 01:56:06.468 12 ProcessGroup.cpp:9] abort at 0x7f00ab pid 1234 2026-12-06 " \
+        "01:56:06\n"
+    b = "[E1206 02:10:44.001 99 ProcessGroup.cpp:9] abort at 0x7f1234 pid 98 2026-12-06 " \
+        "02:10:44\n"
+    assert sig(a) == sig(b) is not None
+    # Nothing left to read identifies no failure.
+    assert rc_.signature(None, ranks=[0], exit_code=2, signal=None, phase="") is None
+    # A traceback is signed by its last lines too.
+    tb = rc_.parse_traceback(text("chained_no_record.stderr.txt"))
+    assert rc_.signature(tb, ranks=[1], exit_code=1, signal=None, phase="at step 3") \
+        is not None

@@ -41,6 +41,28 @@ def test_7b_ddp_and_zero3_on_8_devices() -> None:
     assert states_gb(7e9, 8, "zero3") == pytest.approx(14.0)
 
 
+def test_the_7b_table_on_8_devices_in_gib() -> None:
+    """The plan counts memory in GiB (2^30 bytes), as nvidia-smi does: 7B parameters, mixed
+    precision Adam (16 bytes each), 8 devices."""
+    plan = make_plan(PlanInputs(params=7e9, devices=8))
+    table = {r.strategy: round(r.states_gib, 1) for r in plan.memory}
+    assert table == {"ddp": 104.3, "zero1": 35.9, "zero2": 24.4, "zero3": 13.0}
+    assert plan.memory[0].total_gib == pytest.approx(112e9 / 2**30)
+
+
+def test_an_80_gb_card_is_80_gib_in_the_fit_decision() -> None:
+    """A card sold as "80 GB" is 80 GiB in the plan, as nvidia-smi counts: 90% of it
+    usable is 72 GiB.  4.8B parameters in DDP on one device need 76.8e9 bytes, 71.5 GiB:
+    they fit (read as 80e9 bytes they would not)."""
+    plan = make_plan(PlanInputs(params=4.8e9, devices=1, gpu="h100"))
+    assert plan.device_memory_gib == 80 and plan.usable_memory_gib == pytest.approx(72.0)
+    ddp = plan.memory[0]
+    assert ddp.strategy == "ddp" and ddp.total_gib == pytest.approx(71.53, abs=0.01)
+    assert ddp.fits and plan.strategy == "ddp"
+    given = make_plan(PlanInputs(params=4.8e9, devices=1, device_memory_gib=79.0))
+    assert not given.memory[0].fits  # 71.1 GiB usable of 79
+
+
 @pytest.mark.parametrize("strategy,paper_gb", [("ddp", 120.0), ("zero1", 31.4),
                                                ("zero2", 16.6), ("zero3", 1.9)])
 def test_zero_paper_figure_1(strategy: str, paper_gb: float) -> None:
@@ -110,14 +132,14 @@ def test_strategy_is_the_least_sharded_that_fits() -> None:
     fits = {r.strategy: r.fits for r in plan.memory}
     assert fits == {"ddp": False, "zero1": True, "zero2": True, "zero3": True}
     assert plan.strategy == "zero1"
-    assert plan.activations_gb is not None
-    assert plan.activations_gb["full"] < plan.activations_gb["selective"] \
-        < plan.activations_gb["none"]
+    assert plan.activations_gib is not None
+    assert plan.activations_gib["full"] < plan.activations_gib["selective"] \
+        < plan.activations_gib["none"]
 
 
 def test_a_plan_without_a_shape_says_what_it_cannot_count() -> None:
     plan = make_plan(PlanInputs(params=7e9))
-    assert plan.activations_gb is None and plan.step_s is None and plan.mfu is None
+    assert plan.activations_gib is None and plan.step_s is None and plan.mfu is None
     assert any("activation memory needs the shape" in n for n in plan.notes)
 
 
@@ -159,12 +181,13 @@ def test_compare_with_a_run_summary() -> None:
     run = {"throughput": {"steps_per_s": 4.0, "tokens_per_s": 8000.0, "samples_per_s": 8.0,
                           "ranks": 2},
            "agents": [{"gpus": {"available": True, "devices": [
-               {"index": 0, "mem_used_bytes": 30e9}, {"index": 1, "mem_used_bytes": 31e9}]}},
+               {"index": 0, "mem_used_bytes": 30 * 2**30},
+               {"index": 1, "mem_used_bytes": 31 * 2**30}]}},
                {"gpus": {"available": False, "reason": "no driver"}}]}
     rows = {r.quantity.split(" (")[0]: r for r in compare(plan, run)}
     assert rows["step time s"].measured == pytest.approx(0.25)
     assert rows["MFU"].measured == pytest.approx(8000 * plan.flops_per_token / (2 * 1e14))
-    assert rows["memory per device GB"].measured == pytest.approx(31.0)
+    assert rows["memory per device GiB"].measured == pytest.approx(31.0)
     assert rows["ranks"].measured == 2.0
     assert rows["step time s"].ratio == pytest.approx(0.25 / plan.step_s)  # type: ignore[operator]
 

@@ -31,9 +31,15 @@ def test_json_known_answers() -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["bytes_per_param"]["total"] == 16
-    states = {r["strategy"]: r["states_gb"] for r in doc["memory"]}
-    assert states["ddp"] == 112.0
-    assert states["zero3"] == 14.0
+    # GiB, as nvidia-smi counts: 7B x 16 bytes = 112e9 bytes = 104.3 GiB on every device
+    states = {r["strategy"]: round(r["states_gib"], 1) for r in doc["memory"]}
+    assert states == {"ddp": 104.3, "zero1": 35.9, "zero2": 24.4, "zero3": 13.0}
+    assert doc["device_memory_gib"] == 80 and doc["usable_memory_gib"] == 72.0
+    # A card's size as its label gives it, under either spelling of the flag.
+    for flag in ("--device-memory-gib", "--device-memory-gb"):
+        out = plan(*SEVEN_B, flag, "40", "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["usable_memory_gib"] == 36.0
     assert doc["assumptions"]["interconnect_gb_per_s"]["100gbe"] == 12.5
 
 
@@ -45,8 +51,13 @@ def test_terminal_tables() -> None:
     for heading in ("Bytes per parameter", "Memory per device", "Gradient sync per step",
                     "expected MFU", "Reliability", "EXPECTED ETTR"):
         assert heading in text, text
-    ddp = next(line for line in text.splitlines() if line.startswith("ddp "))
-    assert "112.0" in ddp and ddp.rstrip().endswith("no")
+    assert "Memory per device (GiB; 72.0 usable of 80 after a 10% reserve" in text, text
+    # STRATEGY (" *" marks the one chosen), MODEL STATES, ACTIVATIONS, TOTAL, FITS
+    rows = {w[0]: [x for x in w[1:] if x != "*"] for line in text.splitlines()
+            if (w := line.split())[:1] and w[0] in ("ddp", "zero1", "zero2", "zero3")}
+    assert [rows[s][0] for s in ("ddp", "zero1", "zero2", "zero3")] == [
+        "104.3", "35.9", "24.4", "13.0"], rows
+    assert rows["ddp"][-1] == "no"
     assert any(line.startswith("10gbe") for line in text.splitlines())
 
 
@@ -120,7 +131,8 @@ def test_check_against_a_live_run(tmp_path: Path) -> None:
         doc = json.loads(out.stdout)
         rows = {r["quantity"].split(" (")[0]: r for r in doc["check"]["rows"]}
         assert abs(rows["step time s"]["measured"] - 0.25) < 0.01
-        assert rows["memory per device GB"]["measured"] == 31.0
+        # 31e9 bytes in use, in GiB as nvidia-smi would show it
+        assert abs(rows["memory per device GiB"]["measured"] - 31e9 / 2**30) < 1e-9
         assert rows["ranks"]["measured"] == 2.0
         tokens_per_s = 2 * 4096 * 4.0
         assert abs(rows["MFU"]["measured"]
