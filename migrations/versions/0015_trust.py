@@ -1,7 +1,8 @@
 """trust: evidence bounded by its source.  agents.host_trusted (the agent registered with a
 token trusted for its host: one not scoped to runs), agents.cordon (a cordon of the node in
 this run only, from evidence of a source not trusted for the host), agents.gpu_counters (the
-NVML counters last seen from an agent not trusted for its host), events.member (the agent was
+NVML counters last seen from an agent not trusted for its host), agents.lost_at (when the
+node's death was confirmed before the node-lost deadline), events.member (the agent was
 a member of its run when the event arrived: only members' events are acted on),
 host_evidence.trusted (false: the evidence counts in its run only) and runs.launcher (the
 shape of the first member's command: "torchrun" or "plain"; null before any member)
@@ -29,6 +30,7 @@ def upgrade() -> None:
                                server_default=sa.true()))
         b.add_column(sa.Column("cordon", sa.Text(), nullable=True))
         b.add_column(sa.Column("gpu_counters", sa.JSON(), nullable=True))
+        b.add_column(sa.Column("lost_at", sa.Float(), nullable=True))
     with op.batch_alter_table("events") as b:
         b.add_column(sa.Column("member", sa.Boolean(), nullable=False,
                                server_default=sa.true()))
@@ -52,6 +54,7 @@ def downgrade() -> None:
     with op.batch_alter_table("events") as b:
         b.drop_column("member")
     with op.batch_alter_table("agents") as b:
+        b.drop_column("lost_at")
         b.drop_column("gpu_counters")
         b.drop_column("cordon")
         b.drop_column("host_trusted")

@@ -53,11 +53,16 @@ def register(
     operator takes over (``takeover: true`` with the operator token: the old credential is
     revoked, an audited action).  A run that has ended (completed, failed, stopped) is
     refused with 409 and a message that says what to do: it is never silently reopened.
-    A new node beyond the world the run's members declare (their torchrun ``--nnodes``), or
-    one registering with ``spare: true``, is a spare: it runs nothing until the policy gives
-    it a lost or cordoned member's node rank (the reply's ``membership``).  A torchrun
-    command the agent cannot rewrite for the supervisor's membership is refused with 422 and
-    the fix."""
+    The run's settings (its command's shape, the world it declares with torchrun's
+    ``--nnodes``, at most 65,536, and ``min_nodes``) are its first member's: a registration
+    that disagrees is refused with 409 naming the field and both values.  A new node beyond
+    the declared world, or one registering with ``spare: true``, is a spare: it runs nothing
+    until the policy gives it a lost or cordoned member's node rank (the reply's
+    ``membership``), and what it sends is recorded, never acted on; a run a spare registers
+    first is ``pending`` until its first member registers.  A torchrun command the agent
+    cannot rewrite for the supervisor's membership is refused with 422 and the fix.  An agent
+    registered with a token scoped to no run is trusted for its host's evidence (the shared
+    health ledger); a run-scoped one's counts in its run only."""
     outside = checkpoint_paths.outside_allowed(
         req.checkpoint_roots, checkpoint_paths.allowed_prefixes(
             settings.auth.checkpoint_roots_allowed))

@@ -80,6 +80,9 @@ def add_parsers(sub: Any) -> None:
     tp.add_argument("--role", required=True, choices=("viewer", "agent", "operator", "admin"))
     tp.add_argument("--scope", default=None, metavar="RUN",
                     help="agent/operator tokens: one run, or a run-name prefix ending in '*'")
+    tp.add_argument("--quiet", action="store_true",
+                    help="print the secret only (for a script: TOKEN=$(trainwarden token "
+                         "create ... --quiet))")
     add_common(tp)
     tp = tsub.add_parser("list", help="the tokens (never their secrets)")
     add_common(tp)
@@ -350,6 +353,9 @@ def _token(client: httpx.Client, args: argparse.Namespace) -> int:
         r.raise_for_status()
         t = r.json()
         scope = f", scope {printable(t['scope'])}" if t.get("scope") else ""
+        if args.quiet:
+            print(t["token"])
+            return 0
         print(f"token {printable(t['name'])} ({t['role']}{scope}) created; its secret, shown "
               "only this once:")
         print(t["token"])

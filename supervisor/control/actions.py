@@ -124,13 +124,16 @@ def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
                               progress={**a["progress"], ActionStatus.SUPERSEDED: now})
 
 
-def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | None
+def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | None,
+                 lost: frozenset[str] = frozenset()
                  ) -> tuple[membership.MembershipFacts, RunMembership]:
     """The store's facts about a run's nodes for ``control.membership``: a node is live when
-    heard from within ``live_s`` (None: every node counts as live)."""
+    heard from within ``live_s`` (None: every node counts as live), unless its death was
+    confirmed (``lost``)."""
     m = store_membership.run_membership(conn, run_id=run_id)
     live = frozenset(n["node"] for n in m["nodes"]
-                     if live_s is None or now - n["last_seen_at"] <= live_s)
+                     if (live_s is None or now - n["last_seen_at"] <= live_s)
+                     and n["node"] not in lost and not store_membership.confirmed_lost(n))
     # A node on probation is taken after the healthy spares (it must pass a preflight).
     probation = hosts.probation_nodes(conn)
     spares = sorted((n["node"] for n in m["spares"]), key=lambda node: node in probation)
@@ -157,12 +160,13 @@ def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
 
 
 def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None,
-                 grow: bool = False, move_endpoint: bool = False
+                 grow: bool = False, move_endpoint: bool = False,
+                 lost: frozenset[str] = frozenset()
                  ) -> tuple[membership.MemberPlan, RunMembership, policy.ResizeChoice | None]:
     """The members the next attempt gets (``membership.plan_members`` on the store's
     facts), and, when a node rank has no node fit to run and the run accepts fewer nodes,
     the policy's choice between shrinking and waiting (None: there was none to make)."""
-    facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s)
+    facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s, lost=lost)
     plan = membership.plan_members(facts, grow=grow, move_endpoint=move_endpoint)
     if not (plan.waiting or plan.kept_cordoned) or not membership.can_shrink(facts):
         return plan, m, None
@@ -243,10 +247,12 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     _supersede_in_progress(conn, run_id, now)
     incident_id = _incident(conn, run_id, decision.incident, now)
     if isinstance(decision, Restart):
+        store_membership.confirm_lost(conn, run_id=run_id, nodes=sorted(decision.lost), now=now)
         members, m, choice = plan_members(conn, run_id=run_id, now=now,
                                           live_s=live_s if decision.replace_lost else None,
                                           grow=decision.grow,
-                                          move_endpoint=decision.move_endpoint)
+                                          move_endpoint=decision.move_endpoint,
+                                          lost=decision.lost)
         agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now,
                                                  choice=choice)
         said = "; ".join(x for x in (members.summary(), choice.reason if choice else "") if x)

@@ -28,7 +28,7 @@ from trainwarden.agent import protocol
 from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.agent.core.findings import FindingKind, Severity
-from trainwarden.agent.core.states import NodeRole
+from trainwarden.agent.core.states import LIVE_AGENT_STATES, NodeRole
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
 from trainwarden.supervisor.control.goodput_feed import GoodputFeed
@@ -43,7 +43,7 @@ from trainwarden.supervisor.control.overload import OverloadWatch
 from trainwarden.supervisor.control.retention import Retention, RetentionConfig
 from trainwarden.supervisor.detect import Finding
 from trainwarden.supervisor.detect.node_health import CordonConfig
-from trainwarden.supervisor.detect.node_lost import agents_gone
+from trainwarden.supervisor.detect.node_lost import agents_gone, silent_members
 from trainwarden.supervisor.detect.overload import Overload
 from trainwarden.supervisor.detect.stacks import hang_culprit
 from trainwarden.supervisor.enums import (
@@ -140,6 +140,8 @@ class Evaluator:
         self._failing: dict[int, float] = {}
         self._failed_this_tick: set[int] = set()
         self._retry_events: list[NodeEventRow] = []  # failure events a failed tick left
+        # Exits held while a peer's death may still be confirmed: exit id -> first seen.
+        self._held_exits: dict[int, float] = {}
         # Told the agents whose credentials the tick revoked (the app's credential cache).
         self.on_revoked: Callable[[list[int]], object] | None = None
 
@@ -525,6 +527,11 @@ class Evaluator:
                               live_s=self._live_s())
                 if isinstance(decision, policy.Note) and decision.verdict == Verdict.LATE:
                     self._reattribute(conn, run, ex, now)
+                if isinstance(decision, policy.Note) and decision.verdict == Verdict.WAIT:
+                    # Held (a survivor's lost connection): judged again on the next tick.  The
+                    # run's later exits go on being judged: one of them may be the cause.
+                    continue
+                self._held_exits.pop(int(ex["id"]), None)
                 verdict = decision.verdict if isinstance(decision, policy.Note) else (
                     Verdict.COMPLETED if isinstance(decision, policy.Complete) else Verdict.FAILURE
                 )
@@ -575,11 +582,20 @@ class Evaluator:
         facts = self._exit_facts(conn, run, ex)
         completed = rec.completed_agents(
             conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])
+        lost = lost_deadline(self.detection, self.advised_batch_interval())
+        silent = silent_members(
+            {a["node"]: float(a["last_seen_at"] or 0.0)
+             for a in registry.run_agents(conn, run_id=run["id"])
+             if a["role"] == NodeRole.MEMBER and a["id"] != ex["agent_id"]
+             and a["state"] in LIVE_AGENT_STATES},
+            now, lost, observing_since=self.observing_since) if attempt == run["attempt"] else {}
+        first = self._held_exits.setdefault(int(ex["id"]), now)
         return policy.on_exit(
             actions.facts(run), facts, agent_ids=agent_ids,
             completed_agent_ids=frozenset(completed), restart_pending=restart_pending,
             recovery=actions.recovery(conn, run), checkpoint=ckpt["path"] if ckpt else None,
-            cfg=self.cfg, now=now)
+            cfg=self.cfg, now=now, silent_peers=silent,
+            may_wait=now - first < lost.confirm_wait_s)
 
     def _protect(self, conn: Connection, run: RunRow) -> None:
         """Publish what the workers' retention must keep (every ingest reply carries it)."""
@@ -625,7 +641,8 @@ class Evaluator:
                       rep: TickReport) -> None:
         run = registry.get_run(conn, run_id=ev["run_id"])
         if ev["name"] == _STACKS_EVENT:
-            self._attach_stacks(conn, run, ev, now)
+            if ev.get("member", True):  # (a non-member's stacks name no culprit)
+                self._attach_stacks(conn, run, ev, now)
             return
         details = dict(ev.get("details") or {})
         collective = details.get("collective", "unknown")

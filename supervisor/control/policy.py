@@ -260,6 +260,9 @@ class Restart:
     # The rendezvous moves to a new port (the membership epoch grows): the last attempt's
     # failed because a port was taken (``rootcause.port_in_use``), and would again.
     move_endpoint: bool = False
+    # Nodes confirmed dead before the node-lost deadline (silent, and their peers' workers
+    # failed on their connections to them): not fit to run, whatever their last heartbeat.
+    lost: frozenset[str] = frozenset()
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
@@ -519,12 +522,20 @@ def on_exit(
     now: float,
     restart_pending: bool = False,
     recovery: RecoveryFacts | None = None,
+    silent_peers: Mapping[str, float] | None = None,
+    may_wait: bool = False,
 ) -> Decision:
     """Decide what one agent's exit report means for the run.
 
     ``restart_pending``: the restart to the run's current attempt has not relaunched any
     worker yet.  Then the previous attempt is still the one training, and its completion
-    completes the run (the restart, decided on a late or false signal, is moot)."""
+    completes the run (the restart, decided on a late or false signal, is moot).
+
+    ``silent_peers``: the run's other members silent for longer than the confirmation time
+    (node -> seconds since heard).  An exit whose workers failed on a lost peer connection
+    while a peer is silent is that peer's death, confirmed (``node_death``): one node-lost
+    incident naming it and one restart that replaces it, never a crash of the survivor.
+    ``may_wait``: such an exit is young enough to be held while no peer is silent yet."""
     if (ex.attempt == run.attempt - 1 and restart_pending and ex.outcome == ExitOutcome.COMPLETED
             and not ex.exit_code and run.status not in FINAL_STATUSES):
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
@@ -544,6 +555,11 @@ def on_exit(
         return Note(Verdict.COMPLETED, "waiting for the other agents to complete")
     incident, crash = exit_incident(ex)
     kind, cause = incident.kind, incident.cause
+    if incident.kind == IncidentKind.CRASH and node_health.lost_peer(incident.details):
+        death = node_death(run, ex, incident, silent=silent_peers or {}, may_wait=may_wait,
+                           checkpoint=checkpoint, cfg=cfg, now=now, recovery=recovery)
+        if death is not None:
+            return death
     if crash is not None and repeated_user_error(crash, recovery, cfg):
         reason = (f"the same error in the training script ended two attempts in a row "
                   f"(a bug in the script, not restarted again): {cause}")
@@ -568,6 +584,41 @@ def on_exit(
         cause=CAUSE_OF_KIND[kind],
         move_endpoint=_rendezvous_port_taken(crash),
     )
+
+
+def node_death(run: RunFacts, ex: ExitFacts, survivor: IncidentSpec, *,
+               silent: Mapping[str, float], may_wait: bool, checkpoint: str | None,
+               cfg: PolicyConfig, now: float, recovery: RecoveryFacts | None = None
+               ) -> Decision | None:
+    """A survivor's failure on a lost peer connection, read with the other members'
+    silence.  A silent peer is dead, confirmed by both: its node is lost now (the incident
+    names it and quotes the survivor's error as its consequence; one restart, counted once
+    against the node-lost budget, gives its rank to a spare).  No peer silent yet: hold the
+    exit a while (``may_wait``), since the dead node's silence grows from the moment it
+    died; then it is an ordinary crash (None)."""
+    if not silent:
+        if may_wait:
+            return Note(Verdict.WAIT, f"the workers on {ex.node} lost a peer connection: "
+                                      "waiting to see whether a peer node went silent")
+        return None
+    dead = sorted(silent)
+    quiet = ", ".join(f"{n} silent for {silent[n]:.1f} s" for n in dead)
+    cause = (f"node {', '.join(dead)} lost: {quiet}, and the workers on {ex.node} failed on "
+             f"their connection to it ({survivor.cause})")
+    incident = IncidentSpec(
+        kind=IncidentKind.NODE_LOST, cause=cause, attempt=ex.attempt, node=dead[0], rank=None,
+        details={"confirmed_by": "peer_connection", "silent_s": dict(silent),
+                 "lost": dead, "survivor": {"node": ex.node, "cause": survivor.cause,
+                                            "rank": survivor.rank}})
+    restart_cause = CAUSE_OF_KIND[IncidentKind.NODE_LOST]
+    may, why = budget_left(restart_cause, run, recovery, cfg)
+    if not may:
+        return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {cause}",
+                    incident=incident)
+    return Restart(attempt=run.attempt + 1, checkpoint=checkpoint,
+                   not_before=now + backoff_s(run.restarts, cfg),
+                   reason=f"gang restart after node lost: {cause}", incident=incident,
+                   cause=restart_cause, replace_lost=True, lost=frozenset(dead))
 
 
 def on_node_joined(run: RunFacts, *, joined: Sequence[str], checkpoint: str | None,

@@ -11,6 +11,12 @@ matter, and ``observing_since`` = the supervisor's own start time: a supervisor 
 cannot tell a lost node from its own absence, so every node gets a full deadline after it
 comes back.  Pass only the nodes that should be alive (not those whose agents finished or
 were stopped on purpose).
+
+Silence and a peer's failure together confirm a death sooner: when the workers of a surviving
+node fail on their connection to a peer (reset, closed, refused) and a member has been silent
+for ``confirm_s`` (a few heartbeat intervals), that member is dead (``silent_members``; the
+policy's ``node_death``).  Silence alone never does: a busy or briefly paused node is not
+replaced for nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainwarden.agent.core.bounds import bounded, check
+from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.supervisor.detect.findings import INCIDENT, Finding, FindingKind
 
 
@@ -29,9 +35,17 @@ class NodeLostConfig:
 
     # seconds without a heartbeat before a node is lost
     deadline_s: float = bounded(30.0, gt=0, hint="try 30")
+    # seconds of silence that confirm a node's death at once when its peers' workers failed
+    # on their connections to it (heartbeat silence alone waits for deadline_s)
+    confirm_s: float = bounded(5.0, gt=0, hint="try 5 (a few heartbeat intervals)")
+    # how long a survivor's failure on a lost peer connection is held, waiting for a silent
+    # peer, before it is judged as an ordinary crash
+    confirm_wait_s: float = bounded(10.0, ge=0, hint="try 10")
 
     def __post_init__(self) -> None:
         check(self)
+        cross_check(self.confirm_s < self.deadline_s, self, "confirm_s",
+                    f"< deadline_s ({self.deadline_s:g})", got=self.confirm_s)
 
 
 def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,
@@ -72,3 +86,18 @@ def agents_gone(newest_heartbeat: float | None, now: float, cfg: NodeLostConfig 
     since = newest_heartbeat if observing_since is None else max(newest_heartbeat,
                                                                  observing_since)
     return now - since > cfg.deadline_s
+
+
+def silent_members(last_heartbeat: Mapping[str, float], now: float,
+                   cfg: NodeLostConfig | None = None, *,
+                   observing_since: float | None = None) -> dict[str, float]:
+    """node -> seconds since heard, of the nodes silent for at least ``confirm_s`` (as the
+    supervisor received their heartbeats; a supervisor that just came back has not been
+    watching long enough to tell)."""
+    cfg = cfg or NodeLostConfig()
+    out: dict[str, float] = {}
+    for node, t in sorted(last_heartbeat.items()):
+        since = t if observing_since is None else max(t, observing_since)
+        if now - since >= cfg.confirm_s:
+            out[node] = round(now - t, 3)
+    return out

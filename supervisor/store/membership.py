@@ -38,6 +38,7 @@ class Node(TypedDict):
     nproc_per_node: int | None
     devices: int | None
     joined_as: NodeRole
+    lost_at: float | None  # its death confirmed then (not fit to run until heard after it)
 
 
 class RunMembership(TypedDict):
@@ -56,14 +57,15 @@ def _node(r: Any) -> Node:
             "last_seen_at": float(r.last_seen_at or 0.0), "state": r.state or "",
             "command": [str(a) for a in (r.command or [])],
             "nproc_per_node": r.nproc_per_node, "devices": r.devices,
-            "joined_as": NodeRole(r.joined_as)}
+            "joined_as": NodeRole(r.joined_as),
+            "lost_at": None if r.lost_at is None else float(r.lost_at)}
 
 
 def run_membership(conn: Connection, *, run_id: int) -> RunMembership:
     a = agents.c
     rows = conn.execute(
         select(a.id, a.node, a.role, a.node_rank, a.address, a.last_seen_at, a.state, a.command,
-               a.nproc_per_node, a.devices, a.joined_as)
+               a.nproc_per_node, a.devices, a.joined_as, a.lost_at)
         .where(a.run_id == run_id).order_by(a.id)).all()
     head = conn.execute(select(runs.c.epoch, runs.c.nnodes, runs.c.world_nnodes,
                                runs.c.min_nodes).where(runs.c.id == run_id)).one()
@@ -171,6 +173,19 @@ def assign(conn: Connection, *, run_id: int, members: Mapping[int, int], epoch: 
         conn.execute(update(agents).where(agents.c.id == aid).values(**values))
     conn.execute(update(runs).where(runs.c.id == run_id).values(epoch=epoch,
                                                                 world_nnodes=world))
+
+
+def confirm_lost(conn: Connection, *, run_id: int, nodes: Sequence[str], now: float) -> None:
+    """These nodes' deaths are confirmed now: not fit to run until heard from again."""
+    if nodes:
+        conn.execute(update(agents).where(agents.c.run_id == run_id,
+                                          agents.c.node.in_(list(nodes)))
+                     .values(lost_at=now))
+
+
+def confirmed_lost(n: Node) -> bool:
+    """Whether a node's death was confirmed and it has not been heard from since."""
+    return n["lost_at"] is not None and n["last_seen_at"] <= n["lost_at"]
 
 
 def rendezvous(m: RunMembership) -> str | None:

@@ -209,6 +209,9 @@ class Agent(Base):
     # trusted agent's are kept with the host, ``Host.gpu_counters``).
     gpu_counters: Mapped[dict[str, Any] | None] = mapped_column(JSONDict(nullable=True),
                                                                 nullable=True)
+    # When the node's death was confirmed before the node-lost deadline (silent, and its
+    # peers' connections to it failed): not fit to run until it is heard from after it.
+    lost_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class AgentCredential(Base):

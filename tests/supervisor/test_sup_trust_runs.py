@@ -363,3 +363,39 @@ def test_scoped_agents_only_admits_run_scoped_agent_tokens_only(
         r = client.post("/api/v1/agents/register", headers=mine, json={
             "run": "team-b-1", "node": "n0", "command": ["python", "train.py"]})
         assert r.status_code == 403, r.text
+
+
+def test_a_job_token_minted_as_the_security_page_shows(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The security page's per-job flow, literally: a supervisor with
+    TRAINWARDEN_AUTH_SCOPED_AGENTS_ONLY=true, `trainwarden token create ... --quiet` printing
+    the secret alone, the job's agent registering with it, and `token revoke` ending it."""
+    import httpx
+
+    from tests.dashboard.browser import serve_in_thread
+    from trainwarden.supervisor.cli import main as cli
+    from trainwarden.supervisor.config import SupervisorSettings
+
+    monkeypatch.setenv("TRAINWARDEN_AUTH_SCOPED_AGENTS_ONLY", "true")
+    monkeypatch.setenv("TRAINWARDEN_ADMIN_TOKEN", ADMIN_TOKEN)
+    monkeypatch.delenv("TRAINWARDEN_AGENT_TOKEN", raising=False)
+    app = create_app(SupervisorSettings(data_dir=tmp_path))
+    with serve_in_thread(app) as sup:
+        capsys.readouterr()
+        assert cli.main(["token", "create", "job-1234", "--role", "agent", "--scope",
+                         "team-a-1234", "--quiet", "--supervisor", sup]) == 0
+        secret = capsys.readouterr().out.strip()
+        assert secret.startswith("twt_") and "\n" not in secret
+        job = {"Authorization": f"Bearer {secret}"}
+        with httpx.Client(base_url=sup + "/api/v1", timeout=10) as c:
+            body = {"node": "n0", "command": ["python", "train.py"]}
+            assert c.post("/agents/register", headers=job,
+                          json={"run": "team-a-1234", **body}).status_code == 200
+            assert c.post("/agents/register", headers=job,
+                          json={"run": "team-b-1", **body}).status_code == 403
+            assert cli.main(["token", "revoke", "job-1234", "--supervisor", sup]) == 0
+            # (stored tokens are cached for a few seconds; a fresh process would refuse now)
+            app.state.stored_tokens.forget()
+            assert c.post("/agents/register", headers=job,
+                          json={"run": "team-a-1234", **body}).status_code == 401
