@@ -15,13 +15,16 @@ whole process tree of the node holding node rank 1 (agent, torchrun, worker) is 
   surviving node (the same global batch, two micro-batches per step on its one rank).
   Measured as ``spare``: to the decision, to the first step on the smaller world, that
   restart's phases, and whether the run ends with the clean two-node run's weights.
+* ``crash``: the baseline a node's death is compared with: two members and a spare as in
+  ``spare``, but only the worker process of node rank 1 is SIGKILLed (its node lives on).
+  Measured as ``spare``: to the crash restart's decision and its first resumed step.
 * ``none``: no spare (what a run without spares gets, and what every run got before spares:
   its gang restart waits for the node that is gone).  Measured: whether a step resumes within
   ``--wait`` seconds after the kill, the run's status and reason at the end of the wait, and
   the restart actions decided meanwhile (no loop: they stay at two).
 
     .venv/bin/python benchmarks/nodes.py --json /tmp/nodes.json
-    .venv/bin/python benchmarks/nodes.py --modes spare --repeat 3
+    .venv/bin/python benchmarks/nodes.py --modes spare,crash --repeat 3
     .venv/bin/python benchmarks/nodes.py --modes shrink --repeat 3
 """
 
@@ -70,7 +73,7 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
             agents[node] = Agent(sup.url, run, node, work / node,
                                  _command(work, run, port, args.steps, train),
                                  agent_args=("--min-nodes", "1") if mode == "shrink" else ())
-        if mode == "spare":
+        if mode in ("spare", "crash"):
             agents["spare0"] = Agent(sup.url, run, "spare0", work / "spare0",
                                      _command(work, run, port, args.steps, train),
                                      agent_args=("--spare",))
@@ -82,12 +85,17 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
         (victim,) = [a["node"] for a in sup.get(f"/runs/{run}")["agents"]
                      if a["node_rank"] == 1]
         killed_at = time.time()
-        agents[victim].signal_tree(signal.SIGKILL)
+        if mode == "crash":  # the newest process of the node's tree: its worker
+            worker = max(agents[victim].tree()[1:], key=lambda p: p.create_time())
+            worker.send_signal(signal.SIGKILL)
+        else:
+            agents[victim].signal_tree(signal.SIGKILL)
         out["victim"] = victim
-        if mode in ("spare", "shrink"):
+        cause = "crash" if mode == "crash" else "node_lost"
+        if mode in ("spare", "shrink", "crash"):
             def replaced() -> dict[str, Any] | None:
                 acts = sup.get(f"/runs/{run}/actions")["actions"]
-                done = [a for a in acts if a["cause"] == "node_lost"
+                done = [a for a in acts if a["cause"] == cause
                         and a["status"] == "resumed"]
                 return done[0] if done else None
 
@@ -99,6 +107,9 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
             end = wait_until(lambda: (r := sup.get(f"/runs/{run}"))["status"] in FINAL and r,
                              600, "the run to end")
             out["status"] = end["status"]
+            out["restarts"] = {k: v for k, v in end["restarts_by_cause"].items() if v}
+            out["incidents"] = [(i["kind"], i["node"]) for i in
+                                sup.get(f"/runs/{run}/incidents")["incidents"]]
             summary = json.loads((work / "summary.json").read_text())
             out["weights_equal_clean"] = summary["weights_sha256"] == clean_sha
         else:
@@ -127,7 +138,7 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="spare,shrink,none",
-                   help="spare, shrink, none (comma-separated)")
+                   help="spare, crash, shrink, none (comma-separated)")
     p.add_argument("--repeat", type=int, default=1, help="runs per mode")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--kill-at", type=int, default=120)

@@ -177,8 +177,7 @@ def lost_deadline(cfg: DetectionConfig, batch_interval_s: float | None) -> NodeL
     if batch_interval_s is not None and LOST_AFTER_BATCHES * batch_interval_s > lost.deadline_s:
         lost = dataclasses.replace(lost, deadline_s=LOST_AFTER_BATCHES * batch_interval_s)
     if batch_interval_s is not None and LOST_AFTER_BATCHES * batch_interval_s > lost.confirm_s:
-        lost = dataclasses.replace(
-            lost, confirm_s=min(LOST_AFTER_BATCHES * batch_interval_s, lost.deadline_s / 2))
+        lost = dataclasses.replace(lost, confirm_s=LOST_AFTER_BATCHES * batch_interval_s)
     return lost
 
 

@@ -65,12 +65,17 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
     finally:
         nodes.stop()
     assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    # The cause, not the symptom: one incident naming the dead node (the survivor's lost
+    # connection is its consequence, never a crash of its own), confirmed before the deadline.
     incidents = supervisor.get(f"/runs/{run}/incidents")["incidents"]
-    lost = [i for i in incidents if i["kind"] == "node_lost"]
-    assert [i["node"] for i in lost] == [victim], incidents
+    assert [(i["kind"], i["node"]) for i in incidents] == [("node_lost", victim)], incidents
+    assert incidents[0]["details"]["confirmed_by"] == "peer_connection", incidents
+    assert incidents[0]["opened_at"] - killed_at < 30, incidents  # before the deadline
+    # One death, one restart, counted once.
     actions = supervisor.get(f"/runs/{run}/actions")["actions"]
-    replace = [a for a in actions if a["cause"] == "node_lost"]
-    assert len(replace) == 1, actions
+    assert [a["cause"] for a in actions] == ["node_lost"], actions
+    replace = actions
+    assert {k: v for k, v in finished["restarts_by_cause"].items() if v} == {"node_lost": 1}
     assert replace[0]["status"] == "resumed", replace
     assert f"spare0 takes node rank {rank} of {victim} (lost)" in replace[0]["reason"]
     assert replace[0]["plan"]["membership"]["members"]["spare0"] == rank
