@@ -317,6 +317,9 @@ class MfuReport(_Answer):
     data_share: float | None
     comm_share: float | None
     ranks: list[RankShare]
+    declaration_warning: str | None = Field(
+        None, description="a figure above 100% (the run's MFU, a rank's MFU or compute "
+                          "utilisation): the FLOPs declaration is off, and how to fix it")
     attempt: int
     window: MfuWindow
     unit: Literal["samples", "tokens"] | None

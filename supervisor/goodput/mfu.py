@@ -155,11 +155,14 @@ class MfuDiagnosis:
     ranks: tuple[RankShare, ...]
     data_share: float | None  # median over ranks
     comm_share: float | None
+    # A figure above 100% (the run's MFU or a rank's): the declaration is off, not the device
+    declaration_warning: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {"mfu": self.mfu, "band": asdict(self.band) if self.band else None,
                 "data_share": self.data_share, "comm_share": self.comm_share,
-                "ranks": [asdict(r) for r in self.ranks]}
+                "ranks": [asdict(r) for r in self.ranks],
+                "declaration_warning": self.declaration_warning}
 
 
 def _median_of(xs: Sequence[float | None]) -> float | None:
@@ -176,7 +179,25 @@ def diagnose_mfu(mfu: float | None, ranks: Sequence[RankPhases], *,
                    for p in sorted(ranks, key=lambda p: p.rank))
     return MfuDiagnosis(mfu=mfu, band=band(mfu) if mfu is not None else None, ranks=shares,
                         data_share=_median_of([s.data for s in shares]),
-                        comm_share=_median_of([s.comm for s in shares]))
+                        comm_share=_median_of([s.comm for s in shares]),
+                        declaration_warning=declaration_warning(mfu, shares))
+
+
+def declaration_warning(mfu: float | None, shares: Sequence[RankShare]) -> str | None:
+    """What a figure above 100% means: no device runs above its peak, so the declared peak
+    FLOP/s per rank is too low (or the FLOPs per sample or token too high).  None when every
+    figure is at most 100%."""
+    over = [f"the run's MFU {mfu:.0%}"] if mfu is not None and mfu > 1.0 else []
+    for s in shares:
+        for name, x in (("MFU", s.mfu), ("compute utilisation", s.compute_utilisation)):
+            if x is not None and x > 1.0:
+                over.append(f"rank {s.rank}'s {name} {x:.0%}")
+    if not over:
+        return None
+    return (f"{', '.join(over[:4])}{' and more' if len(over) > 4 else ''}: above 100%, which no "
+            "device reaches, so the declaration is off: the declared peak FLOP/s per rank is "
+            "lower than the device's (or the FLOPs per sample/token are too high); fix "
+            "declare_flops(...)")
 
 
 # --------------------------------------------------------------------------------------------

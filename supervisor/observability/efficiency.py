@@ -18,7 +18,13 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from trainwarden.supervisor.control import policy
-from trainwarden.supervisor.enums import ACTIVE_STATUSES, INTERRUPTING, ActionKind, IncidentKind
+from trainwarden.supervisor.enums import (
+    ACTIVE_STATUSES,
+    INTERRUPTING,
+    ROLLED_BACK,
+    ActionKind,
+    IncidentKind,
+)
 from trainwarden.supervisor.goodput import interval as iv
 from trainwarden.supervisor.goodput.anatomy import Anatomy, anatomy
 from trainwarden.supervisor.goodput.ettr import save_stall_s
@@ -97,7 +103,7 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     """``interval.advise`` on the run's own figures, with what it was computed from.
 
     * failures: the run's interrupting incidents (``trainwarden.supervisor.enums.INTERRUPTING``)
-    over its
+    and its rolled-back spikes and NaNs, over its
       wall time (creation to now, or to its end) on its nodes (the agents it registered);
     * save cost: the mean stall of its complete checkpoints (``ettr.save_stall_s``: what the
       worker measured the save call to block, an asynchronous save's staging included), the
@@ -150,7 +156,9 @@ def interval_advice(conn: Connection, run: RunRow, now: float,
     out["measured"] = {"checkpoints": len(ckpts), "saves_timed": len(stalls),
                        "intervals": len(gaps), "restarts_timed": len(costs),
                        "restarts": restart_counts(conn, run_id).total,
-                       "failure_kinds": [str(k) for k in IncidentKind if k in INTERRUPTING]}
+                       "failure_kinds": [*(str(k) for k in IncidentKind if k in INTERRUPTING),
+                                         *(f"{k} (rolled back)" for k in IncidentKind
+                                           if k in ROLLED_BACK)]}
     return out
 
 

@@ -12,11 +12,11 @@ import math
 from collections.abc import Collection
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, and_, func, or_, select
 
 from trainwarden.agent.core.states import CommandStatus
 from trainwarden.agent.protocol import AgentEventName, WorkerEventName
-from trainwarden.supervisor.enums import INTERRUPTING, ActionKind
+from trainwarden.supervisor.enums import INTERRUPTING, ROLLED_BACK, ActionKind
 from trainwarden.supervisor.store import lineage
 from trainwarden.supervisor.store.rows import started_at
 from trainwarden.supervisor.store.tables import (
@@ -142,10 +142,17 @@ def restart_faults(conn: Connection, *, run_id: int) -> dict[int, float]:
 
 def failure_count(conn: Connection, *, run_id: int) -> int:
     """The run's incidents that interrupted training
-    (``trainwarden.supervisor.enums.INTERRUPTING``)."""
+    (``trainwarden.supervisor.enums.INTERRUPTING``), and those of its loss spikes and NaNs
+    that were rolled back (a restart action answers them: the work since the checkpoint is
+    lost as to a crash)."""
     i = incidents.c
+    rolled = select(actions.c.incident_id).where(actions.c.run_id == run_id,
+                                                 actions.c.kind == ActionKind.RESTART,
+                                                 actions.c.incident_id.is_not(None))
     return int(conn.execute(select(func.count()).select_from(incidents).where(
-        i.run_id == run_id, i.kind.in_(sorted(INTERRUPTING)))).scalar_one())
+        i.run_id == run_id,
+        or_(i.kind.in_(sorted(INTERRUPTING)),
+            and_(i.kind.in_(sorted(ROLLED_BACK)), i.id.in_(rolled))))).scalar_one())
 
 
 def node_count(conn: Connection, *, run_id: int) -> int:

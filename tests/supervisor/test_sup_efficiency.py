@@ -257,3 +257,32 @@ def test_the_figures_a_shrink_or_wait_choice_reads(client: TestClient, clock: Fa
     assert f["restart_s"] == pytest.approx(75.0 - 66.0)  # decided -> first step
     assert f["interval_s"] == pytest.approx(20.0)  # checkpoints 20 s apart in an attempt
     assert f["step_s"] == pytest.approx(0.7)  # the slowest rank's step, the median step
+
+
+def test_a_rolled_back_spike_is_a_failure_of_the_interval_advice(
+        client: TestClient, clock: FakeClock, db: Database) -> None:
+    """A spike the policy rolled back lost the work since the checkpoint as a crash does: the
+    advice counts it (not "no failures observed"); a spike only watched is no failure."""
+    from trainwarden.supervisor.control import actions, policy
+    from trainwarden.supervisor.enums import IncidentKind
+    from trainwarden.supervisor.store import registry
+
+    run = SynthRun(client, "spiky").register()
+    run.train(range(30), t0=clock.now + 5, dt=2.0, checkpoint_every=10)
+    clock.now += 80
+    with db.write() as conn:
+        row = registry.get_run_by_name(conn, name="spiky")
+        assert row is not None
+        watched = policy.IncidentSpec(kind=IncidentKind.STRAGGLER, cause="slow", attempt=0)
+        actions.apply(conn, run=row, decision=policy.OpenIncident(incident=watched),
+                      now=clock.now)
+        assert eff.failure_count(conn, run_id=int(row["id"])) == 0
+        spike = policy.IncidentSpec(kind=IncidentKind.LOSS_SPIKE, cause="loss x10",
+                                    attempt=0, step=25)
+        actions.apply(conn, run=row, decision=policy.Restart(
+            attempt=1, checkpoint=None, not_before=clock.now, reason="roll back",
+            incident=spike, cause="spike", rollback_to_step=20), now=clock.now)
+        assert eff.failure_count(conn, run_id=int(row["id"])) == 1
+    adv = client.get("/api/v1/runs/spiky", headers=OPERATOR).json()["checkpoint_interval"]
+    assert adv["inputs"]["failures"] == 1
+    assert not any(m.startswith("failures: none observed") for m in adv["missing"]), adv

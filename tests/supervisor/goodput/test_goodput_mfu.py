@@ -114,3 +114,17 @@ def test_scaling_config_validates() -> None:
     with pytest.raises(ValueError,
                        match=r"^ScalingConfig\.comm_share must be in \(0, 1\) \(got 1\.5\)$"):
         ScalingConfig(comm_share=1.5)
+
+
+def test_a_figure_above_100_percent_says_the_declaration_is_off() -> None:
+    """A peak declared too low shows as a rank's compute utilisation of 118%: the diagnosis
+    says the declaration is the cause, and how to fix it."""
+    ranks = [RankPhases(0, 0.0, 0.5, 1.0), RankPhases(1, 0.0, 0.5, 1.0)]
+    d = diagnose_mfu(0.59, ranks, flops_per_rank_step=0.59, peak_flops_per_rank=1.0)
+    assert d.ranks[0].compute_utilisation == pytest.approx(1.18)
+    assert d.declaration_warning is not None
+    assert "rank 0's compute utilisation 118%" in d.declaration_warning
+    assert "declared peak FLOP/s per rank" in d.declaration_warning
+    assert d.as_dict()["declaration_warning"] == d.declaration_warning
+    fine = diagnose_mfu(0.3, ranks, flops_per_rank_step=0.3, peak_flops_per_rank=1.0)
+    assert fine.declaration_warning is None
