@@ -38,6 +38,7 @@ from trainwarden.supervisor.detect import (
 )
 from trainwarden.supervisor.detect.disk import DiskConfig, detect_disk
 from trainwarden.supervisor.detect.overload import OverloadConfig
+from trainwarden.supervisor.detect.straggler import after_warmup
 from trainwarden.supervisor.enums import ActionStatus
 from trainwarden.supervisor.store import reads, windows
 from trainwarden.supervisor.store import recovery as rec
@@ -192,14 +193,16 @@ class PhaseWindow:
         self.attempt: int | None = None
         self.after_id = 0
         self.table: dict[int, dict[int, float]] = {}
+        self.first_step: int | None = None  # the attempt's first step (its warm-up's start)
 
     def refresh(self, conn: Connection, run_id: int, attempt: int) -> dict[int, dict[int, float]]:
         if attempt != self.attempt:
-            self.attempt, self.table = attempt, {}
+            self.attempt, self.table, self.first_step = attempt, {}, None
             # The id first: a row stored after it is read by the next refresh, not lost.
             self.after_id = windows.max_rank_step_id(conn)
             span = windows.step_range(conn, run_id=run_id, attempt=attempt)
             if span is not None:
+                self.first_step = span[0]
                 lo = max(span[0], span[1] - self.steps + 1)
                 self.table = pre_collective_table(windows.rank_phase_rows(
                     conn, run_id=run_id, attempt=attempt, step_from=lo))
@@ -210,6 +213,8 @@ class PhaseWindow:
                 self.after_id = rows[-1][0]
             for _, step, rank, d, c in rows:
                 add_pre_collective(self.table, step, rank, d, c)
+                if self.first_step is None or step < self.first_step:
+                    self.first_step = step
         if self.table:
             newest = max(self.table)
             for s in [s for s in self.table if s <= newest - self.steps]:
@@ -236,6 +241,7 @@ def straggler_findings(conn: Connection, run: RunRow, *, cfg: DetectionConfig,
     upto = min(newest.values())
     if upto < max(newest.values()):
         table = {s: row for s, row in table.items() if s <= upto}
+    table = after_warmup(table, window.first_step, cfg.straggler)
     return detect_stragglers(table, cfg=cfg.straggler,
                              nodes=windows.rank_nodes(conn, run_id=run_id),
                              flagged_ranks=open_ranks)
@@ -253,9 +259,11 @@ def run_scores(conn: Connection, run_id: int, newest: StepAggregateRow | None,
     upto = reads.delivered_step(conn, run_id=run_id, attempt=attempt)
     if upto is None:
         return {}
+    span = windows.step_range(conn, run_id=run_id, attempt=attempt)
     rows = windows.rank_phase_rows(conn, run_id=run_id, attempt=attempt,
                                 step_from=upto - cfg.window_steps + 1, step_to=upto)
-    return straggler_scores(pre_collective_table(rows), cfg)
+    return straggler_scores(after_warmup(pre_collective_table(rows),
+                                         span[0] if span else None, cfg), cfg)
 
 
 def rank_rows(conn: Connection, run_id: int, newest: StepAggregateRow | None,

@@ -42,7 +42,8 @@ stretch (``Finding.step``); they are computed for flagged ranks only.
 Why the defaults: ``threshold = 0.75`` is NVIDIA's; ``window_steps = 20`` flags a 1.5x
 straggler after about 11 slow steps (the median turns once more than half the window is slow)
 while +-20% per-step noise on every rank leaves the median score near 1.0; ``min_steps = 10``
-keeps a fresh attempt from being judged on a handful of steps; ``hold_steps = 60`` medians are
+keeps a fresh attempt from being judged on a handful of steps, after its first
+``warmup_steps = 10`` (never judged: cold starts); ``hold_steps = 60`` medians are
 steady enough that a 1.5x straggler does not drop out.  Cost: two medians per rank per call.
 """
 
@@ -80,6 +81,10 @@ class StragglerConfig:
     # seconds (median over the window): with steps of a few milliseconds, scheduler noise
     # alone makes 2x ratios.
     min_excess_s: float = bounded(0.01, ge=0)
+    # The first steps of each attempt are never judged: every rank's first steps after a
+    # start (a fresh one, a restart, a node that just joined) run cold (caches, allocator,
+    # the data pipeline filling), and a new node's more so than the others'.
+    warmup_steps: int = bounded(10, ge=0, hint="0: judge from the first step")
 
     def __post_init__(self) -> None:
         check(self)
@@ -333,3 +338,12 @@ def _finding(r: int, node: str | None, signal: str, score: float, thr: float,
                f"before the collective over {span}); {since}")
     return Finding(kind=FindingKind.STRAGGLER, severity=INCIDENT, message=msg, step=onset, rank=r,
                    node=node, details=details)
+
+
+def after_warmup(table: Mapping[int, dict[int, float]], first_step: int | None,
+                 cfg: StragglerConfig) -> dict[int, dict[int, float]]:
+    """The table without the attempt's warm-up steps (its first ``warmup_steps``, counted
+    from ``first_step``, the attempt's first step; None: none known, nothing dropped)."""
+    if first_step is None or not cfg.warmup_steps:
+        return dict(table)
+    return {s: row for s, row in table.items() if s >= first_step + cfg.warmup_steps}

@@ -243,6 +243,16 @@ def test_straggler_is_named_and_resolved_when_it_recovers(
     assert inc["status"] == "resolved"
 
 
+def test_a_cold_start_is_not_a_straggler(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """An attempt's first steps run cold (a node that just joined more so): a rank slow for
+    its first ``straggler.warmup_steps`` steps and normal after is never flagged."""
+    run = Run(client, clock, evaluator)
+    run.train(10, compute=lambda s, r: 0.6 if r == 1 else 0.2)  # rank 1 cold, 3x slower
+    run.train(60)
+    assert get(client, "/incidents")["incidents"] == []
+
+
 def test_loss_spike_that_stays_is_one_incident_with_its_start_step(
         client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
     run = Run(client, clock, evaluator)
