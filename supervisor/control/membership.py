@@ -197,9 +197,11 @@ class Capacity:
     min_nodes: int | None = None  # the smallest world the run accepts (None: the declared)
 
 
-def capacity(f: MembershipFacts, *, spares_configured: bool) -> Capacity:
+def capacity(f: MembershipFacts, *, spares_configured: bool, ended: bool = False) -> Capacity:
+    """``ended``: the run has ended (completed, failed, stopped): its nodes left, and no
+    rank of it waits for a node."""
     free = [s for s in f.spares if s in f.live and s not in f.cordoned]
-    plan = plan_members(f)
+    missing = () if ended else plan_members(f).waiting
     return Capacity(nnodes=f.nnodes, epoch=f.epoch, spares=len(free),
-                    spares_configured=spares_configured, missing=plan.waiting,
+                    spares_configured=spares_configured, missing=missing,
                     world=f.current, min_nodes=f.min_nodes)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.nodes import KILL_AT, Nodes, clean_ddp, ended, summary
+from tests.e2e.nodes import KILL_AT, Nodes, clean_ddp, cli, ended, summary
 from tests.e2e.system import Supervisor, wait_until
 from tests.e2e.torchrun import RunResult
 
@@ -43,6 +43,39 @@ def _two_members_and_a_spare(supervisor: Supervisor, tmp_path: Path, run: str) -
     assert nodes.member("spare0")["role"] == "spare"
     assert {nodes.member(n)["node_rank"] for n in ("node0", "node1")} == {0, 1}
     return nodes
+
+
+def test_a_clean_run_with_a_spare_every_agent_leaves_with_0_and_no_rank_is_missing_after(
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path) -> None:
+    """Two members and a spare that is never used.  When the run completes, the spare is
+    told to stop before its credential is revoked, delivers what it spooled and exits 0, as
+    the members do.  Past the node-lost deadline after the completion (every node silent),
+    no rank waits for a node: not in the API, not in ``trainwarden nodes``, not in
+    ``/metrics``."""
+    run = "clean-spare"
+    nodes = _two_members_and_a_spare(supervisor, tmp_path, run)
+    try:
+        finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
+        assert finished["status"] == "completed", finished
+        for node, a in nodes.agents.items():
+            assert a.wait(60) == 0, (node, a.tail())
+    finally:
+        nodes.stop()
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    spare = nodes.agents["spare0"]
+    assert "ERROR" not in spare.tail(100_000), spare.tail()
+    assert list((nodes.work / "spare0" / "state-spare0" / "spool").glob("*.json")) == []
+    events = supervisor.get(f"/runs/{run}/events")["events"]
+    assert "credentials_revoked" not in [e["name"] for e in events]  # it left first
+    wait_until(lambda: time.time() > finished["updated_at"] + 32, 60,
+               "the node-lost deadline to pass after the completion", interval=1)
+    r = supervisor.get(f"/runs/{run}")
+    assert r["membership"]["missing"] == [], r["membership"]
+    metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
+        "Authorization": "Bearer e2e-operator-token"}).text
+    assert f'trainwarden_run_nodes_missing{{run="{run}"}} 0.0' in metrics
+    out = cli(supervisor, "nodes", run)
+    assert "waiting for a node" not in out, out
 
 
 @pytest.mark.parametrize("rank", [1, 0])
@@ -109,9 +142,9 @@ def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
                                 and p.status() != "zombie"], 60, "the woken workers to die")
         finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
+        # Every agent leaves with 0, the woken node (a spare now) too: told to stop.
         for node in ("node0", "node1", "spare0"):
-            if node != victim:
-                assert nodes.agents[node].wait(60) == 0, nodes.agents[node].tail()
+            assert nodes.agents[node].wait(60) == 0, nodes.agents[node].tail()
     finally:
         nodes.stop()
     assert woke, woke

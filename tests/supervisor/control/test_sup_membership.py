@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.supervisor.sup_helpers import (
@@ -344,3 +345,35 @@ def test_the_crash_incident_names_the_dead_nodes_rank_not_the_survivor_that_lost
     host = client.get("/api/v1/hosts/n1", headers=OPERATOR).json()
     assert [e["kind"] for e in host["evidence"]] == ["infra_failure"], host
     assert client.get("/api/v1/hosts/n0", headers=OPERATOR).json()["evidence"] == []
+
+
+def _completed(client: TestClient, ids: dict[str, int]) -> None:
+    for i, node in enumerate(("n0", "n1")):
+        ingest(client, ids[node], 5, [{"type": "exit", "t": 100.0, "attempt": 0,
+                                       "exit_code": 0, "outcome": "completed",
+                                       "failed_ranks": [], "rank": i}])
+
+
+@pytest.mark.parametrize("end", ["completed", "stopped"])
+def test_an_ended_run_reports_no_missing_rank_and_no_node_metric(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock, end: str) -> None:
+    """Past the node-lost deadline after the end, every node of the run is silent (it left):
+    no rank waits for a node, and ``trainwarden_run_nodes_missing`` reads 0.  What a user
+    saw instead: ``membership.missing`` turned from [] to [1] 30 s after a clean
+    completion, the metric read 1, and ``trainwarden nodes`` said a rank waits."""
+    ids = start(client, spare=True)
+    evaluator.tick()
+    if end == "completed":
+        _completed(client, ids)
+    else:
+        r = client.post("/api/v1/runs/r1/stop", headers=OPERATOR, json={"reason": "enough"})
+        assert r.status_code == 200, r.text
+    evaluator.tick()
+    assert get(client, "")["status"] == end
+    clock.advance(40)
+    heartbeat(client, ids["s0"], 1)  # the spare is heard a while longer than the members
+    evaluator.tick()
+    run = get(client, "")
+    assert run["membership"]["missing"] == [], run["membership"]
+    metrics = client.get("/metrics", headers=OPERATOR).text
+    assert 'trainwarden_run_nodes_missing{run="r1"} 0.0' in metrics
