@@ -71,6 +71,8 @@ def test_a_clean_run_with_a_spare_every_agent_leaves_with_0_and_no_rank_is_missi
                "the node-lost deadline to pass after the completion", interval=1)
     r = supervisor.get(f"/runs/{run}")
     assert r["membership"]["missing"] == [], r["membership"]
+    assert {a["node"]: a["state"] for a in r["agents"]} == {
+        "node0": "finished", "node1": "finished", "spare0": "finished"}, r["agents"]
     metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
         "Authorization": "Bearer e2e-operator-token"}).text
     assert f'trainwarden_run_nodes_missing{{run="{run}"}} 0.0' in metrics
@@ -90,6 +92,10 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
         wait_until(lambda: nodes.step() >= KILL_AT, 120, f"step {KILL_AT}")
         killed_at = time.time()
         nodes.agents[victim].signal_tree(signal.SIGKILL)
+        # It never reads running again: lost once silent past the deadline, then replaced.
+        gone = wait_until(lambda: (a := nodes.member(victim))["state"] in ("lost", "replaced")
+                          and a, 60, "the killed node to read lost")
+        assert gone["readings_stale"] is True and gone["seen_s"] >= 30, gone
         finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
         for node, a in nodes.agents.items():
@@ -112,6 +118,10 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
     assert resumed_at - killed_at < 30 + 30, replace[0]["progress"]
     assert nodes.member("spare0")["role"] == "member"
     assert nodes.member(victim)["role"] == "spare"
+    assert nodes.member(victim)["state"] == "replaced"  # never "spare"
+    rows = {line.split()[0]: line.split() for line in cli(supervisor, "nodes", run).splitlines()
+            if line.startswith(("node", "spare"))}
+    assert rows[victim][3] == "replaced" and rows["spare0"][3] == "finished", rows
 
 
 def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
@@ -176,6 +186,11 @@ def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the
 
         r = wait_until(waiting, 120, "the run to say it waits for node rank 1")
         assert r["status"] == "restarting" and r["membership"]["missing"] == [1], r
+        (survivor,) = [n for n in ("node0", "node1") if n != victim]
+        states = wait_until(lambda: (st := {a["node"]: a["state"] for a in supervisor.get(
+            f"/runs/{run}")["agents"]})[survivor] == "waiting" and st, 30,
+            "the survivor to read waiting")
+        assert states[victim] == "lost", states
         assert f"node rank 1 waits for a node ({victim} lost; no spare left)" in r["reason"], r
         metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
             "Authorization": "Bearer e2e-operator-token"}).text
