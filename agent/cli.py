@@ -20,12 +20,27 @@ from pathlib import Path
 
 from trainwarden.agent.config import ENV_AGENT_TOKEN, AgentConfig
 from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.core.states import AgentExit
 from trainwarden.agent.protocol import PREFLIGHT_TIMEOUT_S
 
 _HANG = HangConfig()  # the defaults of the local watchdog: the supervisor's
 
+# What ``--help`` says of the exit codes (``AgentExit``), for whoever wraps the agent in a job.
+EXIT_CODES = f"""exit codes (how the run ended, for the job that wraps the agent, Slurm or k8s):
+  {AgentExit.COMPLETED:<3}  the run completed
+  {AgentExit.FAILED:<3}  the run failed (a restart budget spent, a bug in the training script)
+  {AgentExit.STOPPED:<3}  the run was stopped (an operator's stop)
+  {AgentExit.REFUSED:<3}  refused: the run had already ended, or the node was taken over;
+       nothing was launched
+  {AgentExit.USAGE:<3}  a bad flag or setting, or another agent holds the state dir
+  {AgentExit.ERROR:<3}  the agent itself failed (its traceback is logged)
+  {AgentExit.NOT_FOUND:<3}  the training command cannot be run
+  SIGTERM or SIGINT to the agent: it stops the workers, delivers what it spooled, exits 0"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EXIT_CODES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--supervisor", required=True, metavar="URL[,URL...]",
                         help="supervisor base URL, e.g. http://head:8080; or the "
                              "comma-separated URLs of its replicas on one Postgres "
@@ -126,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except ValueError as e:
         print(f"trainwarden agent: {e}", file=sys.stderr)
-        return 2
+        return AgentExit.USAGE
     # One line per request at INFO is noise next to the training's own output.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from trainwarden.agent.loop import Agent, AgentAlreadyRunning  # after validation: fail fast
@@ -135,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         agent = Agent(cfg)
     except AgentAlreadyRunning as e:
         print(f"trainwarden agent: {e}", file=sys.stderr)
-        return 2
+        return AgentExit.USAGE
     return agent.run()
 
 

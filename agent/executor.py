@@ -53,7 +53,7 @@ class Host(Protocol):
 
     def stand_by(self, attempt: int, reason: str) -> None: ...
 
-    def finish(self) -> None: ...
+    def finish(self, end: object) -> None: ...
 
 
 @dataclasses.dataclass
@@ -189,7 +189,8 @@ class Executor:
             if cmd.get("kind") == protocol.COMMAND_STOP:
                 self.job = None
                 self._result(cid, CommandStatus.DONE, "workers stopped")
-                self.host.finish()
+                plan = cmd.get("plan")
+                self.host.finish(plan.get("run_status") if isinstance(plan, dict) else None)
                 return
             job.phase = "waiting"
         if job.phase == "waiting":

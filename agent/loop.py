@@ -38,7 +38,7 @@ from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.launch import Membership, declared_world_size, rewrite
-from trainwarden.agent.core.states import AgentState, ExitOutcome, NodeRole
+from trainwarden.agent.core.states import AgentExit, AgentState, ExitOutcome, NodeRole, exit_for
 from trainwarden.agent.executor import Executor
 from trainwarden.agent.launcher import ExitInfo, Launcher, PopenFactory
 from trainwarden.agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
@@ -56,7 +56,7 @@ AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
 
 # The supervisor refused the registration (the run has ended): nothing was launched.
-EXIT_REFUSED = 3
+EXIT_REFUSED = AgentExit.REFUSED
 
 
 class AgentAlreadyRunning(RuntimeError):
@@ -453,9 +453,13 @@ class Agent:
                     "message": f"torchrun started for attempt {attempt}",
                     "details": {"pid": self.launcher.pid}})
 
-    def finish(self) -> None:
+    def finish(self, end: object) -> None:
+        """A stop command ended the run (``end``: how, as the command says): the agent exits
+        with that end's code once it has delivered what it spooled."""
         self.state = AgentState.STOPPED
-        self.result = 0
+        self.result = exit_for(end)
+        log.info("the run ended (%s): leaving with exit code %d", end or "stopped",
+                 self.result)
 
     def _emit(self, item: dict[str, Any]) -> None:
         # (the rest of the rule for untrusted text is the supervisor's, where it enters)
@@ -655,7 +659,7 @@ class Agent:
             self.launcher.begin_stop()
         if outcome == ExitOutcome.COMPLETED:
             self.state = AgentState.FINISHED
-            self.result = 0
+            self.result = AgentExit.COMPLETED
         elif outcome in (ExitOutcome.CRASHED, ExitOutcome.HUNG):
             self.state = AgentState.FAILED  # keep running: the supervisor decides (restart or stop)
         else:
@@ -736,13 +740,13 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, self.request_stop)
-        code = 1
+        code: int = AgentExit.ERROR
         try:
             try:
                 self.start()
             except OSError as e:  # the command cannot be run at all (not found, not allowed)
                 log.error("cannot start %r: %s", self.cfg.command[0], e)
-                return 127
+                return AgentExit.NOT_FOUND
             if self.result is not None:  # refused before any worker started
                 return self.result
             while True:

@@ -37,6 +37,7 @@ from trainwarden.agent.core.states import (
     CommandStatus,
     ExitOutcome,
     NodeRole,
+    RunEnd,
 )
 
 PROTOCOL_VERSION = 1
@@ -493,12 +494,20 @@ class Command(TypedDict, total=False):
     id: int
     kind: CommandKind
     attempt: int  # for restart: the attempt number the new torchrun runs as
-    plan: dict[str, Any] | None  # ResumePlan as a dict, for restart
+    # restart: the ResumePlan as a dict; stop: a ``StopPlan``
+    plan: dict[str, Any] | None
     not_before: float | None  # unix time: backoff before relaunching
     reason: str
     # A hang: dump every worker's Python stacks (sent back as a "stacks" event), then SIGKILL
     # the whole tree at once instead of SIGTERM and a grace period.
     collect_stacks: bool
+
+
+class StopPlan(TypedDict, total=False):
+    """What a stop command says besides stopping: every stop ends the run (the agent exits
+    with the code of ``run_status``: ``AgentExit``)."""
+
+    run_status: RunEnd  # how the run ended
 
 
 class IngestReply(TypedDict, total=False):

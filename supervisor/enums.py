@@ -34,6 +34,22 @@ ACTIVE_STATUSES = frozenset({RunStatus.RUNNING, RunStatus.RESTARTING})
 FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED})
 
 
+class NodeState(StrEnum):
+    """What a node of a run is now, as the supervisor judges it
+    (``trainwarden.supervisor.control.node_states``)."""
+
+    STARTING = "starting"  # registered, or its torchrun launched and no step reported yet
+    RUNNING = "running"  # a member whose workers train
+    STOPPING = "stopping"  # a member whose workers are being stopped (a restart, a stop)
+    STOPPED = "stopped"  # a member whose workers are stopped (a restart waiting its turn)
+    FAILED = "failed"  # a member whose workers failed; the supervisor decides what next
+    WAITING = "waiting"  # a live member standing by: a node rank of the run has no node
+    SPARE = "spare"  # a live node that runs nothing and can take a member's node rank
+    LOST = "lost"  # silent past the node-lost deadline, or confirmed dead
+    REPLACED = "replaced"  # silent, and its node rank went to another node (or a shrink)
+    FINISHED = "finished"  # its workers completed, or the run has ended
+
+
 class Verdict(StrEnum):
     """What the policy made of an exit or a finding it does nothing about (a ``policy.Note``),
     and of an exit it acted on; an exit's verdict is stored with it (``exits.verdict``)."""

@@ -6,7 +6,7 @@ the plain strings they always were, and compare equal to them.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 
 class AgentState(StrEnum):
@@ -62,3 +62,39 @@ class CommandStatus(StrEnum):
 
 # What an agent may report about a command.
 COMMAND_RESULTS = frozenset({CommandStatus.DELIVERED, CommandStatus.DONE, CommandStatus.FAILED})
+
+
+class RunEnd(StrEnum):
+    """How a run ended, as the stop command that ends it says (the supervisor's final run
+    statuses)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"  # stopped by the policy: a restart budget spent, a bug in the script
+    STOPPED = "stopped"  # stopped by an operator
+
+
+class AgentExit(IntEnum):
+    """``trainwarden agent``'s exit code: how the run ended, for the scheduler wrapping it
+    (a Slurm step, a Kubernetes Job, a systemd unit).  0 only for a completed run."""
+
+    COMPLETED = 0  # the run completed (this node's workers, or the supervisor said so)
+    ERROR = 1  # the agent itself failed (a bug; its traceback is logged)
+    USAGE = 2  # a bad flag or configuration, or another agent holds the state dir
+    REFUSED = 3  # the supervisor refused the registration: the run had ended, or the node
+    # was taken over; nothing was launched
+    FAILED = 4  # the run failed (a restart budget spent, a bug in the training script)
+    STOPPED = 5  # the run was stopped (an operator's stop)
+    NOT_FOUND = 127  # the training command cannot be run (not found, not allowed)
+
+
+_EXIT_OF_END = {RunEnd.COMPLETED: AgentExit.COMPLETED, RunEnd.FAILED: AgentExit.FAILED,
+                RunEnd.STOPPED: AgentExit.STOPPED}
+
+
+def exit_for(end: object) -> AgentExit:
+    """The agent's exit code for how its run ended.  A stop that does not say (an older
+    supervisor's, whose stops ended failed and stopped runs only) is no completion."""
+    try:
+        return _EXIT_OF_END[RunEnd(end)]  # type: ignore[arg-type]
+    except ValueError:
+        return AgentExit.STOPPED

@@ -25,6 +25,7 @@ from trainwarden.supervisor.enums import (
     HostActionKind,
     HostState,
     IncidentStatus,
+    NodeState,
     RunStatus,
 )
 
@@ -70,12 +71,23 @@ class CheckpointBrief(_Answer):
 
 
 class AgentBrief(_Answer):
-    """One agent of the run, as it last reported."""
+    """One node (agent) of the run: its state as the supervisor judges it, and what it last
+    reported."""
 
     id: int
     node: str
     hostname: str
-    state: str = Field(description="an agent state as last reported (running, ...)")
+    state: NodeState = Field(description="the node's state (``node_states``): starting, "
+                                         "running, stopping, stopped, failed, waiting (a "
+                                         "member standing by for a node), spare, lost "
+                                         "(silent past the node-lost deadline, or confirmed "
+                                         "dead), replaced (its node rank went to another "
+                                         "node), finished")
+    reported_state: str = Field(description="the agent's own state, as last reported")
+    seen_s: float = Field(description="seconds since the node was last heard from")
+    readings_stale: bool = Field(description="its workers, GPU and disk readings are the "
+                                             "last it sent before it went silent or left: "
+                                             "``seen_s`` old")
     attempt: int | None
     last_seen_at: float
     disk_free_bytes: int | None
@@ -114,6 +126,14 @@ class MembershipSummary(_Answer):
                                               "--min-nodes); null: nnodes (it never shrinks)")
 
 
+class RunConditionOut(_Answer):
+    """The run's condition at a glance (``trainwarden.supervisor.control.run_condition``)."""
+
+    state: Literal["waiting", "shrunk"]
+    summary: str = Field(description="what it is and how it ends, in one line")
+    since: float | None = Field(description="when it began (unix seconds)")
+
+
 class RunSummary(_Answer):
     id: int
     name: str
@@ -137,6 +157,8 @@ class RunSummary(_Answer):
                                              "besides the newest few")
     agents: list[AgentBrief]
     membership: MembershipSummary
+    condition: RunConditionOut | None = Field(
+        None, description="waiting for a node, or shrunk, with how it ends; null: neither")
     created_at: float
     updated_at: float
 

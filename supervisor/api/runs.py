@@ -35,6 +35,8 @@ from trainwarden.supervisor.api.responses import (
 )
 from trainwarden.supervisor.contract.limits import U31, RunName, Text, text
 from trainwarden.supervisor.control import actions, detection, policy
+from trainwarden.supervisor.control.membership import Capacity
+from trainwarden.supervisor.control.node_views import condition_of, node_views
 from trainwarden.supervisor.observability import efficiency
 from trainwarden.supervisor.store import reads, registry
 from trainwarden.supervisor.store import recovery as rec
@@ -55,17 +57,37 @@ def _run_or_404(conn: Connection, name: str) -> RunRow:
     return run
 
 
-def _membership(conn: Connection, run: RunRow, now: float, live_s: float) -> dict[str, Any]:
-    c = actions.capacity(conn, run_id=int(run["id"]), now=now, live_s=live_s)
+def _membership(c: Capacity) -> dict[str, Any]:
     return {"nnodes": c.nnodes, "epoch": c.epoch, "spares": c.spares,
             "spares_configured": c.spares_configured, "missing": list(c.missing),
             "missing_count": c.waiting, "world": c.world, "min_nodes": c.min_nodes}
+
+
+_AGENT_FIELDS = ("id", "node", "hostname", "attempt", "last_seen_at", "disk_free_bytes",
+                 "disk_total_bytes", "workers", "gpus", "dropped", "role", "node_rank",
+                 "joined_as", "address", "nproc_per_node", "devices")
+
+
+def _agents(conn: Connection, run: RunRow, now: float, live_s: float, cap: Capacity
+            ) -> list[dict[str, Any]]:
+    """Each node with its state (``node_states``: the one the CLI and the dashboard show)."""
+    agents = registry.run_agents(conn, run_id=run["id"])
+    views = node_views(conn, run=run, agents=agents, now=now, live_s=live_s, capacity=cap)
+    out = []
+    for a in agents:
+        v = views[int(a["id"])]
+        row: dict[str, Any] = dict(a)
+        out.append({**{k: row[k] for k in _AGENT_FIELDS}, "state": v.state,
+                    "reported_state": a["state"], "seen_s": round(v.seen_s, 3),
+                    "readings_stale": v.stale})
+    return out
 
 
 def _summary(conn: Connection, run: RunRow, now: float, live_s: float) -> dict[str, Any]:
     last = reads.newest_step(conn, run_id=run["id"], attempt=run["attempt"])
     ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
     restarts = efficiency.restart_counts(conn, int(run["id"]))
+    cap = actions.capacity(conn, run_id=int(run["id"]), now=now, live_s=live_s)
     return {
         "id": run["id"],
         "name": run["name"],
@@ -84,14 +106,9 @@ def _summary(conn: Connection, run: RunRow, now: float, live_s: float) -> dict[s
         ),
         # Kept by the workers' retention besides the newest few (pinned by the agents).
         "protected": list(run["protected"] or []),
-        "agents": [
-            {k: a[k] for k in ("id", "node", "hostname", "state", "attempt", "last_seen_at",
-                               "disk_free_bytes", "disk_total_bytes", "workers", "gpus",
-                               "dropped", "role", "node_rank", "joined_as", "address",
-                               "nproc_per_node", "devices")}
-            for a in registry.run_agents(conn, run_id=run["id"])
-        ],
-        "membership": _membership(conn, run, now, live_s),
+        "agents": _agents(conn, run, now, live_s, cap),
+        "membership": _membership(cap),
+        "condition": (c.as_dict() if (c := condition_of(conn, run=run)) is not None else None),
         "created_at": run["created_at"],
         "updated_at": run["updated_at"],
     }

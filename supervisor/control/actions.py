@@ -12,8 +12,8 @@ import dataclasses
 import json
 from typing import Any
 
-from trainwarden.agent.core.states import CommandKind, CommandStatus, NodeRole
-from trainwarden.agent.protocol import ResumePlan
+from trainwarden.agent.core.states import CommandKind, CommandStatus, NodeRole, RunEnd
+from trainwarden.agent.protocol import ResumePlan, StopPlan
 from trainwarden.supervisor.control import membership, policy
 from trainwarden.supervisor.control.policy import (
     Complete,
@@ -27,6 +27,7 @@ from trainwarden.supervisor.control.policy import (
     Stop,
 )
 from trainwarden.supervisor.enums import (
+    FINAL_STATUSES,
     ActionKind,
     ActionStatus,
     Actor,
@@ -141,7 +142,8 @@ def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | N
         nnodes=m["nnodes"], epoch=m["epoch"],
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
         spares=spares, cordoned=frozenset(cordoned_for(conn, run_id=run_id)), world=m["world"],
-        min_nodes=m["min_nodes"])
+        min_nodes=m["min_nodes"],
+        spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]))
     return facts, m
 
 
@@ -155,8 +157,10 @@ def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
              ) -> membership.Capacity:
     """The run's nodes as shown and exported (``membership.capacity``)."""
     facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s)
+    run = registry.get_run(conn, run_id=run_id)
     return membership.capacity(
-        facts, spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]))
+        facts, spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]),
+        ended=run["status"] in FINAL_STATUSES)
 
 
 def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None,
@@ -241,6 +245,7 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
         _supersede_in_progress(conn, run_id, now)
         registry.set_run_status(conn, run_id=run_id, status=RunStatus.COMPLETED, now=now,
                                 reason=decision.reason)
+        _release_others(conn, run_id=run_id, attempt=int(run["attempt"]), now=now)
         return None
     agent_ids = [a["id"] for a in registry.run_agents(conn, run_id=run_id)]
     # A new decision replaces whatever the agents have not picked up yet.
@@ -293,9 +298,11 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
         reason=decision.reason, actor=decision.actor, status=ActionStatus.QUEUED,
         attempt=int(run["attempt"]), created_at=now,
     )
+    # Every stop ends the run: it says how, and the agents exit with that end's code.
+    ends: StopPlan = {"run_status": RunEnd(decision.status)}
     rec.create_commands(conn, rows=[
         {"run_id": run_id, "agent_id": aid, "action_id": action_id, "kind": CommandKind.STOP,
-         "attempt": int(run["attempt"]), "plan": None, "not_before": None,
+         "attempt": int(run["attempt"]), "plan": dict(ends), "not_before": None,
          "reason": decision.reason, "status": CommandStatus.PENDING, "sent_count": 0,
          "detail": "", "created_at": now, "updated_at": now}
         for aid in agent_ids
@@ -305,13 +312,17 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     return action_id
 
 
-def _release_spares(conn: Connection, *, run_id: int, attempt: int, now: float) -> None:
-    """The run completed: its spares have nothing to stand by for, and stop (a command
-    outside any action)."""
+def _release_others(conn: Connection, *, run_id: int, attempt: int, now: float) -> None:
+    """The run completed: its members' workers did, and their agents leave on their own;
+    every other node (a spare, a replaced node) has nothing left to stand by for and is told
+    to stop (a command outside any action), before its credential is revoked
+    (``credentials.ended_runs_holding_credentials``)."""
+    ends: StopPlan = {"run_status": RunEnd.COMPLETED}
     for n in store_membership.run_membership(conn, run_id=run_id)["spares"]:
         rec.create_commands(conn, rows=[{
             "run_id": run_id, "agent_id": n["agent_id"], "action_id": None,
-            "kind": CommandKind.STOP, "attempt": attempt, "plan": None, "not_before": None,
+            "kind": CommandKind.STOP, "attempt": attempt, "plan": dict(ends),
+            "not_before": None,
             "reason": "the run completed: a spare has nothing left to stand by for",
             "status": CommandStatus.PENDING, "sent_count": 0, "detail": "",
             "collect_stacks": False, "created_at": now, "updated_at": now}])

@@ -202,8 +202,10 @@ class Evaluator:
 
     def _revoke_ended(self, conn: Connection, now: float) -> None:
         """A run that ended writes nothing more: once its agents had the node-lost deadline
-        to take their last commands (a stop's) and report, their credentials are revoked
-        (an agent still sending is refused, registers again, and is told the run ended)."""
+        to take their last commands (a stop's) and report, and none of them is still
+        leaving (heard from, its stop not finished: it delivers what it spooled first),
+        their credentials are revoked (an agent still sending is refused, registers again,
+        and is told the run ended)."""
         grace = self.detection.node_lost.deadline_s
         for run_id in credentials.ended_runs_holding_credentials(
                 conn, ended_before=now - grace):

@@ -35,6 +35,9 @@ class MembershipFacts:
     world: int | None = None
     # The smallest world the run accepts (None: the declared one, i.e. it never shrinks).
     min_nodes: int | None = None
+    # A node registered into the run as a spare (a waiting rank's reason says "no spare
+    # left", else "no spare configured").
+    spares_configured: bool = True
 
     @property
     def current(self) -> int | None:
@@ -78,6 +81,7 @@ class MemberPlan:
     # Vacant node ranks waiting beyond those listed in ``waiting`` (a declared world far
     # larger than the nodes that registered is counted, never enumerated).
     unlisted: int = 0
+    spares_configured: bool = True  # (``MembershipFacts``'s: how a waiting rank is told)
 
     @property
     def waiting_count(self) -> int:
@@ -104,11 +108,12 @@ class MemberPlan:
         parts += [f"{r.new} takes node rank {r.node_rank}"
                   + (f" of {r.old} ({r.why})" if r.old else f" ({r.why})")
                   for r in self.replaced]
-        parts += [f"node rank {k} waits for a node ({self.missing[k]}; no spare left)"
+        spares = "no spare left" if self.spares_configured else "no spare configured"
+        parts += [f"node rank {k} waits for a node ({self.missing[k]}; {spares})"
                   for k in self.waiting]
         if self.unlisted:
             parts.append(f"{self.unlisted} more vacant node rank(s) wait for a node")
-        parts += [f"node rank {k} stays on {node} (cordoned; no spare left)"
+        parts += [f"node rank {k} stays on {node} (cordoned; {spares})"
                   for k, node in sorted(self.kept_cordoned.items())]
         if self.moved:
             parts.append(f"the rendezvous moves to a new port (membership epoch {self.epoch}): "
@@ -184,7 +189,7 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
                       members=members, moved=moved,
                       replaced=tuple(replaced), waiting=tuple(sorted(missing)), missing=missing,
                       kept_cordoned=kept, declared=f.nnodes, world_before=world,
-                      unlisted=unlisted)
+                      unlisted=unlisted, spares_configured=f.spares_configured)
 
 
 VACANT_LISTED = 64  # vacant node ranks listed by number (the rest are counted)
@@ -236,9 +241,13 @@ class Capacity:
         return max(self.missing_count, len(self.missing))
 
 
-def capacity(f: MembershipFacts, *, spares_configured: bool) -> Capacity:
+def capacity(f: MembershipFacts, *, spares_configured: bool, ended: bool = False) -> Capacity:
+    """``ended``: the run has ended (completed, failed, stopped): its nodes left, and no
+    rank of it waits for a node."""
     free = [s for s in f.spares if s in f.live and s not in f.cordoned]
-    plan = plan_members(f)
+    plan = None if ended else plan_members(f)
     return Capacity(nnodes=f.nnodes, epoch=f.epoch, spares=len(free),
-                    spares_configured=spares_configured, missing=plan.waiting,
-                    world=f.current, min_nodes=f.min_nodes, missing_count=plan.waiting_count)
+                    spares_configured=spares_configured,
+                    missing=plan.waiting if plan is not None else (),
+                    world=f.current, min_nodes=f.min_nodes,
+                    missing_count=plan.waiting_count if plan is not None else 0)

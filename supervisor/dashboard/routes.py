@@ -276,14 +276,15 @@ def run_tables(run: str, request: Request, db: DB, clock: ClockDep, straggler: S
 
 
 @router.get("/dashboard/api/runs/{run}/state", responses=documented(RunState))
-def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth
-              ) -> Response:
+def run_state(run: str, request: Request, db: DB, clock: ClockDep, _auth: ReadAuth,
+              settings: Settings) -> Response:
     """A cheap fingerprint of the run: the script polls this with If-None-Match and
     refetches charts and tables only when it changed (304 otherwise, before any other
-    query)."""
+    query).  A node falling silent past the node-lost deadline changes it (it reads lost)."""
     with db.read() as conn:
         r = _run_or_404(conn, run)
-        fp = reads.run_fingerprint(conn, run_id=r["id"])
+        fp = reads.run_fingerprint(conn, run_id=r["id"],
+                                   live_since=clock() - settings.node_lost.deadline_s)
         restarts = efficiency.restart_counts(conn, int(r["id"])).total
     tag = '"' + hashlib.sha256(repr(fp).encode()).hexdigest()[:32] + '"'
     headers = {"ETag": tag, "Cache-Control": "private, no-cache", "Vary": "Authorization, Cookie"}

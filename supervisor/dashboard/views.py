@@ -9,6 +9,8 @@ from typing import Any
 from trainwarden.agent.core import rootcause
 from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.supervisor.control import actions, detection
+from trainwarden.supervisor.control.node_states import NodeView
+from trainwarden.supervisor.control.node_views import condition_of, node_views
 from trainwarden.supervisor.detect.findings import FindingKind
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import ActionKind, IncidentKind, RestartCause
@@ -52,6 +54,7 @@ def run_row(conn: Connection, run: RunRow, now: float) -> dict[str, Any]:
         "checkpoint": ckpt,
         "checkpoint_age": (now - ckpt["t"]) if ckpt else None,
         "open_incidents": reads.open_incident_counts(conn, run_id=run["id"]),
+        "condition": (c.as_dict() if (c := condition_of(conn, run=run)) is not None else None),
     }
 
 
@@ -99,6 +102,9 @@ def run_tables(conn: Connection, run: RunRow, now: float,
     protected = set(run.get("protected") or [])
     checkpoints = [{**c, "protected": c["path"] in protected}
                    for c in reads.list_checkpoints(conn, run_id=run_id, limit=LIST_LIMIT)]
+    cap = actions.capacity(conn, run_id=int(run_id), now=now, live_s=live_s)
+    agents = registry.run_agents(conn, run_id=run_id)
+    views = node_views(conn, run=run, agents=agents, now=now, live_s=live_s, capacity=cap)
     return {
         "incidents": incidents,
         # The newest failure with a root cause: first on the run's page.
@@ -110,16 +116,17 @@ def run_tables(conn: Connection, run: RunRow, now: float,
         "mfu_report": efficiency.mfu_report(conn, run),
         "phase_names": PHASES,
         "checkpoints": checkpoints,
-        "agents": [node_health(a) for a in registry.run_agents(conn, run_id=run_id)],
-        "membership": actions.capacity(conn, run_id=int(run_id), now=now, live_s=live_s),
+        "agents": [node_health(a, views[int(a["id"])]) for a in agents],
+        "membership": cap,
         "ranks": ranks[:RANKS_SHOWN],
         "ranks_total": len(ranks),
         "straggler": straggler,
     }
 
 
-def node_health(agent: AgentRow) -> dict[str, Any]:
-    """An agent row plus what the nodes table shows of its health."""
+def node_health(agent: AgentRow, view: NodeView) -> dict[str, Any]:
+    """An agent row plus what the nodes table shows of its state (``node_states``: the
+    API's and the CLI's) and health."""
     free, total = agent["disk_free_bytes"], agent["disk_total_bytes"]
     raw_workers, raw_gpus = agent["workers"], agent["gpus"]
     workers: list[dict[str, Any]] = [w for w in raw_workers if isinstance(w, dict)] \
@@ -127,6 +134,8 @@ def node_health(agent: AgentRow) -> dict[str, Any]:
     gpus: dict[str, Any] | None = raw_gpus if isinstance(raw_gpus, dict) else None
     return {
         **agent,
+        "state": view.state, "reported_state": agent["state"], "seen_s": view.seen_s,
+        "readings_stale": view.stale,
         "disk_free_ratio": free / total if free is not None and total else None,
         "workers_cpu": workers_total(workers, "cpu_percent"),
         "workers_rss": workers_total(workers, "rss_bytes"),

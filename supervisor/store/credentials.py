@@ -13,9 +13,16 @@ from typing import NamedTuple, TypedDict
 
 from sqlalchemy import Connection, select
 
+from trainwarden.agent.core.states import CommandKind, CommandStatus
 from trainwarden.supervisor.enums import FINAL_STATUSES, ActionStatus
 from trainwarden.supervisor.store._sql import insert
-from trainwarden.supervisor.store.tables import actions, agent_credentials, agents, runs
+from trainwarden.supervisor.store.tables import (
+    actions,
+    agent_credentials,
+    agents,
+    commands,
+    runs,
+)
 
 TAKEOVER = "takeover"  # the kind of the audited action
 
@@ -86,12 +93,20 @@ def agent_key(conn: Connection, *, agent_id: int) -> AgentKey | None:
 
 def ended_runs_holding_credentials(conn: Connection, *, ended_before: float) -> list[int]:
     """The runs that ended (completed, failed, stopped) at or before ``ended_before`` and
-    whose agents still hold a live credential."""
+    whose agents still hold a live credential, save those with an agent still leaving: one
+    heard from since ``ended_before`` whose stop command it has not finished (it keeps its
+    credential to deliver what it spooled; silent, it has left or is lost)."""
+    leaving = (select(commands.c.id)
+               .select_from(commands.join(agents, agents.c.id == commands.c.agent_id))
+               .where(commands.c.run_id == runs.c.id, commands.c.kind == CommandKind.STOP,
+                      commands.c.status.in_([CommandStatus.PENDING, CommandStatus.DELIVERED]),
+                      agents.c.last_seen_at > ended_before)
+               .correlate(runs))
     q = (select(runs.c.id).distinct()
          .select_from(runs.join(agents, agents.c.run_id == runs.c.id)
                       .join(agent_credentials, agent_credentials.c.agent_id == agents.c.id))
          .where(runs.c.status.in_(list(FINAL_STATUSES)), runs.c.updated_at <= ended_before,
-                agent_credentials.c.secret_hash.is_not(None))
+                agent_credentials.c.secret_hash.is_not(None), ~leaving.exists())
          .order_by(runs.c.id))
     return [int(r) for r, in conn.execute(q)]
 

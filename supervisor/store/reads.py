@@ -11,7 +11,7 @@ from sqlalchemy import Connection, Select, Table, func, literal, or_, select
 
 from trainwarden.agent.protocol import WorkerEventName
 from trainwarden.supervisor.contract.limits import BASELINE_PER_DEVICE_MAX
-from trainwarden.supervisor.enums import ActionKind, IncidentStatus
+from trainwarden.supervisor.enums import ActionKind, IncidentKind, IncidentStatus, SupervisorEvent
 from trainwarden.supervisor.store import lineage
 from trainwarden.supervisor.store._sql import row, with_specials
 from trainwarden.supervisor.store.health import number
@@ -292,9 +292,11 @@ def flops_declaration(conn: Connection, *, run_id: int) -> dict[str, Any] | None
     return out
 
 
-def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:
+def run_fingerprint(conn: Connection, *, run_id: int, live_since: float | None = None
+                    ) -> tuple[Any, ...]:
     """Cheap summary that changes whenever what the dashboard shows of a run changes (except
-    the agents' last-seen times, which move with every batch)."""
+    the agents' last-seen times, which move with every batch: only whether each was heard
+    from since ``live_since``, the node-lost deadline ago, which makes it lost or not)."""
     a, i, ac, ck, ag = (step_aggregates.c, incidents.c, actions.c, checkpoints.c, agents.c)
     run = conn.execute(
         select(runs.c.status, runs.c.attempt, runs.c.restarts, runs.c.updated_at)
@@ -312,8 +314,9 @@ def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:
         select(func.count(), func.max(ac.updated_at)).where(ac.run_id == run_id)
     ).one()
     ckpt = conn.execute(select(func.count(), func.max(ck.id)).where(ck.run_id == run_id)).one()
+    live = (ag.last_seen_at >= live_since) if live_since is not None else literal(True)
     agt = conn.execute(
-        select(ag.id, ag.state, ag.attempt, ag.disk_free_bytes, ag.dropped)
+        select(ag.id, ag.state, ag.attempt, ag.disk_free_bytes, ag.dropped, ag.role, live)
         .where(ag.run_id == run_id).order_by(ag.id)
     ).all()
     return (tuple(run), tuple(last) if last else None, tuple(inc), tuple(act), tuple(ckpt),
@@ -323,3 +326,30 @@ def run_fingerprint(conn: Connection, *, run_id: int) -> tuple[Any, ...]:
 def get_action(conn: Connection, *, action_id: int) -> ActionRow | None:
     r = conn.execute(select(actions).where(actions.c.id == action_id)).first()
     return cast(ActionRow, row(r)) if r else None
+
+
+def replaced_nodes(conn: Connection, *, run_id: int) -> set[str]:
+    """The nodes of the run whose node rank membership gave to another node, or that a
+    shrink left out (its ``membership_changed`` and ``world_resized`` records)."""
+    out: set[str] = set()
+    q = select(events.c.name, events.c.details).where(
+        events.c.run_id == run_id,
+        events.c.name.in_([SupervisorEvent.MEMBERSHIP_CHANGED, SupervisorEvent.WORLD_RESIZED]))
+    for name, details in conn.execute(q):
+        key, field = (("replaced", "old") if name == SupervisorEvent.MEMBERSHIP_CHANGED
+                      else ("dropped", "node"))
+        entries = (details or {}).get(key) if isinstance(details, dict) else None
+        for e in entries if isinstance(entries, list) else []:
+            node = e.get(field) if isinstance(e, dict) else None
+            if isinstance(node, str):
+                out.add(node)
+    return out
+
+
+def lost_nodes(conn: Connection, *, run_id: int) -> dict[str, float]:
+    """node -> when an open node-lost incident of the run named it."""
+    q = (select(incidents.c.node, func.max(incidents.c.opened_at))
+         .where(incidents.c.run_id == run_id, incidents.c.kind == IncidentKind.NODE_LOST,
+                incidents.c.status == IncidentStatus.OPEN, incidents.c.node.is_not(None))
+         .group_by(incidents.c.node))
+    return {str(node): float(t) for node, t in conn.execute(q)}

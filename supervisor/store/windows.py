@@ -186,6 +186,14 @@ def latest_event(conn: Connection, *, run_id: int, attempt: int, name: str
     return cast(EventRow, row(r)) if r else None
 
 
+def latest_run_event(conn: Connection, *, run_id: int, name: str) -> EventRow | None:
+    """The run's newest event named ``name``, of any attempt."""
+    q = (select(events).where(events.c.run_id == run_id, events.c.name == name)
+         .order_by(events.c.id.desc()).limit(1))
+    r = conn.execute(q).first()
+    return cast(EventRow, row(r)) if r else None
+
+
 def latest_event_by_node(conn: Connection, *, run_id: int, names: Sequence[str]
                          ) -> dict[str, str]:
     """node (``details.node``) -> the name of its newest event among ``names``."""

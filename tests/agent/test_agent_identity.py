@@ -15,6 +15,7 @@ from agent_fakes import FakeRun, FakeSupervisor
 from tests.waiting import wait_for
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig, default_state_dir
+from trainwarden.agent.core.states import AgentExit
 from trainwarden.agent.loop import EXIT_REFUSED, Agent
 
 
@@ -63,8 +64,9 @@ def _first_run(fake_run: FakeRun, fake: FakeSupervisor, agents: list[Agent]) -> 
     fake.commands[1] = {"id": 1, "kind": "restart", "attempt": 1, "reason": "crash",
                         "plan": {"checkpoint": "/first/ckpt/step_50", "reason": "crash"}}
     _tick_until(agent, lambda: len(_workers(fake_run, "1")) == 2, "attempt-1 workers")
-    fake.commands[2] = {"id": 2, "kind": "stop", "reason": "done"}
-    _tick_until(agent, lambda: agent.result == 0, "the agent ends")
+    fake.commands[2] = {"id": 2, "kind": "stop", "reason": "done",
+                        "plan": {"run_status": "stopped"}}
+    _tick_until(agent, lambda: agent.result == AgentExit.STOPPED, "the agent ends")
     agent.shutdown("stop command")
     agent.close()
     agents.remove(agent)

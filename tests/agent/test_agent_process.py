@@ -19,6 +19,7 @@ from tests.waiting import wait_for
 from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.core.states import AgentExit
 from trainwarden.agent.launcher import Launcher, pids_alive
 from trainwarden.agent.loop import Agent, AgentAlreadyRunning
 
@@ -238,14 +239,20 @@ def test_restart_command_stops_running_group_first(fake_run: FakeRun,
     assert json.loads((agent.state_dir / "agent.json").read_text())["attempt"] == 4
 
 
-def test_stop_command_ends_agent(fake_run: FakeRun, fake_supervisor: FakeSupervisor,
-                                 agents: list[Agent]) -> None:
+@pytest.mark.parametrize(("plan", "code"), [
+    ({"run_status": "stopped"}, AgentExit.STOPPED), ({"run_status": "failed"}, AgentExit.FAILED),
+    ({"run_status": "completed"}, AgentExit.COMPLETED),
+    (None, AgentExit.STOPPED)])  # an older supervisor's stop says nothing: no completion
+def test_stop_command_ends_agent_with_the_code_of_the_runs_end(
+        fake_run: FakeRun, fake_supervisor: FakeSupervisor, agents: list[Agent],
+        plan: dict[str, str] | None, code: AgentExit) -> None:
     agent = make_agent(agents, fake_run.config("serve", "--grandchild"), fake_supervisor)
     agent.start()
     wait_for(lambda: len(fake_run.alive("grandchild")) == 2, what="tree up")
     pids = fake_run.pids()
-    fake_supervisor.commands[3] = {"id": 3, "kind": "stop", "reason": "operator"}
-    tick_until(agent, lambda: agent.result == 0, what="agent ends")
+    fake_supervisor.commands[3] = {"id": 3, "kind": "stop", "reason": "operator", "plan": plan}
+    tick_until(agent, lambda: agent.result is not None, what="agent ends")
+    assert agent.result == code
     agent.shutdown("stop command")
     assert pids_alive(pids) == []
     (ex,) = exits(fake_supervisor)

@@ -570,8 +570,9 @@ class FakeHost:
         self.calls.append(("launch", attempt, plan_path))
         self.attempt = attempt
 
-    def finish(self) -> None:
+    def finish(self, end: object) -> None:
         self.finished = True
+        self.ended = end
 
     def place(self, plan: protocol.ResumePlan | None) -> str | None:
         m = plan.membership if plan is not None else None

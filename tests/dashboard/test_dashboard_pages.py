@@ -82,9 +82,9 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
                                               clock: FakeClock, evaluator: Evaluator) -> None:
     run = seed(client, db, clock, evaluator)
     run.seq = {0: 100, 1: 100}
-    # 12 steps: the detector judges a rank on 10 or more (a fresh attempt is not scored on
-    # a handful), and the chart's scores are the detector's
-    run.train(range(40, 52), t0=T0 + 30, attempt=1, slow_rank=2)
+    # 22 steps: the detector skips an attempt's first 10 (a cold start) and judges a rank on
+    # 10 or more (not on a handful), and the chart's scores are the detector's
+    run.train(range(40, 62), t0=T0 + 30, attempt=1, slow_rank=2)
     clock.advance(1)
     evaluator.tick()  # the restart resumes at step 40
     feed = client.get("/dashboard/api/runs/alpha/series", headers=OPERATOR).json()
@@ -95,10 +95,10 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
     assert (transient["from"], transient["to"]) == (12, 15)
     assert "no rollback" in transient["label"]
     ranks = feed["ranks"]
-    assert ranks["attempt"] == 1 and ranks["steps"] == list(range(40, 52))
+    assert ranks["attempt"] == 1 and ranks["steps"] == list(range(40, 62))
     assert ranks["series"][0]["rank"] == 2 and ranks["series"][0]["score"] < 0.75
     assert ranks["series"][0]["slow"] is True and ranks["threshold"] == 0.75
-    assert len(ranks["median"]) == 12 and feed["mfu"] is None
+    assert len(ranks["median"]) == 22 and feed["mfu"] is None
     steps = client.get("/api/v1/runs/alpha/steps?max_points=10", headers=OPERATOR).json()
     assert len(steps["points"]) <= 10
 
@@ -319,3 +319,32 @@ def test_run_page_shows_why_it_failed_first(client: TestClient, clock: FakeClock
     assert "KeyError: &#39;label&#39; at train.py:57 in collate (rank 1, host node1)" in html
     assert "the training script" in html
     assert "x = d[&#39;label&#39;] # &lt;b&gt;" in html and "<b>" not in html
+
+
+def test_a_silent_node_reads_lost_on_the_run_page_with_stale_readings(
+        client: TestClient, clock: FakeClock) -> None:
+    """What a user saw instead: a SIGKILLed node read ``running`` with its last worker CPU and
+    memory 45 s later.  The page says what the API and the CLI say (``node_states``)."""
+    run = SynthRun(client, "alpha").register()
+    run.train(range(20), t0=T0, clock=clock)
+    clock.now += 5
+    html = client.get("/runs/alpha", headers=OPERATOR).text
+    rows = re.findall(r'<tr data-node="(n\d)" data-state="(\w+)"( class="stale")?>', html)
+    assert rows == [("n0", "running", ""), ("n1", "running", "")], rows
+    # The page's script refetches the tables when the run's fingerprint changes: a node
+    # falling silent past the node-lost deadline changes it, with nothing else stored.
+    tag = client.get("/dashboard/api/runs/alpha/state", headers=OPERATOR).headers["etag"]
+    clock.now += 31
+    assert client.get("/dashboard/api/runs/alpha/state",
+                      headers={**OPERATOR, "If-None-Match": tag}).status_code == 200
+    clock.now -= 31
+    run.train(range(20, 60), t0=T0, nodes=range(1), clock=clock)  # n1 falls silent
+    clock.now += 45
+    run.send(0, [{"type": "heartbeat", "t": clock.now, "attempt": 0, "state": "running"}])
+    html = client.get("/runs/alpha", headers=OPERATOR).text
+    rows = re.findall(r'<tr data-node="(n\d)" data-state="(\w+)"( class="stale")?>', html)
+    assert rows == [("n0", "running", ""), ("n1", "lost", ' class="stale"')], rows
+    n1 = html[html.index('data-node="n1"'):]
+    n1 = n1[:n1.index("</tr>")]
+    assert 'class="status n-lost">lost<' in n1 and "readings 85 s old" in n1, n1
+    assert "last seen, 85 s ago:" in n1 and "198% CPU" in n1  # kept, marked as old

@@ -4,13 +4,21 @@ per node on this machine (``Nodes``), the clean run they compare with, and small
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.system import Agent, Supervisor, free_rendezvous_port
+from tests.e2e.system import (
+    OPERATOR_TOKEN,
+    REPO,
+    Agent,
+    Supervisor,
+    free_rendezvous_port,
+)
 from tests.e2e.torchrun import EXAMPLES, RunResult, run_example, worker_env
 
 STEPS = 400
@@ -60,6 +68,15 @@ class Nodes:
 def ended(sup: Supervisor, run: str) -> dict[str, Any] | None:
     r = sup.get(f"/runs/{run}")
     return r if r["status"] in ("completed", "failed", "stopped") else None
+
+
+def cli(sup: Supervisor, *args: str) -> str:
+    """``trainwarden ARGS`` against the supervisor as an operator; its output."""
+    out = subprocess.run([sys.executable, "-m", "trainwarden.supervisor.cli", *args,
+                          "--supervisor", sup.url, "--token", OPERATOR_TOKEN],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
 
 
 def summary(work: Path) -> dict[str, Any]:

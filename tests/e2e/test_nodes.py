@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.nodes import KILL_AT, Nodes, clean_ddp, ended, summary
+from tests.e2e.nodes import KILL_AT, Nodes, clean_ddp, cli, ended, summary
 from tests.e2e.system import Supervisor, wait_until
 from tests.e2e.torchrun import RunResult
 
@@ -45,6 +45,41 @@ def _two_members_and_a_spare(supervisor: Supervisor, tmp_path: Path, run: str) -
     return nodes
 
 
+def test_a_clean_run_with_a_spare_every_agent_leaves_with_0_and_no_rank_is_missing_after(
+        supervisor: Supervisor, clean: RunResult, tmp_path: Path) -> None:
+    """Two members and a spare that is never used.  When the run completes, the spare is
+    told to stop before its credential is revoked, delivers what it spooled and exits 0, as
+    the members do.  Past the node-lost deadline after the completion (every node silent),
+    no rank waits for a node: not in the API, not in ``trainwarden nodes``, not in
+    ``/metrics``."""
+    run = "clean-spare"
+    nodes = _two_members_and_a_spare(supervisor, tmp_path, run)
+    try:
+        finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
+        assert finished["status"] == "completed", finished
+        for node, a in nodes.agents.items():
+            assert a.wait(60) == 0, (node, a.tail())
+    finally:
+        nodes.stop()
+    assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
+    spare = nodes.agents["spare0"]
+    assert "ERROR" not in spare.tail(100_000), spare.tail()
+    assert list((nodes.work / "spare0" / "state-spare0" / "spool").glob("*.json")) == []
+    events = supervisor.get(f"/runs/{run}/events")["events"]
+    assert "credentials_revoked" not in [e["name"] for e in events]  # it left first
+    wait_until(lambda: time.time() > finished["updated_at"] + 32, 60,
+               "the node-lost deadline to pass after the completion", interval=1)
+    r = supervisor.get(f"/runs/{run}")
+    assert r["membership"]["missing"] == [], r["membership"]
+    assert {a["node"]: a["state"] for a in r["agents"]} == {
+        "node0": "finished", "node1": "finished", "spare0": "finished"}, r["agents"]
+    metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
+        "Authorization": "Bearer e2e-operator-token"}).text
+    assert f'trainwarden_run_nodes_missing{{run="{run}"}} 0.0' in metrics
+    out = cli(supervisor, "nodes", run)
+    assert "waiting for a node" not in out, out
+
+
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
         supervisor: Supervisor, clean: RunResult, tmp_path: Path, rank: int) -> None:
@@ -57,6 +92,10 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
         wait_until(lambda: nodes.step() >= KILL_AT, 120, f"step {KILL_AT}")
         killed_at = time.time()
         nodes.agents[victim].signal_tree(signal.SIGKILL)
+        # It never reads running again: lost once silent past the deadline, then replaced.
+        gone = wait_until(lambda: (a := nodes.member(victim))["state"] in ("lost", "replaced")
+                          and a, 60, "the killed node to read lost")
+        assert gone["readings_stale"] is True and gone["seen_s"] >= 30, gone
         finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
         for node, a in nodes.agents.items():
@@ -84,6 +123,10 @@ def test_a_dead_member_is_replaced_by_the_spare_and_the_run_ends_as_a_clean_one(
     assert resumed_at - killed_at < 30 + 30, replace[0]["progress"]
     assert nodes.member("spare0")["role"] == "member"
     assert nodes.member(victim)["role"] == "spare"
+    assert nodes.member(victim)["state"] == "replaced"  # never "spare"
+    rows = {line.split()[0]: line.split() for line in cli(supervisor, "nodes", run).splitlines()
+            if line.startswith(("node", "spare"))}
+    assert rows[victim][3] == "replaced" and rows["spare0"][3] == "finished", rows
 
 
 def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
@@ -114,9 +157,9 @@ def test_a_frozen_member_is_replaced_and_writes_nothing_when_it_wakes(
                                 and p.status() != "zombie"], 60, "the woken workers to die")
         finished = wait_until(lambda: ended(supervisor, run), 240, "the run to end")
         assert finished["status"] == "completed", finished
+        # Every agent leaves with 0, the woken node (a spare now) too: told to stop.
         for node in ("node0", "node1", "spare0"):
-            if node != victim:
-                assert nodes.agents[node].wait(60) == 0, nodes.agents[node].tail()
+            assert nodes.agents[node].wait(60) == 0, nodes.agents[node].tail()
     finally:
         nodes.stop()
     assert woke, woke
@@ -144,11 +187,20 @@ def test_no_spare_left_the_run_waits_without_a_restart_loop_and_a_spare_ends_the
 
         def waiting() -> dict[str, Any] | None:
             r = supervisor.get(f"/runs/{run}")
-            return r if "no spare left" in r["reason"] else None
+            return r if "no spare configured" in r["reason"] else None
 
         r = wait_until(waiting, 120, "the run to say it waits for node rank 1")
         assert r["status"] == "restarting" and r["membership"]["missing"] == [1], r
-        assert f"node rank 1 waits for a node ({victim} lost; no spare left)" in r["reason"], r
+        (survivor,) = [n for n in ("node0", "node1") if n != victim]
+        states = wait_until(lambda: (st := {a["node"]: a["state"] for a in supervisor.get(
+            f"/runs/{run}")["agents"]})[survivor] == "waiting" and st, 30,
+            "the survivor to read waiting")
+        assert states[victim] == "lost", states
+        # (no spare was ever started: the reason says so, and how to end the wait)
+        assert f"node rank 1 waits for a node ({victim} lost; no spare configured)" in \
+            r["reason"], r
+        assert r["condition"]["state"] == "waiting", r
+        assert "start `trainwarden agent --spare`" in r["condition"]["summary"], r
         metrics = __import__("httpx").get(f"{supervisor.url}/metrics", headers={
             "Authorization": "Bearer e2e-operator-token"}).text
         assert f'trainwarden_run_nodes_missing{{run="{run}"}} 1.0' in metrics

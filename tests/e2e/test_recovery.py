@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.system import OPERATOR_TOKEN, REPO, Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import effective_history, read_batch_logs, run_example
+from trainwarden.agent.core.states import AgentExit
 from trainwarden.supervisor.control.policy import PolicyConfig
 from trainwarden.supervisor.detect import LossSpikeConfig
 
@@ -56,9 +57,10 @@ def ended(sup: Supervisor, name: str) -> dict[str, Any]:
     return run
 
 
-def finish(agent: Agent, timeout: float = 300) -> None:
+def finish(agent: Agent, timeout: float = 300, code: int = AgentExit.COMPLETED) -> None:
+    """The agent ends on its own, with the exit code of how the run ended."""
     try:
-        assert agent.wait(timeout) == 0, agent.tail()
+        assert agent.wait(timeout) == code, agent.tail()
     finally:
         agent.stop()
 
@@ -160,7 +162,7 @@ def test_spike_that_keeps_coming_back_spends_the_budget_and_stops_the_run(
         # Every batch from 200 on is corrupt: no skip range can get past it.
         agent = under_trainwarden(sup, tmp_path, "doomed", "--steps", "600",
                                   "--inject", "spike@200:len=100000")
-        finish(agent)
+        finish(agent, code=AgentExit.FAILED)  # a job wrapping it fails too
         run = ended(sup, "doomed")
         assert run["status"] == "failed", run
         assert "rollback budget of 2 spent" in run["reason"] or "no progress" in run["reason"]

@@ -1,8 +1,9 @@
 """A deterministic bug in the training script, end to end: the README's loop under the real
 agent and supervisor (torchrun, gloo, 2 ranks on CPU), rank 1 raising KeyError in a helper
 at the same step on every attempt.  The run is stopped at the second failure (one restart),
-and the incident, read from the REST API as a user would curl it, names the exception, the
-file and line, rank 1, and says the fault is in the script.
+the agent exits with the code of a failed run, and the incident, read from the REST API as a
+user would curl it, names the exception, the file and line, rank 1, and says the fault is in
+the script.
 
 And a failure with no traceback at all: the DDP example given an ``--inject`` its argparse
 rejects (usage printed, exit 2, on both ranks, before the first step).  It repeats
@@ -20,6 +21,7 @@ import pytest
 
 from tests.e2e.system import OPERATOR_TOKEN, Agent, Supervisor, wait_until
 from tests.e2e.torchrun import EXAMPLES
+from trainwarden.agent.core.states import AgentExit
 
 pytestmark = pytest.mark.e2e
 
@@ -57,10 +59,14 @@ def test_a_bug_in_the_script_is_stopped_at_its_second_failure_with_its_traceback
             lambda: (r := supervisor.get_or_none("/runs/keyerror")) is not None
             and r["status"] in ("completed", "failed", "stopped") and r,
             240, "the run to end")
+        # The agent is told the run failed and says so to whatever wraps it (a Slurm step,
+        # a Kubernetes Job): not 0.
+        code = agent.wait(60)
     finally:
         agent.stop()
     ctx = f"\nagent:\n{agent.tail()}\nsupervisor:\n{supervisor.tail()}"
     assert run["status"] == "failed", ctx
+    assert code == AgentExit.FAILED == 4, (code, ctx)
     assert run["restarts"] == 1 and run["attempt"] == 1, (run, ctx)
     assert "training script" in run["reason"], run["reason"]
 

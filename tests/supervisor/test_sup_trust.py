@@ -331,6 +331,35 @@ def test_an_ended_runs_credentials_are_revoked_once_its_agents_had_time_to_repor
     assert ev["details"]["agents"] == [a]
 
 
+def test_an_agent_still_leaving_an_ended_run_keeps_its_credential_until_it_has_stopped(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """The run completed: the spare is told to stop (the stop says how the run ended), and
+    while it is heard from and has not finished that stop, nothing is revoked."""
+    a = int(register(client, run="done", node="n0", nnodes=1)["agent_id"])
+    s = int(register(client, run="done", node="s0", nnodes=1, spare=True)["agent_id"])
+    seq = _train(client, clock, a, 0, range(0, 3))
+    ingest(client, a, seq, [{"type": "exit", "t": clock.now, "attempt": 0, "exit_code": 0,
+                             "outcome": "completed", "failed_ranks": []}])
+    evaluator.tick()
+    assert _get(client, "/api/v1/runs/done")["status"] == "completed"
+    (cmd,) = ingest(client, s, 0, [{"type": "heartbeat", "t": clock.now,
+                                    "state": "spare"}])["commands"]
+    assert cmd["kind"] == "stop" and cmd["plan"] == {"run_status": "completed"}, cmd
+    for i in range(1, 5):  # a slow spare: heard from, its stop not finished
+        clock.advance(10.0)
+        ingest(client, s, i, [{"type": "heartbeat", "t": clock.now, "state": "spare"}])
+        evaluator.tick()
+    names = [e["name"] for e in _get(client, "/api/v1/runs/done/events")["events"]]
+    assert "credentials_revoked" not in names
+    ingest(client, s, 5, [{"type": "command_result", "t": clock.now, "command_id": cmd["id"],
+                           "status": "done", "detail": "workers stopped"},
+                          {"type": "heartbeat", "t": clock.now, "state": "stopped"}])
+    evaluator.tick()
+    (ev,) = [e for e in _get(client, "/api/v1/runs/done/events")["events"]
+             if e["name"] == "credentials_revoked"]
+    assert sorted(ev["details"]["agents"]) == sorted([a, s])
+
+
 @pytest.mark.parametrize("root", ["/etc", "/etc/trainwarden", "/usr/local/ck", "/proc/1",
                                   "/sys", "/boot", "/dev/shm/ck", "/bin", "/root", "/home",
                                   "/tmp", "/var"])

@@ -4,8 +4,10 @@ as a node can take the missing rank."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.supervisor.sup_helpers import (
@@ -159,7 +161,12 @@ def test_without_a_spare_the_members_stand_by_and_a_spare_that_registers_ends_th
     evaluator.tick()
     (act,) = get(client, "/actions")["actions"]
     assert act["plan"]["membership"]["waiting"] == [1], act
-    assert "node rank 1 waits for a node (n1 lost; no spare left)" in act["reason"]
+    assert "node rank 1 waits for a node (n1 lost; no spare configured)" in act["reason"]
+    run = get(client, "")
+    assert run["condition"]["state"] == "waiting"
+    assert run["condition"]["summary"].startswith("WAITING for a node (node rank 1: n1 lost); "
+                                                  "no spare configured: start `trainwarden "
+                                                  "agent --spare`"), run["condition"]
     assert [c["kind"] for c in heartbeat(client, ids["n0"], 2)["commands"]] == ["restart"]
     # the lost node stays silent: no restart loop, however many ticks
     for i in range(5):
@@ -348,3 +355,94 @@ def test_the_crash_incident_names_the_dead_nodes_rank_not_the_survivor_that_lost
     host = client.get("/api/v1/hosts/n1", headers=OPERATOR).json()
     assert [e["kind"] for e in host["evidence"]] == ["infra_failure"], host
     assert client.get("/api/v1/hosts/n0", headers=OPERATOR).json()["evidence"] == []
+
+
+def _completed(client: TestClient, ids: dict[str, int]) -> None:
+    for i, node in enumerate(("n0", "n1")):
+        ingest(client, ids[node], 5, [{"type": "exit", "t": 100.0, "attempt": 0,
+                                       "exit_code": 0, "outcome": "completed",
+                                       "failed_ranks": [], "rank": i}])
+
+
+@pytest.mark.parametrize("end", ["completed", "stopped"])
+def test_an_ended_run_reports_no_missing_rank_and_no_node_metric(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock, end: str) -> None:
+    """Past the node-lost deadline after the end, every node of the run is silent (it left):
+    no rank waits for a node, and ``trainwarden_run_nodes_missing`` reads 0.  What a user
+    saw instead: ``membership.missing`` turned from [] to [1] 30 s after a clean
+    completion, the metric read 1, and ``trainwarden nodes`` said a rank waits."""
+    ids = start(client, spare=True)
+    evaluator.tick()
+    if end == "completed":
+        _completed(client, ids)
+    else:
+        r = client.post("/api/v1/runs/r1/stop", headers=OPERATOR, json={"reason": "enough"})
+        assert r.status_code == 200, r.text
+    evaluator.tick()
+    assert get(client, "")["status"] == end
+    clock.advance(40)
+    heartbeat(client, ids["s0"], 1)  # the spare is heard a while longer than the members
+    evaluator.tick()
+    run = get(client, "")
+    assert run["membership"]["missing"] == [], run["membership"]
+    metrics = client.get("/metrics", headers=OPERATOR).text
+    assert 'trainwarden_run_nodes_missing{run="r1"} 0.0' in metrics
+
+
+def _nodes(client: TestClient) -> dict[str, dict[str, Any]]:
+    return {a["node"]: a for a in get(client, "")["agents"]}
+
+
+def _cli_nodes(client: TestClient, capsys: pytest.CaptureFixture[str]) -> dict[str, list[str]]:
+    """``trainwarden nodes r1`` against the app: node -> its row's cells."""
+    from trainwarden.supervisor.cli import client as cli
+
+    capsys.readouterr()
+    with TestClient(client.app, base_url="http://testserver/api/v1", headers=OPERATOR) as c:
+        assert cli._nodes(c, argparse.Namespace(run="r1")) == 0
+    out = capsys.readouterr().out.splitlines()
+    return {line.split()[0]: line.split() for line in out[2:] if line.startswith(("n", "s"))}
+
+
+def _working(client: TestClient, aid: int, seq: int, attempt: int = 0) -> None:
+    now = client.app.state.clock()  # type: ignore[attr-defined]
+    ingest(client, aid, seq, [{"type": "heartbeat", "t": now, "attempt": attempt,
+                               "state": "running",
+                               "workers": [{"rank": 0, "pid": 7, "cpu_percent": 98.0,
+                                            "rss_bytes": 2 ** 30}]}], attempt=attempt)
+
+
+def test_a_silent_node_reads_lost_with_stale_readings_and_the_survivor_reads_waiting(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What a user saw instead: the SIGKILLed node read ``running``, with its last worker CPU
+    and memory, 45 s later; the surviving member standing by read ``spare``."""
+    ids = start(client, spare=False)
+    _working(client, ids["n0"], 1)
+    _working(client, ids["n1"], 1)
+    evaluator.tick()
+    assert {n: a["state"] for n, a in _nodes(client).items()} == {"n0": "running",
+                                                                "n1": "running"}
+    clock.advance(45)  # n1 was SIGKILLed: silent since; n0's workers lost their peer
+    ingest(client, ids["n0"], 2, [{"type": "heartbeat", "t": clock.now, "state": "failed"}])
+    evaluator.tick()
+    (act,) = get(client, "/actions")["actions"]
+    assert act["plan"]["membership"]["waiting"] == [1]
+    assert _nodes(client)["n0"]["state"] == "waiting"  # (its workers failed: it waits)
+    ingest(client, ids["n0"], 3, [{"type": "heartbeat", "t": clock.now, "attempt": 1,
+                                   "state": "spare"}], attempt=1)  # the agent stood by
+    nodes = _nodes(client)
+    assert nodes["n1"]["state"] == "lost", nodes["n1"]
+    assert nodes["n1"]["readings_stale"] is True and nodes["n1"]["seen_s"] >= 45
+    assert nodes["n1"]["workers"][0]["cpu_percent"] == 98.0  # kept, as last seen
+    assert nodes["n0"]["state"] == "waiting" and nodes["n0"]["role"] == "member"
+    assert nodes["n0"]["reported_state"] == "spare" and not nodes["n0"]["readings_stale"]
+    rows = _cli_nodes(client, capsys)  # the CLI shows the same states
+    assert rows["n1"][3] == "lost" and rows["n0"][3] == "waiting", rows
+    # A spare registers and takes n1's rank: n1 reads replaced (never spare), s0 a member.
+    register(client, node="s0", spare=True)
+    evaluator.tick()
+    nodes = _nodes(client)
+    assert nodes["n1"]["state"] == "replaced" and nodes["n1"]["role"] == "spare"
+    assert nodes["s0"]["role"] == "member"
+    assert _cli_nodes(client, capsys)["n1"][3] == "replaced"
