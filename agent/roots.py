@@ -34,8 +34,13 @@ class CheckpointRoots:
         self.learned: list[str] = ([r for r in learned if isinstance(r, str)]
                                    if isinstance(learned, list) else [])
         # Where the checkpoints go, for the free-space reading: --checkpoint-root, else the
-        # directory of the checkpoints the workers report.
-        self.free_space_at: Path | None = checkpoint_root
+        # directory of the checkpoints the workers report, else (before any, or on a node
+        # whose ranks save none of their own) the training command's --checkpoint-dir, else
+        # the newest directory learned before: every node reads its disk.
+        self.free_space_at: Path | None = (
+            checkpoint_root if checkpoint_root is not None
+            else command_checkpoint_dir if command_checkpoint_dir is not None
+            else Path(self.learned[-1]) if self.learned else None)
 
     def pin_roots(self) -> list[Path]:
         """Where pins may be written: --checkpoint-root, else the training command's

@@ -155,3 +155,24 @@ def test_against_the_real_supervisor_every_checkpoint_of_the_default_setup_is_st
 
 if sys.platform != "linux":  # pragma: no cover (the agent is Linux-only)
     pytestmark = pytest.mark.skip("the agent runs on Linux")
+
+
+def test_every_node_reads_its_disk_before_and_without_checkpoints_of_its_own(
+        tmp_path: Path) -> None:
+    """A node whose ranks save no checkpoint of their own (DCP's rank 0 writes the metadata;
+    a data-parallel run may save from rank 0 only) still reads the free space where the
+    command saves them: free disk is never "n/a" on it."""
+    from trainwarden.agent.monitor import disk_usage
+    from trainwarden.agent.roots import CheckpointRoots
+
+    ck = tmp_path / "ck"  # (not made yet: its nearest existing parent is read)
+    roots = CheckpointRoots(checkpoint_root=None, command_checkpoint_dir=ck, learned=None)
+    assert roots.free_space_at == ck and disk_usage(roots.free_space_at) is not None
+    roots.learn(str(tmp_path / "other" / "step_10"))
+    assert roots.free_space_at == tmp_path / "other"
+    given = CheckpointRoots(checkpoint_root=tmp_path / "root", command_checkpoint_dir=ck,
+                            learned=None)
+    assert given.free_space_at == tmp_path / "root"
+    known = CheckpointRoots(checkpoint_root=None, command_checkpoint_dir=None,
+                            learned=[str(tmp_path / "old")])
+    assert known.free_space_at == tmp_path / "old"
