@@ -230,6 +230,13 @@ def _nodes(client: httpx.Client, args: argparse.Namespace) -> int:
              if shrunk else "")
           + f", membership epoch {m.get('epoch')}, free spares {m.get('spares')}"
           + (f"; node ranks waiting for a node: {m['missing']}" if m.get("missing") else ""))
+    host = [a["node"] for a in run.get("agents") or []
+            if a.get("role") == "member" and a.get("node_rank") == 0]
+    if host:
+        print(f"rendezvous hosted by {printable(str(host[0]))} (node rank 0)")
+    cond = run.get("condition")
+    if isinstance(cond, dict) and cond.get("summary"):
+        print(printable(str(cond["summary"])))
     return 0
 
 

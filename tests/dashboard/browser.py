@@ -69,11 +69,12 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
             browser.close()
 
 
-def screenshot(page: Any, name: str) -> Path:
-    """Full-page PNG under ``test-artifacts/`` (gitignored)."""
+def screenshot(page: Any, name: str, full_page: bool = True) -> Path:
+    """A PNG under ``test-artifacts/`` (gitignored): the full page, or what the window
+    shows (``full_page=False``: the docs' pictures)."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    page.screenshot(path=str(path), full_page=full_page)
     return path
 
 

@@ -218,3 +218,70 @@ def test_why_it_failed_appears_on_an_open_run_page_without_a_reload(tmp_path: Pa
             assert box is not None and chart is not None and box["y"] < chart["y"]
             assert page.errors == [], page.errors
             screenshot(page, "dashboard-why-it-failed")
+
+
+def _node(client: httpx.Client, run: str, node: str, **extra: Any) -> dict[str, str]:
+    """Register ``node`` of a two-node torchrun run; its headers for ingest."""
+    from tests.dashboard.synth import AGENT
+
+    r = client.post("/api/v1/agents/register", headers=AGENT, json={
+        "run": run, "node": node, "command": ["torchrun", "--nnodes=2", "train.py"],
+        "nproc_per_node": 1, "checkpoint_roots": ["/ck"], **extra})
+    assert r.status_code == 200, r.text
+    return {**AGENT, "X-Trainwarden-Agent-Credential": r.json()["credential"],
+            "agent-id": str(r.json()["agent_id"])}
+
+
+def _send(client: httpx.Client, h: dict[str, str], seq: int, items: list[Any],
+          attempt: int = 0) -> None:
+    headers = {k: v for k, v in h.items() if k != "agent-id"}
+    r = client.post("/api/v1/ingest", headers=headers, json={
+        "agent_id": int(h["agent-id"]), "seq": seq, "attempt": attempt, "items": items})
+    assert r.status_code == 200, r.text
+
+
+def test_a_waiting_and_a_shrunk_run_say_so_at_a_glance(db: Database) -> None:
+    """Two runs lose node n1 with no spare: one waits for a node, one (``--min-nodes 1``)
+    shrinks.  The runs list marks them WAITING and SHRUNK; each run page's headline says
+    which node rank waits and how to end the wait, or how many nodes it runs on, since when,
+    and what grows it back."""
+    require_browser()
+    clock = FakeClock()
+    app = build_app(db, clock)
+    evaluator = app.state.evaluator
+    with serve_in_thread(app) as base, httpx.Client(base_url=base) as client:
+        nodes: dict[tuple[str, str], dict[str, str]] = {}
+        for run, extra in (("waits", {}), ("shrinks", {"min_nodes": 1})):
+            for n in ("n0", "n1"):
+                nodes[(run, n)] = _node(client, run, n, **extra)
+            for rank, n in enumerate(("n0", "n1")):
+                items: list[Any] = [{"type": "step", "rank": rank, "world_size": 2, "step": 0,
+                                     "t": clock.now, "loss": 1.0}]
+                if n == "n0":
+                    items.append({"type": "checkpoint", "step": 1, "path": "/ck/1",
+                                  "bytes": 5, "t": clock.now, "lineage": "a0"})
+                _send(client, nodes[(run, n)], 0, items)
+        evaluator.tick()
+        clock.advance(40)  # n1 silent past the node-lost deadline, in both runs
+        for run in ("waits", "shrinks"):
+            _send(client, nodes[(run, "n0")], 1, [])
+        evaluator.tick()
+        with browser_page() as page:
+            login(page, base, OPERATOR_TOKEN, "/")
+            waits = page.locator("#runs tr", has_text="waits").locator("[data-condition]")
+            shrinks = page.locator("#runs tr", has_text="shrinks").locator("[data-condition]")
+            assert waits.inner_text() == "WAITING" and shrinks.inner_text() == "SHRUNK"
+            assert "start `trainwarden agent --spare`" in (waits.get_attribute("title") or "")
+            screenshot(page, "dashboard-runs-waiting-shrunk")
+            page.goto(f"{base}/runs/waits")
+            line = page.locator("#run-condition").inner_text()
+            assert line.startswith("WAITING for a node (node rank 1: n1 lost); no spare "
+                                   "configured: start `trainwarden agent --spare`"), line
+            screenshot(page, "dashboard-run-waiting", full_page=False)
+            page.goto(f"{base}/runs/shrinks")
+            line = page.locator("#run-condition").inner_text()
+            assert line.startswith("SHRUNK to 1 of 2 declared nodes; it grows back at its "
+                                   "next checkpoint once a node is free"), line
+            assert "since" in line
+            screenshot(page, "dashboard-run-shrunk", full_page=False)
+            assert page.errors == [], page.errors

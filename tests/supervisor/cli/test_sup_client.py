@@ -127,7 +127,10 @@ def test_nodes_and_runs_show_each_nodes_role_and_the_world(
     assert header.split()[:3] == ["NODE", "ROLE", "RANK"]
     assert " member " in row and " 0 " in row, out
     # (its command declares no world: not a torchrun launch)
-    assert rest[-1].startswith("world -, membership epoch 0, free spares 0"), out
+    assert rest[-2].startswith("world -, membership epoch 0, free spares 0"), out
+    # Which node hosts the rendezvous (its name, escaped: it holds control characters).
+    assert rest[-1].startswith("rendezvous hosted by node") and rest[-1].endswith(
+        "(node rank 0)"), out
     assert cli.main(["runs", "--supervisor", supervisor, "--token", OPERATOR_TOKEN]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[-1] == "NODES" and out.splitlines()[2].endswith(" 1")
