@@ -1,0 +1,91 @@
+"""A checkpoint disk that fills, the seed's own example: the DDP example under the agent with
+its checkpoint directory on a 3 MiB tmpfs, filled by another file after the second
+checkpoint and freed mid-run.  The failed saves end nothing: the run completes with no
+restart and no incident, each failed save is reported as "checkpoint disk full" with the node
+and the path, the host gathers no evidence, and every save after the room came back
+completes.  A tmpfs needs root (CI runs as root); elsewhere the test is skipped saying so."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
+from tests.smallfs import fill, tmpfs
+from trainwarden.agent.worker import list_checkpoints
+
+pytestmark = pytest.mark.e2e
+
+STEPS, EVERY = 600, 25
+# The disk holds about nine of the example's checkpoints (~330 KB each); at this test's pace
+# (a save a second) the default 30 s grace would keep thirty of them: the surplus goes at once.
+TRAIN = ["--steps", str(STEPS), "--checkpoint-every-steps", str(EVERY), "--step-sleep", "0.02",
+         "--retention-grace", "1", "--seed", "3"]
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
+    sup = Supervisor(tmp_path / "supervisor").start()
+    yield sup
+    sup.stop()
+
+
+def failed_saves(sup: Supervisor, run: str) -> list[dict[str, Any]]:
+    return [e for e in sup.get(f"/runs/{run}/events")["events"]
+            if e["name"] == "checkpoint_failed"]
+
+
+def test_a_full_checkpoint_disk_costs_no_restart_and_saves_resume_once_room_returns(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    with tmpfs(tmp_path / "ckfs", "3m") as fs:
+        ck = fs / "ck"
+        agent = Agent(supervisor.url, "diskfull", "node0", work, [
+            "--nproc_per_node=2", "--standalone", *ddp_script(
+                *TRAIN, "--checkpoint-dir", str(ck), "--summary-json",
+                str(work / "summary.json"))])
+        try:
+            wait_until(lambda: (r := supervisor.get_or_none("/runs/diskfull/checkpoints"))
+                       and len(r["checkpoints"]) >= 2, 120, "the second checkpoint")
+            filler = fill(fs)
+            wait_until(lambda: len(failed_saves(supervisor, "diskfull")) >= 2, 60,
+                       "two saves to fail on the full disk")
+            filler.unlink()
+            freed_at = time.time()
+            assert agent.wait(300) == 0, agent.tail()
+        finally:
+            agent.stop()
+        on_disk = list_checkpoints(ck)
+    run = wait_until(lambda: (r := supervisor.get("/runs/diskfull"))["status"] == "completed"
+                     and r, 20, "the run to complete")
+    assert run["attempt"] == 0, "restarted"
+    assert supervisor.get("/runs/diskfull/actions")["actions"] == []
+    assert supervisor.get("/runs/diskfull/incidents")["incidents"] == []
+
+    failed = failed_saves(supervisor, "diskfull")
+    for e in failed:
+        assert e["message"].startswith("checkpoint disk full on node node0: "), e["message"]
+        assert str(ck) in e["message"]
+        assert e["details"]["reason"] == "disk_full"
+        assert e["details"]["path"] == str(ck / f"step_{e['step']}")
+        assert e["details"]["free_bytes"] is not None
+    # Every scheduled save either completed or failed, never both; the failures are the run of
+    # saves while the disk was full, and every save after room returned completed.
+    saved = sorted(c["step"] for c in supervisor.get("/runs/diskfull/checkpoints")
+                   ["checkpoints"] if c["complete"])
+    lost = sorted(e["step"] for e in failed)
+    assert sorted(saved + lost) == list(range(EVERY, STEPS + 1, EVERY))
+    resumed = min(s for s in saved if s > lost[-1])
+    assert saved[saved.index(resumed):] == list(range(resumed, STEPS + 1, EVERY))
+    assert lost == list(range(lost[0], lost[-1] + 1, EVERY)) and lost[0] >= 2 * EVERY
+    assert all(e["t"] <= freed_at + 5 for e in failed)
+    # On the disk at the end: complete checkpoints only, the last one the final step's.
+    assert on_disk and all(c.complete for c in on_disk) and on_disk[-1].step == STEPS
+    # A full disk is not evidence against the machine.
+    host = supervisor.get("/hosts/node0")
+    assert host["state"] == "healthy", host
+    assert {e["kind"] for e in host["evidence"]} <= {"preflight_passed"}, host["evidence"]
