@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
+from tests.e2e.system import OPERATOR_TOKEN, Agent, Supervisor, ddp_script, wait_until
 from tests.smallfs import fill, tmpfs
 from trainwarden.agent.worker import list_checkpoints
 
@@ -39,6 +41,13 @@ def failed_saves(sup: Supervisor, run: str) -> list[dict[str, Any]]:
             if e["name"] == "checkpoint_failed"]
 
 
+def run_gauges(sup: Supervisor, run: str) -> dict[str, float]:
+    text = httpx.get(f"{sup.url}/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.labels.get("run") == run and len(s.labels) == 1}
+
+
 def test_a_full_checkpoint_disk_costs_no_restart_and_saves_resume_once_room_returns(
         supervisor: Supervisor, tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -54,6 +63,10 @@ def test_a_full_checkpoint_disk_costs_no_restart_and_saves_resume_once_room_retu
             filler = fill(fs)
             wait_until(lambda: len(failed_saves(supervisor, "diskfull")) >= 2, 60,
                        "two saves to fail on the full disk")
+            # What the TrainwardenCheckpointSavesFailing alert reads while the disk is full.
+            full = run_gauges(supervisor, "diskfull")
+            assert full["trainwarden_run_checkpoint_failed_saves"] >= 2
+            assert full["trainwarden_run_checkpoint_age_steps"] >= 2 * EVERY
             filler.unlink()
             freed_at = time.time()
             assert agent.wait(300) == 0, agent.tail()
@@ -65,6 +78,7 @@ def test_a_full_checkpoint_disk_costs_no_restart_and_saves_resume_once_room_retu
     assert run["attempt"] == 0, "restarted"
     assert supervisor.get("/runs/diskfull/actions")["actions"] == []
     assert supervisor.get("/runs/diskfull/incidents")["incidents"] == []
+    assert run_gauges(supervisor, "diskfull")["trainwarden_run_checkpoint_failed_saves"] == 0
 
     failed = failed_saves(supervisor, "diskfull")
     for e in failed:
