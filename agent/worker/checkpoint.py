@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainwarden.agent.protocol import (
@@ -367,9 +368,9 @@ class Checkpointer:
         except BaseException as e:
             if not is_save_failure(e):
                 raise
-            # (DCP's failure reached every rank alike; an OS error of rank 0's finishing
-            # steps is rank 0's alone, and the other ranks went on without waiting for it)
-            self._failed(pending, e)
+            # (DCP's failure reached every rank alike, here, together; an OS error of rank
+            # 0's finishing steps is rank 0's alone, and the other ranks went on without it)
+            self._failed(pending, e, together=isinstance(e, CheckpointException))
             return False
         return True
 
@@ -400,13 +401,21 @@ class Checkpointer:
                 raise  # (KeyboardInterrupt, SystemExit)
             self._failed(p, e)
 
-    def _failed(self, p: _PendingSave, e: BaseException) -> None:
+    def _failed(self, p: _PendingSave, e: BaseException, *, together: bool = False) -> None:
         """A save that failed: remove what it wrote, report it once (from the lowest rank
         that failed, so the node named is one whose disk failed), let retention free what
-        it may, and go on training.  The last good checkpoint is never touched."""
+        it may, and go on training.  The last good checkpoint is never touched.
+
+        ``together``: every rank is here for the same failure (a synchronous save's
+        ``CheckpointException``): each reads the room its disk has left, then they meet,
+        and only then rank 0 removes the partial save (which still takes that room).  An
+        asynchronous save's failure is known to each rank at its own time, so no rank waits
+        for another: a rank that reads the room after rank 0's cleanup sees it freed."""
         failure = analyse(e, rank=self.rank, root=self.root)  # room left before the cleanup
         self.failed_saves += 1
         self.last_failure = failure
+        if together and self.world_size > 1:
+            dist.barrier()
         if self.rank == 0:
             shutil.rmtree(p.partial, ignore_errors=True)
         log.error("trainwarden: %s: checkpoint step_%d not saved (%s); training goes on",

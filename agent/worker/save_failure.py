@@ -15,13 +15,15 @@ the same decision from it, so no rank goes on to a collective the others skip.
 A full disk does not always say so: ``torch.save``'s zip writer turns the short write into
 ``RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos 704 vs 598`` (rank 0
 above), with no errno.  A failure without one whose file system has (almost) no room left is
-read as a full disk (``NEARLY_FULL_BYTES``, measured before the partial save is removed).
+read as a full disk, and so is that zip writer's "unexpected pos" itself (a write that
+wrote less than it was given).  The room is read before the partial save is removed.
 """
 
 from __future__ import annotations
 
 import errno as errnos
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["SaveFailure", "SaveFailureReason", "analyse", "disk_usage", "is_save_failure"]
 
+# torch.save's zip writer finding fewer bytes in the file than it wrote: a short write.
+_SHORT_WRITE = re.compile(r"inline_container\.cc:\d+\]? ?\.? ?unexpected pos \d+ vs \d+")
 # A file system with at most this much room left (or 1% of its size, whichever is less) after
 # a failed write is full.
 NEARLY_FULL_BYTES = 1 << 20
@@ -148,8 +152,9 @@ def analyse(e: BaseException, *, rank: int, root: str | os.PathLike[str]) -> Sav
     code = os_err.errno if os_err is not None else None
     reason = _REASON_OF_ERRNO.get(code, SaveFailureReason.OTHER) if code else \
         SaveFailureReason.OTHER
-    if reason == SaveFailureReason.OTHER and usage is not None and \
-            usage[0] <= min(NEARLY_FULL_BYTES, usage[1] // 100):
+    if reason == SaveFailureReason.OTHER and (
+            any(_SHORT_WRITE.search(str(x)) for _, x, _ in found)
+            or (usage is not None and usage[0] <= min(NEARLY_FULL_BYTES, usage[1] // 100))):
         reason = SaveFailureReason.DISK_FULL  # a short write with no errno (see above)
     shown = os_err if os_err is not None else exc
     error = f"{type(shown).__name__}: {shown}".splitlines()[0] if str(shown) else \

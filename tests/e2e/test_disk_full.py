@@ -7,6 +7,9 @@ completes.  A tmpfs needs root (CI runs as root); elsewhere the test is skipped 
 
 from __future__ import annotations
 
+import errno
+import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.system import OPERATOR_TOKEN, Agent, Supervisor, ddp_script, wait_until
+from tests.e2e.torchrun import TORCHRUN, worker_env
 from tests.smallfs import fill, tmpfs
+from tests.wire import Receiver
+from trainwarden.agent.protocol import WorkerEventName
 from trainwarden.agent.worker import list_checkpoints
 
 pytestmark = pytest.mark.e2e
@@ -103,3 +109,68 @@ def test_a_full_checkpoint_disk_costs_no_restart_and_saves_resume_once_room_retu
     host = supervisor.get("/hosts/node0")
     assert host["state"] == "healthy", host
     assert {e["kind"] for e in host["evidence"]} <= {"preflight_passed"}, host["evidence"]
+
+
+# Rank 1 alone cannot write more than 64 KiB to a file (RLIMIT_FSIZE, SIGXFSZ ignored: the
+# write fails with EFBIG), and holds a 512x512 layer (3 MiB with AdamW's moments); rank 0
+# holds a few KB.  Only rank 1's part of the save fails, deterministically.  Each rank records
+# what its saves returned and whether the collective after the failed one went through; then
+# rank 1's limit is lifted (room returns) and both save again.
+ONE_RANK_FAILS = """
+import json, resource, signal, sys
+import torch, torch.distributed as dist
+from trainwarden.agent.worker import Checkpointer
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+torch.manual_seed(0)
+layers = [torch.nn.Linear(4, 4)] + ([torch.nn.Linear(512, 512)] if rank == 1 else [])
+model = torch.nn.Sequential(*layers)
+opt = torch.optim.AdamW(model.parameters())
+sum(p.sum() for p in model.parameters()).backward()
+opt.step()
+ck = Checkpointer(sys.argv[1], model, opt, keep=3)
+out = {"rank": rank, "first": ck.save(1)}
+flag = torch.ones(1)
+dist.all_reduce(flag)  # a rank that had gone another way would hang or fail here
+out["after"] = flag.item()
+if rank == 1:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+dist.barrier()
+out["second"] = ck.save(2)
+ck.close()
+open(f"{sys.argv[2]}/rank{rank}.json", "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_a_save_that_fails_on_one_rank_is_skipped_by_every_rank(tmp_path: Path) -> None:
+    """DCP's save is collective: rank 1's failed write reaches rank 0 as the same
+    CheckpointException, both skip the save and meet in the next collective; once rank 1 can
+    write again, both save.  The failure is reported once, by rank 1, with its errno."""
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS)
+    ck = tmp_path / "ck"
+    agent = Receiver(tmp_path / "agent.sock")
+    try:
+        proc = subprocess.run(
+            [TORCHRUN, "--nproc_per_node=2", "--standalone", "--max-restarts=0",
+             "--monitor-interval=0.1", str(script), str(ck), str(tmp_path)],
+            cwd=tmp_path, env=worker_env(TRAINWARDEN_AGENT_SOCKET=agent.path),
+            capture_output=True, text=True, timeout=120)
+    finally:
+        agent.close()
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert results == {r: {"rank": r, "first": False, "after": 2.0, "second": True}
+                       for r in (0, 1)}, output[-3000:]
+    assert [(c.step, c.complete) for c in list_checkpoints(ck)] == [(2, True)]
+    assert not list(ck.glob("*.partial"))
+    [ev] = agent.of("event", WorkerEventName.CHECKPOINT_FAILED)
+    assert (ev["rank"], ev["step"], ev["details"]["ranks"]) == (1, 1, [1]), ev
+    # EFBIG, or torch.save's short write ("unexpected pos") that hides it
+    assert ev["details"]["errno"] == errno.EFBIG or "unexpected pos" in ev["details"]["error"]

@@ -143,9 +143,9 @@ def test_retention_frees_what_it_may_but_never_the_last_good_checkpoint(
 
 
 def test_a_short_write_without_errno_on_a_full_disk_is_a_full_disk(tmp_path: Path) -> None:
-    """torch.save's zip writer reports ENOSPC as "unexpected pos" (no errno): the room left
-    says what it was; DCP's exception carries every rank's failure, the errno of any rank
-    names the reason."""
+    """torch.save's zip writer reports ENOSPC as "unexpected pos" (no errno): a short write,
+    as is any failure with no room left; DCP's exception carries every rank's failure, the
+    errno of any rank names the reason."""
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     e = CheckpointException("CheckpointException ranks:dict_keys([0, 1])",
                             {0: (short, []), 1: (OSError(28, "No space left on device"), [])})
@@ -154,7 +154,9 @@ def test_a_short_write_without_errno_on_a_full_disk_is_a_full_disk(tmp_path: Pat
                                                         (0, 1), 0)
     assert f.error == "OSError: [Errno 28] No space left on device"
     only_short = CheckpointException("x", {0: (short, [])})
-    assert analyse(only_short, rank=0, root=tmp_path).reason == SaveFailureReason.OTHER
+    assert analyse(only_short, rank=0, root=tmp_path).reason == SaveFailureReason.DISK_FULL
+    other = CheckpointException("x", {0: (RuntimeError("something else"), [])})
+    assert analyse(other, rank=0, root=tmp_path).reason == SaveFailureReason.OTHER
     with tmpfs(tmp_path / "fs", "1m") as fs:
         fill(fs)
-        assert analyse(only_short, rank=0, root=fs / "ck").reason == SaveFailureReason.DISK_FULL
+        assert analyse(other, rank=0, root=fs / "ck").reason == SaveFailureReason.DISK_FULL
