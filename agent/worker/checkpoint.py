@@ -368,9 +368,11 @@ class Checkpointer:
         except BaseException as e:
             if not is_save_failure(e):
                 raise
-            # (DCP's failure reached every rank alike, here, together; an OS error of rank
-            # 0's finishing steps is rank 0's alone, and the other ranks went on without it)
-            self._failed(pending, e, together=isinstance(e, CheckpointException))
+            # (A synchronous save's DCP failure reached every rank alike, here, together; an
+            # OS error of rank 0's finishing steps is rank 0's alone, and the other ranks went
+            # on without it; an asynchronous save's staging is each rank's own.)
+            self._failed(pending, e, together=isinstance(e, CheckpointException)
+                         and not self.async_save)
             return False
         return True
 
