@@ -54,15 +54,19 @@ def run_gauges(sup: Supervisor, run: str) -> dict[str, float]:
             for s in fam.samples if s.labels.get("run") == run and len(s.labels) == 1}
 
 
+@pytest.mark.parametrize("saves", ["sync", "async"])
 def test_a_full_checkpoint_disk_costs_no_restart_and_saves_resume_once_room_returns(
-        supervisor: Supervisor, tmp_path: Path) -> None:
+        supervisor: Supervisor, tmp_path: Path, saves: str) -> None:
+    """Synchronous saves (the example's default) and asynchronous ones (each rank learns of
+    the failure at its own time, on the save's own process group)."""
     work = tmp_path / "work"
     with tmpfs(tmp_path / "ckfs", "3m") as fs:
         ck = fs / "ck"
         agent = Agent(supervisor.url, "diskfull", "node0", work, [
             "--nproc_per_node=2", "--standalone", *ddp_script(
                 *TRAIN, "--checkpoint-dir", str(ck), "--summary-json",
-                str(work / "summary.json"))])
+                str(work / "summary.json"),
+                *(["--async-checkpoint"] if saves == "async" else []))])
         try:
             wait_until(lambda: (r := supervisor.get_or_none("/runs/diskfull/checkpoints"))
                        and len(r["checkpoints"]) >= 2, 120, "the second checkpoint")
