@@ -335,8 +335,9 @@ class Checkpointer:
 
         Returns False when the save failed (its disk full, read-only or gone, or anything
         else DCP raised on every rank; see ``save_failure``): training goes on, the partial
-        save is removed and the failure reported (``_failed``); the next save tries again.  An asynchronous save's failure
-        is handled the same way once it is known (``poll``, ``wait``)."""
+        save is removed and the failure reported (``_failed``); the next save tries again.
+        An asynchronous save's failure is handled the same way once it is known (``poll``,
+        ``wait``)."""
         entered = time.monotonic()
         self.wait()  # one save in flight at a time
         if loss is not None:
