@@ -45,6 +45,9 @@ class FailureClass(StrEnum):
     USER_CODE = "user_code"  # a Python exception raised from the training script's own code
     MACHINE = "machine"  # a signal kill, OOM, a NCCL/gloo/c10d error, a lost peer or node
     UNKNOWN = "unknown"  # nothing to tell: no traceback, or one that says neither
+    # The file system the script writes to: full (ENOSPC, a quota) or read-only.  Neither
+    # the script's bug nor evidence against the machine, and a restart does not fix it.
+    STORAGE = "storage"
 
 
 class RootCauseSource(StrEnum):
@@ -149,16 +152,41 @@ def _parse_at(lines: list[str], h: int) -> tuple[RootCause | None, int]:
     end = i + 1
     while end < n and end - i <= TAIL_LINES and _CPP_CONTINUATION.match(lines[end]):
         end += 1  # a C++ error's source location and stack (what follows is another's)
+    message = (m.group("msg") or "").strip()
+    shown = min(end, i + 4)  # the C++ side's first lines only
+    if m.group("type").endswith("CheckpointException"):
+        end, failures = _rank_failures(lines, end)
+        shown = end
+        if failures:  # its message names only the ranks: say what the first one failed of
+            message += f" ({failures[0]})"
     user = next((f for f in reversed(frames) if is_user_file(f.file)), None)
     rc = RootCause(
         exc_type=_cut(m.group("type"), NAME_CHARS),
-        message=_cut((m.group("msg") or "").strip(), MESSAGE_CHARS),
+        message=_cut(message, MESSAGE_CHARS),
         frame=frames[-1] if frames else None,
         user_frame=user,
-        # The Python part whole (up to its bound), then the C++ side's first lines only.
-        traceback=_tail(lines[_chain_start(lines, h):i + 1] + lines[i + 1:min(end, i + 4)]),
+        # The Python part whole (up to its bound), then what follows the exception's line.
+        traceback=_tail(lines[_chain_start(lines, h):i + 1] + lines[i + 1:shown]),
     )
     return rc, end
+
+
+_RANK_HEADER = re.compile(r"^Traceback \(most recent call last\): \(RANK (\d+)\)\s*$")
+
+
+def _rank_failures(lines: list[str], start: int) -> tuple[int, list[str]]:
+    """DCP's ``CheckpointException`` prints each failed rank's traceback under its message
+    (``Traceback (most recent call last): (RANK 0)``, frames, the exception's line): the
+    line after them, and ``RANK 0: OSError: [Errno 28] ...`` for each."""
+    j, n, out = start, len(lines), []
+    while j < n and j - start <= TAIL_LINES and (mh := _RANK_HEADER.match(lines[j])):
+        j += 1
+        while j < n and (lines[j][:1].isspace() or not lines[j].strip()):
+            j += 1
+        if j < n and _EXC_RE.match(lines[j].rstrip()):
+            out.append(f"RANK {mh.group(1)}: {lines[j].strip()}")
+            j += 1
+    return j, out
 
 
 def _chain_start(lines: list[str], h: int) -> int:
@@ -388,11 +416,36 @@ _MACHINE_WORDS = re.compile(
     r"device-side assert|illegal memory access|no cuda gpus|socket", re.IGNORECASE)
 
 
+_STORAGE = {
+    "disk full": re.compile(r"\[Errno (?:28|122)\]|No space left on device|"
+                            r"Disk quota exceeded|\bENOSPC\b|\bEDQUOT\b", re.IGNORECASE),
+    "file system read-only": re.compile(r"\[Errno 30\]|Read-only file system|\bEROFS\b",
+                                        re.IGNORECASE),
+}
+
+
+def storage_failure(rc: RootCause | None) -> str | None:
+    """What the failure says of the disk it wrote to: ``"disk full"`` (ENOSPC, a quota),
+    ``"file system read-only"``, or None.  DCP's ``CheckpointException`` names only the
+    ranks in its message (``CheckpointException ranks:dict_keys([0, 1])``); each rank's own
+    failure is in its traceback, which is read too."""
+    if rc is None:
+        return None
+    said = f"{rc.exc_type}: {rc.message}"
+    if rc.exc_type.endswith("CheckpointException"):
+        said += "\n" + rc.traceback
+    return next((what for what, pattern in _STORAGE.items() if pattern.search(said)), None)
+
+
 def classify(rc: RootCause | None, *, exit_code: int | None = None,
              signal: int | None = None) -> FailureClass:
     """Whose fault: a signal kill (the OOM killer's SIGKILL included) or a distributed,
     memory or device error is the machine's; a Python exception raised from a frame of the
-    user's script (not inside torch.distributed) is the user's code; the rest is unknown."""
+    user's script (not inside torch.distributed) is the user's code; a full or read-only
+    disk is the storage's (``storage_failure``: DCP's save fails inside torch.distributed,
+    which would read as the machine's); the rest is unknown."""
+    if storage_failure(rc) is not None and not signal:
+        return FailureClass.STORAGE
     if rc is None or not has_traceback(rc):
         killed = bool(signal) or (exit_code is not None and exit_code < 0)
         # Without a traceback, the last line of stderr may still name the fabric or memory.

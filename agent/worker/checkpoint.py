@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -44,9 +45,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainwarden.agent.protocol import (
+    ENV_NODE,
     ENV_RESUME_PLAN,
     PIN_FILE,
     LRSchedule,
@@ -58,6 +61,12 @@ from trainwarden.agent.worker.data import ResumableLoader
 from trainwarden.agent.worker.distributed import collect_garbage_at_exit
 from trainwarden.agent.worker.elastic import resolve_declared_world_size
 from trainwarden.agent.worker.report import Reporter, current_attempt, get_reporter, training_done
+from trainwarden.agent.worker.save_failure import (
+    SaveFailure,
+    analyse,
+    human_bytes,
+    is_save_failure,
+)
 
 log = logging.getLogger("trainwarden")
 
@@ -288,6 +297,10 @@ class Checkpointer:
         self.lineage = f"a{self.attempt}"
         self._last_save = clock()
         self._pending: _PendingSave | None = None
+        # Saves failed since the last one that completed (rank 0 counts the completions),
+        # and the newest failure.
+        self.failed_saves = 0
+        self.last_failure: SaveFailure | None = None
         self._group = None
         if async_save and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
@@ -317,8 +330,14 @@ class Checkpointer:
         return self.lr_schedule.factor(step) if self.lr_schedule is not None else 1.0
 
     # ---- save ---------------------------------------------------------------------------
-    def save(self, step: int, *, loss: float | None = None) -> None:
-        """Save the state after ``step`` steps into ``step_<step>``.  Collective: every rank."""
+    def save(self, step: int, *, loss: float | None = None) -> bool:
+        """Save the state after ``step`` steps into ``step_<step>``.  Collective: every rank.
+
+        Returns False when the save failed (its disk full, read-only or gone, or anything
+        else DCP raised on every rank; see ``save_failure``): training goes on, the partial
+        save is removed and the failure reported (``_failed``); the next save tries again.
+        An asynchronous save's failure is handled the same way once it is known (``poll``,
+        ``wait``)."""
         entered = time.monotonic()
         self.wait()  # one save in flight at a time
         if loss is not None:
@@ -347,21 +366,23 @@ class Checkpointer:
             else:
                 dcp.save(state, checkpoint_id=str(partial))
                 self._finalize(pending)
-        except Exception as e:
-            self._failed(pending, e)
-            raise
+        except BaseException as e:
+            if not is_save_failure(e):
+                raise
+            # (A synchronous save's DCP failure reached every rank alike, here, together; an
+            # OS error of rank 0's finishing steps is rank 0's alone, and the other ranks went
+            # on without it; an asynchronous save's staging is each rank's own.)
+            self._failed(pending, e, together=isinstance(e, CheckpointException)
+                         and not self.async_save)
+            return False
+        return True
 
     def poll(self) -> None:
         """Finish a background save that is done (cheap when nothing is pending)."""
         p = self._pending
         if p is not None and p.future is not None and p.future.done():
             self._pending = None
-            try:
-                p.future.result()
-            except Exception as e:
-                self._failed(p, e)
-                return
-            self._finalize(p)
+            self._complete(p)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete."""
@@ -369,22 +390,59 @@ class Checkpointer:
         if p is None:
             return
         self._pending = None
+        self._complete(p)
+
+    def _complete(self, p: _PendingSave) -> None:
+        """A background save's outcome: finalised, or failed (its failure never raised into
+        training: DCP's reaches every rank alike, see ``save``)."""
         try:
             if p.future is not None:
                 p.future.result()
-        except Exception as e:
+            self._finalize(p)
+        except BaseException as e:
+            if not isinstance(e, Exception) and not is_save_failure(e):
+                raise  # (KeyboardInterrupt, SystemExit)
             self._failed(p, e)
-            return
-        self._finalize(p)
 
-    def _failed(self, p: _PendingSave, e: BaseException) -> None:
-        log.error("trainwarden: checkpoint at step %d failed: %s", p.step, e)
-        self.reporter.event(WorkerEventName.CHECKPOINT_FAILED, f"{type(e).__name__}: {e}",
-                            step=p.step,
-                            details={"path": str(p.final)})
+    def _failed(self, p: _PendingSave, e: BaseException, *, together: bool = False) -> None:
+        """A save that failed: remove what it wrote, report it once (from the lowest rank
+        that failed, so the node named is one whose disk failed), let retention free what
+        it may, and go on training.  The last good checkpoint is never touched.
+
+        ``together``: every rank is here for the same failure (a synchronous save's
+        ``CheckpointException``): each reads the room its disk has left, then they meet,
+        and only then rank 0 removes the partial save (which still takes that room).  An
+        asynchronous save's failure is known to each rank at its own time, so no rank waits
+        for another: a rank that reads the room after rank 0's cleanup sees it freed."""
+        failure = analyse(e, rank=self.rank, root=self.root)  # room left before the cleanup
+        self.failed_saves += 1
+        self.last_failure = failure
+        if together and self.world_size > 1:
+            dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(p.partial, ignore_errors=True)
+        log.error("trainwarden: %s: checkpoint step_%d not saved (%s); training goes on",
+                  failure.what, p.step, failure.error)
+        if self.rank == 0:
+            self.apply_retention()
+        if self.rank != failure.reporter:
+            return
+        good, _ = self.newest_complete()
+        node = os.environ.get(ENV_NODE) or socket.gethostname()
+        room = (f"{human_bytes(failure.free_bytes)} free of {human_bytes(failure.total_bytes)}"
+                if failure.free_bytes is not None else "free space unknown")
+        message = (f"{failure.what} on node {node}: step_{p.step} not saved to {self.root} "
+                   f"({failure.error}; {room}); training goes on, the last good checkpoint is "
+                   f"{good.name if good else 'none'}")
+        self.reporter.event(
+            WorkerEventName.CHECKPOINT_FAILED, message, step=p.step,
+            details=failure.details(path=str(p.final), root=str(self.root), node=node,
+                                    failed_saves=self.failed_saves,
+                                    last_good=str(good) if good else None))
 
     def _finalize(self, p: _PendingSave) -> None:
         if self.rank != 0:
+            self.failed_saves = 0  # (its part of the save is done; rank 0 finishes it)
             return
         v = validate_checkpoint(p.partial, require_meta=False)
         if not v.ok:
@@ -402,6 +460,7 @@ class Checkpointer:
         self.reporter.checkpoint(step=p.step, path=str(p.final.resolve()), nbytes=v.nbytes,
                                  save_s=save_s, async_save=self.async_save,
                                  lineage=self.lineage, stall_s=stall_s)
+        self.failed_saves = 0
         self.apply_retention()
 
     def _meta(self, step: int) -> dict[str, Any]:

@@ -512,7 +512,8 @@ class IncidentRecord(_Answer):
     failure_class: FailureClass | None = Field(
         None, description="a crash's: user_code (an exception raised from the training "
                           "script's own code), machine (a signal, OOM, NCCL/gloo, a lost "
-                          "node) or unknown; null for other incidents")
+                          "node), storage (a full or read-only checkpoint disk) or "
+                          "unknown; null for other incidents")
     root_cause: dict[str, Any] | None = Field(
         None, description="a crash's: the failed rank's exception (exc_type, message), its "
                           "innermost frame and innermost frame of the user's code (file, "

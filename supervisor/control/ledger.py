@@ -193,7 +193,7 @@ class HealthLedger:
             else:
                 what = f"failed a preflight ({failed})" if failed else "failed a preflight"
                 found = Found(node, EvidenceKind.PREFLIGHT_FAILED, {**detail, "what": what})
-        elif node_health.disk_fault(str(ev["message"] or "")):
+        elif node_health.disk_fault(str(ev["message"] or ""), details.get("reason")):
             found = Found(node, EvidenceKind.DISK_ERROR,
                           {**base, "path": details.get("path"),
                            "what": f"checkpoint save failed: {ev['message'][:200]}"})

@@ -391,6 +391,9 @@ def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | Non
     if rc is not None:  # the exception and where first: what the person paged reads
         cause = f"{rootcause.headline(rc, rank=rank, host=rc.host or ex.node)}; " \
                 f"{who} on {where} {what}"
+    disk = rootcause.storage_failure(rc)
+    if disk is not None and not sig:  # (a restart does not free a disk: say it first)
+        cause = f"checkpoint {disk} on node {ex.node}: {cause}"
     if ex.outcome == ExitOutcome.STOPPED:
         cause = f"worker group on node {ex.node} was stopped outside the supervisor ({what})"
     return cause, rank, code, sig

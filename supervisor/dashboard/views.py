@@ -81,7 +81,7 @@ def root_cause_of(incident: Mapping[str, Any]) -> dict[str, Any]:
     """A crash incident's root cause and whose fault it is, for the page (None: not kept)."""
     cls, rc = rootcause.of_incident(incident.get("details"))
     fault = {FailureClass.USER_CODE: "the training script", FailureClass.MACHINE: "the machine",
-             FailureClass.UNKNOWN: "unknown"}
+             FailureClass.STORAGE: "the checkpoint disk", FailureClass.UNKNOWN: "unknown"}
     return {"failure_class": cls, "fault": fault.get(cls) if cls else None,
             "root_cause": None if rc is None else rc.as_dict(),
             "stopped_by_rule": (incident.get("details") or {}).get("stop_rule")}

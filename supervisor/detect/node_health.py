@@ -30,7 +30,8 @@ What counts against a node, and as what (``EvidenceKind``):
   the hardware kind only; the application's own, 13/31/43/45, are the agent's to leave out).
 * ``preflight_failed``: a ``preflight`` event whose details say ``passed: false``.
 * ``disk_error``: a checkpoint save that failed on an I/O error or a read-only file system.
-  Not a full disk (the disk detector's business).
+  Not a full disk (the disk detector's business), neither a failed save nor a crash on one
+  (``rootcause.FailureClass.STORAGE``): a disk that fills says nothing against the machine.
 
 The rule (``CordonConfig``, the ``cordon`` settings), over the evidence of the last
 ``window_s`` seconds that came after the node's last uncordon: any failed preflight, any new
@@ -187,9 +188,18 @@ _DISK_FAULT = re.compile(r"\[Errno (?:5|30)\]|Input/output error|Read-only file 
                          r"\bEIO\b|\bEROFS\b", re.IGNORECASE)
 
 
-def disk_fault(message: str) -> bool:
-    """Whether a failed checkpoint save's message is the disk's fault (an I/O error, a file
-    system gone read-only), not the script's nor a full disk's."""
+# A failed save's ``reason`` (``trainwarden.agent.worker.save_failure``) that is the disk's
+# fault: a full disk is its filling's (another run's files, retention set too high), a
+# vanished directory its owner's.
+_DISK_FAULT_REASONS = frozenset({"io_error", "read_only"})
+
+
+def disk_fault(message: str, reason: Any = None) -> bool:
+    """Whether a failed checkpoint save is the disk's fault (an I/O error, a file system
+    gone read-only), not the script's nor a full disk's: by its ``reason`` where the worker
+    gave one, else by its message."""
+    if isinstance(reason, str):
+        return reason in _DISK_FAULT_REASONS
     return _DISK_FAULT.search(message) is not None
 
 

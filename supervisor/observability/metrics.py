@@ -113,6 +113,13 @@ class _Families:
                             labels=["run"])
         self.ckpt_age = g("trainwarden_run_checkpoint_age_seconds",
                           "Age of the newest complete checkpoint", labels=["run"])
+        self.ckpt_age_steps = g("trainwarden_run_checkpoint_age_steps",
+                                "Steps trained since the newest complete checkpoint (what a "
+                                "failure now would redo)", labels=["run"])
+        self.ckpt_failed = g("trainwarden_run_checkpoint_failed_saves",
+                             "Checkpoint saves failed since the newest complete checkpoint "
+                             "(a full, read-only or vanished disk; training goes on)",
+                             labels=["run"])
         self.restarts = CounterMetricFamily("trainwarden_run_restarts",
                                             "Restarts by cause", labels=["run", "cause"])
         self.budget = g("trainwarden_run_restart_budget_remaining",
@@ -212,7 +219,8 @@ class _Families:
 
     def all(self) -> list[Metric]:
         return [self.info, self.active, self.step, self.attempt, self.loss, self.throughput,
-                self.since_step, self.ckpt_age, self.restarts, self.budget, self.mfu,
+                self.since_step, self.ckpt_age, self.ckpt_age_steps, self.ckpt_failed,
+                self.restarts, self.budget, self.mfu,
                 self.goodput, self.productive, self.wall, self.badput, self.restart_phase,
                 self.incidents, self.spares, self.spares_configured, self.nodes_missing,
                 self.membership_epoch, self.world_nodes, self.declared_nodes,
@@ -278,6 +286,11 @@ class StoreCollector(Collector):
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run_id)
         if ckpt is not None:
             f.ckpt_age.add_metric([name], max(0.0, now - ckpt["t"]))
+            if newest is not None:  # (step N is the (N+1)th step; step_N holds N steps)
+                f.ckpt_age_steps.add_metric([name], max(0, int(newest["step"]) + 1
+                                                        - int(ckpt["step"])))
+        f.ckpt_failed.add_metric([name], rec.failed_saves_since(
+            conn, run_id=run_id, t=float(ckpt["t"]) if ckpt is not None else None))
         history = rec.restart_history(conn, run_id=run_id)
         restarts = policy.restart_counts(history)
         for cause, n in restarts.by_cause.items():

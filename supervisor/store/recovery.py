@@ -10,6 +10,7 @@ from typing import Any, cast
 from sqlalchemy import Connection, func, literal, select, update
 
 from trainwarden.agent.core.states import CommandStatus, ExitOutcome
+from trainwarden.agent.protocol import WorkerEventName
 from trainwarden.supervisor.enums import (
     IN_PROGRESS,
     ActionKind,
@@ -231,6 +232,18 @@ def newest_complete_checkpoint(conn: Connection, *, run_id: int) -> CheckpointRo
     )
     r = conn.execute(q).first()
     return cast(CheckpointRow, row(r)) if r else None
+
+
+def failed_saves_since(conn: Connection, *, run_id: int, t: float | None) -> int:
+    """Checkpoint saves the run's workers reported failed (``checkpoint_failed`` events)
+    after ``t`` (the newest complete checkpoint's time, None: since the start): the saves in
+    a row the run has gone without."""
+    e = events.c
+    q = select(func.count()).select_from(events).where(
+        e.run_id == run_id, e.name == WorkerEventName.CHECKPOINT_FAILED)
+    if t is not None:
+        q = q.where(e.t > t)
+    return int(conn.execute(q).scalar_one())
 
 
 def lineage_checkpoints(conn: Connection, *, run_id: int) -> list[tuple[int, float, str]]:

@@ -40,6 +40,8 @@ CONTRACT = {
     "trainwarden_run_throughput_samples_per_second",
     "trainwarden_run_seconds_since_last_step",
     "trainwarden_run_checkpoint_age_seconds",
+    "trainwarden_run_checkpoint_age_steps",
+    "trainwarden_run_checkpoint_failed_saves",
     "trainwarden_run_restarts_total",
     "trainwarden_run_restart_budget_remaining",
     "trainwarden_run_open_incidents",

@@ -26,7 +26,7 @@ RUN_GAUGES = [
     "trainwarden_run_attempt", "trainwarden_run_loss",
     "trainwarden_run_throughput_samples_per_second", "trainwarden_run_seconds_since_last_step",
     "trainwarden_run_checkpoint_age_seconds", "trainwarden_run_restart_budget_remaining",
-    "trainwarden_run_restarts_without_progress",
+    "trainwarden_run_restarts_without_progress", "trainwarden_run_checkpoint_failed_saves",
 ]
 
 
@@ -74,6 +74,9 @@ def test_metrics_carry_the_contract_for_an_ingested_run(
                               run="alpha"), 32.0)
     assert value(samples, "trainwarden_run_seconds_since_last_step", run="alpha") == 11.0
     assert value(samples, "trainwarden_run_checkpoint_age_seconds", run="alpha") == 20.0
+    # steps 0..29 trained, step_20 holds the first 20: a failure now redoes 10
+    assert value(samples, "trainwarden_run_checkpoint_age_steps", run="alpha") == 10
+    assert value(samples, "trainwarden_run_checkpoint_failed_saves", run="alpha") == 0
     for cause in ("crash", "hang", "node_lost", "spike"):
         assert value(samples, "trainwarden_run_restart_budget_remaining", run="alpha",
                      cause=cause) == 3
@@ -242,3 +245,25 @@ def test_metrics_follow_the_read_rule(db: Database, clock: FakeClock) -> None:
         scrape(client, {"Authorization": "Bearer agent-secret"})
     with TestClient(build_app(db, clock, public_reads=True)) as client:
         scrape(client, {})
+
+
+def test_failed_saves_and_the_exposure_grow_until_a_save_completes(
+        client: TestClient, clock: FakeClock) -> None:
+    """A full checkpoint disk: each failed save counts, the steps and seconds since the last
+    good checkpoint grow; the next complete checkpoint resets the count."""
+    run = SynthRun(client, "full").register()
+    run.train(range(21), t0=T0, checkpoint_every=20)
+    for step in (30, 40):
+        run.event(0, "checkpoint_failed", t=T0 + step, attempt=0, rank=0, step=step,
+                  details={"reason": "disk_full", "errno": 28, "path": f"/ckpt/step_{step}"})
+    run.train(range(21, 45), t0=T0)
+    clock.now = T0 + 50
+    samples = scrape(client)
+    assert value(samples, "trainwarden_run_checkpoint_failed_saves", run="full") == 2
+    assert value(samples, "trainwarden_run_checkpoint_age_steps", run="full") == 25
+    assert value(samples, "trainwarden_run_checkpoint_age_seconds", run="full") == 30.0
+    run.train(range(45, 51), t0=T0, checkpoint_every=50)  # room again: step_50 completes
+    clock.now = T0 + 51
+    samples = scrape(client)
+    assert value(samples, "trainwarden_run_checkpoint_failed_saves", run="full") == 0
+    assert value(samples, "trainwarden_run_checkpoint_age_steps", run="full") == 1

@@ -322,3 +322,44 @@ def test_an_identical_failure_stops_the_run_through_the_store(
     page = client.get("/runs/r1", headers=OPERATOR).text
     assert "The same failure (the same rank, exit code, last lines of stderr and step)" in page
     assert "read from stderr_tail" in page and "usage: t.py [-h]" in page
+
+
+# What rank 1 printed when the DDP example's dcp.save found its checkpoint disk full (the
+# shape of the torchrun run in issue 38: DCP raised on every rank, naming only the ranks).
+DCP_DISK_FULL = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/home/u/examples/train_ddp.py", line 128, in <module>
+[rank1]:     main()
+[rank1]:   File "/home/u/examples/train_ddp.py", line 117, in main
+[rank1]:     dcp.save(state, checkpoint_id=path)
+[rank1]:   File "/v/torch/distributed/checkpoint/state_dict_saver.py", line 513, in _save
+[rank1]:     metadata = distW.all_reduce("write", write_data, finish_checkpoint)
+[rank1]:   File "/v/torch/distributed/checkpoint/utils.py", line 263, in all_reduce
+[rank1]:     raise final_result
+[rank1]: torch.distributed.checkpoint.api.CheckpointException: CheckpointException \
+ranks:dict_keys([0, 1])
+[rank1]: Traceback (most recent call last): (RANK 0)
+[rank1]:   File "/v/torch/distributed/checkpoint/filesystem.py", line 520, in create_stream
+[rank1]:     with path.open(mode) as stream:
+[rank1]: OSError: [Errno 28] No space left on device
+"""
+
+
+def test_a_crash_on_a_full_checkpoint_disk_is_the_storages_and_says_so() -> None:
+    """Issue 38: classed ``machine`` (DCP raises inside torch.distributed), the incident said
+    only ``CheckpointException ranks:dict_keys([0, 1])``."""
+    rc = rootcause.from_stderr(DCP_DISK_FULL, rank=1, sole_failure=False)
+    assert rc is not None and rc.exc_type.endswith("CheckpointException")
+    assert rootcause.storage_failure(rc) == "disk full"
+    assert rootcause.classify(rc, exit_code=1) == rootcause.FailureClass.STORAGE
+    assert rootcause.fingerprint(rc, exit_code=1) is None  # not the script's bug
+    d = decide(exit_(failed(rc.as_dict())), previous=None)
+    assert isinstance(d, policy.Restart) and d.incident is not None
+    assert d.incident.cause.startswith("checkpoint disk full on node node1: "), d.incident.cause
+    assert "(RANK 0: OSError: [Errno 28] No space left on device)" in d.incident.cause
+    assert d.incident.details["failure_class"] == "storage"
+    read_only = root(exc="OSError", msg="[Errno 30] Read-only file system: '/ck/step_10'")
+    assert rootcause.classify(rootcause.from_dict(read_only)) == rootcause.FailureClass.STORAGE
+    assert rootcause.storage_failure(rootcause.from_dict(root())) is None
+    # A rank killed by a signal is the signal's, whatever it printed before.
+    assert rootcause.classify(rc, signal=9) == rootcause.FailureClass.MACHINE

@@ -187,6 +187,20 @@ def test_preflight_results_and_disk_faults() -> None:
     assert disk_fault("OSError: [Errno 30] Read-only file system: '/ck'")
     assert not disk_fault("OSError: [Errno 28] No space left on device")
     assert not disk_fault("PicklingError: Can't pickle <lambda>")
+    # The worker's reason, where it gives one, decides (its message may name any path).
+    assert not disk_fault("checkpoint disk full on node n0: ... [Errno 5]", "disk_full")
+    assert disk_fault("checkpoint file system read-only on node n0", "read_only")
+    assert disk_fault("checkpoint disk I/O error on node n0", "io_error")
+    assert not disk_fault("checkpoint directory gone on node n0", "vanished")
+
+
+def test_a_crash_on_a_full_checkpoint_disk_is_no_evidence_against_the_node() -> None:
+    details = {"failure_class": "storage", "root_cause": {
+        "exc_type": "torch.distributed.checkpoint.api.CheckpointException",
+        "message": "CheckpointException ranks:dict_keys([0, 1])", "frame": None,
+        "user_frame": None, "traceback": "OSError: [Errno 28] No space left on device"}}
+    assert incident_evidence(IncidentKind.CRASH, node="n0", rank=0, cause="disk full",
+                             details=details, rank_nodes={}, exit_code=1) == []
 
 
 def reading(*devices: dict[str, Any]) -> dict[str, Any]:
