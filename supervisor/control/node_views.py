@@ -35,8 +35,15 @@ def node_views(conn: Connection, *, run: RunRow, agents: Sequence[AgentRow], now
             role = NodeRole.SPARE
         out[int(a["id"])] = node_view(NodeFacts(
             role=role, reported=str(a["state"] or ""), last_seen_at=float(a["last_seen_at"]),
-            replaced=a["node"] in replaced, lost_at=lost.get(str(a["node"]))), facts)
+            replaced=a["node"] in replaced,
+            # (its death confirmed, kept with the agent; else an open node-lost incident's)
+            lost_at=_confirmed(a) or lost.get(str(a["node"]))), facts)
     return out
+
+
+def _confirmed(a: AgentRow) -> float | None:
+    t = dict(a).get("lost_at")
+    return float(t) if isinstance(t, int | float) else None
 
 
 def condition_of(conn: Connection, *, run: RunRow) -> RunCondition | None:
