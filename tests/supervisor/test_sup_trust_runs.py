@@ -9,11 +9,9 @@ from __future__ import annotations
 import gc
 import time
 import tracemalloc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tests.supervisor.sup_helpers import (
@@ -29,6 +27,7 @@ from tests.supervisor.sup_helpers import (
     store_snapshot,
 )
 from trainwarden.agent.core.launch import MAX_NNODES
+from trainwarden.supervisor.config import SupervisorSettings
 from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.control.ledger import GPU_EVERY_S
 from trainwarden.supervisor.server.app import create_app
@@ -39,21 +38,9 @@ CRED = "X-Trainwarden-Agent-Credential"
 
 
 @pytest.fixture
-def app(db: Database, clock: FakeClock) -> FastAPI:
-    return create_app(make_settings(admin_token=ADMIN_TOKEN), db=db, clock=clock,
-                      upgrade_schema=False, start_evaluator=False)
-
-
-@pytest.fixture
-def client(app: FastAPI) -> Iterator[TestClient]:
-    with TestClient(app, raise_server_exceptions=False) as c:
-        yield c
-
-
-@pytest.fixture
-def evaluator(app: FastAPI) -> Evaluator:
-    ev: Evaluator = app.state.evaluator
-    return ev
+def settings() -> SupervisorSettings:
+    """The conftest's app, client and evaluator, with an admin token (tokens are minted)."""
+    return make_settings(admin_token=ADMIN_TOKEN)
 
 
 def token(client: TestClient, name: str, role: str, scope: str | None) -> dict[str, str]:
@@ -375,7 +362,6 @@ def test_a_job_token_minted_as_the_security_page_shows(
 
     from tests.dashboard.browser import serve_in_thread
     from trainwarden.supervisor.cli import main as cli
-    from trainwarden.supervisor.config import SupervisorSettings
 
     monkeypatch.setenv("TRAINWARDEN_AUTH_SCOPED_AGENTS_ONLY", "true")
     monkeypatch.setenv("TRAINWARDEN_ADMIN_TOKEN", ADMIN_TOKEN)
