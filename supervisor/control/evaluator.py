@@ -574,8 +574,9 @@ class Evaluator:
     def _on_exit(self, conn: Connection, run: RunRow, ex: ExitRow, now: float
                  ) -> policy.Decision:
         """The policy's decision on one exit, given the run's state in the store."""
-        agent_ids = frozenset(a["id"] for a in registry.run_agents(conn, run_id=run["id"])
-                              if a["role"] == NodeRole.MEMBER)  # a spare runs nothing
+        members = [a for a in registry.run_agents(conn, run_id=run["id"])
+                   if a["role"] == NodeRole.MEMBER]  # a spare runs nothing
+        agent_ids = frozenset(a["id"] for a in members)
         ckpt = rec.newest_complete_checkpoint(conn, run_id=run["id"])
         pending = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
         restart_pending = pending is not None and pending["status"] in (
@@ -586,10 +587,8 @@ class Evaluator:
             conn, run_id=run["id"], attempt=attempt if restart_pending else run["attempt"])
         lost = lost_deadline(self.detection, self.advised_batch_interval())
         silent = silent_members(
-            {a["node"]: float(a["last_seen_at"] or 0.0)
-             for a in registry.run_agents(conn, run_id=run["id"])
-             if a["role"] == NodeRole.MEMBER and a["id"] != ex["agent_id"]
-             and a["state"] in LIVE_AGENT_STATES},
+            {a["node"]: float(a["last_seen_at"] or 0.0) for a in members
+             if a["id"] != ex["agent_id"] and a["state"] in LIVE_AGENT_STATES},
             now, lost, observing_since=self.observing_since) if attempt == run["attempt"] else {}
         first = self._held_exits.setdefault(int(ex["id"]), now)
         return policy.on_exit(
