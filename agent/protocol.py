@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Literal, NotRequired, TypedDict
 
+from trainwarden.agent.core.rootcause import RootCauseSource
 from trainwarden.agent.core.states import (
     AgentState,
     CommandKind,
@@ -457,6 +458,42 @@ class HeartbeatItem(TypedDict, total=False):
     gpus: dict[str, Any]
 
 
+class RootFrame(TypedDict):
+    """A traceback frame (``trainwarden.agent.core.rootcause.Frame``)."""
+
+    file: str
+    line: int
+    function: str
+
+
+class RootCause(TypedDict, total=False):
+    """Why a rank failed, as the agent read it from what the worker left
+    (``trainwarden.agent.core.rootcause.RootCause.as_dict``)."""
+
+    exc_type: str
+    message: str
+    frame: RootFrame | None  # the innermost frame
+    user_frame: RootFrame | None  # the innermost frame of the user's code
+    traceback: str  # its last lines
+    source: RootCauseSource | None
+    rank: int | None
+    host: str | None
+
+
+class FailedRank(TypedDict, total=False):
+    """One failed worker of an exit, as torchrun's error summary names it (the supervisor
+    keeps further keys as they are)."""
+
+    rank: int | None
+    local_rank: int | None
+    exit_code: int | None
+    signal: int | None
+    pid: int | None
+    message: str | None  # the worker's own last words, from its stderr
+    root_cause: RootCause | None
+    launcher: bool | None  # torchrun itself failed before any worker did (rank is None)
+
+
 class ExitItem(TypedDict, total=False):
     """torchrun (the local worker group) ended."""
 
@@ -466,7 +503,7 @@ class ExitItem(TypedDict, total=False):
     exit_code: int | None
     signal: int | None
     outcome: ExitOutcome
-    failed_ranks: list[dict[str, Any]]  # {rank, local_rank, exit_code, signal, pid, message}
+    failed_ranks: list[FailedRank]
 
 
 class CommandResultItem(TypedDict, total=False):

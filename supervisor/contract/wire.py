@@ -1,12 +1,15 @@
 """Pydantic models mirroring ``agent/protocol.py`` (the agent <-> supervisor HTTP shapes).
 
+The protocol's TypedDicts are the wire's definition (standard library only: the agent and the
+in-training library import them); these models add what only the supervisor needs, the
+bounds and the cleaning of untrusted text.  ``tests/supervisor/contract/test_sup_wire.py``
+pairs every model here with its TypedDict and fails on any field or type that differs.
+
 The supervisor validates every request against these before anything is stored.  Unknown
 fields are ignored (a newer agent may send more), unknown item types are refused (the batch
 would otherwise be half understood).  Every number and text field is bounded by
 ``trainwarden.supervisor.contract.limits`` (what both stores hold; the OpenAPI documents the
-bounds):
-durations
-must be finite; an agent's times may be any number (ingest checks them against its own
+bounds): durations must be finite; an agent's times may be any number (ingest checks them against its own
 clock); loss and grad norm keep NaN/Infinity (a NaN loss is a signal).
 """
 

@@ -1,7 +1,7 @@
-"""``supervisor/contract/wire.py`` (pydantic, what the supervisor validates) against
-``agent/protocol.py``
-(TypedDicts, what the agent sends and reads): every field of each message is on both sides with
-a compatible type, so the two cannot drift apart unnoticed."""
+"""``agent/protocol.py`` (TypedDicts, what the agent sends and reads: the wire's definition)
+against ``supervisor/contract/wire.py`` (pydantic, what the supervisor validates and answers
+with): every field of each message, nested ones included, is on both sides with a compatible
+type, so the two cannot drift apart unnoticed."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ PAIRS: dict[Any, type[BaseModel]] = {
     protocol.Command: wire.CommandOut,
     protocol.IngestReply: wire.IngestReply,
     protocol.MembershipView: wire.MembershipOut,
+    protocol.FailedRank: wire.FailedRank,
+    protocol.RootCause: wire.RootCause,
+    protocol.RootFrame: wire.RootFrame,
 }
 
 
@@ -102,6 +105,15 @@ def test_every_item_kind_of_a_batch_has_its_protocol_message() -> None:
     assert kinds == {wire.StepItem, wire.EventItem, wire.CheckpointItem, wire.HeartbeatItem,
                      wire.ExitItem, wire.CommandResultItem}
     assert kinds <= set(PAIRS.values())
+
+
+def test_every_model_of_the_wire_has_its_protocol_definition() -> None:
+    """A model added to the supervisor's side of the wire without its TypedDict in the
+    agent's protocol is a drift too."""
+    models = {m for m in vars(wire).values()
+              if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == wire.__name__
+              and not m.__name__.startswith("_")}
+    assert sorted(m.__name__ for m in models - set(PAIRS.values())) == []
 
 
 def test_the_check_sees_a_drift() -> None:
