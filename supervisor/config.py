@@ -4,7 +4,7 @@ configs.
 Each section is the config class of the component it configures, and holds its defaults:
 
 * ``server``, ``auth``: the HTTP service (this module); ``http``: its deadlines for slow and
-  idle clients (``server.httpguard.HttpConfig``);
+  idle clients (``HttpConfig``, read by ``server.httpguard``);
 * ``db``: the store (``store.db.StoreConfig``); ``ingest``: what agent batches must satisfy
   (``store.ingest.IngestConfig``: the agent-clock rule); ``evaluator``: the loop
   (``control.evaluator.EvaluatorConfig``); ``lease``: which of several replicas on one
@@ -70,7 +70,6 @@ from trainwarden.supervisor.detect import (
 from trainwarden.supervisor.detect.disk import DiskConfig
 from trainwarden.supervisor.detect.node_health import CordonConfig
 from trainwarden.supervisor.detect.overload import OverloadConfig
-from trainwarden.supervisor.server.httpguard import HttpConfig
 from trainwarden.supervisor.store.db import StoreConfig
 from trainwarden.supervisor.store.ingest import IngestConfig
 
@@ -99,6 +98,23 @@ class ServerConfig:
     max_body_bytes: int = bounded(4 * 1024 * 1024, ge=1024)
     heartbeat_interval_s: float = bounded(1.0, gt=0)  # told to agents at registration
     log_level: str = "info"  # uvicorn's and the supervisor's log level
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """Slow and idle clients (the settings' ``http`` section)."""
+
+    SECTION: ClassVar[str] = "http"
+
+    # a request's headers complete within this (else 408)
+    header_timeout_s: float = bounded(10.0, gt=0)
+    body_timeout_s: float = bounded(30.0, gt=0)  # its body within this of the headers (else 408)
+    keep_alive_s: int = bounded(5, ge=1)  # an idle keep-alive connection is closed after this
+    # past this many open connections requests get 503
+    max_connections: int = bounded(2048, ge=1)
 
     def __post_init__(self) -> None:
         check(self)

@@ -149,16 +149,16 @@ async def ingest(request: Request, auth: AgentAuth) -> Response:
     must keep (``protect``).
 
     The hot path, kept lean on purpose: it is answered ahead of the middleware stack
-    (``trainwarden.supervisor.ingest.fast_path``), the body is validated straight from its bytes by
-    pydantic (NaN/Infinity tokens accepted), batches are stored by the ingest writer's group
-    commit (``trainwarden.supervisor.ingest.writer``), and the reply is rendered here."""
+    (``trainwarden.supervisor.server.ingest_path``), the body is validated straight from its
+    bytes by pydantic (NaN/Infinity tokens accepted), batches are stored by the ingest writer's
+    group commit (``trainwarden.supervisor.ingest.writer``), and the reply is rendered here."""
     return await store_batch(request, await request.body(), auth)
 
 
 async def store_batch(request: Request, body: bytes, principal: Principal) -> Response:
     """The ingest route's work once its token is checked: validate ``body``, check the
     agent's credential, store the batch and render the reply.
-    ``trainwarden.supervisor.ingest.fast_path``
+    ``trainwarden.supervisor.server.ingest_path``
     calls it ahead of the middleware stack; the route above is the same for a caller that
     reaches the router.  ``principal``: the token's (its scope must cover the agent's run).
     Raises ``HTTPException`` (403, 404) as a route does."""

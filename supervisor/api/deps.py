@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, HTTPException, Request, status
 
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.config import AuthConfig, SupervisorSettings
-from trainwarden.supervisor.control.evaluator import Clock
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import Role
 from trainwarden.supervisor.ingest.writer import IngestWriter

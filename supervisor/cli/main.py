@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "agent":
         return _cmd_agent(argv[1:])
     if argv and argv[0] == "plan":  # standard library only: runs where only the agent is
-        from trainwarden.supervisor.goodput import plan_cli
+        from trainwarden.supervisor.cli import plan as plan_cli
 
         return plan_cli.main(argv[1:])
     # The server's commands: their extra first (the flags come from its settings model).

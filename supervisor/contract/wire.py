@@ -9,8 +9,8 @@ The supervisor validates every request against these before anything is stored. 
 fields are ignored (a newer agent may send more), unknown item types are refused (the batch
 would otherwise be half understood).  Every number and text field is bounded by
 ``trainwarden.supervisor.contract.limits`` (what both stores hold; the OpenAPI documents the
-bounds): durations must be finite; an agent's times may be any number (ingest checks them against its own
-clock); loss and grad norm keep NaN/Infinity (a NaN loss is a signal).
+bounds): durations must be finite; an agent's times may be any number (ingest checks them
+against its own clock); loss and grad norm keep NaN/Infinity (a NaN loss is a signal).
 """
 
 from __future__ import annotations

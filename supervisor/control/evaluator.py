@@ -29,6 +29,7 @@ from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.agent.core.states import LIVE_AGENT_STATES, NodeRole
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.control import actions, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
 from trainwarden.supervisor.control.goodput_feed import GoodputFeed
@@ -66,7 +67,6 @@ from trainwarden.supervisor.store.rows import ExitRow, IncidentRow, NodeEventRow
 
 log = logging.getLogger("trainwarden.evaluator")
 
-Clock = Callable[[], float]
 
 
 # Worker events that end an attempt, with the incident kind they open.  A "distributed_error"

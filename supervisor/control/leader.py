@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypedDict
 
 from trainwarden.agent.core.bounds import bounded, check, cross_check
-from trainwarden.supervisor.control.evaluator import Clock, Evaluator
+from trainwarden.supervisor.clock import Clock
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.store import lease
 from trainwarden.supervisor.store.db import Connection, Database
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainwarden.supervisor import heap
 from trainwarden.supervisor.control.detection import (
     DetectionConfig,
     PhaseWindow,
@@ -38,7 +39,6 @@ from trainwarden.supervisor.control.detection import (
 )
 from trainwarden.supervisor.detect import Finding
 from trainwarden.supervisor.enums import IncidentKind, IncidentStatus
-from trainwarden.supervisor.server import heap
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store import registry, windows
 from trainwarden.supervisor.store.db import Connection, Database, make_database
@@ -244,7 +244,7 @@ def _child_main(conn: multiprocessing.connection.Connection, url: str,
         os.nice(CHILD_NICE)
     db = make_database(url, pool_size=2)
     observer = Observer(detection)
-    heap.settle()  # its windows are long-lived too: see trainwarden.supervisor.server.heap
+    heap.settle()  # its windows are long-lived too: see trainwarden.supervisor.heap
     try:
         while True:
             try:

@@ -6,7 +6,8 @@
 * ``anatomy``: seconds per phase of a restart from its milestones;
 * ``interval``: checkpoint-interval advice (Young/Daly, Meta's expected-ETTR model);
 * ``mfu``: MFU bands, per-rank step shares, scaling efficiency and its usual causes;
-* ``plan``: the capacity planner behind ``trainwarden plan`` (``plan_cli``: its command line);
+* ``plan``: the capacity planner behind ``trainwarden plan`` (its command line:
+  ``trainwarden.supervisor.cli.plan``);
 * ``simulate``: a long run under a failure schedule, as an event stream for the accumulator.
 * ``elastic``: a node lost with no spare free: the training lost waiting for a node or
   shrinking to the nodes left, and which to choose.

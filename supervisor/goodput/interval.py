@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from trainwarden.agent.core.bounds import bound, bounded, check
-from trainwarden.supervisor.cli.tables import duration
+from trainwarden.supervisor.goodput.units import duration
 
 # Where the failure rate comes from: the run's own failures, the prior, or neither.
 RateSource = Literal["observed", "prior", "none"]

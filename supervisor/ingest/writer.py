@@ -27,8 +27,8 @@ import queue
 import threading
 from typing import Any
 
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.contract import wire
-from trainwarden.supervisor.control.evaluator import Clock
 from trainwarden.supervisor.store.db import Database
 from trainwarden.supervisor.store.ingest import IngestConfig, IngestResult, ingest_batches
 

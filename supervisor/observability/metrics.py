@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request, Response, status
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -44,13 +44,11 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from trainwarden.supervisor.api.deps import ReadAuth, reads_are_public
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.control import actions, detection, policy
-from trainwarden.supervisor.control.evaluator import Clock
 from trainwarden.supervisor.detect.node_lost import NodeLostConfig
 from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import ACTIVE_STATUSES, Actor, HostState, IncidentKind
@@ -384,7 +382,7 @@ class StoreCollector(Collector):
 class RequestCounters:
     """The request counter (by method, route template and status) and the ingest latency
     histogram, shared by ``RequestMetrics`` and the ingest route's own path
-    (``trainwarden.supervisor.ingest.fast_path``)."""
+    (``trainwarden.supervisor.server.ingest_path``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("trainwarden_http_requests", "HTTP requests",
@@ -504,15 +502,17 @@ class LeaderCollector(Collector):
 
 
 def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.PolicyConfig,
-            straggler: StragglerConfig, prefix: str = "",
+            straggler: StragglerConfig,
             goodput: Callable[[int], dict[str, Any] | None] | None = None,
             judge_failures: Mapping[int, int] | None = None,
             live_s: float = NodeLostConfig().deadline_s,
             overload: Callable[[], tuple[bool, float | None]] | None = None,
             leader: Callable[[], Mapping[str, Any]] | None = None,
             ) -> CollectorRegistry:
-    """Add the request middleware and ``GET /metrics`` (read auth) to ``app``; the policy's
-    and the straggler detector's configuration are the ones the evaluator decides with."""
+    """Add the request middleware to ``app`` and keep the registry ``GET /metrics``
+    (``trainwarden.supervisor.api.metrics``) exposes in ``app.state.metrics_registry``; the
+    policy's and the straggler detector's configuration are the ones the evaluator decides
+    with."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(db, clock, policy_cfg=policy_cfg, straggler=straggler,
                                      goodput=goodput, judge_failures=judge_failures,
@@ -524,19 +524,5 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
     counters = RequestCounters(registry)
     app.add_middleware(RequestMetrics, counters=counters)
     app.state.request_counters = counters
-    router = APIRouter(tags=["metrics"])
-
-    @router.get("/metrics", response_class=Response, include_in_schema=True)
-    def metrics(request: Request, auth: ReadAuth) -> Response:
-        """Prometheus text exposition (store gauges read at scrape time).  Every run is in
-        it: a token scoped to some runs is refused (403) unless reads are public."""
-        if auth.scope is not None and not reads_are_public(request):
-            raise HTTPException(
-                status.HTTP_403_FORBIDDEN,
-                f"token {auth.token!r} is scoped to {auth.scope!r}: /metrics holds every "
-                "run; scrape it with an unscoped viewer token")
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    app.include_router(router, prefix=prefix)
     app.state.metrics_registry = registry
     return registry

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from trainwarden.supervisor import dashboard
 from trainwarden.supervisor.api import agents, hosts, rollback, runs, tokens
+from trainwarden.supervisor.api import metrics as api_metrics
 from trainwarden.supervisor.api.deps import (
     CREDENTIAL_REFRESH_S,
     DB,
@@ -26,17 +27,18 @@ from trainwarden.supervisor.api.deps import (
 from trainwarden.supervisor.api.errors import SafeJSONResponse, validation_error_response
 from trainwarden.supervisor.api.json_bodies import JsonApiBodies
 from trainwarden.supervisor.api.responses import EvaluatorStatus, Health, documented
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.config import SupervisorSettings
 from trainwarden.supervisor.contract import wire
 from trainwarden.supervisor.contract.limits import BodySizeLimit
-from trainwarden.supervisor.control.evaluator import Clock, Evaluator
+from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.control.leader import Leadership, LedEvaluator
 from trainwarden.supervisor.control.observer import ObserverProcess, can_run_apart
 from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
-from trainwarden.supervisor.ingest.fast_path import IngestPath
 from trainwarden.supervisor.ingest.writer import IngestWriter
 from trainwarden.supervisor.observability import metrics
 from trainwarden.supervisor.server.headers import SecurityHeaders
+from trainwarden.supervisor.server.ingest_path import IngestPath
 from trainwarden.supervisor.store import lease as lease_store
 from trainwarden.supervisor.store import reads
 from trainwarden.supervisor.store.db import Database, make_database
@@ -209,6 +211,7 @@ def create_app(
                     straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
                     judge_failures=evaluator.run_failures, overload=evaluator.overload_state,
                     leader=leadership.status, live_s=settings.node_lost.deadline_s)
+    app.include_router(api_metrics.router)
     app.add_middleware(SecurityHeaders)  # on every response, 413s and /metrics too
     # Ahead of everything, FastAPI's own layers too: the ingest route, answered without the
     # stack (it does what the stack's layers would do for it itself).

@@ -25,29 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any, ClassVar
-
-from trainwarden.agent.core.bounds import bounded, check
+from typing import Any
 
 log = logging.getLogger("trainwarden.supervisor")
 
-
-@dataclass(frozen=True)
-class HttpConfig:
-    """Slow and idle clients (the settings' ``http`` section)."""
-
-    SECTION: ClassVar[str] = "http"
-
-    # a request's headers complete within this (else 408)
-    header_timeout_s: float = bounded(10.0, gt=0)
-    body_timeout_s: float = bounded(30.0, gt=0)  # its body within this of the headers (else 408)
-    keep_alive_s: int = bounded(5, ge=1)  # an idle keep-alive connection is closed after this
-    # past this many open connections requests get 503
-    max_connections: int = bounded(2048, ge=1)
-
-    def __post_init__(self) -> None:
-        check(self)
 
 _408_BODY = b"request not received in time\n"
 _408 = (b"HTTP/1.1 408 Request Timeout\r\n"

@@ -11,8 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from trainwarden.supervisor import heap
 from trainwarden.supervisor.config import SupervisorSettings
-from trainwarden.supervisor.server import heap
 from trainwarden.supervisor.server.app import create_app
 from trainwarden.supervisor.server.httpguard import guarded_protocol
 from trainwarden.supervisor.store.db import open_error

@@ -18,9 +18,8 @@ import uvicorn
 
 from tests.dashboard.browser import supervisor_process
 from tests.waiting import wait_for
-from trainwarden.supervisor.config import SupervisorSettings
+from trainwarden.supervisor.config import HttpConfig, SupervisorSettings
 from trainwarden.supervisor.server.app import create_app
-from trainwarden.supervisor.server.httpguard import HttpConfig
 from trainwarden.supervisor.server.serve import uvicorn_config
 
 AGENT_TOKEN, OPERATOR_TOKEN = "agent-secret", "operator-secret"

@@ -1,5 +1,5 @@
 """The supervisor's processes settle their heap once started
-(``trainwarden.supervisor.server.heap``): what
+(``trainwarden.supervisor.heap``): what
 startup left alive is frozen out of the collector's walks, and a young collection waits for
 ``YOUNG_OBJECTS`` net new objects (at 2,048 agents the default schedule stopped the event
 loop for 100-165 ms every 2-3 s)."""
@@ -13,14 +13,14 @@ from pathlib import Path
 
 from tests.dashboard.browser import supervisor_process
 from tests.waiting import wait_for
-from trainwarden.supervisor.server import heap
+from trainwarden.supervisor import heap
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def test_settle_freezes_the_startup_heap_and_widens_the_young_generation() -> None:
     # In a process of its own: the test process's collector is left as it is.
-    code = ("import gc, json; from trainwarden.supervisor.server import heap; "
+    code = ("import gc, json; from trainwarden.supervisor import heap; "
             "import trainwarden.supervisor.server.app; "
             "before = gc.get_threshold(); n = heap.settle(); "
             "print(json.dumps([n, gc.get_freeze_count(), gc.get_threshold(), before]))")

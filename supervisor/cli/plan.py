@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from trainwarden.supervisor.cli.tables import duration as _dur
 from trainwarden.supervisor.cli.tables import printable, table
 from trainwarden.supervisor.goodput import plan as pl
+from trainwarden.supervisor.goodput.units import duration as _dur
 
 _DEFAULTS = pl.PlanInputs(params=1.0)  # the planner's defaults, read for the help texts
 

@@ -22,9 +22,9 @@ from tests.supervisor.sup_helpers import (
     register,
     step,
 )
-from trainwarden.supervisor.ingest.fast_path import IngestPath
 from trainwarden.supervisor.observability.metrics import INGEST_PATH, RequestCounters
 from trainwarden.supervisor.server.headers import HEADERS
+from trainwarden.supervisor.server.ingest_path import IngestPath
 from trainwarden.supervisor.store.db import Database
 
 
