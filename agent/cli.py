@@ -117,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         min_nodes=getattr(args, "min_nodes", None),
         preflight=args.preflight,
         preflight_timeout_s=args.preflight_timeout,
+        # (the optional settings given on the command line, each of its field's type)
         **kwargs,  # type: ignore[arg-type]
     )
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any, Literal, NotRequired, TypedDict
@@ -199,7 +200,7 @@ class CheckpointReport(TypedDict, total=False):
 WorkerMessage = StepReport | WorkerEvent | CheckpointReport
 
 
-def encode_datagram(message: WorkerMessage) -> bytes:
+def encode_datagram(message: WorkerMessage | Mapping[str, Any]) -> bytes:
     """Compact JSON, one message per datagram."""
     return json.dumps(message, separators=(",", ":")).encode()
 

@@ -574,6 +574,7 @@ class Uplink:
                 self._suspect_due = True
         for c in commands:
             if isinstance(c, dict):
+                # (a command as the supervisor sent it: the executor checks each field it reads)
                 self.commands.put(c)  # type: ignore[arg-type]
         self._ok()
 

@@ -42,7 +42,7 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
@@ -200,6 +200,7 @@ class _View(BaseModel):
 def _view(name: str, component: type, fields: dict[str, str]) -> type[_View]:
     hints = typing.get_type_hints(component)
     defaults = component()
+    # (the fields are built from the dataclass's hints, which pydantic's overloads cannot type)
     model = create_model(  # type: ignore[call-overload]
         name, __base__=_View,
         **{ours: (hints[theirs], getattr(defaults, theirs)) for ours, theirs in fields.items()})
@@ -303,7 +304,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"config file {p} must hold an object of settings")
     if isinstance(data.get("supervisor"), dict):
         data = data["supervisor"]
-    return data
+    return cast(dict[str, Any], data)
 
 
 class _FileSource(PydanticBaseSettingsSource):

@@ -95,6 +95,6 @@ def exit_for(end: object) -> AgentExit:
     """The agent's exit code for how its run ended.  A stop that does not say (an older
     supervisor's, whose stops ended failed and stopped runs only) is no completion."""
     try:
-        return _EXIT_OF_END[RunEnd(end)]  # type: ignore[arg-type]
+        return _EXIT_OF_END[RunEnd(str(end))]
     except ValueError:
         return AgentExit.STOPPED

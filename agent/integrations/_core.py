@@ -306,7 +306,7 @@ class RunSession:
                 log.warning("trainwarden: skip range [%d, %d] starts before the resumed data "
                             "position %d; batches before it were already trained", a, b,
                             r.position)
-        self.skipped = [tuple(x) for x in meta.get("skipped", [])]  # type: ignore[misc]
+        self.skipped = [tuple(x) for x in meta.get("skipped", [])]
         if plan is not None and plan.lr is not None:
             self.lr_schedule = LRSchedule(plan.lr.scale, plan.lr.steps, plan.lr.ramp_steps,
                                           start_step=r.start_step)
@@ -514,7 +514,9 @@ def attach_grad_timer(model: torch.nn.Module, timer: PhaseTimer) -> list[Any]:
     """``timer.compute_done()`` each time a parameter's gradient is accumulated: the last one
     of a step marks the end of this rank's backward compute, before it waits on its peers'
     gradients (a framework builds its DDP wrapper itself, so no comm hook is at hand)."""
-    return [p.register_post_accumulate_grad_hook(lambda _p: timer.compute_done())
+    # (torch leaves register_post_accumulate_grad_hook unannotated)
+    return [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda _p: timer.compute_done())
             for p in model.parameters() if p.requires_grad]
 
 

@@ -99,12 +99,12 @@ class TrainwardenDataset(Dataset[Any]):
 
     def configure(self, *, per_step: int, steps: int, seed: int) -> None:
         self.per_step, self.steps = per_step, steps
-        self.order = GlobalBatchOrder(len(self.dataset), batch_size=per_step,  # type: ignore[arg-type]
+        self.order = GlobalBatchOrder(len(self.dataset), batch_size=per_step,
                                       rank=0, world_size=1, seed=seed, shuffle=self.shuffle)
 
     def __len__(self) -> int:
         if not self.per_step:
-            return len(self.dataset)  # type: ignore[arg-type]
+            return len(self.dataset)
         return self.steps * self.per_step
 
     def __getitem__(self, i: int) -> Any:

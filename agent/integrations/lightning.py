@@ -95,6 +95,7 @@ class _Tagged(Dataset[Any]):
         self.dataset = dataset
 
     def __len__(self) -> int:
+        # (torch's Dataset declares no __len__; a map-style dataset has one)
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
@@ -191,7 +192,7 @@ class TrainwardenLoader:
         # A generator of its own: a DataLoader iterator otherwise draws its base seed from the
         # global RNG, which would shift every random stream after a resume.
         gen = torch.Generator().manual_seed(s.seed or 0)
-        loader = DataLoader(self.dataset, batch_sampler=sampler,  # type: ignore[arg-type]
+        loader = DataLoader(self.dataset, batch_sampler=sampler,
                             num_workers=self.num_workers, collate_fn=self._collate,
                             generator=gen)
         return iter(loader)

@@ -164,7 +164,8 @@ def list_checkpoints(root: str | os.PathLike[str], *, validate: bool = True,
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The replicated metadata of a checkpoint (from the file beside the DCP shards)."""
-    return json.loads((Path(path) / META_FILE).read_text())  # type: ignore[no-any-return]
+    meta: dict[str, Any] = json.loads((Path(path) / META_FILE).read_text())
+    return meta
 
 
 def load_resume_plan(path: str | None = None) -> ResumePlan | None:

@@ -186,6 +186,7 @@ class ResumableLoader:
                  on_skip: Callable[[int, int], None] | None = None,
                  declared_world_size: int | None = None) -> None:
         self.order = GlobalBatchOrder(
+            # (torch's Dataset declares no __len__; a map-style dataset has one)
             len(dataset), batch_size=batch_size,  # type: ignore[arg-type]
             rank=rank, world_size=world_size, seed=seed, shuffle=shuffle,
             declared_world_size=resolve_declared_world_size(world_size, declared_world_size))
@@ -237,7 +238,7 @@ class ResumableLoader:
                     "on it)")
         self.position = int(state["position"])
         self.skip = normalize_ranges(state.get("skip", []))
-        self.skipped = [tuple(r) for r in state.get("skipped", [])]  # type: ignore[misc]
+        self.skipped = [tuple(r) for r in state.get("skipped", [])]
 
     # ---- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:

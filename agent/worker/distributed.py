@@ -150,6 +150,7 @@ def install_failure_reporting() -> None:
         finally:
             previous(exc_type, exc, tb)
 
+    # (a mark on the function object: the hook is installed once)
     hook._trainwarden = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
@@ -243,4 +244,5 @@ def attach_compute_timer(model: torch.nn.Module, timer: PhaseTimer,
         timer.compute_done()
         return default_hooks.allreduce_hook(state, bucket)
 
+    # (DDP's register_comm_hook, which FSDP's type does not declare; checked above)
     model.register_comm_hook(process_group or dist.group.WORLD, hook)  # type: ignore[operator]

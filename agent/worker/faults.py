@@ -77,6 +77,7 @@ def parse_fault(spec: str) -> Fault:
             kw[names[key]] = float(val) if key in ("factor", "scale") else int(val)
         except ValueError:
             raise ValueError(f"--inject {spec!r}: {key} must be a number") from None
+    # (each option parsed to its field's type above: int or float)
     fault = Fault(kind, at, **kw)  # type: ignore[arg-type]
     if (fault.length is not None and fault.length < 1) or fault.factor < 1.0:
         raise ValueError(f"--inject {spec!r}: len must be >= 1 and factor >= 1")

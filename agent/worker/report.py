@@ -96,6 +96,7 @@ class Reporter:
             return False
         self._retry_at = now + RECONNECT_S
         try:
+            # (called only while enabled: a socket and its path)
             self._sock.connect(self.path)  # type: ignore[union-attr,arg-type]
         except OSError:
             return False
@@ -136,7 +137,7 @@ class Reporter:
 
     def send(self, message: dict[str, Any]) -> bool:
         try:
-            data = encode_datagram(message)  # type: ignore[arg-type]
+            data = encode_datagram(message)
         except Exception:  # an unencodable value: never into training
             self.dropped += 1
             return False
@@ -148,7 +149,7 @@ class Reporter:
     def send_blocking(self, message: dict[str, Any], timeout_s: float = 0.5) -> bool:
         """For a process about to exit: wait briefly for queue room instead of dropping."""
         try:
-            data = encode_datagram(message)  # type: ignore[arg-type]
+            data = encode_datagram(message)
         except Exception:
             self.dropped += 1
             return False
@@ -242,7 +243,7 @@ class Reporter:
             self.dropped += 1
             return False
         try:
-            data = encode_datagram(message)  # type: ignore[arg-type]
+            data = encode_datagram(message)
         except Exception:
             self.dropped += 1
             return False

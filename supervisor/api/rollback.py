@@ -23,6 +23,7 @@ from trainwarden.supervisor.api.errors import ERROR_RESPONSES
 from trainwarden.supervisor.api.responses import ActionRecord, RollbackAccepted, documented
 from trainwarden.supervisor.contract.limits import U31, U63, RunName, Text, text
 from trainwarden.supervisor.control import actions, policy
+from trainwarden.supervisor.enums import FINAL_STATUSES
 from trainwarden.supervisor.observability import efficiency
 from trainwarden.supervisor.store import reads, registry
 
@@ -78,7 +79,7 @@ def rollback(run: RunName, req: RollbackRequest, db: DB, clock: ClockDep, auth: 
         r = registry.get_run_by_name(conn, name=run)
         if r is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"unknown run {run!r}")
-        if r["status"] in policy.FINAL_STATUSES:
+        if r["status"] in FINAL_STATUSES:
             raise HTTPException(status.HTTP_409_CONFLICT,
                                 f"run {run!r} is {r['status']}: nothing to roll back")
         ck = known_checkpoint(conn, run_id=r["id"], run=run, checkpoint_id=req.checkpoint,

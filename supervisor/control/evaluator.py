@@ -771,7 +771,8 @@ class Evaluator:
         return th, stop
 
 
-def _name_culprit(inc: IncidentRow, details: dict, rank_nodes: dict[int, str]) -> dict:
+def _name_culprit(inc: IncidentRow, details: dict[str, Any], rank_nodes: dict[int, str]
+                  ) -> dict[str, Any]:
     """The incident's new values once (more) stacks are in: the culprit analysis in its
     details, the culprit's rank and node where the hang detector named none (no rank was
     behind), and its cause followed by the verdict, which says why when nobody is named."""
@@ -780,7 +781,7 @@ def _name_culprit(inc: IncidentRow, details: dict, rank_nodes: dict[int, str]) -
     culprit = hang_culprit(stacks, rank_nodes, details.get("stacks_nodes") or [])
     base = details.setdefault("cause_before_stacks", inc["cause"])
     details["culprit"] = culprit.as_details()
-    values: dict = {"details": details, "cause": f"{base}; {culprit.reason}"}
+    values: dict[str, Any] = {"details": details, "cause": f"{base}; {culprit.reason}"}
     if culprit.ranks and (inc["rank"] is None or details.get("rank_from") == "stacks"):
         details["rank_from"] = "stacks"
         values["rank"] = culprit.ranks[0]
@@ -815,7 +816,7 @@ def _seen_event(conn: Connection, run: RunRow, d: policy.RecordEvent) -> bool:
     return prev is not None and prev.get("step") == d.step
 
 
-def _jsonable(d: dict) -> dict:
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     """Finding details as JSON the store accepts (no NaN/Inf, no tuples)."""
     import json
     import math

@@ -80,7 +80,8 @@ class DumpClass:
 def parse_dump(text: str) -> list[Thread]:
     """The threads of a faulthandler dump (other lines around it are ignored)."""
     threads: list[Thread] = []
-    ident, current, frames = "", False, []  # type: ignore[var-annotated]
+    ident, current = "", False
+    frames: list[Frame] = []
     open_block = False
     for line in text.splitlines():
         h = _HEADER.match(line)

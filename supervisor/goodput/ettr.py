@@ -291,7 +291,7 @@ def window(earlier: Breakdown, later: Breakdown) -> Breakdown:
     with the loss when the restore happens."""
     vals = {f.name: getattr(later, f.name) - getattr(earlier, f.name) for f in fields(Breakdown)
             if f.name not in ("start", "end")}
-    return Breakdown(start=earlier.end, end=later.end, **vals)  # type: ignore[arg-type]
+    return Breakdown(start=earlier.end, end=later.end, **vals)
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ INGEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 def phase_buckets(xs: Sequence[float]) -> list[tuple[str, float]]:
     """Cumulative (le, count) buckets of ``PHASE_BUCKETS_S`` and +Inf over ``xs``."""
-    out = [(floatToGoString(le), float(sum(1 for x in xs if x <= le)))
+    # (floatToGoString: prometheus_client.utils is not annotated)
+    out = [(floatToGoString(le), float(sum(1 for x in xs if x <= le)))  # type: ignore[no-untyped-call]
            for le in PHASE_BUCKETS_S]
     return [*out, ("+Inf", float(len(xs)))]
 

@@ -166,6 +166,7 @@ def create_app(
     evaluator.on_revoked = creds.forget_agents  # an ended run's, at once in this process
     app.state.stored_tokens = StoredTokens()
     app.add_exception_handler(RequestValidationError, _validation_error)
+    # (FastAPI's documented way to customise the OpenAPI document)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.include_router(agents.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)

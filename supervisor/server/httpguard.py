@@ -57,22 +57,26 @@ class _ReadDeadlines:
         self._phase: _Phase | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._next_begun = False  # bytes of the next request arrived (since the last response)
+        # (a mixin: uvicorn's protocol class is the base at run time)
         super().connection_made(transport)  # type: ignore[misc]
         self._watch()
 
     def data_received(self, data: bytes) -> None:
         if data and (self.cycle is None or self.cycle.response_complete):
             self._next_begun = True
+        # (a mixin: uvicorn's protocol class is the base at run time)
         super().data_received(data)  # type: ignore[misc]
         self._watch()
 
     def on_response_complete(self) -> None:
         self._next_begun = False
+        # (a mixin: uvicorn's protocol class is the base at run time)
         super().on_response_complete()  # type: ignore[misc]
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        # (a mixin: uvicorn's protocol class is the base at run time)
         super().connection_lost(exc)  # type: ignore[misc]
 
     # -- the deadlines ---------------------------------------------------------------------
@@ -128,6 +132,7 @@ def guarded_protocol(*, header_timeout_s: float, body_timeout_s: float) -> type[
         import httptools  # noqa: F401
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:  # the same fallback as uvicorn's http="auto"
+        # (the other protocol class under the same name)
         from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
     cls = type(f"Guarded{base.__name__}", (_ReadDeadlines, base),
                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})

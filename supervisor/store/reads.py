@@ -108,11 +108,12 @@ def throughput(conn: Connection, *, run_id: int, attempt: int, window: int = 20)
     if not (math.isfinite(span) and span > 0):  # (times no clock gives: no rate)
         return out
     newer = rows[:-1]  # the oldest row only marks the start of the span
-    rates = {"steps_per_s": len(newer) / span,
-             "samples_per_s": sum(r.samples for r in newer) / span,
-             "tokens_per_s": sum(r.tokens for r in newer) / span}
-    for k, v in rates.items():
-        out[k] = v if math.isfinite(v) else None  # type: ignore[literal-required]
+    def rate(v: float) -> float | None:
+        return v if math.isfinite(v) else None
+
+    out["steps_per_s"] = rate(len(newer) / span)
+    out["samples_per_s"] = rate(sum(r.samples for r in newer) / span)
+    out["tokens_per_s"] = rate(sum(r.tokens for r in newer) / span)
     return out
 
 

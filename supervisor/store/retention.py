@@ -99,6 +99,7 @@ def roll_up(conn: Connection, *, run_id: int, attempt: int, step_from: int, step
     sql, order = _delete_statement(conn)
     params = {"run_id": run_id, "attempt": attempt, "step_from": step_from, "step_to": step_to,
               "rank_from": rank_from, "rank_last": rank_last}
+    # (the driver's connection, checked out for this transaction: never None here)
     cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
         cur.execute(sql, tuple(params[k] for k in order))

@@ -5,9 +5,9 @@ who may use which route is ``trainwarden.supervisor.api.deps``'s."""
 from __future__ import annotations
 
 import secrets
-from typing import TypedDict
+from typing import TypedDict, cast
 
-from sqlalchemy import Connection, delete, select, update
+from sqlalchemy import Connection, RowMapping, delete, select, update
 
 from trainwarden.supervisor import enums
 from trainwarden.supervisor.store.credentials import digest
@@ -33,8 +33,8 @@ _COLS = (api_tokens.c.name, api_tokens.c.role, api_tokens.c.scope, api_tokens.c.
          api_tokens.c.last_used_at)
 
 
-def _row(r: object) -> TokenRow:
-    return TokenRow(**r._mapping)  # type: ignore[attr-defined, typeddict-item]
+def _row(r: RowMapping) -> TokenRow:
+    return cast(TokenRow, dict(r))  # the columns of _COLS: TokenRow's keys
 
 
 def create(conn: Connection, *, name: str, role: str, scope: str | None, now: float
@@ -50,7 +50,8 @@ def create(conn: Connection, *, name: str, role: str, scope: str | None, now: fl
 
 
 def list_tokens(conn: Connection) -> list[TokenRow]:
-    return [_row(r) for r in conn.execute(select(*_COLS).order_by(api_tokens.c.id))]
+    return [_row(r._mapping)
+            for r in conn.execute(select(*_COLS).order_by(api_tokens.c.id))]
 
 
 def revoke(conn: Connection, *, name: str) -> bool:
@@ -59,7 +60,7 @@ def revoke(conn: Connection, *, name: str) -> bool:
 
 def by_digest(conn: Connection, *, secret_hash: str) -> TokenRow | None:
     r = conn.execute(select(*_COLS).where(api_tokens.c.secret_hash == secret_hash)).first()
-    return _row(r) if r is not None else None
+    return _row(r._mapping) if r is not None else None
 
 
 def touch(conn: Connection, *, name: str, now: float) -> None:

@@ -147,6 +147,14 @@ def test_supervisor_extra_has_no_torch(supervisor_venv: Path, tmp_path: Path) ->
     assert not _importable(supervisor_venv, "torch", tmp_path)
 
 
+def test_the_wheel_ships_its_type_hints(wheel: Path) -> None:
+    """PEP 561: a user's type checker reads trainwarden's annotations (``py.typed``)."""
+    import zipfile
+
+    (whl,) = wheel.glob("trainwarden-*.whl")
+    assert "trainwarden/py.typed" in zipfile.ZipFile(whl).namelist()
+
+
 def test_version_from_the_wheel(supervisor_venv: Path, tmp_path: Path) -> None:
     r = _run([supervisor_venv / "bin" / "trainwarden", "--version"], tmp_path)
     assert r.returncode == 0, r.stderr

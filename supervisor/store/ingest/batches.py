@@ -107,6 +107,7 @@ def ingest_batches(
     """
     hot = hot_sql(conn)
     ids = sorted({b.agent_id for b in batches})
+    # (the driver's connection, checked out for this transaction: never None here)
     cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
         return _ingest_group(conn, hot, cur, batches, ids, now, cfg)

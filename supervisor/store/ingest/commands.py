@@ -85,7 +85,7 @@ def apply_command_result(
     # Only the agent's own commands; "done"/"failed" are final, a late "delivered" after them
     # must not move the status back.
     cond = [commands.c.id == item.command_id, commands.c.agent_id == agent_id]
-    if item.status == CommandStatus.DELIVERED:
+    if CommandStatus(item.status) is CommandStatus.DELIVERED:
         cond.append(commands.c.status == CommandStatus.PENDING)
     res = conn.execute(
         update(commands).where(*cond).values(status=item.status, detail=item.detail,
