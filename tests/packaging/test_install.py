@@ -151,8 +151,7 @@ def test_the_wheel_ships_its_type_hints(wheel: Path) -> None:
     """PEP 561: a user's type checker reads trainwarden's annotations (``py.typed``)."""
     import zipfile
 
-    (whl,) = wheel.glob("trainwarden-*.whl")
-    assert "trainwarden/py.typed" in zipfile.ZipFile(whl).namelist()
+    assert "trainwarden/py.typed" in zipfile.ZipFile(wheel).namelist()
 
 
 def test_version_from_the_wheel(supervisor_venv: Path, tmp_path: Path) -> None:
