@@ -61,6 +61,48 @@ def test_the_docs_show_the_readme_training_loop() -> None:
     assert first_python_block(page, "# PyTorch") == readme
 
 
+def _nav_pages(node: object) -> list[str]:
+    """Every page file the mkdocs navigation names."""
+    if isinstance(node, str):
+        return [node] if node.endswith(".md") else []
+    if isinstance(node, dict):
+        return [p for v in node.values() for p in _nav_pages(v)]
+    if isinstance(node, list):
+        return [p for v in node for p in _nav_pages(v)]
+    return []
+
+
+def _mkdocs_nav() -> list[str]:
+    import yaml
+
+    return _nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
+
+
+def test_the_docs_index_links_every_page_of_the_navigation() -> None:
+    """The docs' index is the one list of pages (the README links to it): none left out."""
+    linked = {t.split("#")[0] for t in relative_links((REPO / "docs" / "index.md").read_text())}
+    missing = [p for p in _mkdocs_nav() if p != "index.md" and p not in linked]
+    assert missing == []
+
+
+def test_the_benchmarks_page_lists_every_result_file() -> None:
+    """Dated results are reached from the benchmarks page, not from the navigation."""
+    page = REPO / "docs" / "benchmarks" / "index.md"
+    linked = {t.split("#")[0] for t in relative_links(page.read_text())}
+    results = sorted(f"results/{f.name}" for f in (REPO / "benchmarks" / "results").glob("*.md"))
+    assert [r for r in results if r not in linked] == []
+    assert not [p for p in _mkdocs_nav() if p.startswith("benchmarks/results/")]
+
+
+def test_the_readme_keeps_no_page_list_of_its_own() -> None:
+    """The README points at the docs' index; a page list of its own would fall behind."""
+    docs_links = {t.split("#")[0] for t in relative_links(README.read_text())
+                  if t.startswith("docs/")}
+    section = README.read_text().split("## Documentation", 1)[1].split("\n## ", 1)[0]
+    assert [t for t in relative_links(section) if t != "docs/index.md"] == []
+    assert "docs/index.md" in docs_links
+
+
 def test_the_docs_build_strict(tmp_path: Path) -> None:
     """Without ``--quiet``: mkdocs counts for ``--strict`` only the warnings it logs."""
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec(
