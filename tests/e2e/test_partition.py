@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.e2e.netns import Fabric, fabric, unavailable
 from tests.e2e.nodes import KILL_AT, STEPS, TRAIN, Nodes, clean_ddp, cli, ended, summary
-from tests.e2e.system import Supervisor, wait_until
+from tests.e2e.system import OPERATOR_TOKEN, Supervisor, wait_until
 from tests.e2e.torchrun import RunResult
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +109,10 @@ def test_a_member_cut_off_from_the_rendezvous_host_is_replaced_once_and_named(
     assert nodes.member(victim)["role"] == "spare"
     out = cli(supervisor, "incidents", run)
     assert f"{victim} cannot reach {host}" in out, out
+    page = httpx.get(f"{supervisor.url}/runs/{run}", timeout=10,
+                     headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}).text
+    why = page.split('id="failure"', 1)[1].split("</section>", 1)[0]
+    assert f"network partition: {victim} cannot reach {host}" in why, why
 
 
 def test_a_partition_that_heals_before_the_restart_replaces_nothing(
@@ -117,7 +122,9 @@ def test_a_partition_that_heals_before_the_restart_replaces_nothing(
     try:
         wait_until(lambda: nodes.step() >= KILL_AT, 120, f"step {KILL_AT}")
         net.cut(host, other)
-        wait_until(lambda: _incidents(supervisor, run), 60, "the collective timeout")
+        wait_until(lambda: [i for i in _incidents(supervisor, run)
+                            if i["kind"] in ("collective_timeout", "hang", "crash")], 60,
+                   "the collective timeout")
         net.heal(host, other)
         finished = wait_until(lambda: ended(supervisor, run), 300, "the run to end")
         assert finished["status"] == "completed", finished
