@@ -20,6 +20,7 @@ from pathlib import Path
 
 from trainwarden.agent.config import ENV_AGENT_TOKEN, AgentConfig
 from trainwarden.agent.core.hang import HangConfig
+from trainwarden.agent.core.launch import RENDEZVOUS_TIMEOUT_S
 from trainwarden.agent.core.states import AgentExit
 from trainwarden.agent.protocol import PREFLIGHT_TIMEOUT_S
 
@@ -83,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the address other nodes reach this node's rendezvous at when "
                              "the supervisor makes it node rank 0 (default: the address the "
                              "supervisor sees this agent's requests come from)")
+    parser.add_argument("--rendezvous-timeout", type=int, default=RENDEZVOUS_TIMEOUT_S,
+                        metavar="S",
+                        help="how long torchrun waits for the run's rendezvous to form, in "
+                             f"seconds (default {RENDEZVOUS_TIMEOUT_S}): a node that cannot "
+                             "reach the rank-0 host fails after it, and is replaced")
     parser.add_argument("--no-preflight", dest="preflight", action="store_false",
                         help="skip the workers' preflight health check (their device, a "
                              "checked matmul, a timed all-reduce) before the first step")
@@ -117,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         min_nodes=getattr(args, "min_nodes", None),
         preflight=args.preflight,
         preflight_timeout_s=args.preflight_timeout,
+        rendezvous_timeout_s=args.rendezvous_timeout,
         # (the optional settings given on the command line, each of its field's type)
         **kwargs,  # type: ignore[arg-type]
     )

@@ -16,7 +16,11 @@ from pathlib import Path
 from trainwarden.agent import deadletter, protocol, uplink
 from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.agent.core.hang import HangConfig
-from trainwarden.agent.core.launch import min_nodes_refused, unrewritable
+from trainwarden.agent.core.launch import (
+    RENDEZVOUS_TIMEOUT_S,
+    min_nodes_refused,
+    unrewritable,
+)
 from trainwarden.agent.core.names import RUN_NAME_MAX, RUN_NAME_RULE, is_run_name, supervisor_urls
 
 ENV_AGENT_TOKEN = "TRAINWARDEN_AGENT_TOKEN"
@@ -89,6 +93,9 @@ class AgentConfig:
     # Where this node's torchrun can host the rendezvous, as the other nodes reach it (host
     # name or IP); empty: the address the supervisor sees this agent's requests come from.
     advertise_addr: str = ""
+    # How long a node's torchrun waits for the run's rendezvous to form (seconds): a member
+    # that cannot reach the rank-0 host fails after it, naming the host (a partition).
+    rendezvous_timeout_s: int = bounded(RENDEZVOUS_TIMEOUT_S, ge=1, hint="the default is 120")
     # Each worker's preflight health check after its process group starts, before its first
     # step (trainwarden.agent.worker.preflight: its device, a checked matmul, a timed
     # all-reduce across the new gang); a worker that fails it exits before training.

@@ -439,7 +439,8 @@ class Agent:
         self.state = AgentState.STARTING
         self.watch.new_attempt(attempt, self.clock())
         if self.membership is not None and self.role == NodeRole.MEMBER:
-            self.launcher.command = rewrite(self.cfg.command, self.membership)
+            self.launcher.command = rewrite(self.cfg.command, self.membership,
+                                           rendezvous_timeout_s=self.cfg.rendezvous_timeout_s)
             # The workers spread each global batch over the ranks they are (fewer than
             # declared while the run is shrunk): they are told the declared world.
             world = declared_world_size(self.cfg.command, self.membership)
@@ -580,7 +581,8 @@ class Agent:
         if self.role == NodeRole.MEMBER:
             if self.membership is None:
                 return
-            want = rewrite(self.cfg.command, self.membership)
+            want = rewrite(self.cfg.command, self.membership,
+                           rendezvous_timeout_s=self.cfg.rendezvous_timeout_s)
             if self.launcher.command == want:
                 return
         log.warning("the supervisor answered after torchrun was launched as written: "

@@ -98,6 +98,9 @@ class IncidentKind(StrEnum):
     HANG = FindingKind.HANG.value
     COLLECTIVE_TIMEOUT = "collective_timeout"
     NODE_LOST = FindingKind.NODE_LOST.value
+    # Members alive and heard that cannot reach each other (detect.partition): named by the
+    # failed rendezvous after the collective timeout it caused.
+    PARTITION = "partition"
     STRAGGLER = FindingKind.STRAGGLER.value
     LOSS_SPIKE = FindingKind.LOSS_SPIKE.value
     NONFINITE = FindingKind.NONFINITE.value
@@ -112,7 +115,7 @@ class IncidentKind(StrEnum):
 #   attempt: whichever is seen first decides, the others of the attempt are echoes); the
 #   failures of the failure rate;
 INTERRUPTING = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
-                          IncidentKind.NODE_LOST})
+                          IncidentKind.NODE_LOST, IncidentKind.PARTITION})
 # * the conditions that stay open while they last, without a restart ...
 WATCHED = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 # * ... of which these are answered by a rollback (when rollbacks are enabled), which
@@ -141,6 +144,11 @@ class RestartCause(StrEnum):
     # A shrunk run grows back to its declared world at a checkpoint (a planned restart):
     # counts against no budget.
     GROW = "grow"
+    # A member cut off from the rendezvous host (a network partition) gives its rank to a
+    # spare: the collective timeout that the partition caused was counted; this restart
+    # counts against no budget (the no-progress rule still bounds a partition that a
+    # replacement does not end).
+    PARTITION = "partition"
 
 
 class PresenceEvent(StrEnum):

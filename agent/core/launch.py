@@ -93,6 +93,12 @@ MAX_NNODES = 65_536
 
 DEFAULT_PORT = 29500  # torchrun's --master-port default
 EPOCH_PORTS = 100  # the rendezvous port moves with the membership epoch, modulo this
+# How long a node's torchrun waits for the static rendezvous to form (the rank-0 host for
+# every node to join, the others to reach the host), in seconds; torchrun's own default is
+# 600.  The agents of a run relaunch together on the supervisor's command, so a rendezvous
+# that has not formed in this time will not: a member that cannot reach the host (a network
+# partition) fails with the host's address in its error, and the supervisor replaces it.
+RENDEZVOUS_TIMEOUT_S = 120
 
 # torchrun's rendezvous options (either spelling), replaced by the membership's.
 _RENDEZVOUS = frozenset({
@@ -207,12 +213,14 @@ def unrewritable(command: Sequence[str]) -> str | None:
     return None
 
 
-def rewrite(command: Sequence[str], m: Membership) -> list[str]:
+def rewrite(command: Sequence[str], m: Membership, *,
+            rendezvous_timeout_s: int = RENDEZVOUS_TIMEOUT_S) -> list[str]:
     """``command`` with torchrun's rendezvous options replaced by ``m``'s (the module
     docstring lists them).  A command that is not a torchrun launch, and a one-node world
     the command itself declares (no rendezvous across nodes), are returned as they are; a
     larger world shrunk to one node runs ``--nnodes=1 --standalone`` (a free port of its
-    own: no other node takes part)."""
+    own: no other node takes part).  ``rendezvous_timeout_s``: the static rendezvous's
+    ``--rdzv-conf=timeout``."""
     parts = _split(command)
     if parts is None or (m.nnodes <= 1 and (declared_nnodes(command) or 1) <= 1):
         return list(command)
@@ -226,7 +234,8 @@ def rewrite(command: Sequence[str], m: Membership) -> list[str]:
         ours = ["--nnodes=1", "--standalone", "--max-restarts=0"]
     else:
         ours = [f"--nnodes={m.nnodes}", f"--node-rank={m.node_rank}", "--rdzv-backend=static",
-                f"--rdzv-endpoint={m.endpoint}", "--max-restarts=0"]
+                f"--rdzv-endpoint={m.endpoint}",
+                f"--rdzv-conf=timeout={int(rendezvous_timeout_s)}", "--max-restarts=0"]
     return [*prefix, *ours, *kept, *script]
 
 

@@ -148,7 +148,8 @@ class RunSummary(_Answer):
                                       "restart or rollback)")
     restarts_by_cause: dict[str, int] = Field(
         description="``restarts`` by cause: crash, hang, node_lost, spike (the automatic "
-                    "ones, each against its budget) and operator")
+                    "ones, each against its budget), operator, and replace, grow, partition "
+                    "(counted against no budget)")
     step: int | None = Field(description="the newest step of the current attempt")
     step_at: float | None
     throughput: Throughput
@@ -494,8 +495,9 @@ class CheckpointList(_Answer):
 class IncidentRecord(_Answer):
     id: int
     run_id: int
-    kind: str = Field(description="crash, hang, collective_timeout, node_lost, straggler, "
-                                  "loss_spike, nonfinite, attempt_mismatch (an open set)")
+    kind: str = Field(description="crash, hang, collective_timeout, node_lost, partition, "
+                                  "straggler, loss_spike, nonfinite, attempt_mismatch (an "
+                                  "open set)")
     status: IncidentStatus
     step: int | None
     attempt: int

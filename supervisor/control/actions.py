@@ -28,10 +28,12 @@ from trainwarden.supervisor.control.policy import (
 )
 from trainwarden.supervisor.enums import (
     FINAL_STATUSES,
+    INTERRUPTING,
     ActionKind,
     ActionStatus,
     Actor,
     IncidentKind,
+    IncidentStatus,
     RunStatus,
     SupervisorEvent,
 )
@@ -108,6 +110,27 @@ def _incident(conn: Connection, run_id: int, spec: IncidentSpec | None, now: flo
     )
 
 
+def _fold_into_partition(conn: Connection, run_id: int, incident_id: int | None,
+                         spec: IncidentSpec, now: float) -> None:
+    """A partition named by a failed rendezvous (attempt N) caused the failure that ended
+    the attempt before it (its collective timeout, a crash on the broken connection): those
+    open incidents are resolved as its consequences, linked to it both ways, so the run
+    shows one cause."""
+    if incident_id is None or spec.attempt < 1:
+        return
+    folded = []
+    for inc in rec.incidents_of(conn, run_id=run_id, attempt=spec.attempt - 1,
+                                kinds=sorted(INTERRUPTING), status=IncidentStatus.OPEN):
+        rec.update_incident(conn, incident_id=inc["id"], status=IncidentStatus.RESOLVED,
+                            resolved_at=now, updated_at=now,
+                            details={**(inc.get("details") or {}),
+                                     "consequence_of": incident_id})
+        folded.append({"id": inc["id"], "kind": inc["kind"], "node": inc["node"]})
+    if folded:
+        rec.update_incident(conn, incident_id=incident_id, updated_at=now,
+                            details={**spec.details, "consequences": folded})
+
+
 def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
     """Before a new decision (or the run's end) replaces the run's actions in progress, each
     is first moved on by the facts already stored: a restart whose attempt has reported steps
@@ -126,11 +149,12 @@ def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
 
 
 def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | None,
-                 lost: frozenset[str] = frozenset()
+                 lost: frozenset[str] = frozenset(), cut_off: frozenset[str] = frozenset()
                  ) -> tuple[membership.MembershipFacts, RunMembership]:
     """The store's facts about a run's nodes for ``control.membership``: a node is live when
     heard from within ``live_s`` (None: every node counts as live), unless its death was
-    confirmed (``lost``)."""
+    confirmed (``lost``); ``cut_off``: members a network partition cut off from the
+    rendezvous host (live, not fit to hold their ranks for the next attempt)."""
     m = store_membership.run_membership(conn, run_id=run_id)
     live = frozenset(n["node"] for n in m["nodes"]
                      if (live_s is None or now - n["last_seen_at"] <= live_s)
@@ -142,7 +166,7 @@ def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | N
         nnodes=m["nnodes"], epoch=m["epoch"],
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
         spares=spares, cordoned=frozenset(cordoned_for(conn, run_id=run_id)), world=m["world"],
-        min_nodes=m["min_nodes"],
+        min_nodes=m["min_nodes"], cut_off=cut_off,
         spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]))
     return facts, m
 
@@ -165,12 +189,13 @@ def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None
 
 def plan_members(conn: Connection, *, run_id: int, now: float, live_s: float | None,
                  grow: bool = False, move_endpoint: bool = False,
-                 lost: frozenset[str] = frozenset()
+                 lost: frozenset[str] = frozenset(), cut_off: frozenset[str] = frozenset()
                  ) -> tuple[membership.MemberPlan, RunMembership, policy.ResizeChoice | None]:
     """The members the next attempt gets (``membership.plan_members`` on the store's
     facts), and, when a node rank has no node fit to run and the run accepts fewer nodes,
     the policy's choice between shrinking and waiting (None: there was none to make)."""
-    facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s, lost=lost)
+    facts, m = member_facts(conn, run_id=run_id, now=now, live_s=live_s, lost=lost,
+                            cut_off=cut_off)
     plan = membership.plan_members(facts, grow=grow, move_endpoint=move_endpoint)
     if not (plan.waiting or plan.kept_cordoned) or not membership.can_shrink(facts):
         return plan, m, None
@@ -251,13 +276,15 @@ def apply(conn: Connection, *, run: RunRow, decision: Decision | FindingDecision
     # A new decision replaces whatever the agents have not picked up yet.
     _supersede_in_progress(conn, run_id, now)
     incident_id = _incident(conn, run_id, decision.incident, now)
+    if decision.incident is not None and decision.incident.kind == IncidentKind.PARTITION:
+        _fold_into_partition(conn, run_id, incident_id, decision.incident, now)
     if isinstance(decision, Restart):
         store_membership.confirm_lost(conn, run_id=run_id, nodes=sorted(decision.lost), now=now)
         members, m, choice = plan_members(conn, run_id=run_id, now=now,
                                           live_s=live_s if decision.replace_lost else None,
                                           grow=decision.grow,
                                           move_endpoint=decision.move_endpoint,
-                                          lost=decision.lost)
+                                          lost=decision.lost, cut_off=decision.cut_off)
         agent_ids, wire_members = _apply_members(conn, run=run, plan=members, m=m, now=now,
                                                  choice=choice)
         said = "; ".join(x for x in (members.summary(), choice.reason if choice else "") if x)

@@ -591,12 +591,14 @@ class Evaluator:
              if a["id"] != ex["agent_id"] and a["state"] in LIVE_AGENT_STATES},
             now, lost, observing_since=self.observing_since) if attempt == run["attempt"] else {}
         first = self._held_exits.setdefault(int(ex["id"]), now)
+        host = store_membership.run_membership(conn, run_id=run["id"])["members"].get(0)
         return policy.on_exit(
             actions.facts(run), facts, agent_ids=agent_ids,
             completed_agent_ids=frozenset(completed), restart_pending=restart_pending,
             recovery=actions.recovery(conn, run), checkpoint=ckpt["path"] if ckpt else None,
             cfg=self.cfg, now=now, silent_peers=silent,
-            may_wait=now - first < lost.confirm_wait_s)
+            may_wait=now - first < lost.confirm_wait_s,
+            rendezvous=policy.RendezvousFacts(host=host["node"] if host else None))
 
     def _protect(self, conn: Connection, run: RunRow) -> None:
         """Publish what the workers' retention must keep (every ingest reply carries it)."""

@@ -38,6 +38,9 @@ class MembershipFacts:
     # A node registered into the run as a spare (a waiting rank's reason says "no spare
     # left", else "no spare configured").
     spares_configured: bool = True
+    # Members a network partition cut off from the rendezvous host: alive, but their ranks go
+    # to spares (or wait) like a lost member's.
+    cut_off: frozenset[str] = frozenset()
 
     @property
     def current(self) -> int | None:
@@ -151,7 +154,8 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
     ranks, unlisted = _ranks(f.members, world, vacant=len(free) + VACANT_LISTED)
     for rank in ranks:
         node = f.members.get(rank)
-        why = ("vacant" if node is None else "lost" if node not in f.live
+        why = ("vacant" if node is None else "cut off" if node in f.cut_off
+               else "lost" if node not in f.live
                else "cordoned" if node in f.cordoned else None)
         if why is None and node is not None:
             members[rank] = node
@@ -170,7 +174,7 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
                if rank not in missing and rank not in kept]
         if fit and len(fit) >= (f.min_nodes or f.nnodes):
             dropped = [Dropped(rank, members[rank], "cordoned" if rank in kept else
-                               missing[rank].rsplit(" ", 1)[-1])
+                               missing[rank].split(" ", 1)[-1])
                        for rank in sorted({*missing, *kept}) if rank in members]
             return MemberPlan(epoch=f.epoch + 1, nnodes=len(fit),
                               members={k: node for k, (_, node) in enumerate(fit)},

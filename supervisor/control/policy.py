@@ -30,7 +30,7 @@ from trainwarden.agent.core.findings import Severity
 from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.agent.core.states import CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
-from trainwarden.supervisor.detect import node_health
+from trainwarden.supervisor.detect import node_health, partition
 from trainwarden.supervisor.detect.overload import OverloadConfig
 from trainwarden.supervisor.enums import (
     FINAL_STATUSES,
@@ -144,7 +144,8 @@ def restart_cause(actor: str | None, cause: str | None) -> str:
     return cause or RestartCause.CRASH
 
 
-RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE, RestartCause.REPLACE, RestartCause.GROW)
+RESTART_CAUSES = (*BUDGET_CAUSES, OPERATOR_CAUSE, RestartCause.REPLACE, RestartCause.GROW,
+                  RestartCause.PARTITION)
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,9 @@ class Restart:
     # Nodes confirmed dead before the node-lost deadline (silent, and their peers' workers
     # failed on their connections to them): not fit to run, whatever their last heartbeat.
     lost: frozenset[str] = frozenset()
+    # Members cut off from the rendezvous host (a network partition): their ranks go to
+    # spares for this restart; they stay alive, and spares of the run from then on.
+    cut_off: frozenset[str] = frozenset()
 
     def plan(self, *, action_id: int) -> dict[str, Any]:
         """The ResumePlan (as its JSON dict) sent with each restart command."""
@@ -527,6 +531,7 @@ def on_exit(
     recovery: RecoveryFacts | None = None,
     silent_peers: Mapping[str, float] | None = None,
     may_wait: bool = False,
+    rendezvous: RendezvousFacts | None = None,
 ) -> Decision:
     """Decide what one agent's exit report means for the run.
 
@@ -538,7 +543,10 @@ def on_exit(
     (node -> seconds since heard).  An exit whose workers failed on a lost peer connection
     while a peer is silent is that peer's death, confirmed (``node_death``): one node-lost
     incident naming it and one restart that replaces it, never a crash of the survivor.
-    ``may_wait``: such an exit is young enough to be held while no peer is silent yet."""
+    ``may_wait``: such an exit is young enough to be held while no peer is silent yet.
+
+    ``rendezvous``: where the attempt's rendezvous formed; a member that could not reach it
+    while its host is heard is cut off by a network partition (``network_partition``)."""
     if (ex.attempt == run.attempt - 1 and restart_pending and ex.outcome == ExitOutcome.COMPLETED
             and not ex.exit_code and run.status not in FINAL_STATUSES):
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
@@ -558,6 +566,12 @@ def on_exit(
         return Note(Verdict.COMPLETED, "waiting for the other agents to complete")
     incident, crash = exit_incident(ex)
     kind, cause = incident.kind, incident.cause
+    if incident.kind == IncidentKind.CRASH and rendezvous is not None:
+        split = network_partition(run, ex, incident, crash, rendezvous=rendezvous,
+                                  silent=silent_peers or {}, may_wait=may_wait,
+                                  checkpoint=checkpoint, cfg=cfg, now=now, recovery=recovery)
+        if split is not None:
+            return split
     if incident.kind == IncidentKind.CRASH and node_health.lost_peer(incident.details):
         death = node_death(run, ex, incident, silent=silent_peers or {}, may_wait=may_wait,
                            checkpoint=checkpoint, cfg=cfg, now=now, recovery=recovery)
@@ -587,6 +601,52 @@ def on_exit(
         cause=CAUSE_OF_KIND[kind],
         move_endpoint=_rendezvous_port_taken(crash),
     )
+
+
+@dataclass(frozen=True)
+class RendezvousFacts:
+    """The attempt's rendezvous: the node hosting it (node rank 0's; None: none yet)."""
+
+    host: str | None
+
+
+def network_partition(run: RunFacts, ex: ExitFacts, failure: IncidentSpec,
+                      crash: CrashCause | None, *, rendezvous: RendezvousFacts,
+                      silent: Mapping[str, float], may_wait: bool, checkpoint: str | None,
+                      cfg: PolicyConfig, now: float, recovery: RecoveryFacts | None = None
+                      ) -> Decision | None:
+    """A failed rendezvous read as a partition (``detect.partition``).  A member whose
+    torchrun could not reach the rendezvous host, while the supervisor hears the host, is
+    cut off: one partition incident names it and the host, and one restart gives its rank
+    to a spare (none free: the rank waits, saying why).  That restart counts against no
+    budget (the collective timeout the partition caused before it was counted); the
+    no-progress rule still bounds it.  The host's own failure (its members did not join)
+    names no one: it is held a while (``may_wait``) for the member's report, then judged as
+    a crash.  None: not a partition."""
+    rc = crash.root_cause if crash is not None else None
+    split = partition.cut_off(ex.node, rc, host=rendezvous.host, silent=silent)
+    if split is None:
+        joined = partition.not_joined(rc)
+        if joined is not None and ex.node == rendezvous.host and not silent and may_wait:
+            return Note(Verdict.WAIT, f"the rendezvous on {ex.node} formed with {joined[0]} of "
+                                      f"{joined[1]} nodes: waiting for the report of a member "
+                                      "that did not join")
+        return None
+    cause = f"{split.message}; {failure.cause}"
+    incident = replace(failure, kind=IncidentKind.PARTITION, cause=cause, details={
+        **failure.details, "partition": {"cut_off": split.cut_off,
+                                         "unreachable": split.unreachable,
+                                         "endpoint": split.endpoint, "why": split.why}})
+    may, why = budget_left(RestartCause.PARTITION, run, recovery, cfg)
+    if not may:
+        return Stop(status=RunStatus.FAILED, reason=f"{why}; last failure: {cause}",
+                    incident=incident)
+    return Restart(attempt=run.attempt + 1, checkpoint=checkpoint,
+                   not_before=now + backoff_s(run.restarts, cfg),
+                   reason=f"gang restart after a network partition: {split.cut_off} cannot "
+                          f"reach {split.unreachable}, the rendezvous host; {split.cut_off} "
+                          "is replaced", incident=incident, cause=RestartCause.PARTITION,
+                   counts_against_budget=False, cut_off=frozenset({split.cut_off}))
 
 
 def node_death(run: RunFacts, ex: ExitFacts, survivor: IncidentSpec, *,

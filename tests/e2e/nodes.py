@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.netns import Fabric
 from tests.e2e.system import (
     OPERATOR_TOKEN,
     REPO,
@@ -33,9 +34,12 @@ class Nodes:
 
     def __init__(self, sup: Supervisor, run: str, work: Path, script: str = "train_ddp.py",
                  train: Sequence[str] = ("--steps", str(STEPS), *TRAIN),
-                 env: dict[str, str] | None = None) -> None:
-        self.sup, self.run, self.work = sup, run, work
-        self.script, self.train, self.env = script, list(train), dict(env or {})
+                 env: dict[str, str] | None = None, fabric: Fabric | None = None) -> None:
+        """``fabric``: each node's agent runs in its own network namespace of it (the
+        supervisor must listen on the fabric's bridge address)."""
+        self.sup, self.run, self.work, self.fabric = sup, run, work, fabric
+        self.script, self.train = script, list(train)
+        self.env = {**(fabric.env() if fabric is not None else {}), **(env or {})}
         self.port = free_rendezvous_port()
         self.agents: dict[str, Agent] = {}
 
@@ -47,8 +51,9 @@ class Nodes:
                 "--batch-log", str(self.work / "batches")]
 
     def start(self, node: str, *agent_args: str, env: dict[str, str] | None = None) -> Agent:
+        wrap = tuple(self.fabric.wrap(node)) if self.fabric is not None else ()
         a = Agent(self.sup.url, self.run, node, self.work / node, self.command(),
-                  agent_args=agent_args, env={**self.env, **(env or {})})
+                  agent_args=agent_args, env={**self.env, **(env or {})}, wrap=wrap)
         self.agents[node] = a
         return a
 

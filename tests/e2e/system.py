@@ -79,12 +79,13 @@ class Supervisor:
     """``trainwarden supervisor`` as a subprocess; restartable on the same port and database."""
 
     def __init__(self, data_dir: Path, port: int | None = None, *extra: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
+        """``host``: the address it listens on (a bridge's, for agents in namespaces)."""
         self.data_dir = data_dir
         self.env = dict(env or {})
         self.port = port or free_port()
-        self.extra = list(extra)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra = [*extra, *(("--server-host", host) if host != "127.0.0.1" else ())]
+        self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "supervisor.log"
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -159,9 +160,12 @@ class Agent:
 
     def __init__(self, supervisor_url: str, run: str, node: str, workdir: Path,
                  torchrun_args: list[str], *, xdg_state_home: Path | None = None,
-                 agent_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+                 agent_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 wrap: tuple[str, ...] = ()) -> None:
         """``xdg_state_home``: use the default state location under it (no --state-dir), as
-        a user who passes no flag gets; ``agent_args``: more agent options (``--spare``)."""
+        a user who passes no flag gets; ``agent_args``: more agent options (``--spare``);
+        ``wrap``: a command prefix that execs the agent (``ip netns exec NS``: the agent's
+        process is still ``proc``)."""
         self.workdir = workdir
         self.log = workdir / f"agent-{node}.log"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,8 @@ class Agent:
             state = []
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "trainwarden.agent.cli", "--supervisor", supervisor_url,
+                [*wrap, sys.executable, "-m", "trainwarden.agent.cli",
+                 "--supervisor", supervisor_url,
                  "--run", run,
                  "--node", node, *state, "--stop-grace", "2", *agent_args, "--", TORCHRUN,
                  "--monitor-interval=0.1", *torchrun_args],

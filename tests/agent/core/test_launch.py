@@ -49,14 +49,16 @@ def test_rewrite_makes_a_static_rendezvous_at_the_membership_and_keeps_the_rest(
     m = Membership(epoch=3, nnodes=2, node_rank=1, endpoint="10.0.0.5:29403")
     assert rewrite(README_CMD, m) == [
         "torchrun", "--nnodes=2", "--node-rank=1", "--rdzv-backend=static",
-        "--rdzv-endpoint=10.0.0.5:29403", "--max-restarts=0", "--nproc_per_node=1",
+        "--rdzv-endpoint=10.0.0.5:29403", "--rdzv-conf=timeout=120", "--max-restarts=0",
+        "--nproc_per_node=1",
         # the script's own --nnodes is the script's
         "train.py", "--nnodes", "9", "--lr", "1"]
     spaced = ["python", "-m", "torch.distributed.run", "--standalone", "--max-restarts", "3",
               "--master_port", "1234", "--nproc-per-node", "2", "-m", "pkg.train", "--x"]
     assert rewrite(spaced, m) == [
         "python", "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1",
-        "--rdzv-backend=static", "--rdzv-endpoint=10.0.0.5:29403", "--max-restarts=0",
+        "--rdzv-backend=static", "--rdzv-endpoint=10.0.0.5:29403", "--rdzv-conf=timeout=120",
+        "--max-restarts=0",
         "--nproc-per-node=2", "-m", "pkg.train", "--x"]
     assert rewrite(["python", "train.py"], m) == ["python", "train.py"]  # not torchrun
 

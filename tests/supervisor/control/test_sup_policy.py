@@ -252,7 +252,7 @@ def test_operator_restart_and_stop(client: TestClient, evaluator: Evaluator) -> 
     assert run["restarts"] == 1
     assert run["restarts_by_cause"] == {"crash": 0, "hang": 0, "node_lost": 0, "spike": 0,
                                         "operator": 1, "replace": 0,
-                                        "grow": 0}
+                                        "grow": 0, "partition": 0}
     assert client.post("/api/v1/runs/r1/stop", headers=OPERATOR, json={}).status_code == 200
     assert get(client, "")["status"] == "stopped"
     r = client.post("/api/v1/runs/r1/stop", headers=OPERATOR, json={})
