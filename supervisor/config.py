@@ -14,7 +14,8 @@ Each section is the config class of the component it configures, and holds its d
   configs as ``control.detection.DetectionConfig`` holds them; ``detection``: its other
   fields (how much and how often the windows are read);
 * ``cordon``: the rule that cordons a node on the health ledger's evidence
-  (``detect.node_health.CordonConfig``);
+  (``detect.node_health.CordonConfig``); ``fleet``: the scheduler that owns the nodes
+  (``control.fleet_sync.FleetConfig``);
 * ``restart``, ``rollback``: the fields of ``control.policy.PolicyConfig`` (``rollback_X`` is
   ``rollback.X``, the others are ``restart``'s, ``restart_budget`` as ``restart.budget``).
 
@@ -56,6 +57,7 @@ from pydantic_settings import (
 from trainwarden.agent.core.bounds import bounded, check, cross_check
 from trainwarden.supervisor.control.detection import DetectionConfig
 from trainwarden.supervisor.control.evaluator import EvaluatorConfig
+from trainwarden.supervisor.control.fleet_sync import FleetConfig
 from trainwarden.supervisor.control.leader import LeaseConfig
 from trainwarden.supervisor.control.policy import PolicyConfig
 from trainwarden.supervisor.control.retention import RetentionConfig
@@ -362,6 +364,7 @@ class SupervisorSettings(BaseSettings):
     throughput: ThroughputConfig = _detector("throughput")
     overload: OverloadConfig = _detector("overload")
     cordon: CordonConfig = Field(default_factory=CordonConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
     # (built at import time: their types are not known to the type checker)
     detection: DetectionSection = Field(default_factory=DetectionSection)  # type: ignore[valid-type]
     restart: RestartSection = Field(default_factory=RestartSection)  # type: ignore[valid-type]
@@ -489,7 +492,7 @@ def settings_fields() -> Iterator[Setting]:
 _FLAG_ALIASES = {("server", "host"): "--host", ("server", "port"): "--port",
                  ("server", "log_level"): "--log-level", ("auth", "public_reads"): "--public-reads",
                  ("auth", "insecure_no_auth"): "--insecure-no-auth", ("db", "url"): "--db",
-                 ("db", "data_dir"): "--data-dir"}
+                 ("db", "data_dir"): "--data-dir", ("fleet", "backend"): "--fleet"}
 
 
 def add_flags(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None,

@@ -88,6 +88,7 @@ IN_PROGRESS = frozenset({ActionStatus.QUEUED, ActionStatus.DELIVERED, ActionStat
 class Actor(StrEnum):
     POLICY = "policy"
     OPERATOR = "operator"
+    FLEET = "fleet"  # the scheduler's word (a node it drained or lost), read by control.fleet_sync
 
 
 class IncidentKind(StrEnum):
@@ -255,6 +256,9 @@ class HostActionKind(StrEnum):
     """The audited changes of a node's state (``host_actions``)."""
 
     CORDON = "cordon"  # -> cordoned (the policy's rule, or an operator)
+    # A command run on the fleet's scheduler (a drain, a resume), with its output; failed or
+    # not: its reason says which.
+    FLEET_COMMAND = "fleet_command"
     UNCORDON = "uncordon"  # cordoned -> probation (an operator)
     PROBATION_PASSED = "probation_passed"  # probation -> healthy (a passed preflight)
     # A node cordoned in one run only (evidence from a source not trusted for the host: the

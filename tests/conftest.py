@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.slurm import SlurmCluster
+from tests.slurm import cluster as slurm_cluster
+from tests.slurm import missing as slurm_missing
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_ENV = "TRAINWARDEN_TEST_POSTGRES_URL"
@@ -60,3 +65,14 @@ def postgres_url() -> str:
         pytest.skip(f"{POSTGRES_ENV} is not set: no PostgreSQL to test against")
     return url
 
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A real Slurm cluster of three nodes on this machine (tests/slurm.py), for the session;
+    the tests that take it skip, saying why, where Slurm is not installed or not root."""
+    why = slurm_missing()
+    if why:
+        pytest.skip(why)
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c

@@ -26,6 +26,21 @@ def test_the_code_keeps_every_wall(repo_root: Path) -> None:
     assert "8 kept, 0 broken" in r.stdout
 
 
+def test_every_folder_of_the_supervisor_has_its_layer(repo_root: Path) -> None:
+    """A folder or module left out of the layers contract would be checked by none of it."""
+    import tomllib
+
+    contracts = tomllib.loads((repo_root / "pyproject.toml").read_text())["tool"][
+        "importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    named = {m.strip().removeprefix("trainwarden.supervisor.")
+             for layer in layers for m in layer.split("|")}
+    sup = repo_root / "supervisor"
+    present = {p.name for p in sup.iterdir() if (p / "__init__.py").exists()} | {
+        p.stem for p in sup.glob("*.py") if p.name != "__init__.py"}
+    assert present - named == set()
+
+
 # One forbidden import for each contract: file, the line added to it.
 BREACHES = {
     "the agent never imports the supervisor": (

@@ -625,7 +625,8 @@ class HostActionRecord(_Answer):
     id: int
     node: str
     kind: HostActionKind
-    actor: str = Field(description="policy, or the operator token's actor")
+    actor: str = Field(description="policy, fleet (the scheduler's word), or the operator "
+                                   "token's actor")
     reason: str
     run_id: int | None = Field(description="the run whose failure tipped a cordon over")
     evidence_ids: list[int] = Field(description="the evidence a cordon rests on")
@@ -658,8 +659,9 @@ class HostList(_Answer):
 
 class HostDetail(HostStanding):
     evidence: list[EvidenceRecord] = Field(description="newest first")
-    actions: list[HostActionRecord] = Field(description="cordons, uncordons and passed "
-                                                        "probations, newest first")
+    actions: list[HostActionRecord] = Field(description="cordons, uncordons, passed "
+                                                        "probations and the fleet's commands "
+                                                        "with their output, newest first")
 
 
 class HostChanged(_Answer):

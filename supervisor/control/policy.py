@@ -46,6 +46,7 @@ from trainwarden.supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
+from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
 from trainwarden.supervisor.goodput import elastic
 
 
@@ -1244,3 +1245,45 @@ def operator_uncordon(node: str, *, state: str, reason: str, actor: str) -> Note
         return Note(Verdict.IGNORED, f"node {node} is {state}, not cordoned: nothing to "
                                      "uncordon")
     return Uncordon(node=node, reason=reason, actor=actor)
+
+
+# -- the fleet (the scheduler that owns the machines) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """What the scheduler's node states and the ledger call for: ledger changes (a node the
+    scheduler drained or lost reads cordoned, with the scheduler's reason; one it put back
+    leaves the cordon it caused), and scheduler commands (a node trainwarden cordoned is
+    drained there; a drain of trainwarden's whose cordon was lifted is resumed)."""
+
+    ledger: list[Cordon | Uncordon] = field(default_factory=list)
+    drain: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    resume: list[str] = field(default_factory=list)
+
+
+def fleet_decisions(ledger: Mapping[str, tuple[str, str, str]],
+                    nodes: Mapping[str, FleetNode]) -> FleetPlan:
+    """``ledger``: node -> (state, actor, reason) of the nodes with a ledger row; ``nodes``:
+    the scheduler's.  Only nodes the scheduler knows are concerned.  An administrator's
+    drain (its reason does not start with ``trainwarden:``) is never lifted; a node the
+    scheduler says is down or drained is never given a rank (it reads cordoned)."""
+    plan = FleetPlan()
+    for name, n in sorted(nodes.items()):
+        state, actor, reason = ledger.get(name, (HostState.HEALTHY, "", ""))
+        cordoned = state == HostState.CORDONED
+        if n.state != FleetNodeState.AVAILABLE and not n.ours:
+            if not cordoned:
+                why = f"{n.state} in Slurm ({n.raw_state})" + (f": {n.reason}" if n.reason
+                                                                  else "")
+                plan.ledger.append(Cordon(name, f"slurm: {why}", actor=Actor.FLEET))
+        elif n.state == FleetNodeState.DRAINED and n.ours:
+            if not cordoned:
+                plan.resume.append(name)
+        elif n.state == FleetNodeState.AVAILABLE and cordoned:
+            if actor == Actor.FLEET:
+                plan.ledger.append(Uncordon(name, f"slurm: {name} is back in service "
+                                                  f"({n.raw_state})", actor=Actor.FLEET))
+            else:
+                plan.drain.append((name, f"{REASON_PREFIX} {reason}"))
+    return plan

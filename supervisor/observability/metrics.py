@@ -480,6 +480,27 @@ class OverloadCollector(Collector):
         yield late
 
 
+class FleetCollector(Collector):
+    """The fleet's standing (``control.fleet_sync.FleetStatus``): in memory, no store read."""
+
+    def __init__(self, status: Callable[[], Any]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.status()
+        ok = GaugeMetricFamily(
+            "trainwarden_fleet_ok",
+            "1 while the supervisor may drain and resume nodes in the fleet's scheduler (its "
+            "check at start and its last command succeeded), 0 when it may not", labels=["backend"])
+        ok.add_metric([st.backend], 0 if st.ok is False else 1)
+        yield ok
+        failures = CounterMetricFamily(
+            "trainwarden_fleet_command_failures",
+            "Scheduler commands (reads, drains, resumes) that failed", labels=["backend"])
+        failures.add_metric([st.backend], st.command_failures)
+        yield failures
+
+
 class LeaderCollector(Collector):
     """Whether this replica runs the evaluator (``leader.Leadership.status``): one series
     per replica, so the replicas' scrapes together show which one leads."""
@@ -509,6 +530,7 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
             live_s: float = NodeLostConfig().deadline_s,
             overload: Callable[[], tuple[bool, float | None]] | None = None,
             leader: Callable[[], Mapping[str, Any]] | None = None,
+            fleet: Callable[[], Any] | None = None,
             ) -> CollectorRegistry:
     """Add the request middleware to ``app`` and keep the registry ``GET /metrics``
     (``trainwarden.supervisor.api.metrics``) exposes in ``app.state.metrics_registry``; the
@@ -522,6 +544,8 @@ def install(app: FastAPI, *, db: Database, clock: Clock, policy_cfg: policy.Poli
         registry.register(OverloadCollector(overload))
     if leader is not None:
         registry.register(LeaderCollector(leader))
+    if fleet is not None:
+        registry.register(FleetCollector(fleet))
     counters = RequestCounters(registry)
     app.add_middleware(RequestMetrics, counters=counters)
     app.state.request_counters = counters

@@ -32,6 +32,7 @@ from trainwarden.supervisor.config import SupervisorSettings
 from trainwarden.supervisor.contract import wire
 from trainwarden.supervisor.contract.limits import BodySizeLimit
 from trainwarden.supervisor.control.evaluator import Evaluator
+from trainwarden.supervisor.control.fleet_sync import FleetSync, make_fleet
 from trainwarden.supervisor.control.leader import Leadership, LedEvaluator
 from trainwarden.supervisor.control.observer import ObserverProcess, can_run_apart
 from trainwarden.supervisor.ingest.delivery import DeliveryMonitor
@@ -111,6 +112,10 @@ def create_app(
     writer = IngestWriter(database, clock, cfg=settings.ingest)
     # On Postgres, replicas share the store and one of them (the lease's holder) evaluates.
     leadership = Leadership(database, settings.lease, clock=clock)
+    fleet = make_fleet(settings.fleet)
+    fleet_sync = (FleetSync(database, fleet, settings.fleet, clock=clock,
+                            leading=lambda: not leadership.shared or leadership.leading)
+                  if fleet is not None else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -127,11 +132,17 @@ def create_app(
                                         settings.evaluator.interval_s).start()
             else:
                 th, stop = evaluator.start(settings.evaluator.interval_s)
+        fleet_th = fleet_stop = None
+        if fleet_sync is not None and start_evaluator:
+            fleet_th, fleet_stop = fleet_sync.start()
         beat = asyncio.create_task(delivery.beat_forever())  # the event loop's lag
         try:
             yield
         finally:
             beat.cancel()
+            if fleet_stop is not None and fleet_th is not None:
+                fleet_stop.set()
+                fleet_th.join(timeout=10)
             if stop is not None and th is not None:
                 stop.set()
                 # its last tick, the observer process stopped, and on Postgres the lease
@@ -211,7 +222,8 @@ def create_app(
     metrics.install(app, db=database, clock=clock, policy_cfg=evaluator.cfg,
                     straggler=evaluator.detection.straggler, goodput=evaluator.goodput,
                     judge_failures=evaluator.run_failures, overload=evaluator.overload_state,
-                    leader=leadership.status, live_s=settings.node_lost.deadline_s)
+                    leader=leadership.status, live_s=settings.node_lost.deadline_s,
+                    fleet=(lambda: fleet_sync.status) if fleet_sync is not None else None)
     app.include_router(api_metrics.router)
     app.add_middleware(SecurityHeaders)  # on every response, 413s and /metrics too
     # Ahead of everything, FastAPI's own layers too: the ingest route, answered without the

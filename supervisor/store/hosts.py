@@ -342,3 +342,11 @@ def set_gpu_counters(conn: Connection, *, node: str, counters: Mapping[str, Any]
     _ensure(conn, node, now)
     conn.execute(update(hosts).where(hosts.c.node == node)
                  .values(gpu_counters=json_safe(dict(counters))))
+
+
+def record_host_action(conn: Connection, *, node: str, kind: HostActionKind, actor: str,
+                       reason: str, now: float) -> int:
+    """An audited action about ``node`` that changes no state (a scheduler's command and its
+    output)."""
+    return _act(conn, node=node, kind=kind, actor=actor, reason=reason, now=now, run_id=None,
+                evidence_ids=())

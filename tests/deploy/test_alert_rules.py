@@ -68,6 +68,8 @@ CONTRACT = {
     "trainwarden_run_declared_nodes",
     "trainwarden_host_cordoned",
     "trainwarden_host_probation",
+    "trainwarden_fleet_ok",
+    "trainwarden_fleet_command_failures_total",
     "trainwarden_run_mfu_ratio",
     "trainwarden_run_goodput_ratio",
     "trainwarden_run_badput_seconds",

@@ -44,6 +44,9 @@ VARIABLES = {
     "RDZV_HOST": "node0",
     "RDZV_PORT": "29400",
     "TRAIN_COMMAND": "torchrun --nproc_per_node=8 train.py",
+    "SLURMD_NODENAME": "node0",
+    "WORLD": "3",
+    "nproc": "8",
 }
 
 
@@ -151,14 +154,17 @@ def test_slurm_script_is_valid_bash() -> None:
 
 def test_slurm_agent_command_line_parses() -> None:
     text = SBATCH.read_text()
-    m = re.search(r'exec "\$TRAINWARDEN_BIN" agent(.*?)\n\'', text, re.S)
-    assert m, "the sbatch script no longer execs `$TRAINWARDEN_BIN agent ...`"
+    m = re.search(r'\n +"\$TRAINWARDEN_BIN" agent(.*?) 1>&2\n', text, re.S)
+    assert m, "the sbatch script no longer runs `$TRAINWARDEN_BIN agent ... 1>&2`"
     body = m.group(1).replace("\\\n", " ")
+    # A member (no --spare), its training command the script's arguments.
+    body = body.replace('"${role[@]}"', "").replace('"$@"', "train.py")
     cfg = _agent_config(shlex.split(_substitute(body)))
     assert cfg.run == "my-run"
     assert cfg.node == "node0"
     assert cfg.command[0] == "torchrun"
     assert "--rdzv-backend=c10d" in cfg.command
+    assert "--nnodes=3" in cfg.command and "train.py" in cfg.command
 
 
 # --- Docker and compose ----------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""The fleet: the scheduler that owns the machines (Slurm), as the health ledger sees it.
+
+A backend answers three things, each a command of the scheduler's run with a deadline:
+
+* ``node_states``: every node the scheduler knows, with its state (``FleetNodeState``) and
+  the scheduler's reason, and whether a drain is trainwarden's (its reason starts with
+  ``REASON_PREFIX``);
+* ``cordon``: fence the node off in the scheduler (Slurm: drain it), with a reason that starts
+  with ``REASON_PREFIX``;
+* ``uncordon``: put the node back in service, only where the fence is trainwarden's.
+
+Every command's outcome is a ``FleetResult`` (the command line, its exit code and output),
+which the supervisor audits.  What to do with the states is the policy's
+(``control.policy.fleet_decisions``); running the commands and recording them is
+``control.fleet_sync``'s.  A Kubernetes backend fits the same protocol (cordon:
+``spec.unschedulable`` plus a ``trainwarden.io/cordoned`` taint and a node condition); it is
+not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+REASON_PREFIX = "trainwarden:"
+
+
+class FleetNodeState(StrEnum):
+    """A node as the scheduler has it, reduced to what the membership needs."""
+
+    AVAILABLE = "available"  # idle, allocated, mixed: it may run a job
+    DRAINED = "drained"  # drained or draining: fenced off by someone
+    DOWN = "down"  # down, failed, not responding: the scheduler says it is lost
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    name: str
+    state: FleetNodeState
+    reason: str = ""  # the scheduler's reason (who drained it and why), "" without one
+    raw_state: str = ""  # the scheduler's own words (Slurm: IDLE+DRAIN)
+
+    @property
+    def ours(self) -> bool:
+        """A fence trainwarden set (its reason starts with ``REASON_PREFIX``)."""
+        return self.reason.startswith(REASON_PREFIX)
+
+
+@dataclass(frozen=True)
+class FleetResult:
+    command: str  # the command line, as run
+    ok: bool
+    output: str  # its output (stdout and stderr), or why it could not run
+
+    def describe(self) -> str:
+        out = self.output.strip()[:1000]
+        return f"`{self.command}` {'succeeded' if self.ok else 'FAILED'}" + \
+            (f": {out}" if out else "")
+
+
+class Fleet(Protocol):
+    """A scheduler backend (``fleet.slurm.SlurmFleet``)."""
+
+    name: str
+
+    def check(self) -> FleetResult:
+        """Whether the supervisor can fence nodes off here (at start)."""
+        ...
+
+    def node_states(self) -> tuple[dict[str, FleetNode], FleetResult]:
+        """Every node the scheduler knows, by name (empty when the command failed)."""
+        ...
+
+    def cordon(self, node: str, reason: str) -> FleetResult:
+        ...
+
+    def uncordon(self, node: str) -> FleetResult:
+        ...
