@@ -103,6 +103,9 @@ class IncidentKind(StrEnum):
     NONFINITE = FindingKind.NONFINITE.value
     # An agent keeps reporting another attempt than the run's and could not be realigned.
     ATTEMPT_MISMATCH = "attempt_mismatch"
+    # The data-parallel replicas' exact parameter fingerprints disagree (a worker's
+    # ``replica_mismatch`` event): a flipped bit in memory or arithmetic on the minority's node.
+    SDC = "silent_data_corruption"
 
 
 # What each incident does to training, said once (the policy acts on it, the failure rate
@@ -117,7 +120,7 @@ INTERRUPTING = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.CO
 WATCHED = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 # * ... of which these are answered by a rollback (when rollbacks are enabled), which
 #   interrupts training too;
-ROLLED_BACK = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
+ROLLED_BACK = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE, IncidentKind.SDC})
 # * and those training goes on through: their cost shows in the steps as it happens.
 NEVER_INTERRUPTING = WATCHED - ROLLED_BACK
 
@@ -134,6 +137,7 @@ class RestartCause(StrEnum):
     HANG = "hang"  # collective timeouts too
     NODE_LOST = "node_lost"
     SPIKE = "spike"  # loss spikes and NaN/Inf: the rollback budget
+    SDC = "sdc"  # silent data corruption: a rollback to a checkpoint the replicas agreed on
     OPERATOR = "operator"
     # A node joined a run that stood by for a missing one (a spare registered, the lost node
     # came back): the restart that starts training again counts against no budget.
@@ -240,6 +244,7 @@ class EvidenceKind(StrEnum):
     XID = "xid"  # new XID errors of the hardware kind the agent reports
     PREFLIGHT_FAILED = "preflight_failed"
     DISK_ERROR = "disk_error"  # a checkpoint save failed on an I/O error of the disk
+    SDC = "sdc"  # a rank on the node held parameters its replicas did not (silent corruption)
     PREFLIGHT_PASSED = "preflight_passed"  # not against it: the pass that ended a probation
 
 
