@@ -14,12 +14,12 @@ integer view.  ``node=NAME`` makes it persistent: it fires on the ranks running 
 (``TRAINWARDEN_NODE``; ``rank`` then names the local rank, all of them when not given) on
 every attempt that trains those steps, as a machine that corrupts again would.
 ``crash``, ``hang``, ``slow`` and ``bitflip`` (without ``node``) fire once per run: with
-``fired_dir`` (the examples pass their checkpoint directory) a marker file records that a fault fired, so a later attempt that
-trains the same step again does not fire it twice while a fault further on still fires in
-whichever attempt gets there (a schedule of faults in one run); without it they fire on the
-first attempt only.  ``spike`` and ``nan`` are tied to batch indices and fire whenever those
-batches are trained.  ``rank`` defaults to 1 for
-crash/hang/slow where the world has a rank 1 (else 0); spike and nan hit every rank.
+``fired_dir`` (the examples pass their checkpoint directory) a marker file records that a
+fault fired, so a later attempt that trains the same step again does not fire it twice while
+a fault further on still fires in whichever attempt gets there (a schedule of faults in one
+run); without it they fire on the first attempt only.  ``spike`` and ``nan`` are tied to
+batch indices and fire whenever those batches are trained.  ``rank`` defaults to 1 for
+crash/hang/slow/bitflip where the world has a rank 1 (else 0); spike and nan hit every rank.
 """
 
 from __future__ import annotations
