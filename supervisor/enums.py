@@ -114,13 +114,15 @@ class IncidentKind(StrEnum):
 # * the failures that interrupt training: the attempt ends and the gang restarts (one per
 #   attempt: whichever is seen first decides, the others of the attempt are echoes); the
 #   failures of the failure rate;
+#   silent data corruption ends its attempt too (a rollback to a checkpoint the replicas
+#   agreed on);
 INTERRUPTING = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
-                          IncidentKind.NODE_LOST})
+                          IncidentKind.NODE_LOST, IncidentKind.SDC})
 # * the conditions that stay open while they last, without a restart ...
 WATCHED = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 # * ... of which these are answered by a rollback (when rollbacks are enabled), which
 #   interrupts training too;
-ROLLED_BACK = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE, IncidentKind.SDC})
+ROLLED_BACK = frozenset({IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 # * and those training goes on through: their cost shows in the steps as it happens.
 NEVER_INTERRUPTING = WATCHED - ROLLED_BACK
 

@@ -192,7 +192,8 @@ class ResumeChoice:
     """What rank 0 chose to resume from, as every rank receives it."""
 
     checkpoint: str | None = None  # the checkpoint to load; None: start fresh
-    # The incomplete checkpoints passed over on the way to it: (path, why)
+    # The checkpoints passed over on the way to it (incomplete, or not to be loaded: see
+    # ``refusal``): (path, why)
     passed_over: list[tuple[str, str]] = field(default_factory=list)
     error: str | None = None  # why nothing may be resumed (every rank raises it)
 
@@ -211,10 +212,10 @@ def share_resume_choice(choice: ResumeChoice | None, *, rank: int, world_size: i
         raise ValueError(chosen.error)
     for p, reason in chosen.passed_over:
         passed_over.append((Path(p), reason))
-        log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
+        log.warning("trainwarden: skipping checkpoint %s: %s", p, reason)
         if rank == 0:
             reporter.event(WorkerEventName.CHECKPOINT_SKIPPED,
-                           f"incomplete checkpoint {p}: {reason}",
+                           f"checkpoint {p} passed over: {reason}",
                            details={"path": p, "reason": reason})
     return chosen.checkpoint
 
@@ -652,8 +653,9 @@ class Checkpointer:
                     older = self._complete_at_or_before(plan.checkpoint, skipped)
                     if older is None:
                         chosen = ResumeChoice(error=(
-                            f"resume plan names checkpoint {plan.checkpoint}, which may not be "
-                            f"loaded ({why}), and no complete checkpoint precedes it"))
+                            f"resume plan names checkpoint {plan.checkpoint}, which is not "
+                            f"{'complete' if not v.ok else 'to be loaded'} ({why}), and no "
+                            "complete checkpoint precedes it that may be"))
                     else:
                         chosen = ResumeChoice(str(older), skipped)
             else:

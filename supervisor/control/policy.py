@@ -878,6 +878,10 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
         details["started_at"] = f.started_at
     incident = IncidentSpec(kind=f.kind, cause=f.message, attempt=f.attempt, node=f.node,
                             rank=f.rank, details=details, step=f.step)
+    if f.kind == IncidentKind.SDC:
+        if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
+            return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
+        return rollback_for_sdc(run, f, incident, recovery or RecoveryFacts(), cfg, now)
     if f.kind in RESTART_KINDS:
         if incident_kinds_this_attempt & RESTART_KINDS:
             return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
@@ -890,10 +894,6 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
                        reason=f"gang restart after {f.kind.replace('_', ' ')}: {f.message}",
                        incident=incident, collect_stacks=f.kind == IncidentKind.HANG,
                        cause=CAUSE_OF_KIND[f.kind], replace_lost=f.kind == IncidentKind.NODE_LOST)
-    if f.kind == IncidentKind.SDC and recovery is not None:
-        if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
-            return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
-        return rollback_for_sdc(run, f, incident, recovery, cfg, now)
     if f.kind in ROLLBACK_KINDS and cfg.rollback_budget > 0 and recovery is not None:
         if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
             return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")

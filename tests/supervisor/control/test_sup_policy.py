@@ -251,7 +251,7 @@ def test_operator_restart_and_stop(client: TestClient, evaluator: Evaluator) -> 
     run = get(client, "")
     assert run["restarts"] == 1
     assert run["restarts_by_cause"] == {"crash": 0, "hang": 0, "node_lost": 0, "spike": 0,
-                                        "operator": 1, "replace": 0,
+                                        "sdc": 0, "operator": 1, "replace": 0,
                                         "grow": 0}
     assert client.post("/api/v1/runs/r1/stop", headers=OPERATOR, json={}).status_code == 200
     assert get(client, "")["status"] == "stopped"
@@ -295,7 +295,7 @@ def test_restarts_without_progress_counts_the_restarts_since_the_high_last_grew(
 def test_budgets_left_and_the_cause_a_restart_counts_under() -> None:
     cfg = policy.PolicyConfig(restart_budget=3, rollback_budget=2)
     assert policy.budgets_left({"hang": 1, "spike": 2}, cfg) == {
-        "crash": 3, "hang": 2, "node_lost": 3, "spike": 0}
+        "crash": 3, "hang": 2, "node_lost": 3, "spike": 0, "sdc": 3}
     assert policy.CAUSE_OF_KIND["collective_timeout"] == "hang"
     assert policy.restart_cause("policy", "hang") == "hang"
     assert policy.restart_cause("operator", "crash") == "operator"
