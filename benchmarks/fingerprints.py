@@ -55,7 +55,10 @@ def worker(args: argparse.Namespace) -> None:
         x, y = torch.randn(32, 32), torch.randn(32, 8)
         n_params = sum(p.numel() for p in model.parameters())
 
-        def block(check: bool, start: int) -> tuple[float, list[float], list[float]]:
+        def block(check: bool, start: int, model: torch.nn.Module = model,
+                  opt: torch.optim.Optimizer = opt, fp: Fingerprints = fp,
+                  x: torch.Tensor = x, y: torch.Tensor = y
+                  ) -> tuple[float, list[float], list[float]]:
             steps, checks = [], []
             dist.barrier()
             t_block = time.perf_counter()

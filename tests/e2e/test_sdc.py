@@ -77,8 +77,8 @@ def finish(sup: Supervisor, agent: Agent, name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("bit", ["exponent", "mantissa"])
 def test_a_flipped_bit_on_one_replica_is_named_and_rolled_back_to_the_clean_weights(
         supervisor: Supervisor, clean: str, tmp_path: Path, bit: str) -> None:
-    """(a) an exponent bit (x2**8), (b) the lowest mantissa bit (a relative change of
-    1e-7, which leaves the loss as it was): both caught at the next fingerprint check."""
+    """(a) an exponent bit (x2**8), (b) a low mantissa bit (a relative change of ~5e-7,
+    which leaves the loss as it was): both caught at the next fingerprint check."""
     name = f"sdc-{bit}"
     agent = under_trainwarden(supervisor, tmp_path, name, "--inject",
                               f"bitflip@{FLIP_AT}:rank=2:bit={bit}")
