@@ -1,5 +1,5 @@
 """Cost of the replicas' parameter fingerprints (silent data corruption), on the DDP example's
-model and on a 10M-parameter one, under real torchrun with gloo.
+model and on a 1M-parameter one, under real torchrun with gloo.
 
 Each worker trains the model with DDP and AdamW in interleaved blocks of ``--every`` steps
 (A: plain; B: the same steps plus ``Fingerprints.maybe_check`` after each optimizer step, so
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-MODELS = {"example": 128, "10M": 2048}  # the MLP's hidden width (train_ddp.py's default: 128)
+MODELS = {"example": 128, "1M": 704}  # the MLP's hidden width (train_ddp.py's default: 128)
 
 
 def build(hidden: int):  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
-from tests.e2e.torchrun import run_example
+from tests.e2e.torchrun import EXAMPLES, run_example
 from trainwarden.agent.core.states import AgentExit
 
 pytestmark = pytest.mark.e2e
@@ -98,3 +98,40 @@ def test_a_flipped_bit_on_one_replica_is_named_and_rolled_back_to_the_clean_weig
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{FLIP_AT}")
     assert summary["weights_sha256"] == clean  # the corruption is gone, bit for bit
+
+
+HSDP_FLIP_AT = 100
+HSDP = ["--hidden", "32", "--seed", "5", "--checkpoint-every-steps", str(EVERY),
+        "--fingerprint-every", str(EVERY), "--steps", "200", "--replicate", "2"]
+
+
+@pytest.mark.timeout(600)  # two reference runs and the run under the agent
+def test_hsdp_replicas_disagreeing_are_rolled_back_without_a_culprit(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """(f) FSDP2 as HSDP (``--replicate 2``): the two ranks holding the same shard compare it.
+    Two replicas name no culprit (no majority): the incident names both as suspects and no
+    rank, and the rollback to the newest agreed checkpoint repairs the state either way.
+    Plain FSDP has no replicated shard and is not covered."""
+    clean_dir = tmp_path / "clean"
+    clean_dir.mkdir()
+    for steps in (HSDP_FLIP_AT, 200):  # stopped and resumed where the rollback resumes
+        ref = run_example("train_fsdp.py", clean_dir, *HSDP[:-3], str(steps), *HSDP[-2:],
+                          "--checkpoint-dir", str(clean_dir / "ck"))
+        assert ref.returncode == 0, ref.output[-3000:]
+    assert ref.summary is not None
+    name = "sdc-hsdp"
+    work = tmp_path / "tw"
+    agent = Agent(supervisor.url, name, "node0", work, [
+        "--nproc_per_node=2", "--standalone", str(EXAMPLES / "train_fsdp.py"), *HSDP, *PACE,
+        "--checkpoint-dir", str(work / "ck"), "--summary-json", str(work / "summary.json"),
+        "--inject", f"bitflip@{HSDP_FLIP_AT}:rank=1"])
+    run = finish(supervisor, agent, name)
+    assert run["status"] == "completed" and run["restarts"] == 1, run
+    (inc,) = supervisor.get(f"/runs/{name}/incidents")["incidents"]
+    assert inc["kind"] == "silent_data_corruption" and inc["rank"] is None, inc
+    assert inc["step"] == HSDP_FLIP_AT + EVERY and inc["details"]["suspects"] == [0, 1], inc
+    assert "no majority names the corrupt one" in inc["cause"]
+    assert inc["details"]["checkpoint"].endswith(f"step_{HSDP_FLIP_AT}")
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["resumed_from"].endswith(f"step_{HSDP_FLIP_AT}")
+    assert summary["weights_sha256"] == ref.summary["weights_sha256"]
