@@ -121,6 +121,11 @@ class WorkerEventName(StrEnum):
     # (details {passed: null, skipped: true}): it marks the end of the restart's preflight
     # phase.
     PREFLIGHT = "preflight"
+    # The data-parallel replicas' exact parameter fingerprints disagree
+    # (``trainwarden.agent.worker.fingerprint``): silent data corruption.  Details: step,
+    # ranks, fingerprints, corrupt (the minority's ranks, with three replicas or more),
+    # suspects (every rank, when no majority can say), last_agreed_step, first_disagreement.
+    REPLICA_MISMATCH = "replica_mismatch"
 
 
 class AgentEventName(StrEnum):

@@ -23,6 +23,7 @@ from torch.utils.data import TensorDataset
 
 from trainwarden.agent.worker import declare_flops as worker_declare_flops
 from trainwarden.agent.worker.faults import Fault, parse_fault
+from trainwarden.agent.worker.fingerprint import DEFAULT_EVERY
 
 IN_DIM, OUT_DIM = 32, 8
 
@@ -58,7 +59,11 @@ def parse_args(description: str,
     p.add_argument("--eval-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="extra time in the final evaluation (to mimic a large held-out set)")
     p.add_argument("--inject", action="append", default=[], type=_fault,
-                   metavar="KIND@STEP[:rank=R][:len=L]", help="crash, hang, slow, spike or nan")
+                   metavar="KIND@STEP[:rank=R][:len=L]",
+                   help="crash, hang, slow, spike, nan or bitflip[:bit=exponent|mantissa]"
+                        "[:node=NAME]")
+    p.add_argument("--fingerprint-every", type=int, default=DEFAULT_EVERY, metavar="N",
+                   help="compare the replicas' parameter fingerprints every N steps")
     p.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
                    help="peak TFLOP/s of one rank's device: declared with the model's FLOPs "
                         "per sample so the supervisor shows MFU")

@@ -29,6 +29,7 @@ from trainwarden.agent.worker import (
     resume,
 )
 from trainwarden.agent.worker.faults import FaultInjector
+from trainwarden.agent.worker.fingerprint import Fingerprints
 
 
 def build_model(hidden: int) -> torch.nn.Module:
@@ -49,6 +50,8 @@ def main() -> None:
     timer = PhaseTimer()
     attach_compute_timer(model, timer)  # per-rank compute before the gradient all-reduce
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # Every rank holds the same parameters: compared every N steps and at each save.
+    fingerprints = Fingerprints(model, every=args.fingerprint_every)
     loader = ResumableLoader(common.make_data(args.seed, 16_384, split=0),
                              batch_size=args.batch_size, rank=info.rank,
                              world_size=info.world_size, seed=args.seed,
@@ -57,6 +60,7 @@ def main() -> None:
                         interval_s=args.checkpoint_every, every_steps=args.checkpoint_every_steps,
                         keep=args.keep, retention_grace_s=args.retention_grace,
                         async_save=args.async_checkpoint, seed=args.seed,
+                        fingerprints=fingerprints,
                         config=vars(args) | {"inject": [str(f) for f in args.inject]})
     start = resume(ckpt)
     faults = FaultInjector(args.inject, rank=info.rank, world_size=info.world_size,
@@ -98,6 +102,8 @@ def main() -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        faults.after_step(step, model)
+        fingerprints.maybe_check(step + 1)
         timer.stop()
 
         loss_value = sum(losses) / len(losses)  # the mean over this rank's micro-batches

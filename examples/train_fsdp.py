@@ -5,6 +5,11 @@
 Parameters, gradients and optimiser state are sharded across ranks; checkpoints are DCP
 shards, one per rank.  CPU/gloo by default, CUDA/NCCL where available.
 
+``--replicate R`` trains HSDP instead: R replicas, each sharded over world/R ranks (a 2-D
+mesh, ``replicate`` x ``shard``).  The ranks that hold the same shard in different replicas
+compare their fingerprints every ``--fingerprint-every`` steps (silent data corruption); plain
+FSDP has no two ranks holding the same shard, so nothing to compare.
+
 On fewer ranks than the run declares (``TRAINWARDEN_DECLARED_WORLD_SIZE=2 torchrun
 --nproc_per_node=1 ...`` from a 2-rank run's checkpoint directory) each rank trains its share
 of the same global batch as weighted micro-batches, and the run goes on as on the full world.
@@ -29,6 +34,7 @@ from trainwarden.agent.worker import (
     resume,
 )
 from trainwarden.agent.worker.faults import FaultInjector
+from trainwarden.agent.worker.fingerprint import Fingerprints
 
 
 class Block(torch.nn.Module):
@@ -57,18 +63,31 @@ class Model(torch.nn.Module):
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument(
+        "--replicate", type=int, default=1, metavar="R",
+        help="HSDP: R replicas, each sharded over world/R ranks (1: plain FSDP)"))
     torch.set_num_threads(1)
     info = init_distributed(timeout=args.timeout)
     common.setup_logging(info.rank)
     torch.manual_seed(args.seed)
 
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    replicate = args.replicate
+    if replicate > 1:  # HSDP: replicas of a sharded model
+        if info.world_size % replicate:
+            raise ValueError(f"--replicate {replicate} does not divide {info.world_size} ranks")
+        mesh = init_device_mesh(info.device.type, (replicate, info.world_size // replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
     model = Model(args.hidden).to(info.device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # The ranks holding the same shard in each replica compare them (plain FSDP: no two
+    # ranks hold the same shard, nothing to compare).
+    fingerprints = (Fingerprints(model, every=args.fingerprint_every,
+                                 group=mesh.get_group("replicate")) if replicate > 1 else None)
     loader = ResumableLoader(common.make_data(args.seed, 16_384, split=0),
                              batch_size=args.batch_size, rank=info.rank,
                              world_size=info.world_size, seed=args.seed,
@@ -77,6 +96,7 @@ def main() -> None:
                         interval_s=args.checkpoint_every, every_steps=args.checkpoint_every_steps,
                         keep=args.keep, retention_grace_s=args.retention_grace,
                         async_save=args.async_checkpoint, seed=args.seed,
+                        fingerprints=fingerprints,
                         config=vars(args) | {"inject": [str(f) for f in args.inject]})
     start = resume(ckpt)
     faults = FaultInjector(args.inject, rank=info.rank, world_size=info.world_size,
@@ -123,6 +143,9 @@ def main() -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        faults.after_step(step, model)
+        if fingerprints is not None:
+            fingerprints.maybe_check(step + 1)
         timer.stop()
 
         loss_value = sum(losses) / len(losses)  # the mean over this rank's micro-batches

@@ -107,6 +107,9 @@ class IncidentKind(StrEnum):
     NONFINITE = FindingKind.NONFINITE.value
     # An agent keeps reporting another attempt than the run's and could not be realigned.
     ATTEMPT_MISMATCH = "attempt_mismatch"
+    # The data-parallel replicas' exact parameter fingerprints disagree (a worker's
+    # ``replica_mismatch`` event): a flipped bit in memory or arithmetic on the minority's node.
+    SDC = "silent_data_corruption"
 
 
 # What each incident does to training, said once (the policy acts on it, the failure rate
@@ -115,8 +118,10 @@ class IncidentKind(StrEnum):
 # * the failures that interrupt training: the attempt ends and the gang restarts (one per
 #   attempt: whichever is seen first decides, the others of the attempt are echoes); the
 #   failures of the failure rate;
+#   silent data corruption ends its attempt too (a rollback to a checkpoint the replicas
+#   agreed on);
 INTERRUPTING = frozenset({IncidentKind.CRASH, IncidentKind.HANG, IncidentKind.COLLECTIVE_TIMEOUT,
-                          IncidentKind.NODE_LOST, IncidentKind.PARTITION})
+                          IncidentKind.NODE_LOST, IncidentKind.PARTITION, IncidentKind.SDC})
 # * the conditions that stay open while they last, without a restart ...
 WATCHED = frozenset({IncidentKind.STRAGGLER, IncidentKind.LOSS_SPIKE, IncidentKind.NONFINITE})
 # * ... of which these are answered by a rollback (when rollbacks are enabled), which
@@ -138,6 +143,7 @@ class RestartCause(StrEnum):
     HANG = "hang"  # collective timeouts too
     NODE_LOST = "node_lost"
     SPIKE = "spike"  # loss spikes and NaN/Inf: the rollback budget
+    SDC = "sdc"  # silent data corruption: a rollback to a checkpoint the replicas agreed on
     OPERATOR = "operator"
     # A node joined a run that stood by for a missing one (a spare registered, the lost node
     # came back): the restart that starts training again counts against no budget.
@@ -249,6 +255,7 @@ class EvidenceKind(StrEnum):
     XID = "xid"  # new XID errors of the hardware kind the agent reports
     PREFLIGHT_FAILED = "preflight_failed"
     DISK_ERROR = "disk_error"  # a checkpoint save failed on an I/O error of the disk
+    SDC = "sdc"  # a rank on the node held parameters its replicas did not (silent corruption)
     PREFLIGHT_PASSED = "preflight_passed"  # not against it: the pass that ended a probation
 
 

@@ -27,6 +27,7 @@ not the full-world run's; the data order and batches are).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ from trainwarden.agent.protocol import (
 from trainwarden.agent.worker.data import ResumableLoader
 from trainwarden.agent.worker.distributed import collect_garbage_at_exit
 from trainwarden.agent.worker.elastic import resolve_declared_world_size
+from trainwarden.agent.worker.fingerprint import Fingerprints
 from trainwarden.agent.worker.report import Reporter, current_attempt, get_reporter, training_done
 from trainwarden.agent.worker.save_failure import (
     SaveFailure,
@@ -191,7 +193,8 @@ class ResumeChoice:
     """What rank 0 chose to resume from, as every rank receives it."""
 
     checkpoint: str | None = None  # the checkpoint to load; None: start fresh
-    # The incomplete checkpoints passed over on the way to it: (path, why)
+    # The checkpoints passed over on the way to it (incomplete, or not to be loaded: see
+    # ``refusal``): (path, why)
     passed_over: list[tuple[str, str]] = field(default_factory=list)
     error: str | None = None  # why nothing may be resumed (every rank raises it)
 
@@ -210,10 +213,10 @@ def share_resume_choice(choice: ResumeChoice | None, *, rank: int, world_size: i
         raise ValueError(chosen.error)
     for p, reason in chosen.passed_over:
         passed_over.append((Path(p), reason))
-        log.warning("trainwarden: skipping incomplete checkpoint %s: %s", p, reason)
+        log.warning("trainwarden: skipping checkpoint %s: %s", p, reason)
         if rank == 0:
             reporter.event(WorkerEventName.CHECKPOINT_SKIPPED,
-                           f"incomplete checkpoint {p}: {reason}",
+                           f"checkpoint {p} passed over: {reason}",
                            details={"path": p, "reason": reason})
     return chosen.checkpoint
 
@@ -265,6 +268,7 @@ class Checkpointer:
                  keep: int = 3, async_save: bool = False, seed: int | None = None,
                  config: dict[str, Any] | None = None, sync_every: int = 10,
                  retention_grace_s: float = 30.0, reporter: Reporter | None = None,
+                 fingerprints: Fingerprints | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if interval_s is not None and interval_s <= 0:
             raise ValueError("interval_s must be > 0 (or None to save on steps only)")
@@ -286,6 +290,7 @@ class Checkpointer:
         self._surplus_since: dict[Path, float] = {}
         self.seed, self.config = seed, dict(config or {})
         self.reporter = reporter or get_reporter()
+        self.fingerprints = fingerprints
         self.clock = clock
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -353,6 +358,8 @@ class Checkpointer:
             self.reporter.event(WorkerEventName.CHECKPOINT_STARTED, f"saving step_{step}",
                                 step=step)
         meta = self._meta(step)
+        if self.fingerprints is not None:
+            meta["replicas"] = self._replicas(step)
         state = self._state_dict(meta)
         pending = _PendingSave(step, partial, final, entered, meta)
         self._last_save = self.clock()
@@ -449,6 +456,7 @@ class Checkpointer:
         if not v.ok:
             self._failed(p, RuntimeError(f"saved checkpoint does not validate: {v.reason}"))
             return
+        p.meta["files"] = file_checksums(p.partial)
         (p.partial / META_FILE).write_text(json.dumps(p.meta, indent=1))
         if p.final.exists():  # a step redone after a rollback: the new branch replaces it
             shutil.rmtree(p.final)
@@ -477,6 +485,18 @@ class Checkpointer:
                 "scale": lr.scale, "steps": lr.steps, "ramp_steps": lr.ramp_steps,
                 "start_step": lr.start_step},
         }
+
+    def _replicas(self, step: int) -> dict[str, Any]:
+        """The replicas' agreement on the state saved (a fingerprint check of this step,
+        collective): a checkpoint saved at or after their first disagreement is marked
+        ``agree: false`` and never loaded."""
+        fp = self.fingerprints
+        assert fp is not None
+        v = fp.check(step)
+        agree = None if v is None else (v.agree and not fp.disagreed)
+        return {"agree": agree, "step": step,
+                "fingerprints": None if v is None else v.details()["fingerprints"],
+                "first_disagreement": fp.first_disagreement}
 
     def _state_dict(self, meta: dict[str, Any]) -> dict[str, Any]:
         msd, osd = get_state_dict(self.model, self.optimizer)
@@ -518,13 +538,17 @@ class Checkpointer:
         (self.root / f"step_{step}" / PIN_FILE).unlink(missing_ok=True)
 
     # ---- load / resume ------------------------------------------------------------------
-    def newest_complete(self) -> tuple[Path | None, list[tuple[Path, str]]]:
-        """The newest complete checkpoint, and the newer ones passed over with the reason."""
+    def newest_complete(self, *, verify: bool = False
+                        ) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest complete checkpoint, and the newer ones passed over with the reason.
+        ``verify``: also pass over those that are not to be loaded (``refusal``: a file
+        whose checksum is not the one recorded, replicas that disagreed)."""
         passed: list[tuple[Path, str]] = []
         for c in reversed(list_checkpoints(self.root)):
-            if c.complete:
+            why = c.reason if not c.complete else (refusal(c.path) if verify else None)
+            if why is None:
                 return c.path, passed
-            passed.append((c.path, c.reason))
+            passed.append((c.path, why))
         return None, passed
 
     def _outside(self, path: str | os.PathLike[str]) -> str | None:
@@ -535,14 +559,20 @@ class Checkpointer:
         return (f"checkpoint {path} is not inside this run's checkpoint directory "
                 f"{self.root.resolve()}: the worker loads only its own checkpoints")
 
-    def _complete_at_or_before(self, named: str) -> Path | None:
+    def _complete_at_or_before(self, named: str, passed: list[tuple[str, str]]
+                               ) -> Path | None:
+        """The newest complete checkpoint before the one named that may be loaded; those
+        passed over on the way are appended to ``passed``."""
         m = STEP_DIR.match(Path(named).name)
         if m is None:
             return None
         limit = int(m.group(1))
         for c in reversed(list_checkpoints(Path(named).resolve().parent)):
-            if c.step <= limit and c.complete:
-                return c.path
+            if c.step < limit and c.complete:
+                why = refusal(c.path)
+                if why is None:
+                    return c.path
+                passed.append((str(c.path), why))
         return None
 
     def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -613,20 +643,24 @@ class Checkpointer:
                 chosen = ResumeChoice(error=f"resume plan refused: {refused}")
             elif plan is not None and plan.checkpoint:
                 v = validate_checkpoint(plan.checkpoint)
-                if v.ok:
+                why = v.reason if not v.ok else refusal(plan.checkpoint)
+                if why is None:
                     chosen = ResumeChoice(str(plan.checkpoint))
                 else:
-                    # Gone (pruned before the pin arrived) or damaged: roll back further, to
-                    # the newest complete checkpoint before it, never forward past it.
-                    older = self._complete_at_or_before(plan.checkpoint)
+                    # Gone (pruned before the pin arrived), damaged or not to be trusted: roll
+                    # back further, to the newest complete checkpoint before it, never forward
+                    # past it.
+                    skipped: list[tuple[str, str]] = [(str(plan.checkpoint), why)]
+                    older = self._complete_at_or_before(plan.checkpoint, skipped)
                     if older is None:
                         chosen = ResumeChoice(error=(
                             f"resume plan names checkpoint {plan.checkpoint}, which is not "
-                            f"complete ({v.reason}), and no complete checkpoint precedes it"))
+                            f"{'complete' if not v.ok else 'to be loaded'} ({why}), and no "
+                            "complete checkpoint precedes it that may be"))
                     else:
-                        chosen = ResumeChoice(str(older), [(str(plan.checkpoint), v.reason)])
+                        chosen = ResumeChoice(str(older), skipped)
             else:
-                path, passed = self.newest_complete()
+                path, passed = self.newest_complete(verify=True)
                 chosen = ResumeChoice(str(path) if path else None,
                                       [(str(p), r) for p, r in passed])
         target = share_resume_choice(chosen, rank=self.rank, world_size=self.world_size,
@@ -684,6 +718,52 @@ class Checkpointer:
         call it after the loop, before the final evaluation and the process's exit."""
         self.wait()
         training_done(reporter=self.reporter)
+
+
+CHECKSUM_CHUNK = 1 << 20  # bytes read at a time when a checkpoint's files are hashed
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHECKSUM_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_checksums(directory: Path) -> dict[str, str]:
+    """The SHA-256 of every file DCP wrote in a checkpoint directory (its shards and
+    ``.metadata``), by name: recorded with the checkpoint, verified before it is loaded."""
+    return {f.name: file_sha256(f) for f in sorted(directory.iterdir())
+            if f.is_file() and f.name != META_FILE and f.name != PIN_FILE}
+
+
+def refusal(path: str | os.PathLike[str]) -> str | None:
+    """Why a complete checkpoint must not be loaded, or None: a file whose SHA-256 is not the
+    one recorded when it was saved (corrupted on disk), or a save made after the data-parallel
+    replicas' fingerprints disagreed (silent data corruption: the state may be corrupt).
+    A checkpoint that recorded neither (an older format) is loaded as before."""
+    p = Path(path)
+    try:
+        meta = read_meta(p)
+    except (OSError, ValueError) as e:
+        return f"unreadable {META_FILE}: {e}"
+    replicas = meta.get("replicas") or {}
+    if replicas.get("agree") is False:
+        first = replicas.get("first_disagreement")
+        return (f"saved at step {meta.get('step')}, after the data-parallel replicas' "
+                f"parameter fingerprints disagreed (step {first}): silent data corruption "
+                "suspected, never loaded")
+    for name, digest in sorted((meta.get("files") or {}).items()):
+        f = p / name
+        try:
+            actual = file_sha256(f)
+        except OSError as e:
+            return f"file {f} cannot be read: {e}"
+        if actual != digest:
+            return (f"file {f} is corrupted: its SHA-256 is {actual[:16]}..., "
+                    f"{digest[:16]}... was recorded when it was saved")
+    return None
 
 
 def meta_lr(s: LRSchedule | None) -> dict[str, Any] | None:

@@ -6,13 +6,20 @@ progress), ``slow`` (the rank's compute takes ``factor`` times as long from that
 ``spike`` (the *data* of global batches STEP..STEP+len-1 is corrupted, so the loss jumps; a
 property of those batches, so it comes back if they are trained again) and ``nan`` (the input
 of global batch STEP is made non-finite, so the loss is NaN at the step that trains it).
-``crash``, ``hang`` and ``slow`` fire once per run: with ``fired_dir`` (the examples pass
-their checkpoint directory) a marker file records that a fault fired, so a later attempt that
-trains the same step again does not fire it twice while a fault further on still fires in
-whichever attempt gets there (a schedule of faults in one run); without it they fire on the
-first attempt only.  ``spike`` and ``nan`` are tied to batch indices and fire whenever those
-batches are trained.  ``rank`` defaults to 1 for
-crash/hang/slow where the world has a rank 1 (else 0); spike and nan hit every rank.
+``bitflip`` flips one bit of one parameter element of the rank after the optimizer step of
+step STEP (and of each of the ``len`` steps from it): ``bit=exponent`` (the default) flips an
+exponent bit (the value is scaled by 2**8 or 2**-8: large, finite), ``bit=mantissa`` the
+third-lowest mantissa bit (a relative change of ~5e-7: subtle), ``bit=N`` bit N of the element's
+integer view.  ``node=NAME`` makes it persistent: it fires on the ranks running on node NAME
+(``TRAINWARDEN_NODE``; ``rank`` then names the local rank, all of them when not given) on
+every attempt that trains those steps, as a machine that corrupts again would.
+``crash``, ``hang``, ``slow`` and ``bitflip`` (without ``node``) fire once per run: with
+``fired_dir`` (the examples pass their checkpoint directory) a marker file records that a
+fault fired, so a later attempt that trains the same step again does not fire it twice while
+a fault further on still fires in whichever attempt gets there (a schedule of faults in one
+run); without it they fire on the first attempt only.  ``spike`` and ``nan`` are tied to
+batch indices and fire whenever those batches are trained.  ``rank`` defaults to 1 for
+crash/hang/slow/bitflip where the world has a rank 1 (else 0); spike and nan hit every rank.
 """
 
 from __future__ import annotations
@@ -26,12 +33,18 @@ from pathlib import Path
 
 import torch
 
-from trainwarden.agent.protocol import WorkerEventName
+from trainwarden.agent.protocol import ENV_NODE, WorkerEventName
 from trainwarden.agent.worker.report import current_attempt, get_reporter
 
 FIRED_DIR = ".trainwarden-faults"  # under fired_dir: one marker file per fault that fired
 
-KINDS = ("crash", "hang", "slow", "spike", "nan")
+KINDS = ("crash", "hang", "slow", "spike", "nan", "bitflip")
+ONCE = ("crash", "hang", "slow", "bitflip")  # fire once per run (a bitflip with node=: always)
+# The bit of a float32's integer view: exponent: x2**+-8; mantissa: 4 units in the last place
+# (a relative change of ~5e-7).  Not the lowest bit: a change of one unit in the last place is
+# often rounded away by the next optimizer steps (measured: 2 of 20 elements equal again within
+# 50 AdamW steps), after which the replicas agree and nothing is left to detect.
+BITS = {"exponent": 26, "mantissa": 2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,8 @@ class Fault:
     length: int | None = None  # spike: batches corrupted (20 if not given); slow: steps
     factor: float = 1.5
     scale: float = 30.0
+    bit: str | None = None  # bitflip: "exponent", "mantissa" or a bit number
+    node: str | None = None  # bitflip: persistent, on the ranks of this node
 
     @property
     def span(self) -> int:
@@ -49,13 +64,15 @@ class Fault:
         return self.length if self.length is not None else 20
 
     def __str__(self) -> str:
-        extra = "".join(f":{k}={v}" for k, v in (("rank", self.rank), ("len", self.length))
+        extra = "".join(f":{k}={v}" for k, v in (("rank", self.rank), ("len", self.length),
+                                                 ("bit", self.bit), ("node", self.node))
                         if v is not None)
         return f"{self.kind}@{self.step}{extra}"
 
 
 def parse_fault(spec: str) -> Fault:
-    """``KIND@STEP[:rank=R][:len=L][:factor=F][:scale=S]``; ValueError says what is wrong."""
+    """``KIND@STEP[:rank=R][:len=L][:factor=F][:scale=S][:bit=B][:node=NAME]``; ValueError says
+    what is wrong."""
     head, *opts = spec.split(":")
     kind, sep, step = head.partition("@")
     if not sep or kind not in KINDS:
@@ -66,13 +83,26 @@ def parse_fault(spec: str) -> Fault:
         raise ValueError(f"--inject {spec!r}: STEP must be an integer") from None
     if at < 0:
         raise ValueError(f"--inject {spec!r}: STEP must be >= 0")
-    kw: dict[str, float | int] = {}
+    kw: dict[str, float | int | str] = {}
     for opt in opts:
         key, eq, val = opt.partition("=")
-        names = {"rank": "rank", "len": "length", "factor": "factor", "scale": "scale"}
+        names = {"rank": "rank", "len": "length", "factor": "factor", "scale": "scale",
+                 "bit": "bit", "node": "node"}
         if not eq or key not in names:
             raise ValueError(f"--inject {spec!r}: unknown option {opt!r} "
-                             "(rank=R, len=L, factor=F, scale=S)")
+                             "(rank=R, len=L, factor=F, scale=S, bit=B, node=NAME)")
+        if key in ("bit", "node") and kind != "bitflip":
+            raise ValueError(f"--inject {spec!r}: {key}= is a bitflip option")
+        if key == "bit":
+            if val not in BITS and not (val.isdigit() and int(val) < 64):
+                raise ValueError(f"--inject {spec!r}: bit must be exponent, mantissa or 0-63")
+            kw["bit"] = val
+            continue
+        if key == "node":
+            if not val:
+                raise ValueError(f"--inject {spec!r}: node= needs a name")
+            kw["node"] = val
+            continue
         try:
             kw[names[key]] = float(val) if key in ("factor", "scale") else int(val)
         except ValueError:
@@ -98,9 +128,14 @@ class FaultInjector:
         self.first_attempt = attempt == 0
         self.fired_dir = Path(fired_dir) / FIRED_DIR if fired_dir is not None else None
         default_rank = 1 if world_size > 1 else 0
+        node = os.environ.get(ENV_NODE)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.faults = [f for f in faults
                        if f.kind in ("spike", "nan")
-                       or ((f.rank if f.rank is not None else default_rank) == rank
+                       or (f.node is not None and f.node == node
+                           and f.rank in (None, local_rank))
+                       or (f.node is None
+                           and (f.rank if f.rank is not None else default_rank) == rank
                            and not self._fired_before(f))]
 
     def _fired_before(self, f: Fault) -> bool:
@@ -109,7 +144,7 @@ class FaultInjector:
         return (self.fired_dir / f"{f.kind}@{f.step}").exists()
 
     def _mark_fired(self, f: Fault) -> None:
-        if self.fired_dir is not None and f.kind in ("crash", "hang", "slow"):
+        if self.fired_dir is not None and f.kind in ONCE and f.node is None:
             self.fired_dir.mkdir(parents=True, exist_ok=True)
             (self.fired_dir / f"{f.kind}@{f.step}").write_text(f"rank {self.rank}\n")
 
@@ -134,6 +169,13 @@ class FaultInjector:
         get_reporter().event(WorkerEventName.FAULT_INJECTED, f"{f.kind}@{f.step} fired", step=step,
                              details={"kind": f.kind, "at": f.step, "rank": self.rank},
                              blocking=f.kind in ("crash", "hang"))
+
+    def after_step(self, step: int, model: torch.nn.Module) -> None:
+        """Flip the bit a ``bitflip`` fault names, after the optimizer step of ``step``."""
+        for f in self.faults:
+            if f.kind == "bitflip" and f.step <= step < f.step + (f.length or 1):
+                self._announce(f, step)
+                flip_bit(model, step, f.bit or "exponent")
 
     def slowdown(self, step: int, compute_s: float) -> None:
         """Sleep so this step's compute takes ``factor`` times as long (a straggler)."""
@@ -165,3 +207,21 @@ class FaultInjector:
             if f.kind == "nan":
                 x = torch.full_like(x, float("nan"))
         return x, y
+
+
+def flip_bit(model: torch.nn.Module, step: int, bit: str) -> tuple[str, int, int]:
+    """Flip one bit of one element of the model's first parameter, in place (the element
+    moves with ``step``); returns (parameter name, element index, bit)."""
+    name, p = next((n, p) for n, p in model.named_parameters() if p.numel() > 0)
+    local = p.to_local() if hasattr(p, "to_local") else p
+    flat = local.detach().view(-1)
+    width = flat.element_size() * 8
+    b = BITS.get(bit)
+    b = int(bit) if b is None else (b if width == 32 else {"exponent": width - 6,
+                                                           "mantissa": 0}[bit])
+    ints = flat.view({8: torch.uint8, 16: torch.int16, 32: torch.int32,
+                      64: torch.int64}[width])
+    i = (step * 7919) % flat.numel()
+    with torch.no_grad():
+        ints[i] ^= (1 << b) if b < width - 1 else -(1 << b)  # (the sign bit of a signed view)
+    return name, i, b

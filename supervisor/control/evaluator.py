@@ -73,7 +73,8 @@ log = logging.getLogger("trainwarden.evaluator")
 # (connection reset by a peer, ...) is left out on purpose: it is what the survivors see when
 # a peer dies, and the agent's exit report that follows names the rank that really failed.
 _FAILURE_EVENTS: dict[str, IncidentKind] = {
-    protocol.WorkerEventName.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT}
+    protocol.WorkerEventName.COLLECTIVE_TIMEOUT: IncidentKind.COLLECTIVE_TIMEOUT,
+    protocol.WorkerEventName.REPLICA_MISMATCH: IncidentKind.SDC}
 _STACKS_EVENT = protocol.AgentEventName.STACKS
 # Event findings whose detector already reports each episode once (from the store's events).
 _EPISODE_EVENTS = frozenset({FindingKind.DISK_LOW, FindingKind.DISK_RECOVERED})
@@ -648,6 +649,9 @@ class Evaluator:
                 self._attach_stacks(conn, run, ev, now)
             return
         details = dict(ev.get("details") or {})
+        if ev["name"] == protocol.WorkerEventName.REPLICA_MISMATCH:
+            self._replica_mismatch(conn, run, ev, details, now, rep)
+            return
         collective = details.get("collective", "unknown")
         rank = ev["rank"]
         if ev["step"] is None and rank is not None:
@@ -663,6 +667,26 @@ class Evaluator:
             attempt=int(ev["attempt"]), step=ev.get("step"), rank=ev.get("rank"),
             node=ev.get("node"), details={"collective": collective, "event_id": ev["id"],
                                           **details},
+            member=bool(ev.get("member", True)))
+        rep.findings += 1
+        self._decide(conn, run, finding, now, rep)
+
+    def _replica_mismatch(self, conn: Connection, run: RunRow, ev: NodeEventRow,
+                          details: dict[str, Any], now: float, rep: TickReport) -> None:
+        """Silent data corruption: the incident names the minority's rank and the node it
+        ran on (the event comes from a rank of the majority, on whatever node)."""
+        corrupt = [r for r in details.get("corrupt") or [] if isinstance(r, int)]
+        rank = corrupt[0] if len(corrupt) == 1 else None
+        nodes = windows.rank_nodes(conn, run_id=run["id"])
+        node = nodes.get(rank) if rank is not None else None
+        details["nodes"] = {str(r): nodes.get(r) for r in corrupt or details.get("suspects") or []
+                            if isinstance(r, int)}
+        step = details.get("first_disagreement", ev.get("step"))
+        finding = policy.FindingFacts(
+            kind=IncidentKind.SDC, severity=Severity.INCIDENT,
+            message=policy.sdc_message(details, node), attempt=int(ev["attempt"]),
+            step=step if isinstance(step, int) else None, rank=rank, node=node,
+            details={"event_id": ev["id"], **details},
             member=bool(ev.get("member", True)))
         rep.findings += 1
         self._decide(conn, run, finding, now, rep)

@@ -49,7 +49,7 @@ log = logging.getLogger("trainwarden.ledger")
 PREFLIGHT_EVENT = "preflight"
 _EVENTS = (PREFLIGHT_EVENT, protocol.WorkerEventName.CHECKPOINT_FAILED)
 _INCIDENT_KINDS = (IncidentKind.CRASH, IncidentKind.COLLECTIVE_TIMEOUT, IncidentKind.HANG,
-                   IncidentKind.STRAGGLER)
+                   IncidentKind.STRAGGLER, IncidentKind.SDC)
 GPU_EVERY_S = 5.0  # how often the GPU readings are compared with the counters last seen
 SEEN_MAX = 100_000  # (node, source) pairs remembered as recorded (then forgotten, read again)
 EVENT_PAGES = 5  # pages of 1,000 events read a tick at most (a backlog is read over ticks)

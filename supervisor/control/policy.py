@@ -131,9 +131,10 @@ CAUSE_OF_KIND: dict[str, RestartCause] = {
     IncidentKind.CRASH: RestartCause.CRASH, IncidentKind.HANG: RestartCause.HANG,
     IncidentKind.COLLECTIVE_TIMEOUT: RestartCause.HANG,
     IncidentKind.NODE_LOST: RestartCause.NODE_LOST,
-    IncidentKind.LOSS_SPIKE: RestartCause.SPIKE, IncidentKind.NONFINITE: RestartCause.SPIKE}
+    IncidentKind.LOSS_SPIKE: RestartCause.SPIKE, IncidentKind.NONFINITE: RestartCause.SPIKE,
+    IncidentKind.SDC: RestartCause.SDC}
 BUDGET_CAUSES = (RestartCause.CRASH, RestartCause.HANG, RestartCause.NODE_LOST,
-                 RestartCause.SPIKE)
+                 RestartCause.SPIKE, RestartCause.SDC)
 OPERATOR_CAUSE = RestartCause.OPERATOR  # an operator's restart or rollback: outside budgets
 
 
@@ -938,6 +939,10 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
         details["started_at"] = f.started_at
     incident = IncidentSpec(kind=f.kind, cause=f.message, attempt=f.attempt, node=f.node,
                             rank=f.rank, details=details, step=f.step)
+    if f.kind == IncidentKind.SDC:
+        if incident_kinds_this_attempt & (RESTART_KINDS | ROLLBACK_KINDS):
+            return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
+        return rollback_for_sdc(run, f, incident, recovery or RecoveryFacts(), cfg, now)
     if f.kind in RESTART_KINDS:
         if incident_kinds_this_attempt & RESTART_KINDS:
             return Note(Verdict.ECHO, f"attempt {f.attempt} already failed")
@@ -997,6 +1002,52 @@ def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
     return Restart(attempt=run.attempt + 1, checkpoint=ck_path, not_before=now, reason=reason,
                    incident=incident, skip=skip, lr=lr, cause=RestartCause.SPIKE,
                    rollback_to_step=ck_step)
+
+
+def sdc_message(details: Mapping[str, Any], node: str | None) -> str:
+    """What an incident of silent data corruption says: the step of the first disagreement,
+    the rank(s) and node named (or the suspects, with two replicas)."""
+    step = details.get("first_disagreement", details.get("step"))
+    corrupt = [r for r in details.get("corrupt") or [] if isinstance(r, int)]
+    n = details.get("replicas")
+    if corrupt:
+        who = (f"rank {', '.join(map(str, corrupt))}" + (f" on node {node}" if node else "")
+               + f" disagrees with the other {int(n) - len(corrupt) if isinstance(n, int) else ''}"
+               " replicas")
+    else:
+        suspects = details.get("suspects") or []
+        who = (f"ranks {', '.join(map(str, suspects))} disagree and no majority names the "
+               "corrupt one")
+    return (f"silent data corruption: the replicas' parameter fingerprints disagree at step "
+            f"{step}: {who}")
+
+
+def rollback_for_sdc(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
+                     rec: RecoveryFacts, cfg: PolicyConfig, now: float) -> Restart | Stop:
+    """Silent data corruption: roll back to the newest checkpoint at or before the last step
+    the replicas agreed at (the state saved after that may carry the corruption), without
+    skipping data or lowering the LR (the data is not at fault), and retrain.  The node of
+    the corrupt rank is judged by the host ledger (``detect.node_health``: the same node
+    again within the window is cordoned and replaced at this restart)."""
+    first = _int_or_none(f.details.get("first_disagreement")) or f.step or 0
+    agreed = _int_or_none(f.details.get("last_agreed_step"))
+    limit = agreed if agreed is not None else first - 1
+    may, why = budget_left(RestartCause.SDC, run, rec, cfg)
+    if not may:
+        return Stop(status=RunStatus.FAILED, incident=incident,
+                    reason=f"{incident.cause}; {why}: the run is stopped for a human to look at")
+    good = [(s, p) for s, p in rec.checkpoints if s <= limit]
+    if not good:
+        return Stop(status=RunStatus.FAILED, incident=incident,
+                    reason=f"{incident.cause}; no complete checkpoint at or before step {limit}"
+                           " (the last the replicas agreed at) to roll back to")
+    ck_step, ck_path = good[-1]
+    chosen = replace(incident, details={**incident.details, "checkpoint": ck_path,
+                                        "checkpoint_step": ck_step})
+    reason = (f"{incident.cause}; roll back to step {ck_step}, the newest checkpoint the "
+              f"replicas agreed on ({ck_path})")
+    return Restart(attempt=run.attempt + 1, checkpoint=ck_path, not_before=now, reason=reason,
+                   incident=chosen, cause=RestartCause.SDC, rollback_to_step=ck_step)
 
 
 def rollback_plan(start: int, detected: int, ck_step: int, rec: RecoveryFacts,

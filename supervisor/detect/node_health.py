@@ -84,6 +84,9 @@ class CordonConfig:
     # sustained straggler episodes that cordon a node; 0 (the default): recorded, never
     # cordons (a slow rank may be its data's fault)
     stragglers: int = bounded(0, ge=0, hint="0 turns the rule off")
+    # silent data corruptions attributed to a rank of the node (its replicas outvoted it)
+    # that cordon it within the window: the second is a persistent fault of the machine
+    sdc: int = bounded(2, ge=0, hint="0 turns the rule off")
 
     def __post_init__(self) -> None:
         check(self)
@@ -153,6 +156,11 @@ def incident_evidence(kind: str, *, node: str | None, rank: int | None, cause: s
             return []
         what = f"collective timeout in {details.get('collective') or 'a collective'}"
         return [Found(node, EvidenceKind.INFRA_FAILURE, {**base, "what": what})]
+    if kind == IncidentKind.SDC:
+        if node is None:
+            return []
+        return [Found(node, EvidenceKind.SDC,
+                      {**base, "what": "silent data corruption (its replicas outvoted it)"})]
     if kind == IncidentKind.STRAGGLER:
         if node is None:
             return []
@@ -333,6 +341,7 @@ def judge(evidence: Sequence[Evidence], *, now: float, cfg: CordonConfig
              if cfg.collective_timeouts
              or e.detail.get("incident_kind") != IncidentKind.COLLECTIVE_TIMEOUT]
     for rule, es, label in (("infra_failures", infra, "infrastructure failures"),
+                            ("sdc", of(EvidenceKind.SDC), "silent data corruptions"),
                             ("disk_errors", of(EvidenceKind.DISK_ERROR), "disk errors"),
                             ("stragglers", of(EvidenceKind.STRAGGLER), "straggler episodes")):
         limit = getattr(cfg, rule)

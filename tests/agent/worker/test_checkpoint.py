@@ -106,7 +106,7 @@ def test_incomplete_checkpoints_are_skipped_with_a_log_line(
     assert info.start_step == 10
     assert info.checkpoint == tmp_path / "step_10"
     text = caplog.text
-    assert "skipping incomplete checkpoint" in text
+    assert "skipping checkpoint" in text
     assert "step_30: no .metadata" in text
     assert f"step_20: shard {shard.name} has" in text
     assert loader2.position == 1
@@ -425,3 +425,66 @@ def test_a_rank_the_checkpoint_holds_nothing_of_takes_rank_0s_position_and_keeps
     assert ckpt2.load(tmp_path / "step_4")["step"] == 4
     assert global_rng() == seeded
     assert loader2.position == 4
+
+
+def _flip_one_byte(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x10  # the same size: only the checksum can tell
+    f.write_bytes(bytes(data))
+
+
+def test_a_file_corrupted_on_disk_is_refused_by_name_and_the_previous_checkpoint_loaded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """(e) Each saved file's SHA-256 is recorded with the checkpoint and verified before a
+    load: a shard corrupted on disk (its size intact, so the completeness check passes) is
+    refused with a message naming the file, and the checkpoint before it is loaded, whether
+    the newest is resumed or a plan names it."""
+    model, opt, loader, ckpt = make(tmp_path, keep=5)
+    batches = iter(loader)
+    train(model, opt, batches, 2)
+    ckpt.save(2)
+    saved = [p.detach().clone() for p in model.parameters()]
+    train(model, opt, batches, 2)
+    ckpt.save(4)
+    files = read_meta(tmp_path / "step_4")["files"]
+    assert set(files) == {".metadata", "__0_0.distcp"}
+    shard = tmp_path / "step_4" / "__0_0.distcp"
+    _flip_one_byte(shard)
+    assert validate_checkpoint(tmp_path / "step_4").ok  # complete, but corrupt
+    sent: list[dict] = []
+    for plan in (None, ResumePlan(checkpoint=str(tmp_path / "step_4"))):
+        model2, _, _, ckpt2 = make(tmp_path, keep=5)
+        ckpt2.reporter.event = lambda name, msg, **kw: sent.append(  # type: ignore[method-assign]
+            {"name": name, "message": msg, **kw}) or True
+        with caplog.at_level(logging.WARNING, logger="trainwarden"):
+            info = ckpt2.resume(plan)
+        assert info.start_step == 2 and info.checkpoint == tmp_path / "step_2"
+        assert [p for p, _ in info.passed_over] == [tmp_path / "step_4"]
+        for a, b in zip(model2.parameters(), saved, strict=True):
+            assert torch.equal(a, b)
+    assert f"file {shard} is corrupted" in caplog.text
+    skipped = [e for e in sent if e["name"] == "checkpoint_skipped"]
+    assert len(skipped) == 2 and str(shard) in skipped[0]["message"]
+    # Nothing to fall back on: refused, with the reason.
+    _flip_one_byte(tmp_path / "step_2" / ".metadata")
+    _, _, _, ckpt3 = make(tmp_path, keep=5)
+    with pytest.raises(ValueError, match=r"step_4, which is not to be loaded \(file .* is "
+                                         r"corrupted"):
+        ckpt3.resume(ResumePlan(checkpoint=str(tmp_path / "step_4")))
+
+
+def test_a_checkpoint_saved_after_the_replicas_disagreed_is_never_loaded(
+        tmp_path: Path) -> None:
+    """The replicas' verdict is recorded with each checkpoint (``replicas``): one saved at or
+    after their first disagreement (``agree: false``) is passed over on resume."""
+    _, _, _, ckpt = make(tmp_path, keep=5)
+    ckpt.save(2)
+    ckpt.save(4)
+    meta = read_meta(tmp_path / "step_4")
+    meta["replicas"] = {"agree": False, "step": 4, "first_disagreement": 3}
+    (tmp_path / "step_4" / "trainwarden.json").write_text(json.dumps(meta))
+    _, _, _, ckpt2 = make(tmp_path, keep=5)
+    info = ckpt2.resume(None)
+    assert info.start_step == 2
+    ((path, why),) = info.passed_over
+    assert path == tmp_path / "step_4" and "replicas' parameter fingerprints disagreed" in why

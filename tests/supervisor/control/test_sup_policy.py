@@ -15,6 +15,7 @@ from tests.supervisor.sup_helpers import (
     register,
     step,
 )
+from trainwarden.agent.core.findings import Severity
 from trainwarden.supervisor.control import policy
 from trainwarden.supervisor.control.evaluator import Evaluator
 from trainwarden.supervisor.store.db import Database
@@ -251,7 +252,7 @@ def test_operator_restart_and_stop(client: TestClient, evaluator: Evaluator) -> 
     run = get(client, "")
     assert run["restarts"] == 1
     assert run["restarts_by_cause"] == {"crash": 0, "hang": 0, "node_lost": 0, "spike": 0,
-                                        "operator": 1, "replace": 0,
+                                        "sdc": 0, "operator": 1, "replace": 0,
                                         "grow": 0, "partition": 0}
     assert client.post("/api/v1/runs/r1/stop", headers=OPERATOR, json={}).status_code == 200
     assert get(client, "")["status"] == "stopped"
@@ -295,7 +296,7 @@ def test_restarts_without_progress_counts_the_restarts_since_the_high_last_grew(
 def test_budgets_left_and_the_cause_a_restart_counts_under() -> None:
     cfg = policy.PolicyConfig(restart_budget=3, rollback_budget=2)
     assert policy.budgets_left({"hang": 1, "spike": 2}, cfg) == {
-        "crash": 3, "hang": 2, "node_lost": 3, "spike": 0}
+        "crash": 3, "hang": 2, "node_lost": 3, "spike": 0, "sdc": 3}
     assert policy.CAUSE_OF_KIND["collective_timeout"] == "hang"
     assert policy.restart_cause("policy", "hang") == "hang"
     assert policy.restart_cause("operator", "crash") == "operator"
@@ -379,3 +380,55 @@ def test_only_torch_distributed_failing_on_a_taken_port_moves_the_rendezvous() -
     assert d.incident is not None and "worker on node n1 rank 0" in d.incident.cause
     d = decide(RUN, exit_(2))
     assert isinstance(d, policy.Restart) and not d.move_endpoint
+
+
+def _sdc(**details: Any) -> policy.FindingFacts:
+    d = {"corrupt": [2], "replicas": 3, "first_disagreement": 200, "last_agreed_step": 150,
+         **details}
+    return policy.FindingFacts(kind="silent_data_corruption", severity=Severity.INCIDENT,
+                               message=policy.sdc_message(d, "node0"), attempt=RUN.attempt,
+                               step=200, rank=2, node="node0", details=d)
+
+
+def test_silent_data_corruption_rolls_back_to_the_newest_agreed_checkpoint() -> None:
+    rec = policy.RecoveryFacts(checkpoints=((100, "/ck/step_100"), (150, "/ck/step_150"),
+                                            (200, "/ck/step_200")))
+    d = policy.on_finding(RUN, _sdc(), incident_kinds_this_attempt=frozenset(),
+                          open_watch=frozenset(), checkpoint="/ck/step_200", cfg=CFG, now=50.0,
+                          recovery=rec)
+    assert isinstance(d, policy.Restart), d
+    assert (d.checkpoint, d.rollback_to_step, d.cause) == ("/ck/step_150", 150, "sdc")
+    assert d.skip == () and d.lr is None and d.not_before == 50.0
+    assert d.incident is not None and d.incident.kind == "silent_data_corruption"
+    assert (d.incident.rank, d.incident.node, d.incident.step) == (2, "node0", 200)
+    assert d.incident.details["checkpoint"] == "/ck/step_150"
+    assert d.incident.cause == ("silent data corruption: the replicas' parameter fingerprints "
+                                "disagree at step 200: rank 2 on node node0 disagrees with the "
+                                "other 2 replicas")
+    assert "roll back to step 150, the newest checkpoint the replicas agreed on" in d.reason
+    # No agreed step known (the first check of the attempt disagreed): before the
+    # first disagreement.
+    d = policy.on_finding(RUN, _sdc(last_agreed_step=None, first_disagreement=150),
+                          incident_kinds_this_attempt=frozenset(), open_watch=frozenset(),
+                          checkpoint=None, cfg=CFG, now=50.0, recovery=rec)
+    assert isinstance(d, policy.Restart) and d.checkpoint == "/ck/step_100"
+    # Nothing agreed to go back to: stopped, saying why; the budget spent: stopped.
+    d = policy.on_finding(RUN, _sdc(last_agreed_step=50), incident_kinds_this_attempt=frozenset(),
+                          open_watch=frozenset(), checkpoint=None, cfg=CFG, now=50.0,
+                          recovery=rec)
+    assert isinstance(d, policy.Stop) and "no complete checkpoint at or before step 50" in d.reason
+    spent = policy.RecoveryFacts(checkpoints=rec.checkpoints, restarts_by_cause={"sdc": 2})
+    d = policy.on_finding(RUN, _sdc(), incident_kinds_this_attempt=frozenset(),
+                          open_watch=frozenset(), checkpoint=None, cfg=CFG, now=50.0,
+                          recovery=spent)
+    assert isinstance(d, policy.Stop) and "restart (sdc) budget of 2 spent" in d.reason
+    # The attempt already failed otherwise: an echo.
+    d = policy.on_finding(RUN, _sdc(), incident_kinds_this_attempt=frozenset({"crash"}),
+                          open_watch=frozenset(), checkpoint=None, cfg=CFG, now=50.0,
+                          recovery=rec)
+    assert isinstance(d, policy.Note) and d.verdict == "echo"
+    # Two replicas: suspects, no rank.
+    two = {"corrupt": [], "suspects": [0, 1], "replicas": 2, "first_disagreement": 200}
+    assert policy.sdc_message(two, None) == (
+        "silent data corruption: the replicas' parameter fingerprints disagree at step 200: "
+        "ranks 0, 1 disagree and no majority names the corrupt one")

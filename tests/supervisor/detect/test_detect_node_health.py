@@ -232,3 +232,24 @@ def test_xid_errors_are_evidence_with_the_newest_code() -> None:
     assert kind == EvidenceKind.XID and d["xid_last"] == 79 and "XID 79" in d["what"]
     assert kept["xid"] == {"2": 1}
     assert gpu_evidence({"available": False, "reason": "no NVML"}, kept)[0] == []
+
+
+def test_silent_data_corruption_on_the_same_node_twice_cordons_it() -> None:
+    """The incident that names a rank is evidence against its node; one is a transient
+    (rolled back), the second within the window a persistent fault of the machine."""
+    details = {"corrupt": [2], "first_disagreement": 200}
+    (found,) = incident_evidence(IncidentKind.SDC, node="node1", rank=2,
+                                 cause="silent data corruption: ...", details=details,
+                                 rank_nodes={2: "node1"})
+    assert (found.node, found.kind) == ("node1", EvidenceKind.SDC)
+    # two replicas: no rank named, no node to hold it against
+    assert incident_evidence(IncidentKind.SDC, node=None, rank=None, cause="", details={},
+                             rank_nodes={}) == []
+    sdc = [ev(1, EvidenceKind.SDC, NOW - 3600, what="silent data corruption")]
+    assert judge(sdc, now=NOW, cfg=CFG) is None
+    sdc.append(ev(2, EvidenceKind.SDC, NOW - 60, what="silent data corruption"))
+    v = judge(sdc, now=NOW, cfg=CFG)
+    assert v is not None and v.rule == "sdc" and v.evidence_ids == (1, 2)
+    assert v.reason.startswith("2 silent data corruptions within 24 h")
+    assert judge(sdc, now=NOW, cfg=CordonConfig(sdc=0)) is None
+    assert judge(sdc, now=NOW + DAY, cfg=CFG) is None  # the first has left the window
