@@ -1,0 +1,98 @@
+"""The cost of a loss spike against a rollback's, on synthetic curves with the shape of real
+training (a power law with noise)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from trainwarden.supervisor.goodput.spike_cost import SpikeCostConfig, spike_cost
+
+
+def curve(n: int, *, seed: int = 0, floor: float = 0.5, noise: float = 0.03,
+          excess: dict[int, float] | None = None) -> list[tuple[int, float]]:
+    """``floor + 3.5 / sqrt(step + 1)`` with multiplicative noise; ``excess``: step -> factor."""
+    rng = random.Random(seed)
+    out = []
+    for s in range(n):
+        x = (floor + 3.5 / math.sqrt(s + 1)) * (1 + noise * rng.gauss(0, 1))
+        out.append((s, x * (excess or {}).get(s, 1.0)))
+    return out
+
+
+def test_a_clean_curve_lost_nothing() -> None:
+    h = curve(400)
+    c = spike_cost(h, start=300, step_s=1.0, checkpoint_step=250, restart_s=30.0)
+    assert c is not None
+    assert c.lost_steps == 0 and c.lost_s == 0 and c.excess == 0
+    assert c.cheaper == "wait" and not c.above_early
+
+
+def test_a_late_small_excess_that_lasts_is_many_steps_and_rolled_back_when_cheaper() -> None:
+    """10% more loss late in the run is the level of well over a hundred steps earlier."""
+    h = curve(900, excess={s: 1.1 for s in range(800, 900)})
+    c = spike_cost(h, start=800, step_s=1.0, checkpoint_step=790, skipped_batches=15,
+                   restart_s=10.0, end_step=1000)
+    assert c is not None
+    assert c.excess == pytest.approx(0.1, abs=0.04)
+    assert c.lost_steps > 100  # although the excess is small
+    assert c.lost_steps_at_end is not None and c.lost_steps_at_end >= c.lost_steps
+    assert c.lost_s == c.lost_steps * 1.0
+    # 109 steps trained again + 15 skipped + a 10 s restart: cheaper than what it lost
+    assert c.rollback_steps == pytest.approx(109 + 15 + 10)
+    assert c.rollback_s == pytest.approx(c.rollback_steps * 1.0)
+    assert c.cheaper == "rollback" and c.restart_measured
+    # The same excess with a restart that costs more than the progress lost: wait.
+    dear = spike_cost(h, start=800, step_s=1.0, checkpoint_step=790, skipped_batches=15,
+                      restart_s=600.0, end_step=1000)
+    assert dear is not None and dear.cheaper == "wait"
+
+
+def test_an_early_large_excess_that_comes_back_costs_while_high_then_nothing() -> None:
+    bump = {s: 3.0 for s in range(100, 115)}
+    h = curve(200, excess=bump)
+    during = spike_cost(h[:112], start=100, step_s=1.0, checkpoint_step=50, restart_s=30.0)
+    assert during is not None and during.lost_steps > 50 and not during.above_early
+    after = spike_cost(h, start=100, step_s=1.0, checkpoint_step=50, restart_s=30.0,
+                       end_step=1000)
+    assert after is not None
+    assert after.lost_steps == 0 and after.lost_steps_at_end == 0 and after.cheaper == "wait"
+
+
+def test_a_one_step_blip_costs_nothing_and_is_never_rolled_back() -> None:
+    h = curve(320, excess={300: 10.0})
+    for now in (300, 301, 305, 319):
+        c = spike_cost(h[:now + 1], start=300, step_s=1.0, checkpoint_step=290,
+                       restart_s=0.0, end_step=10_000)
+        assert c is not None
+        assert (c.lost_steps, c.lost_s, c.lost_steps_at_end) == (0, 0.0, 0), now
+        assert c.cheaper == "wait", now
+
+
+def test_a_jump_above_the_early_training_loss_erased_everything_and_is_rolled_back_at_once(
+) -> None:
+    """10x the loss at step 500 is above the untrained model's: everything since is gone."""
+    h = curve(505, excess={s: 10.0 for s in range(500, 505)})
+    c = spike_cost(h, start=500, step_s=1.0, checkpoint_step=450, skipped_batches=20,
+                   restart_s=60.0)
+    assert c is not None
+    assert c.above_early and c.equivalent_step == 0 and c.lost_steps == 504
+    assert c.cheaper == "rollback" and c.certain
+
+
+def test_no_checkpoint_no_rollback_and_a_default_restart_when_none_was_measured() -> None:
+    h = curve(505, excess={s: 10.0 for s in range(500, 505)})
+    c = spike_cost(h, start=500, step_s=1.0, checkpoint_step=None)
+    assert c is not None and c.rollback_steps == math.inf and c.cheaper == "wait"
+    d = spike_cost(h, start=500, step_s=0.5, checkpoint_step=450)
+    assert d is not None and not d.restart_measured
+    assert d.restart_s == SpikeCostConfig().default_restart_s
+    assert d.rollback_steps == pytest.approx(54 + d.restart_s / 0.5)
+    assert "rolling back is cheaper" in d.summary()
+
+
+def test_too_little_history_is_no_figure() -> None:
+    assert spike_cost(curve(5), start=3, step_s=1.0, checkpoint_step=0) is None
+    assert spike_cost(curve(50), start=60, step_s=1.0, checkpoint_step=0) is None
