@@ -73,15 +73,21 @@ class SpikeCost:
     certain: bool
 
     def as_details(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-safe (an impossible rollback's infinite cost is None)."""
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                for k, v in asdict(self).items()}
 
     def summary(self) -> str:
         """One line for an incident's or event's message."""
         end = ("" if self.lost_steps_at_end is None
                else f", {self.lost_steps_at_end} by the run's end")
         restart = "" if self.restart_measured else ", restart time not measured yet"
-        return (f"progress lost {self.lost_steps} steps ({self.lost_s:.3g} s{end}) vs a "
-                f"rollback {self.rollback_steps:.0f} steps ({self.rollback_s:.3g} s{restart}): "
+        rollback = ("no rollback possible (no checkpoint before it)"
+                    if not math.isfinite(self.rollback_steps) else
+                    f"a rollback {self.rollback_steps:.0f} steps ({self.rollback_s:.3g} s"
+                    f"{restart})")
+        return (f"progress lost {self.lost_steps} steps ({self.lost_s:.3g} s{end}) vs "
+                f"{rollback}: "
                 f"{'rolling back' if self.cheaper == 'rollback' else 'waiting'} is cheaper")
 
 
@@ -107,14 +113,32 @@ def _power_fit(points: Sequence[tuple[int, float]]) -> tuple[float, float] | Non
     return my - slope * mx, slope
 
 
-def spike_cost(history: Sequence[tuple[int, float]], *, start: int, step_s: float,
-               checkpoint_step: int | None, skipped_batches: int = 0,
-               restart_s: float | None = None, end_step: int | None = None,
-               cfg: SpikeCostConfig | None = None) -> SpikeCost | None:
-    """Both costs of the spike that started at ``start``, as of the newest step of
-    ``history`` (``[(step, loss)]`` of the current lineage, finite losses, any order).
-    None without enough history before the spike (``smooth_steps`` steps) or after it (one
-    step)."""
+@dataclass(frozen=True)
+class ProgressLost:
+    """What the spike cost so far, from the run's own curve (see the module docstring)."""
+
+    start_step: int
+    now_step: int
+    loss_now: float
+    reference_now: float
+    excess: float
+    equivalent_step: int
+    above_early: bool
+    lost_steps: int
+    lost_s: float
+    lost_steps_at_end: int | None
+    step_s: float
+
+    def as_details(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def progress_lost(history: Sequence[tuple[int, float]], *, start: int, step_s: float,
+                  end_step: int | None = None, cfg: SpikeCostConfig | None = None
+                  ) -> ProgressLost | None:
+    """The progress the spike that started at ``start`` erased, as of the newest step of
+    ``history`` (``[(step, loss)]`` of the current lineage, any order; non-finite losses
+    are left out).  None without ``smooth_steps`` steps before the spike or one after it."""
     cfg = cfg or SpikeCostConfig()
     pts = sorted((int(s), float(x)) for s, x in history if math.isfinite(x))
     before = [p for p in pts if p[0] < start]
@@ -184,19 +208,44 @@ def spike_cost(history: Sequence[tuple[int, float]], *, start: int, step_s: floa
             at_end = lost  # nothing lost, or a flat curve: no slope to project along
         else:
             at_end = max(lost, int(end_step * (1 - (1 + excess) ** (1 / fit[1]))))
+    return ProgressLost(start_step=start, now_step=now, loss_now=loss_now,
+                        reference_now=ref_now, excess=excess, equivalent_step=h,
+                        above_early=above_early, lost_steps=lost, lost_s=lost * step_s,
+                        lost_steps_at_end=at_end, step_s=step_s)
+
+
+def weigh(p: ProgressLost, *, checkpoint_step: int | None, skipped_batches: int = 0,
+          restart_s: float | None = None, cfg: SpikeCostConfig | None = None) -> SpikeCost:
+    """The rollback's cost (to ``checkpoint_step``, skipping ``skipped_batches``, with the
+    run's measured restart time, or the default when it has none) against ``p``."""
+    cfg = cfg or SpikeCostConfig()
+    step_s = p.step_s
     measured = restart_s is not None
     r_s = restart_s if restart_s is not None else cfg.default_restart_s
     if checkpoint_step is None or step_s <= 0:
         rb_steps = math.inf
     else:
-        rb_steps = (now - checkpoint_step) + skipped_batches + r_s / step_s
+        rb_steps = (p.now_step - checkpoint_step) + skipped_batches + r_s / step_s
     rb_s = rb_steps * step_s if math.isfinite(rb_steps) else math.inf
-    lost_for_choice = at_end if at_end is not None else lost
+    lost_for_choice = p.lost_steps_at_end if p.lost_steps_at_end is not None else p.lost_steps
     cheaper: Literal["rollback", "wait"] = "rollback" if rb_steps < lost_for_choice else "wait"
     return SpikeCost(
-        now_step=now, loss_now=loss_now, reference_now=ref_now, excess=excess,
-        equivalent_step=h, above_early=above_early, lost_steps=lost, lost_s=lost * step_s,
-        lost_steps_at_end=at_end, rollback_steps=rb_steps, rollback_s=rb_s,
-        checkpoint_step=checkpoint_step, skipped_batches=skipped_batches, step_s=step_s,
-        restart_s=r_s, restart_measured=measured, cheaper=cheaper,
-        certain=above_early and checkpoint_step is not None)
+        now_step=p.now_step, loss_now=p.loss_now, reference_now=p.reference_now,
+        excess=p.excess, equivalent_step=p.equivalent_step, above_early=p.above_early,
+        lost_steps=p.lost_steps, lost_s=p.lost_s, lost_steps_at_end=p.lost_steps_at_end,
+        rollback_steps=rb_steps, rollback_s=rb_s, checkpoint_step=checkpoint_step,
+        skipped_batches=skipped_batches, step_s=step_s, restart_s=r_s,
+        restart_measured=measured, cheaper=cheaper,
+        certain=p.above_early and checkpoint_step is not None)
+
+
+def spike_cost(history: Sequence[tuple[int, float]], *, start: int, step_s: float,
+               checkpoint_step: int | None, skipped_batches: int = 0,
+               restart_s: float | None = None, end_step: int | None = None,
+               cfg: SpikeCostConfig | None = None) -> SpikeCost | None:
+    """Both costs at once: ``weigh(progress_lost(...), ...)``."""
+    p = progress_lost(history, start=start, step_s=step_s, end_step=end_step, cfg=cfg)
+    if p is None:
+        return None
+    return weigh(p, checkpoint_step=checkpoint_step, skipped_batches=skipped_batches,
+                 restart_s=restart_s, cfg=cfg)

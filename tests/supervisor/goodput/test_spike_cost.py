@@ -8,7 +8,9 @@ import random
 
 import pytest
 
-from trainwarden.supervisor.goodput.spike_cost import SpikeCostConfig, spike_cost
+from trainwarden.agent.core.findings import FindingKind, Severity
+from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.goodput.spike_cost import SpikeCostConfig, progress_lost, spike_cost
 
 
 def curve(n: int, *, seed: int = 0, floor: float = 0.5, noise: float = 0.03,
@@ -96,3 +98,47 @@ def test_no_checkpoint_no_rollback_and_a_default_restart_when_none_was_measured(
 def test_too_little_history_is_no_figure() -> None:
     assert spike_cost(curve(5), start=3, step_s=1.0, checkpoint_step=0) is None
     assert spike_cost(curve(50), start=60, step_s=1.0, checkpoint_step=0) is None
+
+
+def _finding(kind: str, severity: Severity, h: list[tuple[int, float]], start: int,
+             restart_s: float | None, **extra: object) -> policy.FindingFacts:
+    p = progress_lost(h, start=start, step_s=0.5)
+    assert p is not None
+    return policy.FindingFacts(kind=kind, severity=severity, message="spike", attempt=0,
+                               step=start, details={"progress_lost": p.as_details(),
+                                                    "restart_s": restart_s, **extra})
+
+
+def _decide(f: policy.FindingFacts, rec: policy.RecoveryFacts) -> policy.Decision:
+    return policy.on_finding(policy.RunFacts(id=1, name="r", status="running", attempt=0,
+                                             restarts=0), f,
+                             incident_kinds_this_attempt=frozenset(), open_watch=frozenset(),
+                             checkpoint=None, cfg=policy.PolicyConfig(), now=0.0,
+                             recovery=rec)
+
+
+def test_a_transient_spike_is_recorded_with_both_figures_and_which_was_cheaper() -> None:
+    h = curve(900, excess={s: 1.1 for s in range(800, 900)})
+    rec = policy.RecoveryFacts(checkpoints=((750, "/ck/750"), (790, "/ck/790")))
+    d = _decide(_finding(FindingKind.LOSS_SPIKE_TRANSIENT, Severity.EVENT, h, 800, 5.0), rec)
+    assert isinstance(d, policy.RecordEvent)
+    cost = d.details["spike_cost"]
+    # The checkpoint a rollback would load (10 steps before the spike at least), the skip it
+    # would make (10 batches before the spike through now), the measured restart.
+    assert cost["checkpoint_step"] == 790 and cost["skipped_batches"] == 899 - 790 + 1
+    assert cost["rollback_steps"] == pytest.approx(109 + 110 + 5.0 / 0.5)
+    assert cost["lost_steps"] > 100 and cost["restart_measured"]
+    assert f"progress lost {cost['lost_steps']} steps" in d.message
+    assert cost["cheaper"] in d.message.replace("rolling back", "rollback").replace(
+        "waiting", "wait")
+
+
+def test_a_spike_incident_states_both_figures_without_a_measured_restart() -> None:
+    h = curve(505, excess={s: 10.0 for s in range(500, 505)})
+    rec = policy.RecoveryFacts(checkpoints=((450, "/ck/450"),))
+    d = _decide(_finding(FindingKind.LOSS_SPIKE, Severity.INCIDENT, h, 500, None,
+                         detected_at_step=504), rec)
+    assert isinstance(d, policy.Restart) and d.incident is not None
+    cost = d.incident.details["spike_cost"]
+    assert cost["above_early"] and cost["cheaper"] == "rollback" and cost["certain"]
+    assert not cost["restart_measured"] and "restart time not measured yet" in d.incident.cause
