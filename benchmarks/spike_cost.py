@@ -12,9 +12,10 @@ details, the restart anatomy, and the final lineage's loss per step (``--json``)
 
 Scenarios:
 
-* ``ddp-clean`` / ``ddp-mild`` / ``ddp-spike``: ``examples/train_ddp.py`` 400 steps (seed 2,
-  hidden 32, a checkpoint every 50 steps, LR 2e-3), clean, ``--inject
-  spike@200:len=1:scale=2``, and ``--inject spike@200`` (20 batches, scale 30);
+* ``ddp-clean`` / ``ddp-mild`` / ``ddp-spike`` / ``ddp-blip``: ``examples/train_ddp.py``
+  400 steps (seed 2, hidden 32, a checkpoint every 50 steps, LR 2e-3), clean, ``--inject
+  spike@200:len=1:scale=2``, ``--inject spike@200`` (20 batches, scale 30), and ``--inject
+  spike@200:len=1:scale=1`` (one batch with its targets flipped, ``ddp-blip``);
 * ``hf-clean`` / ``hf-spike``: ``examples/hf_trainer.py`` 200 steps (a checkpoint every 25
   steps), clean and ``--inject spike@100`` (20 batches).
 """
@@ -44,6 +45,7 @@ SCENARIOS: dict[str, tuple[str, list[str]]] = {
     "ddp-clean": ("train_ddp.py", DDP),
     "ddp-mild": ("train_ddp.py", [*DDP, "--inject", "spike@200:len=1:scale=2"]),
     "ddp-spike": ("train_ddp.py", [*DDP, "--inject", "spike@200"]),
+    "ddp-blip": ("train_ddp.py", [*DDP, "--inject", "spike@200:len=1:scale=1"]),
     "hf-clean": ("hf_trainer.py", HF),
     "hf-spike": ("hf_trainer.py", [*HF, "--inject", "spike@100"]),
 }

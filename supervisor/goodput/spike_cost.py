@@ -5,7 +5,7 @@ figures (pure: numbers in, numbers out; no clock, no I/O).
 median of ``smooth_steps`` losses, made monotone (the best smoothed loss reached by each
 step), and past the spike's start a power law ``L = a x step^-p`` fitted to the last
 ``fit_steps`` smoothed steps before it (flat when the fit does not fall).  The loss *now* is
-the median of the newest ``smooth_steps`` losses.  It lies at the level the reference had at
+the median of the newest ``now_steps`` losses.  It lies at the level the reference had at
 step ``h``: the run is ``now - h`` steps behind where it would be without the spike, and
 that is the progress lost (in seconds: x the measured step time).  A loss within
 ``tolerance`` standard errors of the reference now lost nothing (a one-step blip that is
@@ -44,9 +44,12 @@ _MAD_TO_SIGMA = 1.4826
 
 @dataclass(frozen=True)
 class SpikeCostConfig:
-    smooth_steps: int = 9  # the loss now: the median of this many newest steps
+    smooth_steps: int = 9  # the reference curve: a running median of this many steps
+    # The loss now: the median of this many newest steps (as many as the spike detector's
+    # "back" judges, so a spike it calls back is measured back).
+    now_steps: int = 5
     fit_steps: int = 50  # the power law is fitted to this many steps before the spike
-    tolerance: float = 2.0  # standard errors of the median: within them, nothing lost
+    tolerance: float = 2.0  # standard errors of the loss now: within them, nothing lost
     # a rollback's restart when the run has had none to measure (seconds)
     default_restart_s: float = 60.0
 
@@ -54,7 +57,7 @@ class SpikeCostConfig:
 @dataclass(frozen=True)
 class SpikeCost:
     now_step: int
-    loss_now: float  # median of the newest smooth_steps losses
+    loss_now: float  # median of the newest now_steps losses
     reference_now: float  # where the run's own curve would be now
     excess: float  # loss_now / reference_now - 1 (0 within the tolerance)
     equivalent_step: int  # the step whose reference loss is loss_now
@@ -146,7 +149,7 @@ def progress_lost(history: Sequence[tuple[int, float]], *, start: int, step_s: f
     if len(before) < cfg.smooth_steps or not after:
         return None
     now = after[-1][0]
-    loss_now = statistics.median(x for _, x in pts[-cfg.smooth_steps:])
+    loss_now = statistics.median(x for _, x in pts[-cfg.now_steps:])
     sm = _smooth(before, cfg.smooth_steps)
     env_steps, env = [], []
     best = math.inf
@@ -169,7 +172,7 @@ def progress_lost(history: Sequence[tuple[int, float]], *, start: int, step_s: f
     resid = [x - y for (_, x), (_, y) in zip(before[-cfg.fit_steps:], sm[-cfg.fit_steps:],
                                              strict=True)]
     mad = statistics.median(abs(r) for r in resid)
-    tol = cfg.tolerance * _MEDIAN_SE * _MAD_TO_SIGMA * mad / math.sqrt(cfg.smooth_steps)
+    tol = cfg.tolerance * _MEDIAN_SE * _MAD_TO_SIGMA * mad / math.sqrt(cfg.now_steps)
     ref_now = reference(now)
     if fit is not None and now > start:
         # The fit's own error past its data, measured on the run: fitted to the older half of
