@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -82,16 +82,26 @@ class SpikeCost:
 
     def summary(self) -> str:
         """One line for an incident's or event's message."""
-        end = ("" if self.lost_steps_at_end is None
-               else f", {self.lost_steps_at_end} by the run's end")
-        restart = "" if self.restart_measured else ", restart time not measured yet"
-        rollback = ("no rollback possible (no checkpoint before it)"
-                    if not math.isfinite(self.rollback_steps) else
-                    f"a rollback {self.rollback_steps:.0f} steps ({self.rollback_s:.3g} s"
-                    f"{restart})")
-        return (f"progress lost {self.lost_steps} steps ({self.lost_s:.3g} s{end}) vs "
-                f"{rollback}: "
-                f"{'rolling back' if self.cheaper == 'rollback' else 'waiting'} is cheaper")
+        line = summary_of(self.as_details())
+        assert line is not None  # its own details always read
+        return line
+
+
+def summary_of(d: Mapping[str, Any]) -> str | None:
+    """The one-line statement of ``SpikeCost.as_details()`` (as stored on an incident or an
+    event); None when ``d`` is not one."""
+    try:
+        lost, lost_s = int(d["lost_steps"]), float(d["lost_s"])
+        at_end, rb, rb_s = d.get("lost_steps_at_end"), d["rollback_steps"], d["rollback_s"]
+        cheaper, measured = d["cheaper"], bool(d["restart_measured"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    end = "" if at_end is None else f", {at_end} by the run's end"
+    restart = "" if measured else ", restart time not measured yet"
+    rollback = ("no rollback possible (no checkpoint before it)" if rb is None
+                else f"a rollback {float(rb):.0f} steps ({float(rb_s):.3g} s{restart})")
+    return (f"progress lost {lost} steps ({lost_s:.3g} s{end}) vs {rollback}: "
+            f"{'rolling back' if cheaper == 'rollback' else 'waiting'} is cheaper")
 
 
 def _smooth(points: Sequence[tuple[int, float]], k: int) -> list[tuple[int, float]]:
