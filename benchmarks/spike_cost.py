@@ -9,6 +9,12 @@ details, the restart anatomy, and the final lineage's loss per step (``--json``)
 
     .venv/bin/python benchmarks/spike_cost.py --scenarios ddp-clean,ddp-mild --reps 3
     .venv/bin/python benchmarks/spike_cost.py --scenarios hf-clean,hf-spike --json out.json
+    .venv/bin/python benchmarks/spike_cost.py --analyse out.json   # both figures, per spike
+
+``--analyse`` reads runs written with ``--json`` and weighs each spike's cost as the policy
+does (``goodput.spike_cost``) at the step its verdict was given (an incident's detection, a
+transient event's return) on the run's recorded loss curve: the step time measured on the
+curve, the restart time the median of the restarts measured in the same file.
 
 Scenarios:
 
@@ -23,6 +29,7 @@ Scenarios:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -37,6 +44,7 @@ if str(REPO) not in sys.path:  # run as a script: the helpers live in the reposi
 
 from tests.e2e.system import Agent, Supervisor, wait_until  # noqa: E402
 from tests.e2e.torchrun import EXAMPLES  # noqa: E402
+from trainwarden.supervisor.goodput.spike_cost import progress_lost, weigh  # noqa: E402
 
 DDP = ["--steps", "400", "--hidden", "32", "--seed", "2", "--checkpoint-every-steps", "50",
        "--lr", "2e-3"]
@@ -86,13 +94,57 @@ def one(sup: Supervisor, work: Path, name: str, script: str, args: list[str]) ->
                            for p in steps["superseded"]]}
 
 
+def analyse(path: Path) -> None:
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    restarts = [a["anatomy"]["total_s"] for r in runs for a in r["actions"]
+                if a.get("anatomy") and a["anatomy"].get("total_s") is not None]
+    restart_s = statistics.median(restarts) if restarts else None
+    print(f"restart time, median of {len(restarts)}: {restart_s}")
+    print("| run | verdict | spike start | judged at | progress lost: steps (s) | "
+          "rollback: to step, steps (s) | cheaper |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for r in runs:
+        pts = [(int(s), float(x), float(t)) for s, x, t in r["loss"] if x is not None]
+        gaps = [(t1 - t0) / (s1 - s0) for (s0, _, t0), (s1, _, t1) in itertools.pairwise(pts)
+                if s1 > s0 and t1 >= t0]
+        step_s = statistics.median(gaps) if gaps else 0.0
+        # The curve the verdict was given on: the first attempt's (a rollback's attempt
+        # trained its steps again).
+        first = {int(s): float(x) for s, x, a in r["superseded"] if a == 0 and x is not None}
+        curve = {s: x for s, x, _ in pts if not first or s < min(first)} | first
+        found = [("incident", i["step"], i["details"].get("detected_at_step"))
+                 for i in r["incidents"] if i["kind"] == "loss_spike"]
+        found += [("transient", e["step"], e["details"].get("recovered_at_step"))
+                  for e in r["events"] if e["name"] == "loss_spike_transient"]
+        for verdict, start, at in found:
+            at = at if at is not None else start
+            if verdict == "transient":
+                at += 4  # the detector calls it back once 5 steps are back
+            hist = [(s, x) for s, x in sorted(curve.items()) if s <= at]
+            p = progress_lost(hist, start=start, step_s=step_s)
+            ck = ((start - 10) // 50) * 50 if r["scenario"].startswith("ddp") else \
+                ((start - 10) // 25) * 25
+            if p is None:
+                continue
+            c = weigh(p, checkpoint_step=ck, skipped_batches=at - (start - 10) + 1,
+                      restart_s=restart_s)
+            print(f"| {r['name']} | {verdict} | {start} | {at} | {c.lost_steps} "
+                  f"({c.lost_s:.2f}) | {ck}, {c.rollback_steps:.0f} ({c.rollback_s:.1f}) | "
+                  f"{c.cheaper} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenarios", default="ddp-clean,ddp-mild,ddp-spike")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None, help="append one line per run here")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--analyse", type=Path, default=None, metavar="JSON",
+                    help="only weigh the spikes of runs written with --json")
     args = ap.parse_args()
+    if args.analyse is not None:
+        analyse(args.analyse)
+        return
     names = args.scenarios.split(",")
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

@@ -22,9 +22,9 @@ end along the fitted power law: ``end x (1 - (1 + excess)^(-1/p))``.
 measured step time, plus the measured restart time (decision to first step, from the
 restart anatomy), plus the batches it skips x the step time (their data is not trained on).
 
-``cheaper`` is ``rollback`` when its cost is below the progress lost (``certain`` when the
-spike is above the early-training loss: nothing is left to lose by rolling back), else
-``wait``.
+``cheaper`` is ``rollback`` when its cost is below the progress lost, or whatever it costs
+when the loss is above the early-training loss (``certain``: nothing is left to lose by
+rolling back, and nothing says training brings it back), else ``wait``.
 """
 
 from __future__ import annotations
@@ -241,15 +241,18 @@ def weigh(p: ProgressLost, *, checkpoint_step: int | None, skipped_batches: int 
         rb_steps = (p.now_step - checkpoint_step) + skipped_batches + r_s / step_s
     rb_s = rb_steps * step_s if math.isfinite(rb_steps) else math.inf
     lost_for_choice = p.lost_steps_at_end if p.lost_steps_at_end is not None else p.lost_steps
-    cheaper: Literal["rollback", "wait"] = "rollback" if rb_steps < lost_for_choice else "wait"
+    # Above the early-training loss the run has nothing left to lose by rolling back, and
+    # no sign that training brings it back: a rollback whatever it costs.
+    certain = p.above_early and checkpoint_step is not None
+    cheaper: Literal["rollback", "wait"] = (
+        "rollback" if certain or rb_steps < lost_for_choice else "wait")
     return SpikeCost(
         now_step=p.now_step, loss_now=p.loss_now, reference_now=p.reference_now,
         excess=p.excess, equivalent_step=p.equivalent_step, above_early=p.above_early,
         lost_steps=p.lost_steps, lost_s=p.lost_s, lost_steps_at_end=p.lost_steps_at_end,
         rollback_steps=rb_steps, rollback_s=rb_s, checkpoint_step=checkpoint_step,
         skipped_batches=skipped_batches, step_s=step_s, restart_s=r_s,
-        restart_measured=measured, cheaper=cheaper,
-        certain=p.above_early and checkpoint_step is not None)
+        restart_measured=measured, cheaper=cheaper, certain=certain)
 
 
 def spike_cost(history: Sequence[tuple[int, float]], *, start: int, step_s: float,

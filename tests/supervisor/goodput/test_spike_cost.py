@@ -82,6 +82,10 @@ def test_a_jump_above_the_early_training_loss_erased_everything_and_is_rolled_ba
     assert c is not None
     assert c.above_early and c.equivalent_step == 0 and c.lost_steps == 504
     assert c.cheaper == "rollback" and c.certain
+    # Whatever the restart costs: nothing is left to lose, nothing says it comes back.
+    dear = spike_cost(h, start=500, step_s=0.01, checkpoint_step=450, restart_s=600.0)
+    assert dear is not None and dear.rollback_steps > dear.lost_steps
+    assert dear.cheaper == "rollback" and dear.certain
 
 
 def test_no_checkpoint_no_rollback_and_a_default_restart_when_none_was_measured() -> None:
