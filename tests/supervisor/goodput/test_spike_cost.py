@@ -10,7 +10,13 @@ import pytest
 
 from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.control.detection import (
+    DetectionConfig,
+    loss_findings,
+    with_spike_cost,
+)
 from trainwarden.supervisor.goodput.spike_cost import SpikeCostConfig, progress_lost, spike_cost
+from trainwarden.supervisor.store.rows import LossRow
 
 
 def curve(n: int, *, seed: int = 0, floor: float = 0.5, noise: float = 0.03,
@@ -146,3 +152,22 @@ def test_a_spike_incident_states_both_figures_without_a_measured_restart() -> No
     cost = d.incident.details["spike_cost"]
     assert cost["above_early"] and cost["cheaper"] == "rollback" and cost["certain"]
     assert not cost["restart_measured"] and "restart time not measured yet" in d.incident.cause
+
+
+def test_the_observer_puts_what_a_spike_cost_on_its_finding() -> None:
+    """The loss window's spike findings carry the progress lost (measured over the window,
+    with the step time measured on it) and the run's measured restart time."""
+    h = curve(300, excess={s: 3.0 for s in range(200, 215)})
+    rows: list[LossRow] = [
+        {"attempt": 0, "step": s, "loss": x, "loss_sum": 2 * x, "loss_count": 2,
+         "loss_nonfinite": 0, "grad_norm_nonfinite": 0, "samples": 64, "tokens": 0,
+         "t_first": 1000.0 + 0.25 * s, "t_last": 1000.0 + 0.25 * s} for s, x in h]
+    cfg = DetectionConfig()
+    found = with_spike_cost(loss_findings(rows, cfg=cfg), rows, lambda: 12.5)
+    (f,) = [f for f in found if f.kind == FindingKind.LOSS_SPIKE_TRANSIENT]
+    p = f.details["progress_lost"]
+    assert p["start_step"] == 200 and p["step_s"] == pytest.approx(0.25)
+    assert p["now_step"] == 299 and p["lost_steps"] == 0  # back, nothing lasting
+    assert f.details["restart_s"] == 12.5
+    # Other findings are left as they are.
+    assert with_spike_cost([], rows, lambda: 1 / 0) == []
