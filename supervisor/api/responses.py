@@ -738,6 +738,9 @@ class Marker(_Answer):
     from_: int = Field(alias="from")
     to: int
     label: str
+    cost: str | None = Field(
+        default=None, description="a spike's: the progress it cost against a rollback's cost, "
+                                  "as its incident or event stated them")
 
 
 class RankTimes(_Answer):

@@ -7,7 +7,10 @@ knows which rows each detector needs and how to shape them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +43,9 @@ from trainwarden.supervisor.detect.disk import DiskConfig, detect_disk
 from trainwarden.supervisor.detect.overload import OverloadConfig
 from trainwarden.supervisor.detect.straggler import after_warmup
 from trainwarden.supervisor.enums import ActionStatus
-from trainwarden.supervisor.store import reads, windows
+from trainwarden.supervisor.goodput.anatomy import anatomy
+from trainwarden.supervisor.goodput.spike_cost import progress_lost
+from trainwarden.supervisor.store import efficiency, reads, windows
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateRow
@@ -308,6 +313,42 @@ def loss_findings(rows: list[LossRow], *, cfg: DetectionConfig) -> list[Finding]
         samples.append(LossSample(step=int(r["step"]), loss=loss, grad_norm=grad,
                                   t=float(r["t_last"])))
     return detect_loss(samples, cfg.loss)
+
+
+def restart_seconds(conn: Connection, run: RunRow) -> float | None:
+    """The run's measured restart time: the median, over its restarts whose anatomy is
+    complete, of the seconds from the decision to the first step; None before any."""
+    totals = [a.total_s for m in efficiency.restart_milestones(conn, run_id=run["id"]).values()
+              if (a := anatomy(m)).total_s is not None]
+    return statistics.median(totals) if totals else None
+
+
+def with_spike_cost(findings: list[Finding], rows: list[LossRow],
+                    restart_s: Callable[[], float | None]) -> list[Finding]:
+    """Each loss-spike finding (incident or transient event) with what it cost so far in
+    ``details["progress_lost"]`` (``goodput.spike_cost.progress_lost`` over the loss window,
+    the step time measured over it) and the run's measured restart time in
+    ``details["restart_s"]`` (None: none measured yet); the policy weighs them against a
+    rollback."""
+    kinds = (FindingKind.LOSS_SPIKE, FindingKind.LOSS_SPIKE_TRANSIENT)
+    if not any(f.kind in kinds for f in findings):
+        return findings
+    history = [(int(r["step"]), float(r["loss"])) for r in rows
+               if not r["loss_nonfinite"] and r["loss"] is not None]
+    ts = [(int(r["step"]), float(r["t_last"])) for r in rows]
+    gaps = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in itertools.pairwise(ts)
+            if s1 > s0 and t1 >= t0]
+    step_s = statistics.median(gaps) if gaps else 0.0
+    measured = restart_s()
+    out = []
+    for f in findings:
+        if f.kind in kinds and f.step is not None:
+            p = progress_lost(history, start=f.step, step_s=step_s)
+            f = dataclasses.replace(f, details={
+                **f.details, "progress_lost": None if p is None else p.as_details(),
+                "restart_s": measured})
+        out.append(f)
+    return out
 
 
 def throughput_findings(rows: list[LossRow], *, cfg: DetectionConfig) -> list[Finding]:

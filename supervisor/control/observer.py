@@ -34,8 +34,10 @@ from trainwarden.supervisor.control.detection import (
     loss_findings,
     loss_rows,
     lost_node_findings,
+    restart_seconds,
     straggler_findings,
     throughput_findings,
+    with_spike_cost,
 )
 from trainwarden.supervisor.detect import Finding
 from trainwarden.supervisor.enums import IncidentKind, IncidentStatus
@@ -160,7 +162,8 @@ class Observer:
                                  seen[0] == int(run["attempt"]) else None)
         if rows:
             state.loss_seen = (int(run["attempt"]), int(rows[-1]["step"]))
-        findings += loss_findings(rows, cfg=cfg)
+        findings += with_spike_cost(loss_findings(rows, cfg=cfg), rows,
+                                    lambda: restart_seconds(conn, run))
         findings += throughput_findings(rows, cfg=cfg)
         findings += disk_findings(conn, run, cfg=cfg, agents=agents)
         return Observation(attempt=int(run["attempt"]), findings=findings, stragglers=slow)

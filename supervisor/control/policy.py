@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from trainwarden.agent.core import rootcause
 from trainwarden.agent.core.bounds import bounded, check, cross_check
-from trainwarden.agent.core.findings import Severity
+from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.agent.core.rootcause import FailureClass
 from trainwarden.agent.core.states import CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
@@ -48,6 +48,7 @@ from trainwarden.supervisor.enums import (
 )
 from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
 from trainwarden.supervisor.goodput import elastic
+from trainwarden.supervisor.goodput.spike_cost import ProgressLost, SpikeCost, weigh
 
 
 def setting_name(field: str) -> str:
@@ -930,6 +931,11 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
     if f.kind == IncidentKind.NODE_LOST and f.node in waiting_for:
         return Note(Verdict.WAIT, f"node {f.node} is lost and no spare is left: the members "
                                   "stand by until it or a spare joins")
+    cost = spike_cost_of(f, recovery, cfg)
+    if cost is not None:
+        # Both figures on the record: what the spike cost, what a rollback costs.
+        f = replace(f, message=f"{f.message}; {cost.summary()}",
+                                details={**f.details, "spike_cost": cost.as_details()})
     if f.severity != Severity.INCIDENT:
         return RecordEvent(name=f.kind, message=f.message, step=f.step, rank=f.rank,
                            details=f.details)
@@ -965,6 +971,33 @@ def on_finding(run: RunFacts, f: FindingFacts, *, incident_kinds_this_attempt: f
     if f.kind == IncidentKind.NONFINITE and (IncidentKind.NONFINITE, None) in open_watch:
         return Note(Verdict.ONGOING, "nonfinite incident already open")
     return OpenIncident(incident=incident)
+
+
+def spike_cost_of(f: FindingFacts, rec: RecoveryFacts | None, cfg: PolicyConfig
+                  ) -> SpikeCost | None:
+    """A loss spike's cost (``details["progress_lost"]``, the observer's figure) against a
+    rollback's: to the checkpoint ``rollback_for_spike`` would load, skipping what it would
+    skip, with the run's measured restart time (``details["restart_s"]``).  None for other
+    findings, or when the observer had no figure."""
+    p = f.details.get("progress_lost")
+    if (f.kind not in (IncidentKind.LOSS_SPIKE, FindingKind.LOSS_SPIKE_TRANSIENT)
+            or rec is None or not isinstance(p, dict) or f.step is None):
+        return None
+    try:
+        progress = ProgressLost(**p)
+    except TypeError:
+        return None
+    restart_s = f.details.get("restart_s")
+    restart_s = float(restart_s) if isinstance(restart_s, int | float) else None
+    good = [s for s, _ in rec.checkpoints if s <= f.step - cfg.rollback_margin_steps]
+    if not good:
+        return weigh(progress, checkpoint_step=None, restart_s=restart_s)
+    detected = _int_or_none(f.details.get("detected_at_step")) or progress.now_step
+    done = rec.restarts_by_cause.get(RestartCause.SPIKE, 0)
+    ((first, last),), _ = rollback_plan(f.step, max(f.step, detected), good[-1], rec, cfg,
+                                        done)
+    return weigh(progress, checkpoint_step=good[-1], skipped_batches=last - first + 1,
+                 restart_s=restart_s)
 
 
 def rollback_for_spike(run: RunFacts, f: FindingFacts, incident: IncidentSpec,

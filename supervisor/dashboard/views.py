@@ -16,6 +16,7 @@ from trainwarden.supervisor.detect.straggler import StragglerConfig
 from trainwarden.supervisor.enums import ActionKind, IncidentKind, RestartCause
 from trainwarden.supervisor.goodput.anatomy import PHASES
 from trainwarden.supervisor.goodput.mfu import mfu, mfu_factor
+from trainwarden.supervisor.goodput.spike_cost import summary_of
 from trainwarden.supervisor.observability import efficiency, metrics
 from trainwarden.supervisor.store import reads, registry, windows
 from trainwarden.supervisor.store import recovery as rec
@@ -160,6 +161,12 @@ def _int(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
+def _spike_cost(details: dict[str, Any]) -> str | None:
+    """What the spike cost against a rollback, as its incident or event stated it."""
+    d = details.get("spike_cost")
+    return summary_of(d) if isinstance(d, dict) else None
+
+
 def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
     """Vertical markers of the loss chart: spike episodes and where restarts resumed."""
     out: list[dict[str, Any]] = []
@@ -177,7 +184,8 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
         end = next((v for v in (_int(d.get(k)) for k in ("end_step", "last_high_step", "step"))
                     if v is not None), start)
         out.append({"type": "spike", "kind": inc["kind"], "from": start,
-                    "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}"})
+                    "to": max(start, end), "label": f"{inc['kind']} #{inc['id']}",
+                    "cost": _spike_cost(d)})
     # Spikes that came back by themselves: events, not incidents (no rollback), shaded too.
     for ev in reads.list_events(conn, run_id=run_id, limit=LIST_LIMIT):
         if ev["name"] != FindingKind.LOSS_SPIKE_TRANSIENT:
@@ -190,7 +198,8 @@ def markers(conn: Connection, run_id: int) -> list[dict[str, Any]]:
             continue
         end = _int(d.get("recovered_at_step")) or _int(d.get("last_high_step")) or start
         out.append({"type": "spike", "kind": FindingKind.LOSS_SPIKE_TRANSIENT, "from": start,
-                    "to": max(start, end), "label": "transient spike (no rollback)"})
+                    "to": max(start, end), "label": "transient spike (no rollback)",
+                    "cost": _spike_cost(d)})
     for a in reads.list_actions(conn, run_id=run_id, limit=LIST_LIMIT):
         if a["kind"] == ActionKind.STOP:
             continue

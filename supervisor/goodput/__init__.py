@@ -9,6 +9,8 @@
 * ``plan``: the capacity planner behind ``trainwarden plan`` (its command line:
   ``trainwarden.supervisor.cli.plan``);
 * ``simulate``: a long run under a failure schedule, as an event stream for the accumulator.
+* ``spike_cost``: what a loss spike cost (progress erased) against what a rollback past it
+  would cost, both from the run's own figures;
 * ``elastic``: a node lost with no spare free: the training lost waiting for a node or
   shrinking to the nodes left, and which to choose.
 

@@ -36,7 +36,12 @@ def seed(client: TestClient, db: Database, clock: FakeClock, evaluator: Evaluato
                            opened_at=T0 + 37, details={"start_step": 30, "step": 36})
         rec.insert_event(conn, run_id=r["id"], attempt=0, t=T0 + 20, step=12,
                           name="loss_spike_transient", message="transient loss spike",
-                          details={"start_step": 12, "recovered_at_step": 15})
+                          details={"start_step": 12, "recovered_at_step": 15,
+                                   "spike_cost": {"lost_steps": 3, "lost_s": 1.5,
+                                                  "lost_steps_at_end": None,
+                                                  "rollback_steps": 40.0, "rollback_s": 20.0,
+                                                  "cheaper": "wait",
+                                                  "restart_measured": True}})
     return run
 
 
@@ -94,6 +99,11 @@ def test_chart_feed_marks_spikes_and_restarts(client: TestClient, db: Database,
     (transient,) = [m for m in feed["markers"] if m["kind"] == "loss_spike_transient"]
     assert (transient["from"], transient["to"]) == (12, 15)
     assert "no rollback" in transient["label"]
+    # ... with what it cost against a rollback, as its event stated it
+    assert transient["cost"] == ("progress lost 3 steps (1.5 s) vs a rollback 40 steps "
+                                 "(20 s): waiting is cheaper")
+    (incident,) = [m for m in feed["markers"] if m["kind"] == "loss_spike"]
+    assert incident["cost"] is None  # an incident without the figures
     ranks = feed["ranks"]
     assert ranks["attempt"] == 1 and ranks["steps"] == list(range(40, 62))
     assert ranks["series"][0]["rank"] == 2 and ranks["series"][0]["score"] < 0.75

@@ -253,7 +253,9 @@
               ctx.setLineDash([]);
             }
             // the short form on the plot ("restart #3"), the whole label on hover
-            labels.push({label: m.label, short: m.label.replace(/ \(.*\)$/, ""),
+            // a spike's hover says what it cost against a rollback
+            labels.push({label: m.cost ? m.label + "; " + m.cost : m.label,
+                         short: m.label.replace(/ \(.*\)$/, ""),
                          x: u.valToPos(Math.max(m.from, min), "x"),
                          cls: m.type === "spike" ? "spike" : "restart"});
           });
