@@ -178,7 +178,9 @@ def test_ingest_benchmark_smoke() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = [ln for ln in proc.stdout.splitlines() if ln.startswith("sqlite ")][-1].split()
     assert row[-1] == "0/0", proc.stdout[-2000:]  # lost / doubled
-    assert "largest cluster with p99 < 100 ms: 8 agents" in proc.stdout, proc.stdout[-2000:]
+    # The latency figure is reported (what it is depends on the machine and its load: it is
+    # the benchmark's result, not something a smoke run can hold a machine to).
+    assert "largest cluster with p99 < 100 ms:" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_spares_benchmark_smoke() -> None:
