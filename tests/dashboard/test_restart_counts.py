@@ -18,8 +18,8 @@ from trainwarden.supervisor.cli import client as cli_client
 from trainwarden.supervisor.cli import main as cli
 from trainwarden.supervisor.control.evaluator import Evaluator
 
-BY_CAUSE = {"crash": 0, "hang": 0, "node_lost": 0, "spike": 0, "operator": 2, "replace": 0,
-            "grow": 0}
+BY_CAUSE = {"crash": 0, "hang": 0, "node_lost": 0, "spike": 0, "sdc": 0, "operator": 2,
+            "replace": 0, "grow": 0}
 
 
 def rolled_back_twice(client: TestClient, clock: FakeClock, evaluator: Evaluator) -> SynthRun:
