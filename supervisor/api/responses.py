@@ -495,7 +495,8 @@ class IncidentRecord(_Answer):
     id: int
     run_id: int
     kind: str = Field(description="crash, hang, collective_timeout, node_lost, straggler, "
-                                  "loss_spike, nonfinite, attempt_mismatch (an open set)")
+                                  "loss_spike, nonfinite, attempt_mismatch, "
+                                  "silent_data_corruption (an open set)")
     status: IncidentStatus
     step: int | None
     attempt: int
