@@ -36,6 +36,7 @@ from trainwarden.agent.worker.checkpoint import (
 from trainwarden.agent.worker.data import Batch, GlobalBatchOrder, ResumableLoader
 from trainwarden.agent.worker.distributed import DistInfo, attach_compute_timer, init_distributed
 from trainwarden.agent.worker.elastic import Part, gradient_sync, resolve_declared_world_size
+from trainwarden.agent.worker.fingerprint import Fingerprints
 from trainwarden.agent.worker.preflight import PreflightFailed, PreflightResult
 from trainwarden.agent.worker.report import (
     PhaseTimer,
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointInfo",
     "Checkpointer",
     "DistInfo",
+    "Fingerprints",
     "GlobalBatchOrder",
     "LRSchedule",
     "Part",

@@ -496,8 +496,8 @@ class IncidentRecord(_Answer):
     id: int
     run_id: int
     kind: str = Field(description="crash, hang, collective_timeout, node_lost, partition, "
-                                  "straggler, loss_spike, nonfinite, attempt_mismatch (an "
-                                  "open set)")
+                                  "straggler, loss_spike, nonfinite, attempt_mismatch, "
+                                  "silent_data_corruption (an open set)")
     status: IncidentStatus
     step: int | None
     attempt: int

@@ -1075,10 +1075,10 @@ def rollback_for_sdc(run: RunFacts, f: FindingFacts, incident: IncidentSpec,
                     reason=f"{incident.cause}; no complete checkpoint at or before step {limit}"
                            " (the last the replicas agreed at) to roll back to")
     ck_step, ck_path = good[-1]
-    chosen = replace(incident, details={**incident.details, "checkpoint": ck_path,
-                                        "checkpoint_step": ck_step})
     reason = (f"{incident.cause}; roll back to step {ck_step}, the newest checkpoint the "
               f"replicas agreed on ({ck_path})")
+    chosen = replace(incident, cause=reason, details={**incident.details, "checkpoint": ck_path,
+                                                      "checkpoint_step": ck_step})
     return Restart(attempt=run.attempt + 1, checkpoint=ck_path, not_before=now, reason=reason,
                    incident=chosen, cause=RestartCause.SDC, rollback_to_step=ck_step)
 

@@ -404,7 +404,8 @@ def test_silent_data_corruption_rolls_back_to_the_newest_agreed_checkpoint() -> 
     assert d.incident.details["checkpoint"] == "/ck/step_150"
     assert d.incident.cause == ("silent data corruption: the replicas' parameter fingerprints "
                                 "disagree at step 200: rank 2 on node node0 disagrees with the "
-                                "other 2 replicas")
+                                "other 2 replicas; roll back to step 150, the newest checkpoint "
+                                "the replicas agreed on (/ck/step_150)")
     assert "roll back to step 150, the newest checkpoint the replicas agreed on" in d.reason
     # No agreed step known (the first check of the attempt disagreed): before the
     # first disagreement.
