@@ -32,7 +32,6 @@ from trainwarden.agent.core.states import CommandStatus, ExitOutcome
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
 from trainwarden.supervisor.detect import node_health
 from trainwarden.supervisor.detect.overload import OverloadConfig
-from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
 from trainwarden.supervisor.enums import (
     FINAL_STATUSES,
     INTERRUPTING,
@@ -47,6 +46,7 @@ from trainwarden.supervisor.enums import (
     SupervisorEvent,
     Verdict,
 )
+from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
 from trainwarden.supervisor.goodput import elastic
 
 
