@@ -45,7 +45,7 @@ from trainwarden.supervisor.detect.straggler import after_warmup
 from trainwarden.supervisor.enums import ActionStatus
 from trainwarden.supervisor.goodput.anatomy import anatomy
 from trainwarden.supervisor.goodput.spike_cost import progress_lost
-from trainwarden.supervisor.store import efficiency, reads, windows
+from trainwarden.supervisor.store import efficiency, hosts, reads, windows
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection
 from trainwarden.supervisor.store.rows import AgentLiveness, LossRow, RunRow, StepAggregateRow
@@ -172,8 +172,9 @@ def lost_node_findings(conn: Connection, run: RunRow, *, now: float,
         agents = windows.agent_liveness(conn, run_id=run["id"])
     beats = {str(a["node"]): float(a["last_seen_at"]) for a in agents
              if a["state"] in LIVE_AGENT_STATES}
+    down = hosts.fleet_down(conn) if beats else {}
     return detect_lost_nodes(beats, now, lost_deadline(cfg, batch_interval_s),
-                             observing_since=observing_since)
+                             observing_since=observing_since, down=down)
 
 
 def lost_deadline(cfg: DetectionConfig, batch_interval_s: float | None) -> NodeLostConfig:

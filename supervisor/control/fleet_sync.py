@@ -93,6 +93,7 @@ class FleetSync:
             log.info("fleet %s: %s", self.fleet.name, r.describe())
         else:
             self.status.last_error = r.describe()
+            self.status.command_failures += 1
             log.error("fleet %s: the supervisor cannot drain nodes here, cordons stay in "
                       "trainwarden only: %s", self.fleet.name, r.describe())
         return r

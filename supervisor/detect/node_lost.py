@@ -50,8 +50,11 @@ class NodeLostConfig:
 def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,
                       cfg: NodeLostConfig | None = None, *,
                       observing_since: float | None = None,
-                      ranks: Mapping[str, list[int]] | None = None) -> list[Finding]:
-    """One ``node_lost`` incident per node (sorted by name) silent for more than the deadline.
+                      ranks: Mapping[str, list[int]] | None = None,
+                      down: Mapping[str, str] | None = None) -> list[Finding]:
+    """One ``node_lost`` incident per node (sorted by name) silent for more than the deadline,
+    or silent for ``confirm_s`` while the scheduler that owns it says it is down (``down``:
+    node -> the scheduler's words; its word and the silence confirm the death together).
 
     ``last_heartbeat``: node -> unix time of its newest heartbeat.  ``ranks``: node -> ranks
     it runs (optional, for the message)."""
@@ -60,17 +63,23 @@ def detect_lost_nodes(last_heartbeat: Mapping[str, float], now: float,
     for node, t in sorted(last_heartbeat.items()):
         since = t if observing_since is None else max(t, observing_since)
         age = now - since
-        if age <= cfg.deadline_s:
+        said = (down or {}).get(node)
+        confirmed = said is not None and age >= min(cfg.confirm_s, cfg.deadline_s)
+        if age <= cfg.deadline_s and not confirmed:
             continue
         on = (ranks or {}).get(node)
         rank_txt = f" (ranks {', '.join(map(str, on))})" if on else ""
-        msg = (f"node {node}{rank_txt} lost: no heartbeat for {now - t:.1f} s "
-               f"(deadline {cfg.deadline_s:g} s)")
+        details: dict[str, object] = {"last_heartbeat": t, "age_s": round(now - t, 3),
+                                      "deadline_s": cfg.deadline_s, "ranks": list(on or [])}
+        if age <= cfg.deadline_s:
+            msg = (f"node {node}{rank_txt} lost: no heartbeat for {now - t:.1f} s, and its "
+                   f"scheduler says it is down ({said})")
+            details.update(confirmed_by="scheduler", scheduler=said)
+        else:
+            msg = (f"node {node}{rank_txt} lost: no heartbeat for {now - t:.1f} s "
+                   f"(deadline {cfg.deadline_s:g} s)")
         out.append(Finding(kind=FindingKind.NODE_LOST, severity=INCIDENT, message=msg, node=node,
-                           started_at=t, details={"last_heartbeat": t,
-                                                  "age_s": round(now - t, 3),
-                                                  "deadline_s": cfg.deadline_s,
-                                                  "ranks": list(on or [])}))
+                           started_at=t, details=details))
     return out
 
 

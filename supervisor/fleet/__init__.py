@@ -24,6 +24,9 @@ from enum import StrEnum
 from typing import Protocol
 
 REASON_PREFIX = "trainwarden:"
+# How the cordon the fleet sets for a node its scheduler says is down begins (the node-lost
+# detector reads it as the scheduler's word that the node is lost).
+DOWN_REASON_PREFIX = "slurm: down"
 
 
 class FleetNodeState(StrEnum):

@@ -27,6 +27,7 @@ from trainwarden.supervisor.enums import (
     HostActionKind,
     HostState,
 )
+from trainwarden.supervisor.fleet import DOWN_REASON_PREFIX
 from trainwarden.supervisor.store import tables
 from trainwarden.supervisor.store._sql import insert, json_safe, row
 from trainwarden.supervisor.store.health import gpu_health
@@ -350,3 +351,13 @@ def record_host_action(conn: Connection, *, node: str, kind: HostActionKind, act
     output)."""
     return _act(conn, node=node, kind=kind, actor=actor, reason=reason, now=now, run_id=None,
                 evidence_ids=())
+
+
+
+def fleet_down(conn: Connection) -> dict[str, str]:
+    """node -> reason, of the nodes the fleet's scheduler says are down (cordoned by the
+    fleet for it: ``policy.fleet_decisions``)."""
+    rows = conn.execute(select(hosts.c.node, hosts.c.reason).where(
+        hosts.c.state == HostState.CORDONED, hosts.c.actor == Actor.FLEET,
+        hosts.c.reason.startswith(DOWN_REASON_PREFIX)))
+    return {str(r.node): str(r.reason) for r in rows}

@@ -4,6 +4,7 @@ machine): ``deploy/slurm/train.sbatch`` submitted as documented, real agents and
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Iterator
@@ -144,6 +145,10 @@ def test_the_sbatch_template_trains_two_nodes_with_a_spare_that_takes_a_dead_mem
         assert end["ExitCode"] == "0:0", end
     finally:
         slurm.run("scancel", job)
+        wait_until(lambda: job_ended(slurm, job), 60, "the job to end")
+        # The agents' state dirs (job ids start at 1 on every new cluster).
+        for d in Path("/tmp").glob(f"trainwarden-agent-{job}-tw*"):
+            shutil.rmtree(d, ignore_errors=True)
     assert clean.summary is not None
     assert summary(work)["weights_sha256"] == clean.summary["weights_sha256"]
     actions = supervisor.get(f"/runs/{run}/actions")["actions"]

@@ -4,8 +4,10 @@ the health ledger (the commands against a real Slurm: tests/e2e/test_slurm_fleet
 from __future__ import annotations
 
 from trainwarden.supervisor.control import policy
+from trainwarden.supervisor.detect import NodeLostConfig
+from trainwarden.supervisor.detect.node_lost import detect_lost_nodes
 from trainwarden.supervisor.enums import Actor, HostState
-from trainwarden.supervisor.fleet import FleetNode, FleetNodeState
+from trainwarden.supervisor.fleet import DOWN_REASON_PREFIX, FleetNode, FleetNodeState
 from trainwarden.supervisor.fleet.slurm import node_state, parse_nodes
 
 RECORDS = (
@@ -66,6 +68,7 @@ def test_the_schedulers_drain_and_down_read_cordoned_and_its_return_lifts_only_i
     assert [(type(d).__name__, d.node) for d in plan.ledger] == [
         ("Cordon", "d"), ("Cordon", "e"), ("Uncordon", "f")]
     assert plan.ledger[0].reason == "slurm: down in Slurm (DOWN): Not responding"
+    assert plan.ledger[0].reason.startswith(DOWN_REASON_PREFIX)  # what the detector reads
     assert plan.drain == [("g", "trainwarden: cordon.infra_failures: ...")]
     assert plan.resume == []
     # Nothing to do once both agree; a node Slurm does not know is not the fleet's.
@@ -75,3 +78,17 @@ def test_the_schedulers_drain_and_down_read_cordoned_and_its_return_lifts_only_i
     nodes["g"] = _n("g", FleetNodeState.DRAINED, "trainwarden: cordon.infra_failures")
     del nodes["f"]
     assert policy.fleet_decisions(settled, nodes) == policy.FleetPlan()
+
+
+def test_a_silent_node_its_scheduler_says_is_down_is_lost_at_the_confirmation() -> None:
+    cfg = NodeLostConfig()  # deadline 30 s, confirm 5 s
+    beats = {"a": 100.0, "b": 100.0}
+    down = {"a": "slurm: down in Slurm (DOWN): psu failed"}
+    (f,) = detect_lost_nodes(beats, 106.0, cfg, down=down)
+    assert f.node == "a" and f.details["confirmed_by"] == "scheduler", f
+    assert "psu failed" in f.message
+    assert detect_lost_nodes(beats, 104.0, cfg, down=down) == []  # not silent long enough
+    assert detect_lost_nodes({"a": 105.5}, 106.0, cfg, down=down) == []  # heard from
+    # Without the scheduler's word, silence alone waits for the deadline.
+    assert detect_lost_nodes(beats, 106.0, cfg) == []
+    assert [f.node for f in detect_lost_nodes(beats, 131.0, cfg, down=down)] == ["a", "b"]
