@@ -97,8 +97,9 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
 
         if mode in ("clean", "saturated"):
             started = time.time()
-            end = wait_until(lambda: (r := sup.get(f"/runs/{run}"))["status"] in FINAL and r,
-                             900, "the run to end", interval=1.0)
+            end = wait_until(lambda: (r := sup.get_or_none(f"/runs/{run}")) is not None
+                             and r["status"] in FINAL and r, 900, "the run to end",
+                             interval=1.0)
             out["run_s"] = round(time.time() - started, 1)
             out["load_avg_1m"] = round(os.getloadavg()[0], 2)
             out["status"] = end["status"]
