@@ -22,17 +22,26 @@ whole process tree of the node holding node rank 1 (agent, torchrun, worker) is 
   its gang restart waits for the node that is gone).  Measured: whether a step resumes within
   ``--wait`` seconds after the kill, the run's status and reason at the end of the wait, and
   the restart actions decided meanwhile (no loop: they stay at two).
+* ``clean``: two members, no fault, nothing killed: the run to its end.  Measured: the
+  node-lost incidents (there must be none), every incident by kind, the restarts, the
+  status, whether the run ends with the clean run's weights.
+* ``saturated``: ``clean`` on a CPU-saturated machine: ``--burners`` busy-loop processes
+  (default 2, one per core of the 2-core test machine) run from before the agents start to
+  the run's end.  Measured as ``clean``, with the load average at the end.
 
     .venv/bin/python benchmarks/nodes.py --json /tmp/nodes.json
     .venv/bin/python benchmarks/nodes.py --modes spare,crash --repeat 3
     .venv/bin/python benchmarks/nodes.py --modes shrink --repeat 3
+    .venv/bin/python benchmarks/nodes.py --modes clean,saturated --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +77,11 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
     run, work, port = f"nodes-{mode}", tmp / "run", free_rendezvous_port()
     agents: dict[str, Agent] = {}
     out: dict[str, Any] = {"mode": mode}
+    burners: list[subprocess.Popen[bytes]] = []
+    if mode == "saturated":
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                   for _ in range(args.burners)]
+        out["burners"] = args.burners
     try:
         for node in ("node0", "node1"):
             agents[node] = Agent(sup.url, run, node, work / node,
@@ -80,6 +94,22 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
 
         def step() -> int:
             return int((sup.get_or_none(f"/runs/{run}") or {}).get("step") or 0)
+
+        if mode in ("clean", "saturated"):
+            started = time.time()
+            end = wait_until(lambda: (r := sup.get_or_none(f"/runs/{run}")) is not None
+                             and r["status"] in FINAL and r, 900, "the run to end",
+                             interval=1.0)
+            out["run_s"] = round(time.time() - started, 1)
+            out["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            out["status"] = end["status"]
+            out["restarts"] = {k: v for k, v in end["restarts_by_cause"].items() if v}
+            incidents = sup.get(f"/runs/{run}/incidents")["incidents"]
+            out["node_lost_incidents"] = sum(i["kind"] == "node_lost" for i in incidents)
+            out["incidents"] = [(i["kind"], i["node"]) for i in incidents]
+            summary = json.loads((work / "summary.json").read_text())
+            out["weights_equal_clean"] = summary["weights_sha256"] == clean_sha
+            return out
 
         wait_until(lambda: step() >= args.kill_at, 300, f"step {args.kill_at}")
         (victim,) = [a["node"] for a in sup.get(f"/runs/{run}")["agents"]
@@ -132,13 +162,18 @@ def one(mode: str, tmp: Path, args: argparse.Namespace, train: list[str],
             a.signal_tree(signal.SIGCONT)
             a.stop()
         sup.stop()
+        for b in burners:
+            b.kill()
+            b.wait()
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="spare,shrink,none",
-                   help="spare, crash, shrink, none (comma-separated)")
+                   help="spare, crash, shrink, none, clean, saturated (comma-separated)")
+    p.add_argument("--burners", type=int, default=2,
+                   help="saturated: busy-loop processes running beside the run")
     p.add_argument("--repeat", type=int, default=1, help="runs per mode")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--kill-at", type=int, default=120)

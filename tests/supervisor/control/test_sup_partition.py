@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tests.supervisor.control.test_sup_node_death import Nodes, beat
+from tests.supervisor.sup_helpers import OPERATOR, step
+from trainwarden.agent.core import rootcause
 from trainwarden.agent.core.rootcause import RootCause
 from trainwarden.supervisor.control import membership, policy
 from trainwarden.supervisor.detect import partition
@@ -50,8 +53,6 @@ def decide(ex: policy.ExitFacts, *, host: str | None = "node0",
 
 
 def as_rc(d: dict[str, Any]) -> RootCause:
-    from trainwarden.agent.core import rootcause
-
     out = rootcause.from_dict(d)
     assert out is not None
     return out
@@ -136,3 +137,64 @@ def test_the_cut_off_members_rank_goes_to_a_spare_or_waits_saying_why() -> None:
         spares_configured=False))
     assert alone.waiting == (1,) and alone.missing == {1: "node1 cut off"}
     assert "node1 cut off" in alone.summary()
+
+
+# ---- through the app ---------------------------------------------------------------------------
+
+
+TIMEOUT = {"exc_type": "RuntimeError",
+           "message": "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms "
+                      "for recv operation to complete",
+           "frame": None, "user_frame": None, "source": "stderr",
+           "traceback": "RuntimeError: Timed out waiting 10000ms for recv operation"}
+
+
+def _exit(clock: Any, attempt: int, failed: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "exit", "attempt": attempt, "t": clock.now, "exit_code": 1,
+            "signal": None, "outcome": "crashed", "failed_ranks": [failed]}
+
+
+def test_the_failed_rendezvous_after_a_timeout_names_the_partition_and_folds_the_timeout(
+        client: Any, clock: Any, evaluator: Any) -> None:
+    """Attempt 0 ends on a collective timeout (every node heard: a crash restart on the same
+    members); attempt 1's rendezvous fails: the host's torchrun first (held), then the
+    member's, naming the host.  One partition incident naming the member, the timeout's
+    incident resolved as its consequence, the member's rank given to the spare."""
+    nodes = Nodes(client, clock)
+    for s in range(5):
+        clock.advance(0.1)
+        nodes.send("node0", [step(r, s, t=clock.now) for r in (0, 1)] + [beat(clock)])
+        nodes.send("node1", [step(r, s, t=clock.now) for r in (2, 3)] + [beat(clock)])
+        nodes.send("spare0", [beat(clock)])
+    clock.advance(1.0)
+    nodes.send("node1", [_exit(clock, 0, {"rank": 2, "local_rank": 0, "exit_code": 1,
+                                          "signal": None, "message": TIMEOUT["message"],
+                                          "root_cause": TIMEOUT}), beat(clock)])
+    nodes.tick_for(evaluator, 2, alive=("node0", "node1", "spare0"))
+    run = client.get("/api/v1/runs/r1", headers=OPERATOR).json()
+    assert run["attempt"] == 1, run
+    host_failed = launcher_exit("node0", rc("torch.distributed.DistStoreError", NOT_JOINED))
+    nodes.send("node0", [_exit(clock, 1, host_failed.failed_ranks[0]), beat(clock)])
+    nodes.tick_for(evaluator, 2, alive=("node0", "node1", "spare0"))
+    assert client.get("/api/v1/runs/r1", headers=OPERATOR).json()["attempt"] == 1  # held
+    member = launcher_exit("node1", rc("torch.distributed.DistNetworkError", UNREACHED))
+    nodes.send("node1", [_exit(clock, 1, member.failed_ranks[0]), beat(clock)])
+    nodes.tick_for(evaluator, 12, alive=("node0", "node1", "spare0"))
+    run = client.get("/api/v1/runs/r1", headers=OPERATOR).json()
+    assert run["attempt"] == 2, run
+    incidents = sorted(client.get("/api/v1/runs/r1/incidents", headers=OPERATOR).json()[
+        "incidents"], key=lambda i: i["id"])
+    assert [(i["kind"], i["node"]) for i in incidents] == [("crash", "node1"),
+                                                          ("partition", "node1")], incidents
+    first, part = incidents
+    assert first["status"] == "resolved" and first["details"]["consequence_of"] == part["id"]
+    assert part["details"]["consequences"] == [
+        {"id": first["id"], "kind": "crash", "node": "node1"}]
+    assert part["cause"].startswith("network partition: node1 cannot reach node0")
+    actions = sorted(client.get("/api/v1/runs/r1/actions", headers=OPERATOR).json()["actions"],
+                     key=lambda a: a["id"])
+    assert [a["cause"] for a in actions] == ["crash", "partition"], actions
+    assert actions[-1]["plan"]["membership"]["members"] == {"node0": 0, "spare0": 1}
+    assert "spare0 takes node rank 1 of node1 (cut off)" in actions[-1]["reason"]
+    restarts = run["restarts_by_cause"]
+    assert {k: v for k, v in restarts.items() if v} == {"crash": 1, "partition": 1}, restarts
