@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +21,6 @@ TRAIN = ["--hidden", "32", "--seed", "5", "--checkpoint-every-steps", "50"]
 def _ended(sup: Supervisor, run: str) -> dict | None:
     r = sup.get(f"/runs/{run}")
     return r if r["status"] in ("completed", "failed", "stopped") else None
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "supervisor").start()
-    yield sup
-    sup.stop()
 
 
 def test_crash_on_rank_1_restarts_the_run_from_the_newest_checkpoint(

@@ -8,29 +8,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.nodes import Nodes, clean_ddp, ended, summary
+from tests.e2e.nodes import Nodes, ended, summary
 from tests.e2e.system import OPERATOR_TOKEN, Supervisor, wait_until
 from tests.e2e.torchrun import RunResult, worker_env
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "supervisor").start()
-    yield sup
-    sup.stop()
-
-
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    return clean_ddp(tmp_path_factory)
 
 
 class FaultyNodes(Nodes):

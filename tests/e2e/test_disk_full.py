@@ -11,7 +11,6 @@ import errno
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,6 @@ STEPS, EVERY = 600, 25
 # (a save a second) the default 30 s grace would keep thirty of them: the surplus goes at once.
 TRAIN = ["--steps", str(STEPS), "--checkpoint-every-steps", str(EVERY), "--step-sleep", "0.02",
          "--retention-grace", "1", "--seed", "3"]
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "supervisor").start()
-    yield sup
-    sup.stop()
 
 
 def failed_saves(sup: Supervisor, run: str) -> list[dict[str, Any]]:

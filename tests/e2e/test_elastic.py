@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,13 +56,6 @@ CASES = {
                                  "--step-sleep", "0.02"), env=OFFLINE, bit_identical=False,
                global_batch=32, train_loss_rtol=0.05),
 }
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "supervisor").start()
-    yield sup
-    sup.stop()
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

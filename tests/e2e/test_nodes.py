@@ -8,29 +8,16 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.nodes import KILL_AT, Nodes, clean_ddp, cli, ended, summary
+from tests.e2e.nodes import KILL_AT, Nodes, cli, ended, summary
 from tests.e2e.system import Supervisor, wait_until
 from tests.e2e.torchrun import RunResult
 
 pytestmark = pytest.mark.e2e
-
-@pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "supervisor").start()
-    yield sup
-    sup.stop()
-
-
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    return clean_ddp(tmp_path_factory)
-
 
 def _two_members_and_a_spare(supervisor: Supervisor, tmp_path: Path, run: str) -> Nodes:
     nodes = Nodes(supervisor, run, tmp_path / "run")

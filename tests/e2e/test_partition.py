@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.netns import Fabric, fabric, unavailable
-from tests.e2e.nodes import KILL_AT, STEPS, TRAIN, Nodes, clean_ddp, cli, ended, summary
+from tests.e2e.nodes import KILL_AT, STEPS, TRAIN, Nodes, cli, ended, summary
 from tests.e2e.system import OPERATOR_TOKEN, Supervisor, wait_until
 from tests.e2e.torchrun import RunResult
 
@@ -40,11 +40,6 @@ def supervisor(tmp_path: Path, net: Fabric) -> Iterator[Supervisor]:
     sup = Supervisor(tmp_path / "supervisor", host=net.host).start()
     yield sup
     sup.stop()
-
-
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    return clean_ddp(tmp_path_factory)
 
 
 def _members_and_a_spare(sup: Supervisor, net: Fabric, tmp_path: Path, run: str

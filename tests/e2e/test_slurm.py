@@ -7,14 +7,13 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.e2e.nodes import KILL_AT, STEPS, TRAIN, clean_ddp, ended, summary
+from tests.e2e.nodes import KILL_AT, STEPS, TRAIN, ended, summary
 from tests.e2e.system import (
     AGENT_TOKEN,
     REPO,
@@ -29,18 +28,6 @@ pytestmark = pytest.mark.e2e
 
 SBATCH = REPO / "deploy" / "slurm" / "train.sbatch"
 BIN = Path(sys.executable).parent
-
-
-@pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "supervisor").start()
-    yield sup
-    sup.stop()
-
-
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    return clean_ddp(tmp_path_factory)
 
 
 def job_env(sup: Supervisor, run: str, work: Path, **extra: str) -> dict[str, str]:
