@@ -686,7 +686,9 @@ class Evaluator:
             kind=IncidentKind.SDC, severity=Severity.INCIDENT,
             message=policy.sdc_message(details, node), attempt=int(ev["attempt"]),
             step=step if isinstance(step, int) else None, rank=rank, node=node,
-            details={"event_id": ev["id"], **details},
+            # (who made the claim: the evidence it holds against another node counts for the
+            # host only when that agent is trusted for its own: control.ledger)
+            details={"event_id": ev["id"], **details, "reported_by": ev.get("node")},
             member=bool(ev.get("member", True)))
         rep.findings += 1
         self._decide(conn, run, finding, now, rep)

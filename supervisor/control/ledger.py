@@ -147,6 +147,10 @@ class HealthLedger:
         rank_nodes = (windows.rank_nodes(conn, run_id=inc["run_id"])
                       if inc["kind"] == IncidentKind.HANG else {})
         trust = hosts.node_trust(conn, run_id=inc["run_id"])
+        # An incident one node reported about another (silent data corruption: the majority's
+        # rank names the minority's) is that reporter's claim: trusted for the accused host
+        # only when both agents are.
+        reporter = (inc["details"] or {}).get("reported_by")
         for found in node_health.incident_evidence(
                 inc["kind"], node=inc["node"], rank=inc["rank"], cause=inc["cause"],
                 details=inc["details"] or {}, rank_nodes=rank_nodes, signal=inc["signal"],
@@ -155,7 +159,8 @@ class HealthLedger:
             self._record(conn, found, run_id=inc["run_id"], attempt=inc["attempt"],
                          t=float(inc["opened_at"]), source=f"incident:{inc['id']}",
                          run_names=run_names, touched=touched, tick=tick,
-                         trusted=trust.get(found.node, False))
+                         trusted=trust.get(found.node, False)
+                         and (reporter is None or trust.get(reporter, False)))
 
     def _events(self, conn: Connection, now: float, run_names: dict[int, str],
                 touched: dict[tuple[str, int | None], bool], tick: LedgerTick) -> None:

@@ -166,6 +166,45 @@ def test_an_unscoped_agent_is_trusted_for_its_host(
         assert "gpu-17" in hosts.cordoned_nodes(conn)
 
 
+def _sdc_evidence_against_a_trusted_node(client: TestClient, clock: FakeClock,
+                                         evaluator: Evaluator, reporter: dict[str, str]
+                                         ) -> dict[str, Any]:
+    """Run ``sdc-1``: gpu-30 (the cluster's agent token) holds rank 0, gpu-31 (``reporter``'s
+    token) rank 1 and reports that rank 0's parameters disagree with the majority's."""
+    accused = join(client, "sdc-1", "gpu-30", AGENT)
+    claimant = join(client, "sdc-1", "gpu-31", reporter)
+    send(client, accused, 0, [{**step(0, 10), "t": clock.now}])
+    send(client, claimant, 0, [{**step(1, 10), "t": clock.now}])
+    send(client, claimant, 1, [{
+        "type": "event", "attempt": 0, "rank": 1, "t": clock.now, "step": 100,
+        "name": "replica_mismatch", "message": "replicas disagree",
+        "details": {"corrupt": [0], "suspects": [], "first_disagreement": 100,
+                    "last_agreed_step": 50}}])
+    evaluator.tick()
+    evaluator.tick()
+    incidents = client.get("/api/v1/runs/sdc-1/incidents", headers=OPERATOR).json()["incidents"]
+    assert [(i["kind"], i["node"]) for i in incidents] == [
+        ("silent_data_corruption", "gpu-30")], incidents
+    hosts_listed = client.get("/api/v1/hosts", headers=OPERATOR).json()["hosts"]
+    return {h["node"]: h for h in hosts_listed}
+
+
+def test_a_run_scoped_agent_s_corruption_claim_is_no_evidence_against_another_host(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """A replica mismatch names another node's rank: an agent on a run-scoped token cannot
+    move the shared ledger against a host trusted for itself."""
+    scoped = token(client, "sdc-job", "agent", "sdc-*")
+    listed = _sdc_evidence_against_a_trusted_node(client, clock, evaluator, scoped)
+    assert listed.get("gpu-30", {}).get("evidence_count", 0) == 0, listed
+
+
+def test_a_trusted_agent_s_corruption_claim_is_evidence_against_the_host(
+        client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
+    """The sibling with the default a user gets: both agents on the cluster's token."""
+    listed = _sdc_evidence_against_a_trusted_node(client, clock, evaluator, AGENT)
+    assert listed["gpu-30"]["evidence_count"] == 1, listed
+
+
 def test_a_run_scoped_passed_preflight_ends_no_probation(
         client: TestClient, clock: FakeClock, evaluator: Evaluator) -> None:
     v = victim(client)
