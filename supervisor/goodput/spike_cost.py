@@ -100,8 +100,12 @@ def summary_of(d: Mapping[str, Any]) -> str | None:
     restart = "" if measured else ", restart time not measured yet"
     rollback = ("no rollback possible (no checkpoint before it)" if rb is None
                 else f"a rollback {float(rb):.0f} steps ({float(rb_s):.3g} s{restart})")
-    return (f"progress lost {lost} steps ({lost_s:.3g} s{end}) vs {rollback}: "
-            f"{'rolling back' if cheaper == 'rollback' else 'waiting'} is cheaper")
+    if d.get("certain"):  # the rule, not the comparison, decided: say which
+        verdict = ("the loss is at or above the run's early-training loss, everything since "
+                   "erased: rolling back whatever it costs")
+    else:
+        verdict = f"{'rolling back' if cheaper == 'rollback' else 'waiting'} is cheaper"
+    return f"progress lost {lost} steps ({lost_s:.3g} s{end}) vs {rollback}: {verdict}"
 
 
 def _smooth(points: Sequence[tuple[int, float]], k: int) -> list[tuple[int, float]]:
