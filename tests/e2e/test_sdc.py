@@ -56,8 +56,9 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest
 
 
-def under_trainwarden(sup: Supervisor, work: Path, name: str, *args: str) -> Agent:
-    return Agent(sup.url, name, "node0", work, [
+def under_trainwarden(sup: Supervisor, work: Path, name: str, *args: str,
+                      node: str = "node0") -> Agent:
+    return Agent(sup.url, name, node, work, [
         "--nproc_per_node=3", "--standalone", *ddp_script(
             *TRAIN, *PACE, "--checkpoint-dir", str(work / "ck"), "--summary-json",
             str(work / "summary.json"), *args)])
@@ -98,6 +99,40 @@ def test_a_flipped_bit_on_one_replica_is_named_and_rolled_back_to_the_clean_weig
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{FLIP_AT}")
     assert summary["weights_sha256"] == clean  # the corruption is gone, bit for bit
+
+
+def test_a_node_that_flips_bits_on_every_step_is_cordoned_after_the_second_and_the_run_stopped(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """(c) Rank 2's machine flips a bit after every step from step 150 on, on every attempt
+    (the persistent form of the injector, bound to the node).  The first corruption is
+    rolled back; the second on the same node within the window is a persistent fault: the
+    node is cordoned, and with no spare to take its place the run is stopped, failed, naming
+    the cordon and the checkpoint to resume from, instead of a third rollback onto it."""
+    name, node = "sdc-every-step", "flaky0"  # (its own node: the cordon is the host's)
+    agent = under_trainwarden(supervisor, tmp_path, name, "--inject",
+                              f"bitflip@{FLIP_AT}:len={STEPS}:rank=2:node={node}", node=node)
+    try:
+        assert agent.wait(300) == AgentExit.FAILED, agent.tail()
+    finally:
+        agent.stop()
+    run = wait_until(lambda: (r := supervisor.get(f"/runs/{name}"))["status"] != "running"
+                     and r, 20, f"run {name} to end")
+    assert run["status"] == "failed", run
+    assert (f"{node} is cordoned for silent data corruption (cordon.sdc: 2 silent data "
+            "corruptions within") in run["reason"], run["reason"]
+    assert "no free spare" in run["reason"] and f"step_{FLIP_AT}" in run["reason"], run
+    host = supervisor.get(f"/hosts/{node}")
+    assert host["state"] == "cordoned" and host["reason"].startswith("cordon.sdc: "), host
+    incidents = supervisor.get(f"/runs/{name}/incidents")["incidents"]
+    assert [(i["kind"], i["rank"], i["node"], i["step"]) for i in incidents] == [
+        ("silent_data_corruption", 2, node, FLIP_AT + EVERY)] * 2, incidents
+    acts = sorted(supervisor.get(f"/runs/{name}/actions")["actions"], key=lambda a: a["id"])
+    # Rolled back once; the second rollback, decided before the cordon in the same
+    # transaction, reached no agent; then the stop.
+    assert [(a["kind"], a["cause"], a["status"]) for a in acts[:2]] == [
+        ("restart", "sdc", "resumed"), ("restart", "sdc", "superseded")], acts
+    assert [a["kind"] for a in acts[2:]] == ["stop"], acts
+    assert acts[0]["plan"]["checkpoint"].endswith(f"step_{FLIP_AT}"), acts[0]
 
 
 HSDP_FLIP_AT = 100
