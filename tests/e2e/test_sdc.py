@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.nodes import Nodes, ended
 from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import EXAMPLES, run_example
 from trainwarden.agent.core.states import AgentExit
@@ -133,6 +134,62 @@ def test_a_node_that_flips_bits_on_every_step_is_cordoned_after_the_second_and_t
         ("restart", "sdc", "resumed"), ("restart", "sdc", "superseded")], acts
     assert [a["kind"] for a in acts[2:]] == ["stop"], acts
     assert acts[0]["plan"]["checkpoint"].endswith(f"step_{FLIP_AT}"), acts[0]
+
+
+NODES_FLIP_AT = 100
+NODES_TRAIN = ["--hidden", "32", "--seed", "5", "--checkpoint-every-steps", str(EVERY),
+               "--fingerprint-every", str(EVERY), "--steps", "300"]
+
+
+@pytest.mark.timeout(600)  # the reference run and the run under three agents
+def test_a_node_that_flips_bits_again_is_cordoned_and_replaced_by_the_spare(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """(d) Two nodes of two ranks each (four replicas: a majority names the corrupt one) and
+    a spare.  Local rank 0 of node1 flips a bit after every step from step 100 on, on every
+    attempt that runs there (the injector's persistent form, bound to the node).  The first
+    corruption is rolled back; the second cordons node1 and the spare takes its node rank
+    before the rollback trains; the run ends with the clean run's weights, bit for bit."""
+    ref = tmp_path / "clean"
+    ref.mkdir()
+    for steps in (NODES_FLIP_AT, 300):  # stopped and resumed where the rollback resumes
+        r = run_example("train_ddp.py", ref, *NODES_TRAIN[:-1], str(steps), "--checkpoint-dir",
+                        str(ref / "ck"), nproc=4)
+        assert r.returncode == 0, r.output[-3000:]
+    assert r.summary and r.summary["resumed_from"].endswith(f"step_{NODES_FLIP_AT}"), r.output
+    run = "sdc-nodes"
+    nodes = Nodes(supervisor, run, tmp_path / "run", nproc=2, train=[
+        *NODES_TRAIN, *PACE, "--inject", f"bitflip@{NODES_FLIP_AT}:len=300:rank=0:node=node1"])
+    nodes.start("node0")
+    nodes.start("node1")
+    nodes.start("spare0", "--spare")
+    try:
+        wait_until(lambda: nodes.step() >= 1, 120, "training to start")
+        assert nodes.member("spare0")["role"] == "spare"
+        k = nodes.member("node1")["node_rank"]
+        finished = wait_until(lambda: ended(supervisor, run), 400, "the run to end")
+        assert finished["status"] == "completed", (
+            finished["reason"], supervisor.get(f"/runs/{run}/incidents")["incidents"],
+            supervisor.get(f"/runs/{run}/actions")["actions"])
+    finally:
+        nodes.stop()
+    incidents = supervisor.get(f"/runs/{run}/incidents")["incidents"]
+    assert [(i["kind"], i["rank"], i["node"], i["step"]) for i in incidents] == [
+        ("silent_data_corruption", 2 * k, "node1", NODES_FLIP_AT + EVERY)] * 2, incidents
+    host = supervisor.get("/hosts/node1")
+    assert host["state"] == "cordoned" and host["reason"].startswith("cordon.sdc: "), host
+    acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
+    # The second corruption is the evidence that cordons node1: its rollback is decided
+    # again before it trains, with the spare in node1's rank (never a third rollback).
+    assert [(a["cause"], a["status"]) for a in acts] == [
+        ("sdc", "resumed"), ("sdc", "superseded"), ("replace", "resumed")], acts
+    assert acts[2]["plan"]["checkpoint"].endswith(f"step_{NODES_FLIP_AT}"), acts[2]
+    assert acts[2]["plan"]["membership"]["members"]["spare0"] == k, acts[2]
+    assert f"spare0 takes node rank {k} of node1 (cordoned for silent data corruption)" \
+        in acts[2]["reason"], acts[2]
+    assert nodes.member("node1")["role"] == "spare"
+    summary = json.loads((nodes.work / "summary.json").read_text())
+    assert summary["resumed_from"].endswith(f"step_{NODES_FLIP_AT}")
+    assert summary["weights_sha256"] == r.summary["weights_sha256"]
 
 
 HSDP_FLIP_AT = 100
