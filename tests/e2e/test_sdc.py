@@ -2,7 +2,8 @@
 three-rank DDP run (real torchrun, gloo) is caught by the replicas' fingerprints, the
 corrupt rank and its node are named, the run rolls back to the newest checkpoint the
 replicas agreed on and ends with the clean run's weights, bit for bit; a node that flips
-bits again and again is cordoned."""
+bits again is cordoned at the second corruption, and replaced by a spare (the run ends with
+the clean run's weights) or, with none, the run is stopped."""
 
 from __future__ import annotations
 
