@@ -97,3 +97,13 @@ def test_a_member_cordoned_for_silent_data_corruption_never_keeps_its_rank() -> 
     assert plan.kept_cordoned == {} and plan.waiting == (1,), plan
     assert "node rank 1 waits for a node (b cordoned for silent data corruption" \
         in plan.summary(), plan.summary()
+    # A free spare takes it; a run that may shrink leaves it out.
+    spare = membership.plan_members(membership.MembershipFacts(
+        **{**facts.__dict__, "corrupting": frozenset({"b"}), "spares": ("s",),
+           "live": frozenset({"a", "b", "s"})}))
+    assert spare.replaced == (membership.Replacement(1, "b", "s", membership.CORRUPTING),)
+    assert "s takes node rank 1 of b (cordoned for silent data corruption)" in spare.summary()
+    shrunk = membership.plan_members(membership.MembershipFacts(
+        **{**facts.__dict__, "corrupting": frozenset({"b"}), "min_nodes": 1}), shrink=True)
+    assert shrunk.members == {0: "a"} and shrunk.dropped == (
+        membership.Dropped(1, "b", membership.CORRUPTING),), shrunk
