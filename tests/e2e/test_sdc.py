@@ -81,16 +81,17 @@ def finish(sup: Supervisor, agent: Agent, name: str) -> dict[str, Any]:
 def test_a_flipped_bit_on_one_replica_is_named_and_rolled_back_to_the_clean_weights(
         supervisor: Supervisor, clean: str, tmp_path: Path, bit: str) -> None:
     """(a) an exponent bit (x2**8), (b) a low mantissa bit (a relative change of ~5e-7,
-    which leaves the loss as it was): both caught at the next fingerprint check."""
-    name = f"sdc-{bit}"
+    which leaves the loss as it was): both caught at the next fingerprint check.  Each on a
+    node of its own: two corruptions on one node within the window cordon it."""
+    name = node = f"sdc-{bit}"
     agent = under_trainwarden(supervisor, tmp_path, name, "--inject",
-                              f"bitflip@{FLIP_AT}:rank=2:bit={bit}")
+                              f"bitflip@{FLIP_AT}:rank=2:bit={bit}", node=node)
     run = finish(supervisor, agent, name)
     assert run["status"] == "completed" and run["restarts"] == 1, run
     (inc,) = supervisor.get(f"/runs/{name}/incidents")["incidents"]
     assert inc["kind"] == "silent_data_corruption", inc
-    assert (inc["rank"], inc["node"], inc["step"]) == (2, "node0", FLIP_AT + EVERY), inc
-    assert "silent data corruption" in inc["cause"] and "rank 2 on node node0" in inc["cause"]
+    assert (inc["rank"], inc["node"], inc["step"]) == (2, node, FLIP_AT + EVERY), inc
+    assert "silent data corruption" in inc["cause"] and f"rank 2 on node {node}" in inc["cause"]
     assert inc["details"]["corrupt"] == [2] and inc["details"]["last_agreed_step"] == FLIP_AT
     assert inc["details"]["checkpoint"].endswith(f"step_{FLIP_AT}"), inc
     (act,) = supervisor.get(f"/runs/{name}/actions")["actions"]
