@@ -161,11 +161,13 @@ def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | N
                      and n["node"] not in lost and not store_membership.confirmed_lost(n))
     # A node on probation is taken after the healthy spares (it must pass a preflight).
     probation = hosts.probation_nodes(conn)
+    reasons = cordon_reasons(conn, run_id=run_id)
     spares = sorted((n["node"] for n in m["spares"]), key=lambda node: node in probation)
     facts = membership.MembershipFacts(
         nnodes=m["nnodes"], epoch=m["epoch"],
         members={rank: n["node"] for rank, n in m["members"].items()}, live=live,
-        spares=spares, cordoned=frozenset(cordoned_for(conn, run_id=run_id)), world=m["world"],
+        spares=spares, cordoned=frozenset(reasons), world=m["world"],
+        corrupting=frozenset(n for n, why in reasons.items() if policy.corrupting(why)),
         min_nodes=m["min_nodes"], cut_off=cut_off,
         spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]))
     return facts, m
@@ -175,6 +177,11 @@ def cordoned_for(conn: Connection, *, run_id: int) -> set[str]:
     """The nodes a run must not choose as members: those the shared ledger cordons, and
     those cordoned in this run only."""
     return hosts.cordoned_nodes(conn) | set(hosts.run_cordons(conn, run_id=run_id))
+
+
+def cordon_reasons(conn: Connection, *, run_id: int) -> dict[str, str]:
+    """``cordoned_for``'s nodes, each with why (the shared ledger's reason first)."""
+    return {**hosts.run_cordons(conn, run_id=run_id), **hosts.cordon_reasons(conn)}
 
 
 def capacity(conn: Connection, *, run_id: int, now: float, live_s: float | None

@@ -30,7 +30,7 @@ from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.agent.core.findings import FindingKind, Severity
 from trainwarden.agent.core.states import LIVE_AGENT_STATES, NodeRole
 from trainwarden.supervisor.clock import Clock
-from trainwarden.supervisor.control import actions, policy
+from trainwarden.supervisor.control import actions, membership, policy
 from trainwarden.supervisor.control.detection import DetectionConfig, lost_deadline
 from trainwarden.supervisor.control.goodput_feed import GoodputFeed
 from trainwarden.supervisor.control.ledger import HealthLedger, LedgerTick
@@ -401,24 +401,33 @@ class Evaluator:
                           rep: TickReport) -> None:
         """A restart that has not resumed yet, one of whose members is cordoned now, is
         decided again with the same plan so a free spare takes that rank (no spare: it goes
-        on; the next restart stands the rank by)."""
+        on; the next restart stands the rank by).  One cordoned for silent data corruption is
+        never kept: the run shrinks without it if it may, else it is stopped."""
         action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
         if action is None or action["status"] not in IN_PROGRESS:
             return
         m = (action["plan"] or {}).get("membership")
         if not isinstance(m, dict):
             return
-        bad = sorted(set(m.get("members") or {})
-                     & actions.cordoned_for(conn, run_id=int(run["id"])))
+        reasons = actions.cordon_reasons(conn, run_id=int(run["id"]))
+        bad = sorted(set(m.get("members") or {}) & set(reasons))
         if not bad:
             return
         plan, _, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now, live_s=None)
-        if not plan.replaced:
+        # A member cordoned for silent data corruption never keeps its rank: with no spare to
+        # take it (its rank waits), the run stops rather than rolls back onto it again.
+        stuck = {node: reasons[node] for node in (plan.members.get(k) for k in plan.waiting)
+                 if node is not None and node in bad and policy.corrupting(reasons[node])}
+        # (a shrink that leaves it out is decided again too)
+        shrunk = any(d.why == membership.CORRUPTING for d in plan.dropped)
+        if not (stuck or plan.replaced or shrunk):
             return
         pending = protocol.ResumePlan.from_dict({k: v for k, v in (action["plan"] or {}).items()
                                         if k != "membership"})
-        decision = policy.on_member_cordoned(actions.facts(run), cordoned=bad,
-                                             pending=pending, now=now)
+        decision: policy.Restart | policy.Stop = (
+            policy.on_corrupting_member(actions.facts(run), cordoned=stuck, pending=pending)
+            if stuck else policy.on_member_cordoned(actions.facts(run), cordoned=bad,
+                                                    pending=pending, now=now))
         rep.decisions += 1
         log.info("run %s: %s", run["name"], decision)
         actions.apply(conn, run=run, decision=decision, now=now, live_s=None)

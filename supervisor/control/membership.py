@@ -41,6 +41,10 @@ class MembershipFacts:
     # Members a network partition cut off from the rendezvous host: alive, but their ranks go
     # to spares (or wait) like a lost member's.
     cut_off: frozenset[str] = frozenset()
+    # Cordoned members cordoned for silent data corruption (``cordon.sdc``): never kept for
+    # want of a spare (a machine that corrupts the state again would only be rolled back
+    # again); their ranks wait for a node.
+    corrupting: frozenset[str] = frozenset()
 
     @property
     def current(self) -> int | None:
@@ -53,7 +57,7 @@ class Replacement:
     node_rank: int
     old: str | None  # None: the rank had no node
     new: str
-    why: str  # "lost", "cordoned", "vacant"
+    why: str  # "lost", "cordoned", CORRUPTING, "vacant"
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,16 @@ class MemberPlan:
                 "waiting": list(self.waiting)}
 
 
+# Why a member cordoned for silent data corruption gives its rank up.
+CORRUPTING = "cordoned for silent data corruption"
+
+
 def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False,
                  move_endpoint: bool = False) -> MemberPlan:
     """Keep every member fit to run; give the rank of one that is not (lost, cordoned) to the
     next free spare.  Without a free spare a cordoned member keeps its rank (it still runs),
-    and a lost one's rank waits (its node stays recorded, so it takes its rank back if it
+    unless it was cordoned for silent data corruption (``corrupting``), and a lost one's rank,
+    or a corrupting one's, waits (its node stays recorded, so it takes its rank back if it
     returns).
 
     ``shrink`` (the policy's choice, for a run with ``min_nodes``): rather than wait, or keep
@@ -156,6 +165,7 @@ def plan_members(f: MembershipFacts, *, shrink: bool = False, grow: bool = False
         node = f.members.get(rank)
         why = ("vacant" if node is None else "cut off" if node in f.cut_off
                else "lost" if node not in f.live
+               else CORRUPTING if node in f.cordoned and node in f.corrupting
                else "cordoned" if node in f.cordoned else None)
         if why is None and node is not None:
             members[rank] = node

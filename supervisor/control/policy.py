@@ -775,6 +775,30 @@ def on_member_cordoned(run: RunFacts, *, cordoned: Sequence[str], pending: Resum
                    skip=pending.skip, lr=pending.lr)
 
 
+def corrupting(cordon_reason: str) -> bool:
+    """Whether a cordon's reason (``on_host_evidence``'s) is the silent-data-corruption
+    rule's: the node corrupted its replicas' state again within the window."""
+    return cordon_reason.startswith(f"cordon.{node_health.SDC_RULE}: ")
+
+
+def on_corrupting_member(run: RunFacts, *, cordoned: Mapping[str, str], pending: ResumePlan
+                         ) -> Stop:
+    """A member of a restart that has not resumed yet was cordoned for silent data
+    corruption (the corruption that caused the restart was the second on that node within
+    the window) and no free spare takes its node rank: the run is stopped, failed, rather than
+    rolled back again onto a machine known to corrupt its state (where a third rollback would
+    end as the second did).  The reason names the cordon and the checkpoint to resume from on
+    healthy nodes."""
+    said = "; ".join(f"{node} is cordoned for silent data corruption ({why})"
+                     for node, why in sorted(cordoned.items()))
+    where = (f"resume from {pending.checkpoint}, the newest checkpoint the replicas agreed on"
+             if pending.checkpoint else "no checkpoint the replicas agreed on to resume from")
+    return Stop(status=RunStatus.FAILED,
+                reason=f"{said}, and no free spare can take its node rank: the run is stopped "
+                       "rather than rolled back onto a machine that corrupts its state again; "
+                       f"{where}, on healthy nodes")
+
+
 def operator_restart(
     run: RunFacts, *, checkpoint: str | None, reason: str, actor: str, now: float,
     step: int | None = None,

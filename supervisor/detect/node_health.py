@@ -59,6 +59,10 @@ __all__ = ["CordonConfig", "CordonVerdict", "Evidence", "Found", "disk_fault",
 SUMMARY_CHARS = 300  # of a failure's cause kept with its evidence
 
 
+# The rule (a ``CordonConfig`` field) that cordons a node for silent data corruption.
+SDC_RULE = "sdc"
+
+
 @dataclass(frozen=True)
 class CordonConfig:
     SECTION: ClassVar[str] = "cordon"
@@ -341,7 +345,7 @@ def judge(evidence: Sequence[Evidence], *, now: float, cfg: CordonConfig
              if cfg.collective_timeouts
              or e.detail.get("incident_kind") != IncidentKind.COLLECTIVE_TIMEOUT]
     for rule, es, label in (("infra_failures", infra, "infrastructure failures"),
-                            ("sdc", of(EvidenceKind.SDC), "silent data corruptions"),
+                            (SDC_RULE, of(EvidenceKind.SDC), "silent data corruptions"),
                             ("disk_errors", of(EvidenceKind.DISK_ERROR), "disk errors"),
                             ("stragglers", of(EvidenceKind.STRAGGLER), "straggler episodes")):
         limit = getattr(cfg, rule)

@@ -86,6 +86,12 @@ def cordoned_nodes(conn: Connection) -> set[str]:
     return _nodes_in(conn, HostState.CORDONED)
 
 
+def cordon_reasons(conn: Connection) -> dict[str, str]:
+    """node -> why it is cordoned, for every cordoned node."""
+    return {str(n): str(why) for n, why in conn.execute(
+        select(hosts.c.node, hosts.c.reason).where(hosts.c.state == HostState.CORDONED))}
+
+
 def probation_nodes(conn: Connection) -> set[str]:
     """The nodes an operator uncordoned that have not passed a preflight since."""
     return _nodes_in(conn, HostState.PROBATION)

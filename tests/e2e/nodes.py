@@ -34,17 +34,19 @@ class Nodes:
 
     def __init__(self, sup: Supervisor, run: str, work: Path, script: str = "train_ddp.py",
                  train: Sequence[str] = ("--steps", str(STEPS), *TRAIN),
-                 env: dict[str, str] | None = None, fabric: Fabric | None = None) -> None:
+                 env: dict[str, str] | None = None, fabric: Fabric | None = None,
+                 nproc: int = 1) -> None:
         """``fabric``: each node's agent runs in its own network namespace of it (the
-        supervisor must listen on the fabric's bridge address)."""
+        supervisor must listen on the fabric's bridge address); ``nproc``: ranks per node."""
         self.sup, self.run, self.work, self.fabric = sup, run, work, fabric
+        self.nproc = nproc
         self.script, self.train = script, list(train)
         self.env = {**(fabric.env() if fabric is not None else {}), **(env or {})}
         self.port = free_rendezvous_port()
         self.agents: dict[str, Agent] = {}
 
     def command(self) -> list[str]:
-        return ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+        return ["--nnodes=2", f"--nproc_per_node={self.nproc}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run}",
                 str(EXAMPLES / self.script), *self.train, "--checkpoint-dir",
                 str(self.work / "ck"), "--summary-json", str(self.work / "summary.json"),

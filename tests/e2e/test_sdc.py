@@ -2,7 +2,8 @@
 three-rank DDP run (real torchrun, gloo) is caught by the replicas' fingerprints, the
 corrupt rank and its node are named, the run rolls back to the newest checkpoint the
 replicas agreed on and ends with the clean run's weights, bit for bit; a node that flips
-bits again and again is cordoned."""
+bits again is cordoned at the second corruption, and replaced by a spare (the run ends with
+the clean run's weights) or, with none, the run is stopped."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.nodes import Nodes, ended
 from tests.e2e.system import Agent, Supervisor, ddp_script, wait_until
 from tests.e2e.torchrun import EXAMPLES, run_example
 from trainwarden.agent.core.states import AgentExit
@@ -56,8 +58,9 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digest
 
 
-def under_trainwarden(sup: Supervisor, work: Path, name: str, *args: str) -> Agent:
-    return Agent(sup.url, name, "node0", work, [
+def under_trainwarden(sup: Supervisor, work: Path, name: str, *args: str,
+                      node: str = "node0") -> Agent:
+    return Agent(sup.url, name, node, work, [
         "--nproc_per_node=3", "--standalone", *ddp_script(
             *TRAIN, *PACE, "--checkpoint-dir", str(work / "ck"), "--summary-json",
             str(work / "summary.json"), *args)])
@@ -78,16 +81,17 @@ def finish(sup: Supervisor, agent: Agent, name: str) -> dict[str, Any]:
 def test_a_flipped_bit_on_one_replica_is_named_and_rolled_back_to_the_clean_weights(
         supervisor: Supervisor, clean: str, tmp_path: Path, bit: str) -> None:
     """(a) an exponent bit (x2**8), (b) a low mantissa bit (a relative change of ~5e-7,
-    which leaves the loss as it was): both caught at the next fingerprint check."""
-    name = f"sdc-{bit}"
+    which leaves the loss as it was): both caught at the next fingerprint check.  Each on a
+    node of its own: two corruptions on one node within the window cordon it."""
+    name = node = f"sdc-{bit}"
     agent = under_trainwarden(supervisor, tmp_path, name, "--inject",
-                              f"bitflip@{FLIP_AT}:rank=2:bit={bit}")
+                              f"bitflip@{FLIP_AT}:rank=2:bit={bit}", node=node)
     run = finish(supervisor, agent, name)
     assert run["status"] == "completed" and run["restarts"] == 1, run
     (inc,) = supervisor.get(f"/runs/{name}/incidents")["incidents"]
     assert inc["kind"] == "silent_data_corruption", inc
-    assert (inc["rank"], inc["node"], inc["step"]) == (2, "node0", FLIP_AT + EVERY), inc
-    assert "silent data corruption" in inc["cause"] and "rank 2 on node node0" in inc["cause"]
+    assert (inc["rank"], inc["node"], inc["step"]) == (2, node, FLIP_AT + EVERY), inc
+    assert "silent data corruption" in inc["cause"] and f"rank 2 on node {node}" in inc["cause"]
     assert inc["details"]["corrupt"] == [2] and inc["details"]["last_agreed_step"] == FLIP_AT
     assert inc["details"]["checkpoint"].endswith(f"step_{FLIP_AT}"), inc
     (act,) = supervisor.get(f"/runs/{name}/actions")["actions"]
@@ -98,6 +102,96 @@ def test_a_flipped_bit_on_one_replica_is_named_and_rolled_back_to_the_clean_weig
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{FLIP_AT}")
     assert summary["weights_sha256"] == clean  # the corruption is gone, bit for bit
+
+
+def test_a_node_that_flips_bits_on_every_step_is_cordoned_after_the_second_and_the_run_stopped(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """(c) Rank 2's machine flips a bit after every step from step 150 on, on every attempt
+    (the persistent form of the injector, bound to the node).  The first corruption is
+    rolled back; the second on the same node within the window is a persistent fault: the
+    node is cordoned, and with no spare to take its place the run is stopped, failed, naming
+    the cordon and the checkpoint to resume from, instead of a third rollback onto it."""
+    name, node = "sdc-every-step", "flaky0"  # (its own node: the cordon is the host's)
+    agent = under_trainwarden(supervisor, tmp_path, name, "--inject",
+                              f"bitflip@{FLIP_AT}:len={STEPS}:rank=2:node={node}", node=node)
+    try:
+        assert agent.wait(300) == AgentExit.FAILED, agent.tail()
+    finally:
+        agent.stop()
+    run = wait_until(lambda: (r := supervisor.get(f"/runs/{name}"))["status"] != "running"
+                     and r, 20, f"run {name} to end")
+    assert run["status"] == "failed", run
+    assert (f"{node} is cordoned for silent data corruption (cordon.sdc: 2 silent data "
+            "corruptions within") in run["reason"], run["reason"]
+    assert "no free spare" in run["reason"] and f"step_{FLIP_AT}" in run["reason"], run
+    host = supervisor.get(f"/hosts/{node}")
+    assert host["state"] == "cordoned" and host["reason"].startswith("cordon.sdc: "), host
+    incidents = supervisor.get(f"/runs/{name}/incidents")["incidents"]
+    assert [(i["kind"], i["rank"], i["node"], i["step"]) for i in incidents] == [
+        ("silent_data_corruption", 2, node, FLIP_AT + EVERY)] * 2, incidents
+    acts = sorted(supervisor.get(f"/runs/{name}/actions")["actions"], key=lambda a: a["id"])
+    # Rolled back once; the second rollback, decided before the cordon in the same
+    # transaction, reached no agent; then the stop.
+    assert [(a["kind"], a["cause"], a["status"]) for a in acts[:2]] == [
+        ("restart", "sdc", "resumed"), ("restart", "sdc", "superseded")], acts
+    assert [a["kind"] for a in acts[2:]] == ["stop"], acts
+    assert acts[0]["plan"]["checkpoint"].endswith(f"step_{FLIP_AT}"), acts[0]
+
+
+NODES_FLIP_AT = 100
+NODES_TRAIN = ["--hidden", "32", "--seed", "5", "--checkpoint-every-steps", str(EVERY),
+               "--fingerprint-every", str(EVERY), "--steps", "300"]
+
+
+@pytest.mark.timeout(600)  # the reference run and the run under three agents
+def test_a_node_that_flips_bits_again_is_cordoned_and_replaced_by_the_spare(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """(d) Two nodes of two ranks each (four replicas: a majority names the corrupt one) and
+    a spare.  Local rank 0 of node1 flips a bit after every step from step 100 on, on every
+    attempt that runs there (the injector's persistent form, bound to the node).  The first
+    corruption is rolled back; the second cordons node1 and the spare takes its node rank
+    before the rollback trains; the run ends with the clean run's weights, bit for bit."""
+    ref = tmp_path / "clean"
+    ref.mkdir()
+    for steps in (NODES_FLIP_AT, 300):  # stopped and resumed where the rollback resumes
+        r = run_example("train_ddp.py", ref, *NODES_TRAIN[:-1], str(steps), "--checkpoint-dir",
+                        str(ref / "ck"), nproc=4)
+        assert r.returncode == 0, r.output[-3000:]
+    assert r.summary and r.summary["resumed_from"].endswith(f"step_{NODES_FLIP_AT}"), r.output
+    run = "sdc-nodes"
+    nodes = Nodes(supervisor, run, tmp_path / "run", nproc=2, train=[
+        *NODES_TRAIN, *PACE, "--inject", f"bitflip@{NODES_FLIP_AT}:len=300:rank=0:node=node1"])
+    nodes.start("node0")
+    nodes.start("node1")
+    nodes.start("spare0", "--spare")
+    try:
+        wait_until(lambda: nodes.step() >= 1, 120, "training to start")
+        assert nodes.member("spare0")["role"] == "spare"
+        k = nodes.member("node1")["node_rank"]
+        finished = wait_until(lambda: ended(supervisor, run), 400, "the run to end")
+        assert finished["status"] == "completed", (
+            finished["reason"], supervisor.get(f"/runs/{run}/incidents")["incidents"],
+            supervisor.get(f"/runs/{run}/actions")["actions"])
+    finally:
+        nodes.stop()
+    incidents = supervisor.get(f"/runs/{run}/incidents")["incidents"]
+    assert [(i["kind"], i["rank"], i["node"], i["step"]) for i in incidents] == [
+        ("silent_data_corruption", 2 * k, "node1", NODES_FLIP_AT + EVERY)] * 2, incidents
+    host = supervisor.get("/hosts/node1")
+    assert host["state"] == "cordoned" and host["reason"].startswith("cordon.sdc: "), host
+    acts = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
+    # The second corruption is the evidence that cordons node1: its rollback is decided
+    # again before it trains, with the spare in node1's rank (never a third rollback).
+    assert [(a["cause"], a["status"]) for a in acts] == [
+        ("sdc", "resumed"), ("sdc", "superseded"), ("replace", "resumed")], acts
+    assert acts[2]["plan"]["checkpoint"].endswith(f"step_{NODES_FLIP_AT}"), acts[2]
+    assert acts[2]["plan"]["membership"]["members"]["spare0"] == k, acts[2]
+    assert f"spare0 takes node rank {k} of node1 (cordoned for silent data corruption)" \
+        in acts[2]["reason"], acts[2]
+    assert nodes.member("node1")["role"] == "spare"
+    summary = json.loads((nodes.work / "summary.json").read_text())
+    assert summary["resumed_from"].endswith(f"step_{NODES_FLIP_AT}")
+    assert summary["weights_sha256"] == r.summary["weights_sha256"]
 
 
 HSDP_FLIP_AT = 100
