@@ -97,7 +97,10 @@ def test_with_no_spare_the_job_is_requeued_without_the_dead_node_and_the_run_goe
         assert "takes node rank" in actions[0]["reason"] and victim in actions[0]["reason"]
         host = sup.get(f"/hosts/{victim}")
         assert host["state"] == "cordoned", host
-        assert sup.get(f"/runs/{run}")["restarts_by_cause"]["node_lost"] == 1
+        r = sup.get(f"/runs/{run}")
+        assert r["restarts_by_cause"]["node_lost"] == 1
+        # The wait for the new allocation is its own part of the goodput.
+        assert r["goodput"]["badput_s"]["requeue"] > 0, r["goodput"]
     finally:
         slurm.run("scancel", job)
         wait_until(lambda: job_ended(slurm, job), 60, "the job to end")

@@ -131,6 +131,10 @@ def test_a_waiting_run_is_requeued_once_without_its_lost_node_and_goes_on_as_the
     assert ev["details"]["job"] == "77" and ev["details"]["ok"] is True
     assert ev["details"]["drained"] == ["n1"] and ev["details"]["attempt"] == run["attempt"]
     assert "job 77 is requeued without n1 (lost)" in ev["message"]
+    # The run's condition says so: it waits for the job's new allocation.
+    cond = get(client, "/runs/r1")["condition"]
+    assert cond["state"] == "waiting" and "job 77 was requeued without n1" in cond["summary"], \
+        cond
     # Once: later rounds neither requeue again nor lift the drain.
     sync.round()
     clock.advance(60)
