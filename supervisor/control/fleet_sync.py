@@ -149,7 +149,7 @@ class FleetSync:
                 if not nodes:
                     continue
                 d = policy.requeue_when_no_spare(
-                    enabled=True, attempt=int(run["attempt"]),
+                    enabled=self.cfg.requeue, attempt=int(run["attempt"]),
                     waiting=_why_waiting(conn, run, nodes),
                     job=_scheduler_job(conn, int(run["id"])),
                     requeued_for=_requeued_for(conn, int(run["id"])))

@@ -27,7 +27,7 @@ from tests.e2e.test_slurm import (
 from tests.e2e.torchrun import RunResult
 from tests.slurm import NODES, SlurmCluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # two allocations of one job
 
 
 @pytest.fixture
