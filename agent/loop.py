@@ -386,6 +386,7 @@ class Agent:
             "min_nodes": self.cfg.min_nodes,
             "address": self.cfg.advertise_addr,
             "devices": self.gpus.device_count(),
+            "scheduler_job": os.environ.get("SLURM_JOB_ID", ""),
         }
 
     # -- executor host -----------------------------------------------------------------------

@@ -418,6 +418,7 @@ class RegisterRequest(TypedDict, total=False):
     devices: int | None  # GPUs on this node
     # The smallest world the run accepts (``--min-nodes``; None: the declared one).
     min_nodes: int | None
+    scheduler_job: str  # the scheduler's job the agent runs in (Slurm: $SLURM_JOB_ID); ""
 
 
 class MembershipView(TypedDict):

@@ -162,7 +162,8 @@ class PresenceEvent(StrEnum):
     """The supervisor's events of when a run's agents ran (its idle time is read from them).
 
     * ``agent_registered``: an agent process registered (its first start, a restart of the
-      agent, a return after the supervisor refused it); details: node, hostname, pid;
+      agent, a return after the supervisor refused it); details: node, hostname, pid,
+      scheduler_job (the scheduler's job it runs in, "" outside one);
     * ``agents_down``: no agent of the run has sent a heartbeat for the node-lost deadline;
       details: ``since``, the newest heartbeat's time (from then on nothing ran);
     * ``agents_up``: after ``agents_down``, a heartbeat came without a registration (the
@@ -213,7 +214,11 @@ class SupervisorEvent(StrEnum):
       ``declared``, ``dropped``: [{node_rank, node, why}], ``members``, ``choice``);
     * ``grow_planned``: a shrunk run has a node free again and grows back at its next
       checkpoint (details: ``epoch``, ``after_step``: the checkpoint must be of a later
-      step, ``nodes``)."""
+      step, ``nodes``);
+    * ``requeued``: the run's attempt stood by for a node with no spare free, and its
+      scheduler job was put back in the queue without that node (``fleet.requeue``): the
+      job's agents register again for the next attempt (details: ``job``, ``attempt``: the
+      attempt that waited, ``drained``: the nodes drained first, ``command``, ``output``)."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
@@ -227,6 +232,7 @@ class SupervisorEvent(StrEnum):
     WAITING_FOR_NODE = "waiting_for_node"
     WORLD_RESIZED = "world_resized"
     GROW_PLANNED = "grow_planned"
+    REQUEUED = "requeued"
 
 
 class HostState(StrEnum):

@@ -175,6 +175,10 @@ class BadputSeconds(_Answer):
     lost_progress: float | None
     detection: float | None
     restart: float | None
+    requeue: float | None = Field(description="the wait for the new allocation of a "
+                                               "scheduler job requeued without a lost node "
+                                               "(fleet.requeue): from the requeue to the "
+                                               "restart decided on the new allocation")
     startup: float | None
     checkpoint: float | None
     data_wait: float | None

@@ -79,6 +79,9 @@ class RegisterRequest(_Wire):
     # or cordoned member's run goes on with the other members, down to this many nodes.
     # None: the declared world (wait for a node).
     min_nodes: Positive31 | None = None
+    # The scheduler's job this agent runs in (Slurm: $SLURM_JOB_ID); "": none.  The job a
+    # supervisor with ``fleet.requeue`` puts back in the queue.
+    scheduler_job: Line = line("", max_length=100)
 
     @field_validator("checkpoint_root")
     @classmethod

@@ -148,6 +148,19 @@ def _supersede_in_progress(conn: Connection, run_id: int, now: float) -> None:
                               progress={**a["progress"], ActionStatus.SUPERSEDED: now})
 
 
+def waiting_for(conn: Connection, run: RunRow) -> tuple[set[int], set[str]]:
+    """The node ranks the run's current attempt stands by for (its restart's membership has
+    ranks waiting: no node fit to run, no spare), and their missing nodes; empty when it
+    runs."""
+    action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+    m = (action["plan"] or {}).get("membership") if action is not None else None
+    if not isinstance(m, dict) or not m.get("waiting"):
+        return set(), set()
+    ranks = {int(k) for k in m["waiting"]}
+    return ranks, {str(node) for node, rank in (m.get("members") or {}).items()
+                   if rank in ranks}
+
+
 def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | None,
                  lost: frozenset[str] = frozenset(), cut_off: frozenset[str] = frozenset()
                  ) -> tuple[membership.MembershipFacts, RunMembership]:

@@ -341,7 +341,7 @@ class Evaluator:
                       rep: TickReport) -> None:
         """A run whose attempt stands by for a missing node restarts as soon as a node can
         take that rank (a spare registered, the lost node came back)."""
-        ranks, waiting = _waiting(conn, run)
+        ranks, waiting = actions.waiting_for(conn, run)
         if not ranks:
             return
         plan, _, _ = actions.plan_members(conn, run_id=int(run["id"]), now=now,
@@ -779,7 +779,7 @@ class Evaluator:
             open_watch=open_watch, checkpoint=ckpt["path"] if ckpt else None,
             cfg=self.cfg, now=now,
             recovery=actions.recovery(conn, run, _named_steps(finding)),
-            waiting_for=frozenset(_waiting(conn, run)[1]))
+            waiting_for=frozenset(actions.waiting_for(conn, run)[1]))
         if isinstance(decision, policy.Note):
             return
         if not isinstance(decision, policy.RecordEvent):
@@ -824,19 +824,6 @@ def _name_culprit(inc: IncidentRow, details: dict[str, Any], rank_nodes: dict[in
         values["rank"] = culprit.ranks[0]
         values["node"] = rank_nodes.get(culprit.ranks[0])
     return values
-
-
-def _waiting(conn: Connection, run: RunRow) -> tuple[set[int], set[str]]:
-    """The node ranks the run's current attempt stands by for (its restart's membership has
-    ranks waiting: no node fit to run, no spare), and their missing nodes; empty when it
-    runs."""
-    action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
-    m = (action["plan"] or {}).get("membership") if action is not None else None
-    if not isinstance(m, dict) or not m.get("waiting"):
-        return set(), set()
-    ranks = {int(k) for k in m["waiting"]}
-    return ranks, {str(node) for node, rank in (m.get("members") or {}).items()
-                   if rank in ranks}
 
 
 def _named_steps(f: policy.FindingFacts) -> list[int]:

@@ -21,14 +21,22 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.supervisor.control import actions, policy
-from trainwarden.supervisor.enums import Actor, HostActionKind
+from trainwarden.supervisor.enums import (
+    Actor,
+    HostActionKind,
+    PresenceEvent,
+    RunStatus,
+    SupervisorEvent,
+)
 from trainwarden.supervisor.fleet import Fleet, FleetResult
-from trainwarden.supervisor.store import hosts
-from trainwarden.supervisor.store.db import Database
+from trainwarden.supervisor.store import hosts, registry, windows
+from trainwarden.supervisor.store import recovery as rec
+from trainwarden.supervisor.store.db import Connection, Database
+from trainwarden.supervisor.store.rows import RunRow
 
 log = logging.getLogger("trainwarden.fleet")
 
@@ -46,12 +54,19 @@ class FleetConfig:
     command_timeout_s: float = bounded(10.0, gt=0)  # a scheduler command's deadline
     # how long after a failed drain or resume of a node it is tried again
     retry_s: float = bounded(30.0, gt=0)
+    # A run whose attempt stands by for a node (a member lost, no spare free, the run may not
+    # shrink) is requeued in the scheduler instead (scontrol requeue): the lost node is
+    # drained first, and the job's next allocation goes on as the same run
+    requeue: bool = False
 
     def __post_init__(self) -> None:
         check(self)
         if self.backend not in BACKENDS:
             raise ValueError(f"fleet.backend must be one of {', '.join(map(repr, BACKENDS))}, "
                              f"got {self.backend!r}")
+        if self.requeue and not self.backend:
+            raise ValueError("fleet.requeue needs a fleet backend (--fleet slurm): without "
+                             "one there is no job to requeue")
 
 
 def make_fleet(cfg: FleetConfig) -> Fleet | None:
@@ -116,7 +131,63 @@ class FleetSync:
             self._command("drain", node, functools.partial(self.fleet.cordon, node, reason))
         for node in plan.resume:
             self._command("resume", node, functools.partial(self.fleet.uncordon, node))
+        if self.cfg.requeue:
+            self.requeue_round()
         return plan
+
+    def requeue_round(self) -> list[policy.Requeue]:
+        """Requeue the job of each run whose attempt stands by for a node
+        (``policy.requeue_when_no_spare``): the waiting nodes are cordoned in the ledger and
+        drained (so the new allocation avoids them), then the job is requeued; each command
+        is audited, and the requeue is the run's ``requeued`` event."""
+        todo: list[tuple[int, policy.Requeue]] = []
+        with self.db.read() as conn:
+            for run in registry.active_runs(conn):
+                if run["status"] != RunStatus.RESTARTING:
+                    continue
+                _, nodes = actions.waiting_for(conn, run)
+                if not nodes:
+                    continue
+                d = policy.requeue_when_no_spare(
+                    enabled=self.cfg.requeue, attempt=int(run["attempt"]),
+                    waiting=_why_waiting(conn, run, nodes),
+                    job=_scheduler_job(conn, int(run["id"])),
+                    requeued_for=_requeued_for(conn, int(run["id"])))
+                if isinstance(d, policy.Requeue):
+                    todo.append((int(run["id"]), d))
+        done = []
+        for run_id, d in todo:
+            if self._requeue(run_id, d):
+                done.append(d)
+        return done
+
+    def _requeue(self, run_id: int, d: policy.Requeue) -> bool:
+        now = self._now()
+        last = self.status.failed_at.get(("requeue", d.job))
+        if last is not None and now - last < self.cfg.retry_s:
+            return False
+        with self.db.write() as conn:
+            for node, reason in d.drain:
+                if node not in hosts.cordoned_nodes(conn):
+                    actions.apply_host(conn, decision=policy.Cordon(
+                        node, reason, actor=Actor.POLICY, run_id=run_id), now=now)
+        for node, reason in d.drain:
+            self._command("drain", node, functools.partial(self.fleet.cordon, node, reason))
+        r = self.fleet.requeue(d.job)
+        with self.db.write() as conn:
+            rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=d.attempt, rank=None,
+                             t=self._now(), name=SupervisorEvent.REQUEUED, step=None,
+                             message=f"{d.reason}: {r.describe()}",
+                             details={"job": d.job, "attempt": d.attempt, "ok": r.ok,
+                                      "drained": [n for n, _ in d.drain],
+                                      "command": r.command, "output": r.output[:1000]})
+        if not r.ok:
+            self.status.failed_at[("requeue", d.job)] = now
+            self._failed(r)
+            return False
+        self.status.failed_at.pop(("requeue", d.job), None)
+        log.warning("fleet %s: %s: %s", self.fleet.name, d.reason, r.describe())
+        return True
 
     def _command(self, op: str, node: str, run: Callable[[], FleetResult]) -> None:
         now = self._now()
@@ -158,3 +229,32 @@ class FleetSync:
                               daemon=True)
         th.start()
         return th, stop
+
+
+def _why_waiting(conn: Connection, run: RunRow, nodes: set[str]) -> dict[str, str]:
+    """node -> why the attempt stands by for it (the words of the ``waiting_for_node`` event
+    its restart recorded, under the attempt before it)."""
+    ev = windows.latest_run_event(conn, run_id=int(run["id"]),
+                                  name=SupervisorEvent.WAITING_FOR_NODE)
+    details: dict[str, Any] = (ev["details"] if ev is not None else None) or {}
+    said = [str(v) for v in (details.get("waiting") or {}).values()]
+    out = {}
+    for n in nodes:
+        why = next((w for w in said if w.split(" ", 1)[0] == n), f"{n} missing")
+        out[n] = why.split(" ", 1)[-1] if " " in why else "missing"
+    return out
+
+
+def _scheduler_job(conn: Connection, run_id: int) -> str:
+    """The scheduler job the run's newest agent registration named ("" without one)."""
+    ev = windows.latest_run_event(conn, run_id=run_id, name=PresenceEvent.AGENT_REGISTERED)
+    details: dict[str, Any] = (ev["details"] if ev is not None else None) or {}
+    job = details.get("scheduler_job")
+    return job if isinstance(job, str) else ""
+
+
+def _requeued_for(conn: Connection, run_id: int) -> int | None:
+    """The attempt the run's last successful requeue was for (None: never requeued)."""
+    ev = windows.latest_run_event(conn, run_id=run_id, name=SupervisorEvent.REQUEUED)
+    d: dict[str, Any] = (ev["details"] if ev is not None else None) or {}
+    return int(d["attempt"]) if d.get("ok") and isinstance(d.get("attempt"), int) else None

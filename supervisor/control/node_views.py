@@ -57,7 +57,13 @@ def condition_of(conn: Connection, *, run: RunRow) -> RunCondition | None:
     ranks = [int(k) for k in (plan or {}).get("waiting") or []] if isinstance(plan, dict) else []
     why: dict[str, object] = {}
     waiting_since = None
+    requeued = ""
     if ranks:
+        req = windows.latest_run_event(conn, run_id=run_id, name=SupervisorEvent.REQUEUED)
+        said = req["details"] if req is not None and isinstance(req["details"], dict) else {}
+        if said.get("ok") and said.get("attempt") == int(run["attempt"]):
+            requeued = (f"job {said.get('job')} was requeued without "
+                        f"{', '.join(map(str, said.get('drained') or []))}")
         ev = windows.latest_run_event(conn, run_id=run_id, name=SupervisorEvent.WAITING_FOR_NODE)
         if ev is not None:
             waiting_since = float(ev["t"])
@@ -70,4 +76,5 @@ def condition_of(conn: Connection, *, run: RunRow) -> RunCondition | None:
         waiting={k: str(why.get(str(k), "vacant")) for k in ranks},
         spares_configured=any(n["joined_as"] == NodeRole.SPARE for n in m["nodes"]),
         world=m["world"], declared=m["nnodes"], waiting_since=waiting_since,
-        shrunk_since=float(resized["t"]) if resized is not None else None)
+        shrunk_since=float(resized["t"]) if resized is not None else None,
+        requeued=requeued)

@@ -1395,3 +1395,42 @@ def fleet_decisions(ledger: Mapping[str, tuple[str, str, str]],
             else:
                 plan.drain.append((name, f"{REASON_PREFIX} {reason}"))
     return plan
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """Put the run's scheduler job back in the queue (``fleet.requeue``): the nodes its
+    attempt waits for are drained first (``drain``: node, reason), so the next allocation
+    avoids them.  The job's agents register again to the same run, which goes on as a new
+    attempt from the newest checkpoint (the loss was counted when it happened)."""
+
+    job: str
+    attempt: int  # the attempt that waits (a job is requeued once for it)
+    drain: tuple[tuple[str, str], ...]
+    reason: str
+
+
+def requeue_when_no_spare(*, enabled: bool, attempt: int, waiting: Mapping[str, str],
+                          job: str, requeued_for: int | None) -> Requeue | Note:
+    """A run whose attempt stands by for a node (a member lost or cordoned, no spare free,
+    the run may not shrink: ``waiting``, node -> why) is requeued in its scheduler without
+    those nodes, when ``fleet.requeue`` is on and its agents named their job (``job``; ""
+    when they run outside one).  Once per waiting attempt (``requeued_for``: the attempt the
+    run's last requeue was for)."""
+    if not waiting:
+        return Note(Verdict.IGNORED, "the run waits for no node")
+    if not enabled:
+        return Note(Verdict.WAIT, "fleet.requeue is off: the run stands by for a node")
+    if not job:
+        return Note(Verdict.WAIT, "the run's agents named no scheduler job to requeue: the run "
+                                  "stands by for a node")
+    if requeued_for == attempt:
+        return Note(Verdict.ONGOING, f"job {job} was requeued for attempt {attempt}: waiting "
+                                     "for its new allocation")
+    nodes = ", ".join(f"{n} ({why})" for n, why in sorted(waiting.items()))
+    reason = (f"no spare is free and the run may not shrink: job {job} is requeued without "
+              f"{nodes}")
+    return Requeue(job=job, attempt=attempt,
+                   drain=tuple((n, f"{REASON_PREFIX} {why}; the run's job {job} is requeued "
+                                   "without it") for n, why in sorted(waiting.items())),
+                   reason=reason)

@@ -36,10 +36,12 @@ SPARE_HINT = "start `trainwarden agent --spare` with the run's command on a stan
 
 def run_condition(*, status: str, waiting: Mapping[int, str], spares_configured: bool,
                   world: int | None, declared: int | None, waiting_since: float | None = None,
-                  shrunk_since: float | None = None) -> RunCondition | None:
+                  shrunk_since: float | None = None, requeued: str = "") -> RunCondition | None:
     """``waiting``: node rank -> why it has no node (``node1 lost``), of the current attempt;
     ``world``/``declared``: the nodes the current attempt runs on and the run's declared
-    world; the times: when the wait and the shrink began."""
+    world; the times: when the wait and the shrink began; ``requeued``: what the run's
+    scheduler job became for this wait (``fleet.requeue``: "job 7 was requeued without
+    node1"), "" when it was not requeued."""
     if status not in ACTIVE_STATUSES:
         return None
     if waiting:
@@ -47,6 +49,11 @@ def run_condition(*, status: str, waiting: Mapping[int, str], spares_configured:
         what = "; ".join(f"node rank {k}: {waiting[k]}" for k in ranks[:8])
         more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
         spares = ("no spare left" if spares_configured else "no spare configured")
+        if requeued:
+            return RunCondition(
+                Condition.WAITING,
+                f"WAITING for a node ({what}{more}); {spares}: {requeued}, and the run goes "
+                "on when its new allocation registers", waiting_since)
         return RunCondition(
             Condition.WAITING,
             f"WAITING for a node ({what}{more}); {spares}: {SPARE_HINT}, or bring the lost "

@@ -14,8 +14,9 @@ What counts against a node, and as what (``EvidenceKind``):
   and never one nobody can attribute (``unknown``: an exit code without a traceback may be
   the script's own ``sys.exit``).  Two machine failures are left out on purpose: running out
   of memory (the workload's size far more often than the machine's fault) and a peer's
-  connection lost (reset or closed by the peer, a broken pipe: the symptom a survivor shows
-  when another node died, and that node's own failure is its evidence).  Nor is a failure of
+  connection lost (reset or closed by the peer, a broken pipe, torchrun's connection to the
+  rendezvous store lost when the node hosting it died: the symptom a survivor shows when
+  another node died, and that node's own failure is its evidence).  Nor is a failure of
   torchrun itself before any worker ran (its rendezvous: a port taken, a peer that never
   came): the node's devices had no part in it.  A collective
   timeout names the rank that waited, not the one that never arrived: ``collective_timeouts``
@@ -111,7 +112,8 @@ class Found:
 
 # The symptoms of another node's death, and memory exhaustion (see the module's docstring).
 _PEER_LOST = re.compile(r"connection reset by peer|connection closed by peer|broken pipe|"
-                        r"peer closed|connection refused|ConnectionResetError|BrokenPipeError",
+                        r"peer closed|connection refused|ConnectionResetError|BrokenPipeError|"
+                        r"RendezvousConnectionError",
                         re.IGNORECASE)
 _OUT_OF_MEMORY = re.compile(r"out of memory|OutOfMemoryError|MemoryError|\bOOM\b",
                             re.IGNORECASE)

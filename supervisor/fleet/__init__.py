@@ -7,13 +7,16 @@ A backend answers three things, each a command of the scheduler's run with a dea
   ``REASON_PREFIX``);
 * ``cordon``: fence the node off in the scheduler (Slurm: drain it), with a reason that starts
   with ``REASON_PREFIX``;
-* ``uncordon``: put the node back in service, only where the fence is trainwarden's.
+* ``uncordon``: put the node back in service, only where the fence is trainwarden's;
+* ``requeue``: end the job's current allocation and put the job back in the scheduler's queue,
+  so it runs again, as the same job, on nodes the scheduler chooses (never a fenced one).
 
 Every command's outcome is a ``FleetResult`` (the command line, its exit code and output),
 which the supervisor audits.  What to do with the states is the policy's
 (``control.policy.fleet_decisions``); running the commands and recording them is
 ``control.fleet_sync``'s.  A Kubernetes backend fits the same protocol (cordon:
-``spec.unschedulable`` plus a ``trainwarden.io/cordoned`` taint and a node condition); it is
+``spec.unschedulable`` plus a ``trainwarden.io/cordoned`` taint and a node condition;
+requeue: the Job's or JobSet's restart, its pods recreated off the cordoned nodes); it is
 not implemented.
 """
 
@@ -79,4 +82,9 @@ class Fleet(Protocol):
         ...
 
     def uncordon(self, node: str) -> FleetResult:
+        ...
+
+    def requeue(self, job: str) -> FleetResult:
+        """Put ``job`` (the scheduler's id, as its agents report it) back in the queue: its
+        processes end, and it runs again as the same job on a new allocation."""
         ...

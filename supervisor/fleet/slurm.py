@@ -87,3 +87,9 @@ class SlurmFleet:
 
     def uncordon(self, node: str) -> FleetResult:
         return self._run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+
+    def requeue(self, job: str) -> FleetResult:
+        """``scontrol requeue``: the job must be requeueable (``sbatch --requeue``, or the
+        cluster's ``JobRequeue=1``); the batch script runs again with the same job id and
+        ``SLURM_RESTART_COUNT`` one higher, on nodes that are not drained."""
+        return self._run("scontrol", "requeue", job)

@@ -16,6 +16,9 @@ to exactly one part, so the parts add up to the wall time (to float rounding):
 * ``restart``: non-step time from a restart decision to the first step of the new attempt
   (stopping the workers, backoff, torchrun, rendezvous, checkpoint load);
 * ``startup``: the same for the run's first launch (from the run's start to its first step);
+* ``requeue``: from the requeue of the run's scheduler job (no spare was free for a lost
+  node: ``fleet.requeue``) to the restart decided on its new allocation: the wait for the
+  scheduler, idle or not;
 * ``checkpoint``: time the training loop was blocked on checkpoint saves (between steps);
 * ``data_wait``: per step on the lineage, the median rank's wait for its batch;
 * ``straggler``: per step on the lineage, (max over ranks of pre-collective time) - (median
@@ -32,7 +35,7 @@ to exactly one part, so the parts add up to the wall time (to float rounding):
 
 Priority where causes overlap: time inside a reported step is step time; of the rest,
 detection first (a fault is being detected whatever the phase), then the step in flight at a
-fault (``lost``), then the phase (idle over restart/startup/training gap).  A fault the
+fault (``lost``), then the phase (requeue over idle over restart/startup/training gap).  A fault the
 workers trained through (a loss spike: its incident comes after the steps that showed it,
 ``t_fault`` behind the cursor) is detection from ``t_fault`` to the incident all the same:
 the gaps between those steps move from ``other`` (or ``checkpoint``) to ``detection`` when
@@ -65,8 +68,8 @@ from trainwarden.agent.core.bounds import bounded, check
 from trainwarden.supervisor.detect._stats import median
 from trainwarden.supervisor.enums import NEVER_INTERRUPTING
 
-PARTS = ("productive", "lost", "detection", "restart", "startup", "checkpoint", "data_wait",
-         "straggler", "capacity", "idle", "other")
+PARTS = ("productive", "lost", "detection", "restart", "requeue", "startup", "checkpoint",
+         "data_wait", "straggler", "capacity", "idle", "other")
 BADPUT = PARTS[1:]
 
 # Incident kinds that do not stop training: their cost is measured as it happens (straggler
@@ -172,6 +175,14 @@ class AgentsUp:
 
 
 @dataclass(frozen=True)
+class Requeued:
+    """From ``t`` the run waits for its scheduler job's new allocation (the job was requeued
+    without a lost node), until the next ``RestartDecided``."""
+
+    t: float
+
+
+@dataclass(frozen=True)
 class RunEnded:
     """The run completed, failed or was stopped at ``t`` (wall time stops counting)."""
 
@@ -179,7 +190,7 @@ class RunEnded:
 
 
 Event = (StepDone | CheckpointSaved | Incident | RestartDecided | Resumed | AgentsDown
-         | AgentsUp | RunEnded)
+         | AgentsUp | Requeued | RunEnded)
 
 
 def event_time(e: Event) -> float:
@@ -253,6 +264,7 @@ class Breakdown:
     lost: float = 0.0
     detection: float = 0.0
     restart: float = 0.0
+    requeue: float = 0.0
     startup: float = 0.0
     checkpoint: float = 0.0
     data_wait: float = 0.0
@@ -298,6 +310,7 @@ def window(earlier: Breakdown, later: Breakdown) -> Breakdown:
 # The accumulator
 
 STARTUP, TRAINING, RESTARTING, ENDED = "startup", "training", "restarting", "ended"
+REQUEUE = "requeue"  # the scheduler job was requeued: waiting for its new allocation
 _GAP = "gap"  # non-step time of a running attempt: checkpoint stall, else other
 
 
@@ -351,6 +364,8 @@ class _State:
 
     @property
     def label(self) -> str:
+        if self.phase == REQUEUE:
+            return "requeue"
         if self.idle or self.phase == ENDED:
             return "idle"
         return {STARTUP: "startup", RESTARTING: "restart"}.get(self.phase, _GAP)
@@ -546,6 +561,9 @@ class EttrAccumulator:
             self._change(e.t, idle=True)
         elif isinstance(e, AgentsUp):
             self._change(e.t, idle=False)
+        elif isinstance(e, Requeued):
+            if self._latest.phase != ENDED:
+                self._change(e.t, phase=REQUEUE)
         elif isinstance(e, RunEnded):
             self._change(e.t, phase=ENDED)
         else:  # pragma: no cover - the union is closed

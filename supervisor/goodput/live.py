@@ -28,6 +28,7 @@ What becomes which event:
   so ``idle`` is the time no agent ran, less the detection of the fault that stopped them
   (a node lost is detected first).  An agent back within the node-lost deadline leaves no
   idle time: that gap counts in the phase the run was in (a restart, else ``other``);
+* the run's ``requeued`` event (its scheduler job put back in the queue) -> ``Requeued``;
 * the run leaving the active statuses -> ``RunEnded``.
 """
 
@@ -40,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainwarden.supervisor.enums import ActionStatus, PresenceEvent
+from trainwarden.supervisor.enums import ActionStatus, PresenceEvent, SupervisorEvent
 from trainwarden.supervisor.goodput.ettr import (
     AgentsDown,
     AgentsUp,
@@ -49,6 +50,7 @@ from trainwarden.supervisor.goodput.ettr import (
     EttrAccumulator,
     Event,
     Incident,
+    Requeued,
     RestartDecided,
     Resumed,
     RunEnded,
@@ -65,9 +67,9 @@ MAX_PARTIAL_STEPS = 4096  # steps waiting for their last rank, oldest dropped be
 # API names of the badput causes, in the order the page stacks them, and the accumulator's
 # part each reads.
 CAUSES = {"lost_progress": "lost", "detection": "detection", "restart": "restart",
-          "startup": "startup", "checkpoint": "checkpoint", "data_wait": "data_wait",
-          "straggler": "straggler", "capacity": "capacity", "idle": "idle",
-          "other": "other"}
+          "requeue": "requeue", "startup": "startup", "checkpoint": "checkpoint",
+          "data_wait": "data_wait", "straggler": "straggler", "capacity": "capacity",
+          "idle": "idle", "other": "other"}
 NOT_MEASURED: dict[str, str] = {}  # causes not measured (null in the API), with the reason
 FINAL_ACTION = frozenset({ActionStatus.RESUMED, ActionStatus.FAILED, ActionStatus.SUPERSEDED,
                           ActionStatus.DONE})
@@ -252,6 +254,8 @@ class LiveGoodput:
 
     def _presence(self, p: Mapping[str, Any]) -> list[Event]:
         name, details = p["name"], p.get("details") or {}
+        if name == SupervisorEvent.REQUEUED:
+            return [Requeued(t=float(p["t"]))] if details.get("ok") else []
         if name == PresenceEvent.AGENTS_DOWN and self.down_since is None:
             since = _number(details.get("since"), float(p["t"]))
             self.down_since = since

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Text, case, cast, func, or_, select
 
-from trainwarden.supervisor.enums import ActionKind, PresenceEvent
+from trainwarden.supervisor.enums import ActionKind, PresenceEvent, SupervisorEvent
 from trainwarden.supervisor.store.rows import started_at
 from trainwarden.supervisor.store.tables import (
     actions,
@@ -122,16 +122,16 @@ def restart_actions_after(conn: Connection, *, run_id: int, after_id: int,
 def presence_events_after(conn: Connection, *, run_id: int, after_id: int
                           ) -> tuple[int, list[dict[str, Any]]]:
     """(the newest event id of any run, {id, name, t, details} of the run's
-    ``PresenceEvent`` rows after ``after_id`` up to it): the next read starts after the
-    former, so a tick reads only the events new since the last, whichever run they are of
-    (the primary key is walked: a run's own events are not indexed by id)."""
+    ``PresenceEvent`` and ``requeued`` rows after ``after_id`` up to it): the next read
+    starts after the former, so a tick reads only the events new since the last, whichever
+    run they are of (the primary key is walked: a run's own events are not indexed by id)."""
     c = events.c
     upto = conn.execute(select(func.max(c.id))).scalar_one()
     if upto is None or upto <= after_id:
         return after_id, []
     q = (select(c.id, c.name, c.t, c.details)
          .where(c.id > after_id, c.id <= upto, (c.run_id + 0) == run_id,
-                c.name.in_(list(PresenceEvent)))
+                c.name.in_([*PresenceEvent, SupervisorEvent.REQUEUED]))
          .order_by(c.id))
     return int(upto), [dict(r._mapping) for r in conn.execute(q)]
 

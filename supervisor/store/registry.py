@@ -114,7 +114,8 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
         run_id=run.id, agent_id=agent_id, attempt=run.attempt, rank=None, t=now,
         name=PresenceEvent.AGENT_REGISTERED, step=None,
         message=f"agent on {req.node} registered ({req.hostname}, pid {req.pid})",
-        details={"node": req.node, "hostname": req.hostname, "pid": req.pid}))
+        details={"node": req.node, "hostname": req.hostname, "pid": req.pid,
+                 "scheduler_job": req.scheduler_job}))
     secret = None if claim == "proven" else credentials.issue(conn, agent_id=agent_id, now=now)
     max_seq = conn.execute(
         select(func.max(ingested_batches.c.seq)).where(ingested_batches.c.agent_id == agent_id)

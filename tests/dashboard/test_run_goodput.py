@@ -41,6 +41,7 @@ EXPECTED = {
     "data_wait": 40 * DATA_S,  # 40 steps on the final lineage: 0..19 and 20..39
     "straggler": 40 * STRAGGLER_S,
     "capacity": 0.0,  # every step on the declared world
+    "requeue": 0.0,  # no scheduler job was requeued
     "other": (29 + 19 - 4) * GAP_S + (END - (40 + 2 * 39)),  # the other gaps, the open tail
     "idle": 0.0,  # an agent ran all along
 }

@@ -64,7 +64,7 @@ def as_agent(client: TestClient, agent_id: int) -> dict[str, str]:
 def register(client: TestClient, run: str = "r1", node: str = "n0",
              headers: dict[str, str] | None = None, roots: list[str] | None = None,
              nnodes: int = 2, spare: bool = False, min_nodes: int | None = None,
-             expect: int = 200) -> dict[str, Any]:
+             expect: int = 200, scheduler_job: str = "") -> dict[str, Any]:
     """Register (again: presenting the credential it got before for this run and node); its
     checkpoints are saved under ``/ck`` unless ``roots`` says.  Its torchrun command declares
     ``nnodes`` nodes (a run admits that many); ``min_nodes``: the agent's --min-nodes."""
@@ -77,7 +77,8 @@ def register(client: TestClient, run: str = "r1", node: str = "n0",
                           "command": ["torchrun", f"--nnodes={nnodes}", "train.py"],
                           "nproc_per_node": 2, "spare": spare,
                           "checkpoint_roots": ["/ck"] if roots is None else roots,
-                          **({} if min_nodes is None else {"min_nodes": min_nodes})})
+                          **({} if min_nodes is None else {"min_nodes": min_nodes}),
+                          **({"scheduler_job": scheduler_job} if scheduler_job else {})})
     assert r.status_code == expect, r.text
     if expect != 200:
         return dict(r.json())

@@ -364,7 +364,8 @@
   // cause (seconds; a cause the supervisor cannot measure is listed as such).
   var GOODPUT_PARTS = [
     ["productive", "productive steps"], ["lost_progress", "lost progress"],
-    ["detection", "detection latency"], ["restart", "restart"], ["startup", "startup"],
+    ["detection", "detection latency"], ["restart", "restart"],
+    ["requeue", "requeue wait"], ["startup", "startup"],
     ["checkpoint", "checkpoint stalls"], ["data_wait", "data wait"],
     ["straggler", "straggler slowdown"], ["idle", "idle"], ["other", "other"]];
 

@@ -162,3 +162,34 @@ def test_a_lost_connection_with_every_peer_heard_is_a_crash_after_the_hold(
     actions = client.get("/api/v1/runs/r1/actions", headers=OPERATOR).json()["actions"]
     assert [a["cause"] for a in actions] == ["crash"]
     assert actions[0]["plan"]["membership"]["members"] == {"node0": 0, "node1": 1}
+
+
+def test_the_survivor_of_the_rendezvous_store_hosts_death_is_that_hosts_death() -> None:
+    """The node hosting the attempt's c10d store dies: the survivor's worker fails on gloo,
+    then its torchrun loses the store (``RendezvousConnectionError``) before it writes any
+    failure summary, so the agent reports torchrun's own error (captured: two torchruns of
+    train_ddp.py on CPU, the store host's tree SIGKILLed mid-run).  With the host silent,
+    that is the host's death (one node-lost restart), never a crash of the survivor."""
+    from pathlib import Path
+
+    from trainwarden.agent.launcher import (
+        attach_root_causes,
+        launcher_failure,
+        parse_failure_summary,
+    )
+
+    out = (Path(__file__).parents[2] / "data" / "tracebacks" /
+           "c10d_store_host_lost.stderr.txt").read_text()
+    failed = parse_failure_summary(out)
+    attach_root_causes(failed, out, out)
+    assert failed == []  # torchrun died on the store before its summary
+    entry = launcher_failure(1, out)
+    assert entry is not None and "RendezvousConnectionError" in entry["message"]
+    ex = policy.ExitFacts(id=1, agent_id=1, node="node0", attempt=0, outcome="crashed",
+                          exit_code=1, signal=None, failed_ranks=[entry])
+    d = policy.on_exit(RUN, ex, agent_ids=frozenset({1, 2}), completed_agent_ids=frozenset(),
+                       checkpoint="/ck/step_20", cfg=CFG, now=1000.0,
+                       silent_peers={"node1": 5.4}, may_wait=True)
+    assert isinstance(d, policy.Restart), d
+    assert d.cause == RestartCause.NODE_LOST and d.lost == frozenset({"node1"}), d
+    assert d.incident is not None and d.incident.kind == IncidentKind.NODE_LOST

@@ -17,6 +17,7 @@ from trainwarden.supervisor.goodput.ettr import (
     Event,
     Incident,
     RankTiming,
+    Requeued,
     RestartDecided,
     Resumed,
     RunEnded,
@@ -345,3 +346,27 @@ def test_capacity_is_capped_at_what_the_step_leaves() -> None:
     acc = feed_all([StepDone(0, 0, 2.0, 2.0, data_s=0.5, straggler_s=0.5, capacity_s=5.0)])
     b = acc.snapshot(now=2.0)
     assert (b.data_wait, b.straggler, b.capacity, b.productive) == (0.5, 0.5, 1.0, 0.0)
+
+
+def test_the_wait_for_a_requeued_jobs_new_allocation_is_its_own_part() -> None:
+    """A node lost with no spare: the restart waits (restart time), the job is requeued (its
+    agents go down with it), and the new allocation's agents register; the time from the
+    requeue to the restart decided on the new allocation is ``requeue``, not ``idle``, and
+    the restart on it is restart time again."""
+    ev: list[Event] = steps(0, 0, 10, 10.0)                # steps 0-9 in [10, 20]
+    ev += [CheckpointSaved(20.0, 10)]
+    ev += [Incident(26.0, "node_lost", t_fault=20.0),      # detected 6 s after
+           RestartDecided(26.0, 1),                        # waits for a node: restart
+           Requeued(30.0),                                 # requeued 4 s later
+           AgentsDown(31.0), AgentsUp(70.0),               # the new allocation at 70
+           RestartDecided(75.0, 2),                        # its agents registered
+           Resumed(80.0, 2, 10)]
+    ev += steps(2, 10, 10, 81.0)                           # restart [75, 81]; steps 10-19
+    ev += [RunEnded(91.0)]
+    b = feed_all(ev).snapshot(91.0)
+    assert_adds_up(b)
+    assert b.requeue == pytest.approx(45.0)  # [30, 75]: idle or not
+    assert b.idle == 0.0
+    assert b.restart == pytest.approx(4.0 + 6.0)  # [26, 30] and [75, 81]
+    assert b.detection == pytest.approx(6.0)
+    assert "requeue" in PARTS and b.badput()["requeue"] == b.requeue
