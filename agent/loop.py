@@ -38,7 +38,14 @@ from trainwarden.agent import protocol
 from trainwarden.agent.config import AgentConfig
 from trainwarden.agent.core import text as untrusted
 from trainwarden.agent.core.launch import Membership, declared_world_size, rewrite
-from trainwarden.agent.core.states import AgentExit, AgentState, ExitOutcome, NodeRole, exit_for
+from trainwarden.agent.core.states import (
+    AGENT_TRANSITIONS,
+    AgentExit,
+    AgentState,
+    ExitOutcome,
+    NodeRole,
+    exit_for,
+)
 from trainwarden.agent.executor import Executor
 from trainwarden.agent.launcher import ExitInfo, Launcher, PopenFactory
 from trainwarden.agent.monitor import DatagramReceiver, GpuHealth, WorkerStats, disk_usage, hostname
@@ -51,6 +58,8 @@ from trainwarden.agent.version import version
 from trainwarden.agent.watchdog import HangWatch
 
 log = logging.getLogger(__name__)
+# What the error an agent state move outside ``AGENT_TRANSITIONS`` logs begins with.
+UNLISTED_MOVE = "unlisted agent state move:"
 
 AGENT_VERSION = version()
 _URGENT_TYPES = {"event", "checkpoint", "exit", "command_result"}
@@ -115,7 +124,7 @@ class Agent:
         self._gpus_read_at = float("-inf")
         self.pending: list[dict[str, Any]] = []
         self.urgent = False
-        self.state = AgentState.STARTING
+        self.state: AgentState = AgentState.STARTING  # its first; ``set_state`` moves it
         self.exit_reported = False
         self.result: int | None = None  # set when the agent should end, with its exit code
         self.last_batch = float("-inf")
@@ -308,7 +317,7 @@ class Agent:
         """Run nothing for ``attempt`` (the executor's restart found this node not to run)."""
         self._attempt = attempt
         self._save_state()
-        self.state = AgentState.SPARE
+        self.set_state(AgentState.SPARE)
         self._emit({"type": "event", "t": self.clock(), "attempt": attempt,
                     "name": protocol.AgentEventName.STANDING_BY, "message": reason,
                     "details": {"role": self.role}})
@@ -327,7 +336,8 @@ class Agent:
                     "killing its workers" if running else "standing by as a spare")
         if running:
             self.begin_stop(immediate=True)
-        self.state = AgentState.SPARE if not running else self.state
+        if not running:
+            self.set_state(AgentState.SPARE)
         self._emit({"type": "event", "t": self.clock(), "attempt": self._attempt,
                     "name": protocol.AgentEventName.NOT_A_MEMBER,
                     "message": "no longer a member: workers stopped, standing by as a spare",
@@ -394,8 +404,18 @@ class Agent:
     def attempt(self) -> int:
         return self._attempt
 
+    def set_state(self, to: AgentState) -> None:
+        """Move to ``to``; a move ``AGENT_TRANSITIONS`` does not list is logged as an error
+        and made all the same (the agent never stops on its own bookkeeping)."""
+        if to == self.state:
+            return
+        if to not in AGENT_TRANSITIONS[self.state]:
+            log.error("%s %s -> %s: not a move AGENT_TRANSITIONS lists", UNLISTED_MOVE,
+                      self.state, to)
+        self.state = to
+
     def begin_stop(self, *, immediate: bool = False) -> None:
-        self.state = AgentState.STOPPING
+        self.set_state(AgentState.STOPPING)
         self.launcher.begin_stop(immediate=immediate)
 
     def pin_checkpoint(self, path: str, reason: str) -> None:
@@ -436,7 +456,7 @@ class Agent:
         self._attempt, self.plan_path = attempt, plan_path
         self._save_state()
         self.exit_reported = False
-        self.state = AgentState.STARTING
+        self.set_state(AgentState.STARTING)
         self.watch.new_attempt(attempt, self.clock())
         if self.membership is not None and self.role == NodeRole.MEMBER:
             self.launcher.command = rewrite(self.cfg.command, self.membership,
@@ -457,7 +477,7 @@ class Agent:
     def finish(self, end: object) -> None:
         """A stop command ended the run (``end``: how, as the command says): the agent exits
         with that end's code once it has delivered what it spooled."""
-        self.state = AgentState.STOPPED
+        self.set_state(AgentState.STOPPED)
         self.result = exit_for(end)
         log.info("the run ended (%s): leaving with exit code %d", end or "stopped",
                  self.result)
@@ -484,7 +504,7 @@ class Agent:
         if self.result is not None:
             return
         if self.role == NodeRole.SPARE:
-            self.state = AgentState.SPARE
+            self.set_state(AgentState.SPARE)
             log.info("a spare of run %s: running nothing until the supervisor gives this node "
                      "a node rank", self.cfg.run)
         else:
@@ -523,7 +543,7 @@ class Agent:
             self._emit(msg)
             self.watch.observe(msg)
             if msg.get("type") == "step" and self.state == AgentState.STARTING:
-                self.state = AgentState.RUNNING
+                self.set_state(AgentState.RUNNING)
             elif msg.get("type") == "checkpoint":
                 self._learn_checkpoint(msg)
         if self.launcher.stopping:
@@ -536,7 +556,7 @@ class Agent:
         if self.launcher.stopping:
             self.launcher.stop_step()
         if self.state == AgentState.STOPPING and self.stopped():
-            self.state = AgentState.STOPPED  # e.g. a restart waiting for its not_before
+            self.set_state(AgentState.STOPPED)  # e.g. a restart waiting for its not_before
         if self.urgent or self.batch_due():
             self.send_batch()
         if not self.threaded_uplink:
@@ -603,7 +623,7 @@ class Agent:
             self.launch(self._attempt, self.plan_path)
         else:
             self.exit_reported = True  # a spare's stop is no exit of the run's
-            self.state = AgentState.SPARE
+            self.set_state(AgentState.SPARE)
 
     def _replace_foreign_state(self, reply: protocol.RegisterReply) -> None:
         """The supervisor answered only after the workers were launched from the local state,
@@ -660,12 +680,13 @@ class Agent:
             # workers, which would otherwise train on unsupervised or hang in a collective).
             self.launcher.begin_stop()
         if outcome == ExitOutcome.COMPLETED:
-            self.state = AgentState.FINISHED
+            self.set_state(AgentState.FINISHED)
             self.result = AgentExit.COMPLETED
         elif outcome in (ExitOutcome.CRASHED, ExitOutcome.HUNG):
-            self.state = AgentState.FAILED  # keep running: the supervisor decides (restart or stop)
+            # keep running: the supervisor decides (restart or stop)
+            self.set_state(AgentState.FAILED)
         else:
-            self.state = AgentState.STOPPED
+            self.set_state(AgentState.STOPPED)
 
     @staticmethod
     def outcome(info: ExitInfo) -> ExitOutcome:
@@ -676,7 +697,7 @@ class Agent:
     def heartbeat(self) -> dict[str, Any]:
         workers = self.stats.collect(self.launcher.pid) if self.launcher.running else []
         if workers and self.state == AgentState.STARTING:
-            self.state = AgentState.RUNNING
+            self.set_state(AgentState.RUNNING)
         now = self.clock()
         disk = disk_usage(self.roots.free_space_at)
         hb: dict[str, Any] = {
@@ -714,7 +735,7 @@ class Agent:
         """Stop the workers (group SIGTERM, then SIGKILL), report, flush (bounded)."""
         if self.launcher.running or self.launcher.stopping:
             log.info("stopping workers: %s", reason)
-            self.state = AgentState.STOPPING
+            self.set_state(AgentState.STOPPING)
             self.launcher.stop()
         self.launcher.pump_output()
         self.receiver.drain()
