@@ -7,11 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainwarden.agent.protocol import LRSchedule, ResumePlan
-from trainwarden.supervisor.enums import (
-    Actor,
-    RestartCause,
-    Verdict,
-)
+from trainwarden.supervisor.enums import Actor, RestartCause, Verdict
 
 
 @dataclass(frozen=True)

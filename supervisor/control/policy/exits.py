@@ -50,12 +50,7 @@ from trainwarden.supervisor.control.policy.membership import (
     node_death,
 )
 from trainwarden.supervisor.detect import node_health
-from trainwarden.supervisor.enums import (
-    FINAL_STATUSES,
-    IncidentKind,
-    RunStatus,
-    Verdict,
-)
+from trainwarden.supervisor.enums import FINAL_STATUSES, IncidentKind, RunStatus, Verdict
 
 
 def describe_exit(ex: ExitFacts) -> tuple[str, int | None, int | None, int | None]:

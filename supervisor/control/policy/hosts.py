@@ -8,11 +8,7 @@ from dataclasses import dataclass, field
 
 from trainwarden.supervisor.control.policy.decisions import Note
 from trainwarden.supervisor.detect import node_health
-from trainwarden.supervisor.enums import (
-    Actor,
-    HostState,
-    Verdict,
-)
+from trainwarden.supervisor.enums import Actor, HostState, Verdict
 from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
 
 

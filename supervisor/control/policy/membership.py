@@ -25,12 +25,7 @@ from trainwarden.supervisor.control.policy.decisions import (
     Stop,
 )
 from trainwarden.supervisor.detect import partition
-from trainwarden.supervisor.enums import (
-    IncidentKind,
-    RestartCause,
-    RunStatus,
-    Verdict,
-)
+from trainwarden.supervisor.enums import IncidentKind, RestartCause, RunStatus, Verdict
 from trainwarden.supervisor.goodput import elastic
 
 

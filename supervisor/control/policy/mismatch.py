@@ -7,10 +7,7 @@ from dataclasses import dataclass
 from trainwarden.agent.core.states import CommandStatus
 from trainwarden.supervisor.control.policy.core import PolicyConfig
 from trainwarden.supervisor.control.policy.decisions import IncidentSpec, Note, OpenIncident
-from trainwarden.supervisor.enums import (
-    IncidentKind,
-    Verdict,
-)
+from trainwarden.supervisor.enums import IncidentKind, Verdict
 
 
 @dataclass(frozen=True)

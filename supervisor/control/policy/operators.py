@@ -5,12 +5,7 @@ from __future__ import annotations
 from trainwarden.agent.protocol import LRSchedule
 from trainwarden.supervisor.control.policy.core import RunFacts
 from trainwarden.supervisor.control.policy.decisions import Decision, Note, Restart, Stop
-from trainwarden.supervisor.enums import (
-    FINAL_STATUSES,
-    RestartCause,
-    RunStatus,
-    Verdict,
-)
+from trainwarden.supervisor.enums import FINAL_STATUSES, RestartCause, RunStatus, Verdict
 
 
 def operator_restart(

@@ -7,9 +7,7 @@ import math
 
 from trainwarden.supervisor.control.policy.decisions import RecordEvent
 from trainwarden.supervisor.detect.overload import OverloadConfig
-from trainwarden.supervisor.enums import (
-    SupervisorEvent,
-)
+from trainwarden.supervisor.enums import SupervisorEvent
 
 
 def advised_batch_interval(*, last_overloaded_at: float | None, now: float,

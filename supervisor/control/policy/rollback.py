@@ -20,11 +20,7 @@ from trainwarden.supervisor.control.policy.core import (
     budget_left,
 )
 from trainwarden.supervisor.control.policy.decisions import IncidentSpec, Restart, Stop
-from trainwarden.supervisor.enums import (
-    IncidentKind,
-    RestartCause,
-    RunStatus,
-)
+from trainwarden.supervisor.enums import IncidentKind, RestartCause, RunStatus
 from trainwarden.supervisor.goodput.spike_cost import ProgressLost, SpikeCost, weigh
 
 
