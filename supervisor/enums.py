@@ -33,6 +33,23 @@ class RunStatus(StrEnum):
 ACTIVE_STATUSES = frozenset({RunStatus.RUNNING, RunStatus.RESTARTING})
 FINAL_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED})
 
+# The moves a run's status may make, from each status to the ones it may go to; the store
+# refuses any other (``store.registry.set_run_status``).  A run is created pending (spares
+# only) or running.  Its first member makes a pending run running; a gang restart (a
+# restart during a restart too) makes it restarting, its first step after the restart
+# running again; it ends completed, failed (by the policy) or stopped (by an operator),
+# and an ended run never moves again.
+RUN_TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
+    RunStatus.PENDING: frozenset({RunStatus.RUNNING, RunStatus.RESTARTING, RunStatus.STOPPED}),
+    RunStatus.RUNNING: frozenset({RunStatus.RESTARTING, RunStatus.COMPLETED, RunStatus.FAILED,
+                                  RunStatus.STOPPED}),
+    RunStatus.RESTARTING: frozenset({RunStatus.RESTARTING, RunStatus.RUNNING,
+                                     RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.STOPPED}),
+    RunStatus.COMPLETED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.STOPPED: frozenset(),
+}
+
 
 class NodeState(StrEnum):
     """What a node of a run is now, as the supervisor judges it

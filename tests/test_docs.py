@@ -127,7 +127,7 @@ def _layout_block() -> str:
 def test_the_development_pages_folder_map_matches_the_tree() -> None:
     """Every module and folder the map names under agent/ and supervisor/ exists, and every
     one that exists is named: the map is what ``ls`` shows.  A folder's line may name its own
-    modules (``control/  ...: evaluator.py, policy.py``): then it names all of them."""
+    modules (``control/  ...: detection.py, observer.py``): then it names all of them."""
     named: dict[str, set[str]] = {"agent": set(), "supervisor": set()}
     listed: dict[str, set[str]] = {}  # a folder whose line names its modules: all of them
     top = ""

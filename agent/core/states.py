@@ -22,6 +22,30 @@ class AgentState(StrEnum):
     SPARE = "spare"  # runs nothing: a spare, or a member standing by for a missing node
 
 
+# The moves an agent's state may make, from each state to the ones it may go to (staying in a
+# state is no move).  The agent starts as starting; its first step (or a worker seen) makes
+# it running; a stop or a restart's teardown makes it stopping, then stopped; its workers'
+# exit makes it finished, failed or stopped; a restart launches it again (starting); a node
+# that runs nothing stands by (spare).  Registered is the supervisor's, before any
+# heartbeat: the agent never holds it.  The agent checks each move it makes against this
+# (``Agent.set_state``) and logs one not listed as an error: it never stops on its own
+# bookkeeping.
+AGENT_TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    AgentState.REGISTERED: frozenset(),
+    AgentState.STARTING: frozenset({AgentState.RUNNING, AgentState.STOPPING, AgentState.STOPPED,
+                                    AgentState.FINISHED, AgentState.FAILED, AgentState.SPARE}),
+    AgentState.RUNNING: frozenset({AgentState.STARTING, AgentState.STOPPING, AgentState.STOPPED,
+                                   AgentState.FINISHED, AgentState.FAILED, AgentState.SPARE}),
+    AgentState.STOPPING: frozenset({AgentState.STARTING, AgentState.STOPPED,
+                                    AgentState.FINISHED, AgentState.FAILED, AgentState.SPARE}),
+    AgentState.STOPPED: frozenset({AgentState.STARTING, AgentState.STOPPING, AgentState.FAILED,
+                                   AgentState.SPARE}),
+    AgentState.FINISHED: frozenset({AgentState.STOPPING, AgentState.STOPPED}),
+    AgentState.FAILED: frozenset({AgentState.STARTING, AgentState.STOPPING, AgentState.STOPPED,
+                                  AgentState.SPARE}),
+    AgentState.SPARE: frozenset({AgentState.STARTING, AgentState.STOPPING, AgentState.STOPPED}),
+}
+
 # States of an agent that is supposed to be alive and training.
 LIVE_AGENT_STATES = frozenset({AgentState.REGISTERED, AgentState.STARTING, AgentState.RUNNING,
                                AgentState.STOPPING})

@@ -12,7 +12,13 @@ from sqlalchemy import Connection, func, or_, select, update
 from trainwarden.agent.core.launch import min_nodes_refused, unrewritable
 from trainwarden.agent.core.states import AgentState, NodeRole
 from trainwarden.supervisor.contract import wire
-from trainwarden.supervisor.enums import ACTIVE_STATUSES, FINAL_STATUSES, PresenceEvent, RunStatus
+from trainwarden.supervisor.enums import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    RUN_TRANSITIONS,
+    PresenceEvent,
+    RunStatus,
+)
 from trainwarden.supervisor.store import credentials, membership
 from trainwarden.supervisor.store._sql import insert, row
 from trainwarden.supervisor.store.credentials import NodeHolder
@@ -33,6 +39,17 @@ class RunFinished(Exception):
             f"agent. Start a new run under another name (for example --run {name}-2); to "
             "continue training from this run's checkpoints, give the new run the same "
             "checkpoint directory (its workers resume from the newest complete checkpoint)")
+
+
+class RunTransitionRefused(Exception):
+    """A run status change the transition table (``enums.RUN_TRANSITIONS``) does not list:
+    nothing is changed."""
+
+    def __init__(self, run_id: int, status: str, to: str) -> None:
+        self.run_id, self.status, self.to = run_id, status, to
+        allowed = ", ".join(sorted(RUN_TRANSITIONS.get(RunStatus(status), ()))) or "none"
+        super().__init__(f"run {run_id} is {status}: it may not become {to} "
+                         f"(it may become: {allowed})")
 
 
 class CommandRefused(Exception):
@@ -105,6 +122,8 @@ def register_agent(conn: Connection, *, req: wire.RegisterRequest, now: float,
     ).scalar_one()
     role = membership.admit(conn, run_id=run.id, agent_id=agent_id, command=list(req.command),
                             spare=req.spare, new=new, min_nodes=req.min_nodes)
+    # (pending -> running, one of ``RUN_TRANSITIONS``: only from pending, so a concurrent
+    # move of the run wins)
     if role == NodeRole.MEMBER and run.status == RunStatus.PENDING:
         conn.execute(update(runs).where(runs.c.id == run.id, runs.c.status == RunStatus.PENDING)
                      .values(status=RunStatus.RUNNING, updated_at=now,
@@ -180,14 +199,24 @@ def set_run_status(
     attempt: int | None = None,
     restarts: int | None = None,
 ) -> None:
-    values: dict[str, Any] = {"status": status, "updated_at": now}
+    """Move the run to ``status``, from a status the transition table lets reach it (one
+    statement: a concurrent move is seen).  A move it does not list raises
+    ``RunTransitionRefused`` and changes nothing; a run that does not exist is left alone."""
+    to = RunStatus(status)
+    sources = [s for s, targets in RUN_TRANSITIONS.items() if to in targets]
+    values: dict[str, Any] = {"status": to, "updated_at": now}
     if reason is not None:
         values["reason"] = reason
     if attempt is not None:
         values["attempt"] = attempt
     if restarts is not None:
         values["restarts"] = restarts
-    conn.execute(update(runs).where(runs.c.id == run_id).values(**values))
+    moved = conn.execute(update(runs).where(runs.c.id == run_id, runs.c.status.in_(sources))
+                         .values(**values))
+    if moved.rowcount == 0:
+        now_status = conn.execute(select(runs.c.status).where(runs.c.id == run_id)).scalar()
+        if now_status is not None:
+            raise RunTransitionRefused(run_id, now_status, to)
 
 
 def set_protected(conn: Connection, *, run_id: int, paths: list[str]) -> None:

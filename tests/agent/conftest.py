@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from agent_fakes import (
     _Handler,
 )
 
-from trainwarden.agent.loop import Agent
+from trainwarden.agent.loop import UNLISTED_MOVE, Agent
 
 
 @pytest.fixture
@@ -83,3 +84,29 @@ def fake_run(tmp_path: Path) -> Iterator[FakeRun]:
         yield run
     finally:
         run.kill_all()  # a failing test must not leave workers behind
+
+
+class _UnlistedMoves(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.moves: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(UNLISTED_MOVE):
+            self.moves.append(message)
+
+
+@pytest.fixture(autouse=True)
+def no_unlisted_state_move(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every agent test fails when an agent in it made a state move ``AGENT_TRANSITIONS``
+    does not list (the agent only logs it: it never stops on its own bookkeeping)."""
+    handler = _UnlistedMoves()
+    logger = logging.getLogger("trainwarden.agent.loop")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if "allow_unlisted_state_move" not in request.keywords:
+        assert handler.moves == [], handler.moves

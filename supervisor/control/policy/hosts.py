@@ -1,0 +1,185 @@
+"""Node health: cordons on evidence, probation (the rule: ``detect.node_health``), and the
+fleet (the scheduler that owns the machines)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from trainwarden.supervisor.control.policy.decisions import Note
+from trainwarden.supervisor.detect import node_health
+from trainwarden.supervisor.enums import Actor, HostState, Verdict
+from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
+
+
+@dataclass(frozen=True)
+class Cordon:
+    """Fence ``node`` off: the membership replaces it at the next restart and never chooses
+    it as a member while it is cordoned.  Restarts nothing by itself."""
+
+    node: str
+    reason: str
+    actor: str = Actor.POLICY
+    evidence_ids: tuple[int, ...] = ()
+    rule: str = ""  # the setting of the rule that holds (``cordon.<rule>``); "" for an operator
+    run_id: int | None = None  # the run whose failure tipped it over
+    # In ``run_id`` only: the evidence came from a source not trusted for the host, so the
+    # run replaces the node and no other run (nor the shared ledger) is affected.
+    in_run_only: bool = False
+
+
+@dataclass(frozen=True)
+class Uncordon:
+    """An operator lets a cordoned node back on probation: healthy once it passes a
+    preflight, cordoned again by a failed one."""
+
+    node: str
+    reason: str
+    actor: str
+
+
+@dataclass(frozen=True)
+class PassProbation:
+    """A node on probation passed a preflight: healthy again."""
+
+    node: str
+    reason: str
+    run_id: int | None = None
+    evidence_ids: tuple[int, ...] = ()
+
+
+HostDecision = Note | Cordon | Uncordon | PassProbation
+
+
+def on_host_evidence(node: str, *, state: str, cleared_at: float | None,
+                     evidence: Sequence[node_health.Evidence], now: float,
+                     cfg: node_health.CordonConfig, run_id: int | None = None,
+                     in_run_only: bool = False) -> Note | Cordon:
+    """What new evidence against ``node`` means: a cordon when the rule holds over its
+    evidence since its last uncordon (``cleared_at``; the older was judged and cleared).
+    ``in_run_only``: the evidence is run ``run_id``'s own, from a source not trusted for the
+    host (``state`` is the node's in that run): the cordon holds in that run only."""
+    if state == HostState.CORDONED:
+        return Note(Verdict.IGNORED, f"node {node} is cordoned already")
+    if not cfg.enabled:
+        return Note(Verdict.IGNORED, "cordon.enabled is false: only operators cordon")
+    counted = [e for e in evidence if cleared_at is None or e.t > cleared_at]
+    verdict = node_health.judge(counted, now=now, cfg=cfg)
+    if verdict is None:
+        return Note(Verdict.WAIT, "no cordon rule holds")
+    where = " (in this run only: its agent's token is not trusted for the host)" \
+        if in_run_only else ""
+    return Cordon(node=node, reason=f"cordon.{verdict.rule}: {verdict.reason}{where}",
+                  evidence_ids=verdict.evidence_ids, rule=verdict.rule, run_id=run_id,
+                  in_run_only=in_run_only)
+
+
+def on_preflight_passed(node: str, *, state: str, since: float, ran_at: float,
+                        run_id: int | None, evidence_ids: tuple[int, ...] = ()
+                        ) -> Note | PassProbation:
+    """A passed preflight ends a probation that began before it ran (``since``: when the
+    node's state began); anywhere else it changes nothing."""
+    if state != HostState.PROBATION:
+        return Note(Verdict.IGNORED, f"node {node} is {state}, not on probation")
+    if ran_at < since:
+        return Note(Verdict.LATE, "the preflight ran before the node went on probation")
+    return PassProbation(node=node, run_id=run_id, evidence_ids=evidence_ids,
+                         reason="passed a preflight on probation: healthy again")
+
+
+def operator_cordon(node: str, *, state: str, reason: str, actor: str) -> Note | Cordon:
+    """An operator's cordon, of a node in any state but cordoned (one never seen too: a host
+    may be fenced off before its agent registers)."""
+    if state == HostState.CORDONED:
+        return Note(Verdict.IGNORED, f"node {node} is cordoned already")
+    return Cordon(node=node, reason=reason, actor=actor)
+
+
+def operator_uncordon(node: str, *, state: str, reason: str, actor: str) -> Note | Uncordon:
+    """An operator's uncordon: a cordoned node goes on probation, never straight to healthy
+    (a cordon ends with a passed preflight)."""
+    if state != HostState.CORDONED:
+        return Note(Verdict.IGNORED, f"node {node} is {state}, not cordoned: nothing to "
+                                     "uncordon")
+    return Uncordon(node=node, reason=reason, actor=actor)
+
+
+# -- the fleet (the scheduler that owns the machines) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """What the scheduler's node states and the ledger call for: ledger changes (a node the
+    scheduler drained or lost reads cordoned, with the scheduler's reason; one it put back
+    leaves the cordon it caused), and scheduler commands (a node trainwarden cordoned is
+    drained there; a drain of trainwarden's whose cordon was lifted is resumed)."""
+
+    ledger: list[Cordon | Uncordon] = field(default_factory=list)
+    drain: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    resume: list[str] = field(default_factory=list)
+
+
+def fleet_decisions(ledger: Mapping[str, tuple[str, str, str]],
+                    nodes: Mapping[str, FleetNode]) -> FleetPlan:
+    """``ledger``: node -> (state, actor, reason) of the nodes with a ledger row; ``nodes``:
+    the scheduler's.  Only nodes the scheduler knows are concerned.  An administrator's
+    drain (its reason does not start with ``trainwarden:``) is never lifted; a node the
+    scheduler says is down or drained is never given a rank (it reads cordoned)."""
+    plan = FleetPlan()
+    for name, n in sorted(nodes.items()):
+        state, actor, reason = ledger.get(name, (HostState.HEALTHY, "", ""))
+        cordoned = state == HostState.CORDONED
+        if n.state != FleetNodeState.AVAILABLE and not n.ours:
+            if not cordoned:
+                why = f"{n.state} in Slurm ({n.raw_state})" + (f": {n.reason}" if n.reason
+                                                                  else "")
+                plan.ledger.append(Cordon(name, f"slurm: {why}", actor=Actor.FLEET))
+        elif n.state == FleetNodeState.DRAINED and n.ours:
+            if not cordoned:
+                plan.resume.append(name)
+        elif n.state == FleetNodeState.AVAILABLE and cordoned:
+            if actor == Actor.FLEET:
+                plan.ledger.append(Uncordon(name, f"slurm: {name} is back in service "
+                                                  f"({n.raw_state})", actor=Actor.FLEET))
+            else:
+                plan.drain.append((name, f"{REASON_PREFIX} {reason}"))
+    return plan
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """Put the run's scheduler job back in the queue (``fleet.requeue``): the nodes its
+    attempt waits for are drained first (``drain``: node, reason), so the next allocation
+    avoids them.  The job's agents register again to the same run, which goes on as a new
+    attempt from the newest checkpoint (the loss was counted when it happened)."""
+
+    job: str
+    attempt: int  # the attempt that waits (a job is requeued once for it)
+    drain: tuple[tuple[str, str], ...]
+    reason: str
+
+
+def requeue_when_no_spare(*, enabled: bool, attempt: int, waiting: Mapping[str, str],
+                          job: str, requeued_for: int | None) -> Requeue | Note:
+    """A run whose attempt stands by for a node (a member lost or cordoned, no spare free,
+    the run may not shrink: ``waiting``, node -> why) is requeued in its scheduler without
+    those nodes, when ``fleet.requeue`` is on and its agents named their job (``job``; ""
+    when they run outside one).  Once per waiting attempt (``requeued_for``: the attempt the
+    run's last requeue was for)."""
+    if not waiting:
+        return Note(Verdict.IGNORED, "the run waits for no node")
+    if not enabled:
+        return Note(Verdict.WAIT, "fleet.requeue is off: the run stands by for a node")
+    if not job:
+        return Note(Verdict.WAIT, "the run's agents named no scheduler job to requeue: the run "
+                                  "stands by for a node")
+    if requeued_for == attempt:
+        return Note(Verdict.ONGOING, f"job {job} was requeued for attempt {attempt}: waiting "
+                                     "for its new allocation")
+    nodes = ", ".join(f"{n} ({why})" for n, why in sorted(waiting.items()))
+    reason = (f"no spare is free and the run may not shrink: job {job} is requeued without "
+              f"{nodes}")
+    return Requeue(job=job, attempt=attempt,
+                   drain=tuple((n, f"{REASON_PREFIX} {why}; the run's job {job} is requeued "
+                                   "without it") for n, why in sorted(waiting.items())),
+                   reason=reason)
