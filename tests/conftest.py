@@ -20,7 +20,8 @@ POSTGRES_ENV = "TRAINWARDEN_TEST_POSTGRES_URL"
 # core, each taking one shard: the end-to-end tests that start torchrun, one after the other,
 # and everything else beside them (unit and API tests, the browser, packaging, and the
 # end-to-end modules that run one torchrun job at a time and assert no timing: exact resume,
-# the framework integrations, the worker-level elastic runs, the preflight).  Much of an
+# the framework integrations, the worker-level elastic runs, the preflight, the demo, a full
+# checkpoint disk, root causes, run identity, the live dashboard).  Much of an
 # end-to-end test's time is waiting (deadlines, step sleeps, process start-up), which the
 # other shard uses.  TRAINWARDEN_TEST_SHARD selects a shard; unset, every test runs.
 SHARD_ENV = "TRAINWARDEN_TEST_SHARD"
@@ -28,7 +29,8 @@ SHARDS = ("e2e", "rest")
 E2E = REPO / "tests" / "e2e"
 BESIDE_E2E = {"test_frameworks.py", "test_resume.py", "test_resume_plan.py",
               "test_elastic_worker.py", "test_lightning_elastic.py", "test_lightning_docs.py",
-              "test_preflight.py"}
+              "test_preflight.py", "test_demo.py", "test_disk_full.py", "test_root_cause.py",
+              "test_run_identity.py", "test_dashboard_live.py"}
 
 
 def shard_of(path: Path) -> str:
