@@ -55,8 +55,9 @@ class FleetConfig:
     # how long after a failed drain or resume of a node it is tried again
     retry_s: float = bounded(30.0, gt=0)
     # A run whose attempt stands by for a node (a member lost, no spare free, the run may not
-    # shrink) is requeued in the scheduler instead (scontrol requeue): the lost node is
-    # drained first, and the job's next allocation goes on as the same run
+    # shrink) is requeued in the scheduler instead, when the scheduler runs the job its agents
+    # named on the run's nodes: the job's next allocation excludes the lost node (drained
+    # first when its agent was trusted for the host) and goes on as the same run
     requeue: bool = False
 
     def __post_init__(self) -> None:
