@@ -130,7 +130,8 @@ def test_a_job_the_scheduler_does_not_run_on_the_run_s_nodes_is_not_requeued(
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``squeue`` and ``scontrol`` on PATH, each call written to ``calls``: job 77 runs on
     n[0-1] (tw9 excluded by its submitter), 78 pends, 79 is not known, and asking for 13
-    fails; scontrol expands n[0-1], and anything it is asked of job 13 fails."""
+    fails; scontrol expands n[0-1], anything it is asked of job 13 fails, and so does an
+    update of job 66."""
     calls = tmp_path / "calls"
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -144,7 +145,8 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (fake / "scontrol").write_text(
         f'#!/bin/bash\necho "scontrol $*" >> {calls}\n'
         'if [ "$1 $2" = "show hostnames" ]; then echo n0; echo n1; exit 0; fi\n'
-        'if [ "$2" = 13 ]; then echo "Invalid job id" >&2; exit 1; fi\n')
+        'if [ "$2" = 13 ]; then echo "Invalid job id" >&2; exit 1; fi\n'
+        'if [ "$2" = JobId=66 ]; then echo "Job is no longer pending execution" >&2; exit 1; fi\n')
     for f in ("squeue", "scontrol"):
         (fake / f).chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
@@ -189,9 +191,18 @@ def test_the_slurm_requeue_holds_the_job_excludes_the_nodes_for_it_and_releases_
     assert plain.ok and plain.command == "scontrol requeue 77"
     (bad,) = SlurmFleet().requeue(FleetJob("13", "RUNNING", True, frozenset()), ["n1"])
     assert not bad.ok and "Invalid job id" in bad.output and "exit 1" in bad.output
+    # A held job is released even when its exclusion could not be set (and that says so).
+    held = SlurmFleet().requeue(FleetJob("66", "RUNNING", True, frozenset()), ["n1"])
+    assert [(r.command, r.ok) for r in held] == [
+        ("scontrol requeuehold 66", True),
+        ("scontrol update JobId=66 ExcNodeList=n1", False),
+        ("scontrol release 66", True)]
+    assert "no longer pending" in held[1].output
     assert calls.read_text().splitlines() == [
         "scontrol requeuehold 77", "scontrol update JobId=77 ExcNodeList=tw9,n1",
-        "scontrol release 77", "scontrol requeue 77", "scontrol requeuehold 13"]
+        "scontrol release 77", "scontrol requeue 77", "scontrol requeuehold 13",
+        "scontrol requeuehold 66", "scontrol update JobId=66 ExcNodeList=n1",
+        "scontrol release 66"]
 
 
 class FakeFleet:
