@@ -235,7 +235,15 @@ class SupervisorEvent(StrEnum):
     * ``requeued``: the run's attempt stood by for a node with no spare free, and its
       scheduler job was put back in the queue without that node (``fleet.requeue``): the
       job's agents register again for the next attempt (details: ``job``, ``attempt``: the
-      attempt that waited, ``drained``: the nodes drained first, ``command``, ``output``)."""
+      attempt that waited, ``drained``: the nodes drained first (their agents were trusted
+      for the host), ``excluded``: the nodes the job's next allocation may not use,
+      ``in_run_only``: the nodes cordoned in this run only, ``commands``: each scheduler
+      command with its output; ``command``, ``output``: the first, the requeue itself);
+    * ``requeue_refused``: such a requeue was not done, because the scheduler's word about
+      the job the run's agents named does not make it the run's (no such job, not running,
+      its allocation lacks a node of the run, another run's agents named it too): recorded
+      once per attempt and reason (details: ``job``, ``attempt``, the scheduler's answer:
+      ``command``, ``ok``, ``output``)."""
 
     JUDGE_FAILED = "judge_failed"
     JUDGE_RECOVERED = "judge_recovered"
@@ -250,6 +258,7 @@ class SupervisorEvent(StrEnum):
     WORLD_RESIZED = "world_resized"
     GROW_PLANNED = "grow_planned"
     REQUEUED = "requeued"
+    REQUEUE_REFUSED = "requeue_refused"
 
 
 class HostState(StrEnum):

@@ -161,6 +161,14 @@ def waiting_for(conn: Connection, run: RunRow) -> tuple[set[int], set[str]]:
                    if rank in ranks}
 
 
+def restart_members(conn: Connection, run: RunRow) -> set[str]:
+    """The nodes the restart of the run's current attempt gave node ranks to (the ones it
+    waits for among them); empty without one."""
+    action = rec.restart_action_for(conn, run_id=run["id"], attempt=run["attempt"])
+    m = (action["plan"] or {}).get("membership") if action is not None else None
+    return {str(n) for n in (m.get("members") or {})} if isinstance(m, dict) else set()
+
+
 def member_facts(conn: Connection, *, run_id: int, now: float, live_s: float | None,
                  lost: frozenset[str] = frozenset(), cut_off: frozenset[str] = frozenset()
                  ) -> tuple[membership.MembershipFacts, RunMembership]:

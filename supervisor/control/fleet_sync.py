@@ -32,7 +32,7 @@ from trainwarden.supervisor.enums import (
     RunStatus,
     SupervisorEvent,
 )
-from trainwarden.supervisor.fleet import Fleet, FleetResult
+from trainwarden.supervisor.fleet import Fleet, FleetJob, FleetResult
 from trainwarden.supervisor.store import hosts, registry, windows
 from trainwarden.supervisor.store import recovery as rec
 from trainwarden.supervisor.store.db import Connection, Database
@@ -55,8 +55,9 @@ class FleetConfig:
     # how long after a failed drain or resume of a node it is tried again
     retry_s: float = bounded(30.0, gt=0)
     # A run whose attempt stands by for a node (a member lost, no spare free, the run may not
-    # shrink) is requeued in the scheduler instead (scontrol requeue): the lost node is
-    # drained first, and the job's next allocation goes on as the same run
+    # shrink) is requeued in the scheduler instead, when the scheduler runs the job its agents
+    # named on the run's nodes: the job's next allocation excludes the lost node (drained
+    # first when its agent was trusted for the host) and goes on as the same run
     requeue: bool = False
 
     def __post_init__(self) -> None:
@@ -86,7 +87,7 @@ class FleetStatus:
     message: str = ""
     command_failures: int = 0
     last_error: str = ""
-    failed_at: dict[tuple[str, str], float] = field(default_factory=dict)  # (op, node) -> t
+    failed_at: dict[tuple[str, str], float] = field(default_factory=dict)  # (op, node or job) -> t
 
 
 class FleetSync:
@@ -137,12 +138,16 @@ class FleetSync:
 
     def requeue_round(self) -> list[policy.Requeue]:
         """Requeue the job of each run whose attempt stands by for a node
-        (``policy.requeue_when_no_spare``): the waiting nodes are cordoned in the ledger and
-        drained (so the new allocation avoids them), then the job is requeued; each command
-        is audited, and the requeue is the run's ``requeued`` event."""
-        todo: list[tuple[int, policy.Requeue]] = []
+        (``policy.requeue_when_no_spare``), once the scheduler confirms the job the agents
+        named is the run's (``policy.requeue_checked``): the waiting nodes are cordoned (in
+        the shared ledger and drained when their agents were trusted for the host, in the run
+        only otherwise), then the job is requeued off them; each command is audited, the
+        requeue is the run's ``requeued`` event, and a refusal its ``requeue_refused``."""
+        wanted: list[tuple[RunRow, policy.RequeueWanted, set[str], dict[str, bool]]] = []
         with self.db.read() as conn:
-            for run in registry.active_runs(conn):
+            active = registry.active_runs(conn)
+            named = {int(r["id"]): _scheduler_job(conn, int(r["id"])) for r in active}
+            for run in active:
                 if run["status"] != RunStatus.RESTARTING:
                     continue
                 _, nodes = actions.waiting_for(conn, run)
@@ -150,43 +155,87 @@ class FleetSync:
                     continue
                 d = policy.requeue_when_no_spare(
                     enabled=self.cfg.requeue, attempt=int(run["attempt"]),
-                    waiting=_why_waiting(conn, run, nodes),
-                    job=_scheduler_job(conn, int(run["id"])),
+                    waiting=_why_waiting(conn, run, nodes), job=named[int(run["id"])],
                     requeued_for=_requeued_for(conn, int(run["id"])))
-                if isinstance(d, policy.Requeue):
-                    todo.append((int(run["id"]), d))
+                if isinstance(d, policy.RequeueWanted):
+                    wanted.append((run, d, actions.restart_members(conn, run),
+                                   hosts.node_trust(conn, run_id=int(run["id"]))))
         done = []
-        for run_id, d in todo:
-            if self._requeue(run_id, d):
-                done.append(d)
+        for run, want, members, trusted in wanted:
+            run_id = int(run["id"])
+            now = self._now()
+            last = self.status.failed_at.get((f"requeue {run_id}", want.job))
+            if last is not None and now - last < self.cfg.retry_s:
+                continue
+            scheduled, said = self.fleet.job(want.job)
+            check = policy.requeue_checked(
+                want, run_id=run_id, scheduled=scheduled, said=said.describe(),
+                members=members, trusted=trusted,
+                named_by=[str(r["name"]) for r in active
+                          if named[int(r["id"])] == want.job and int(r["id"]) != run_id])
+            if isinstance(check, policy.Note):
+                self.status.failed_at[(f"requeue {run_id}", want.job)] = now
+                self._refused(run_id, want, check, said)
+                continue
+            assert scheduled is not None
+            if self._requeue(run_id, check, scheduled):
+                done.append(check)
         return done
 
-    def _requeue(self, run_id: int, d: policy.Requeue) -> bool:
-        now = self._now()
-        last = self.status.failed_at.get(("requeue", d.job))
-        if last is not None and now - last < self.cfg.retry_s:
-            return False
+    def _refused(self, run_id: int, want: policy.RequeueWanted, note: policy.Note,
+                 said: FleetResult) -> None:
+        """A requeue the scheduler's word refused: the run's ``requeue_refused`` event, once
+        per attempt and reason, and the log every time it is checked."""
+        log.warning("fleet %s: %s", self.fleet.name, note.why)
         with self.db.write() as conn:
-            for node, reason in d.drain:
-                if node not in hosts.cordoned_nodes(conn):
-                    actions.apply_host(conn, decision=policy.Cordon(
-                        node, reason, actor=Actor.POLICY, run_id=run_id), now=now)
+            ev = windows.latest_run_event(conn, run_id=run_id,
+                                          name=SupervisorEvent.REQUEUE_REFUSED)
+            before: dict[str, Any] = (ev["details"] if ev is not None else None) or {}
+            if before.get("attempt") == want.attempt and ev is not None \
+                    and ev["message"] == note.why:
+                return
+            rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=want.attempt,
+                             rank=None, t=self._now(), name=SupervisorEvent.REQUEUE_REFUSED,
+                             step=None, message=note.why,
+                             details={"job": want.job, "attempt": want.attempt,
+                                      "command": said.command, "ok": said.ok,
+                                      "output": said.output[:1000]})
+
+    def _requeue(self, run_id: int, d: policy.Requeue, job: FleetJob) -> bool:
+        now = self._now()
+        with self.db.write() as conn:
+            shared = hosts.cordoned_nodes(conn)
+            here = hosts.run_cordons(conn, run_id=run_id)
+            for c in d.cordons:
+                if c.node not in shared and not (c.in_run_only and c.node in here):
+                    actions.apply_host(conn, decision=c, now=now)
         for node, reason in d.drain:
             self._command("drain", node, functools.partial(self.fleet.cordon, node, reason))
-        r = self.fleet.requeue(d.job)
+        results = self.fleet.requeue(job, d.exclude)
+        requeued, ok = results[0].ok, all(r.ok for r in results)
+        said = "; ".join(r.describe() for r in results)
         with self.db.write() as conn:
             rec.insert_event(conn, run_id=run_id, agent_id=None, attempt=d.attempt, rank=None,
                              t=self._now(), name=SupervisorEvent.REQUEUED, step=None,
-                             message=f"{d.reason}: {r.describe()}",
-                             details={"job": d.job, "attempt": d.attempt, "ok": r.ok,
+                             message=f"{d.reason}: {said}",
+                             details={"job": d.job, "attempt": d.attempt, "ok": requeued,
                                       "drained": [n for n, _ in d.drain],
-                                      "command": r.command, "output": r.output[:1000]})
-        if not r.ok:
-            self.status.failed_at[("requeue", d.job)] = now
-            self._failed(r)
+                                      "excluded": list(d.exclude),
+                                      "in_run_only": [c.node for c in d.cordons
+                                                      if c.in_run_only],
+                                      "commands": [{"command": r.command, "ok": r.ok,
+                                                    "output": r.output[:1000]}
+                                                   for r in results],
+                                      "command": results[0].command,
+                                      "output": results[0].output[:1000]})
+        for r in results:
+            if not r.ok:
+                self._failed(r)
+        if not requeued:
+            self.status.failed_at[(f"requeue {run_id}", d.job)] = now
             return False
-        self.status.failed_at.pop(("requeue", d.job), None)
-        log.warning("fleet %s: %s: %s", self.fleet.name, d.reason, r.describe())
+        self.status.failed_at.pop((f"requeue {run_id}", d.job), None)
+        (log.warning if ok else log.error)("fleet %s: %s: %s", self.fleet.name, d.reason, said)
         return True
 
     def _command(self, op: str, node: str, run: Callable[[], FleetResult]) -> None:

@@ -62,8 +62,9 @@ def condition_of(conn: Connection, *, run: RunRow) -> RunCondition | None:
         req = windows.latest_run_event(conn, run_id=run_id, name=SupervisorEvent.REQUEUED)
         said = req["details"] if req is not None and isinstance(req["details"], dict) else {}
         if said.get("ok") and said.get("attempt") == int(run["attempt"]):
-            requeued = (f"job {said.get('job')} was requeued without "
-                        f"{', '.join(map(str, said.get('drained') or []))}")
+            without = said.get("excluded") or said.get("drained") or []
+            requeued = f"job {said.get('job')} was requeued without " \
+                f"{', '.join(map(str, without))}"
         ev = windows.latest_run_event(conn, run_id=run_id, name=SupervisorEvent.WAITING_FOR_NODE)
         if ev is not None:
             waiting_since = float(ev["t"])

@@ -8,8 +8,11 @@ A backend answers three things, each a command of the scheduler's run with a dea
 * ``cordon``: fence the node off in the scheduler (Slurm: drain it), with a reason that starts
   with ``REASON_PREFIX``;
 * ``uncordon``: put the node back in service, only where the fence is trainwarden's;
+* ``job``: what the scheduler says of a job its agents named (its state and the nodes of its
+  allocation): the agents' word for which job they run in is a claim, checked against it;
 * ``requeue``: end the job's current allocation and put the job back in the scheduler's queue,
-  so it runs again, as the same job, on nodes the scheduler chooses (never a fenced one).
+  so it runs again, as the same job, on nodes the scheduler chooses: never a fenced one, nor
+  one excluded for that job.
 
 Every command's outcome is a ``FleetResult`` (the command line, its exit code and output),
 which the supervisor audits.  What to do with the states is the policy's
@@ -22,6 +25,7 @@ not implemented.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -51,6 +55,17 @@ class FleetNode:
     def ours(self) -> bool:
         """A fence trainwarden set (its reason starts with ``REASON_PREFIX``)."""
         return self.reason.startswith(REASON_PREFIX)
+
+
+@dataclass(frozen=True)
+class FleetJob:
+    """A scheduler job as the scheduler has it."""
+
+    job: str
+    state: str  # the scheduler's own words (Slurm: RUNNING, PENDING, COMPLETING...)
+    running: bool  # its allocation runs now (the only state a requeue applies to)
+    nodes: frozenset[str]  # the nodes of its allocation, by name (none while pending)
+    excluded: str = ""  # the nodes it already may not use (Slurm: ExcNodeList), "" for none
 
 
 @dataclass(frozen=True)
@@ -84,7 +99,14 @@ class Fleet(Protocol):
     def uncordon(self, node: str) -> FleetResult:
         ...
 
-    def requeue(self, job: str) -> FleetResult:
-        """Put ``job`` (the scheduler's id, as its agents report it) back in the queue: its
-        processes end, and it runs again as the same job on a new allocation."""
+    def job(self, job: str) -> tuple[FleetJob | None, FleetResult]:
+        """What the scheduler says of ``job`` (None: no such job, or the command failed)."""
+        ...
+
+    def requeue(self, job: FleetJob, exclude: Sequence[str]) -> list[FleetResult]:
+        """Put ``job`` back in the queue: its processes end, and it runs again as the same
+        job on a new allocation that holds none of ``exclude`` (for this job only).  The
+        commands run, in order; the first is the requeue itself (the job was requeued when it
+        succeeded), and a failed one stops the rest, except that a job held for the exclusion
+        is always released."""
         ...

@@ -7,8 +7,15 @@ import getpass
 import re
 import shlex
 import subprocess
+from collections.abc import Sequence
 
-from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState, FleetResult
+from trainwarden.supervisor.fleet import (
+    REASON_PREFIX,
+    FleetJob,
+    FleetNode,
+    FleetNodeState,
+    FleetResult,
+)
 
 _DOWN = ("DOWN", "FAIL", "FAILING", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOWN")
 _DRAIN = ("DRAIN", "DRAINED", "DRAINING")
@@ -22,6 +29,23 @@ def node_state(raw: str) -> FleetNodeState:
     if any(p in _DRAIN for p in parts):
         return FleetNodeState.DRAINED
     return FleetNodeState.AVAILABLE
+
+
+# A Slurm job id (an array job's task: 123_4), as the agents name it; nothing else reaches
+# a command line.
+_JOB_ID = re.compile(r"[0-9]{1,20}(_[0-9]{1,10})?")
+# squeue's fields for one job (none holds a "|": node names and states cannot)
+_JOB_FORMAT = "%i|%T|%N|%x"
+
+
+def parse_job(text: str) -> tuple[str, str, str, str] | None:
+    """``squeue -h -j JOB -o '%i|%T|%N|%x'``: (id, state, node list, excluded nodes); None
+    when it lists no job."""
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4 and parts[0]:
+            return parts[0], parts[1], parts[2], parts[3]
+    return None
 
 
 def parse_nodes(text: str) -> dict[str, FleetNode]:
@@ -88,8 +112,39 @@ class SlurmFleet:
     def uncordon(self, node: str) -> FleetResult:
         return self._run("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
-    def requeue(self, job: str) -> FleetResult:
+    def job(self, job: str) -> tuple[FleetJob | None, FleetResult]:
+        """``squeue`` for the job's state and node list, the node list expanded by
+        ``scontrol show hostnames``; a name that is not a Slurm job id is asked nothing."""
+        if not _JOB_ID.fullmatch(job):
+            return None, FleetResult(f"squeue -j {shlex.quote(job)}", False,
+                                     "not a Slurm job id: not asked")
+        r = self._run("squeue", "-h", "-j", job, "-o", _JOB_FORMAT)
+        if not r.ok:
+            return None, r
+        found = parse_job(r.output)
+        if found is None or found[0] != job:
+            return None, FleetResult(r.command, True, f"Slurm lists no job {job}")
+        _, state, nodelist, excluded = found
+        nodes: frozenset[str] = frozenset()
+        if nodelist and nodelist != "(null)":
+            names = self._run("scontrol", "show", "hostnames", nodelist)
+            if not names.ok:
+                return None, names
+            nodes = frozenset(n.strip() for n in names.output.splitlines() if n.strip())
+        return FleetJob(job=job, state=state, running=state == "RUNNING", nodes=nodes,
+                        excluded="" if excluded in ("", "(null)") else excluded), r
+
+    def requeue(self, job: FleetJob, exclude: Sequence[str]) -> list[FleetResult]:
         """``scontrol requeue``: the job must be requeueable (``sbatch --requeue``, or the
         cluster's ``JobRequeue=1``); the batch script runs again with the same job id and
-        ``SLURM_RESTART_COUNT`` one higher, on nodes that are not drained."""
-        return self._run("scontrol", "requeue", job)
+        ``SLURM_RESTART_COUNT`` one higher, on nodes that are not drained.  With nodes to
+        ``exclude``: ``scontrol requeuehold``, then the job's ``ExcNodeList`` gains them
+        (a pending job's only), then ``scontrol release``."""
+        if not exclude:
+            return [self._run("scontrol", "requeue", job.job)]
+        hold = self._run("scontrol", "requeuehold", job.job)
+        if not hold.ok:
+            return [hold]
+        nodes = ",".join([*([job.excluded] if job.excluded else []), *exclude])
+        update = self._run("scontrol", "update", f"JobId={job.job}", f"ExcNodeList={nodes}")
+        return [hold, update, self._run("scontrol", "release", job.job)]

@@ -1,7 +1,8 @@
 """``trainwarden supervisor --fleet slurm --fleet-requeue`` against the real Slurm of
 tests/slurm.py: a two-node job with no spare loses a member; the supervisor drains the dead
-node and requeues the job, whose next allocation avoids it, and the run completes as one run
-(the same identity, a new attempt from the newest checkpoint) with the clean run's weights."""
+node and requeues the job (once Slurm confirms the job runs on the run's nodes), whose next
+allocation avoids it, and the run completes as one run (the same identity, a new attempt from
+the newest checkpoint) with the clean run's weights."""
 
 from __future__ import annotations
 
@@ -89,8 +90,14 @@ def test_with_no_spare_the_job_is_requeued_without_the_dead_node_and_the_run_goe
         # once (node_lost), the restart on the new allocation against no budget (replace).
         events = sup.get(f"/runs/{run}/events")["events"]
         (req,) = [e for e in events if e["name"] == "requeued"]
+        # (the agents hold the cluster's agent token, trusted for their hosts: the dead node
+        # is drained for every job, and excluded from this one's next allocation)
         assert req["details"]["job"] == job and req["details"]["drained"] == [victim], req
-        assert f"`scontrol requeue {job}` succeeded" in req["message"], req
+        assert req["details"]["excluded"] == [victim], req
+        assert [(c["command"], c["ok"]) for c in req["details"]["commands"]] == [
+            (f"scontrol requeuehold {job}", True),
+            (f"scontrol update JobId={job} ExcNodeList={victim}", True),
+            (f"scontrol release {job}", True)], req
         assert f"without {victim} (lost" in req["message"], req
         actions = sup.get(f"/runs/{run}/actions")["actions"]
         assert [a["cause"] for a in reversed(actions)] == ["node_lost", "replace"], actions

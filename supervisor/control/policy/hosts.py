@@ -3,13 +3,13 @@ fleet (the scheduler that owns the machines)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from trainwarden.supervisor.control.policy.decisions import Note
 from trainwarden.supervisor.detect import node_health
 from trainwarden.supervisor.enums import Actor, HostState, Verdict
-from trainwarden.supervisor.fleet import REASON_PREFIX, FleetNode, FleetNodeState
+from trainwarden.supervisor.fleet import REASON_PREFIX, FleetJob, FleetNode, FleetNodeState
 
 
 @dataclass(frozen=True)
@@ -147,25 +147,42 @@ def fleet_decisions(ledger: Mapping[str, tuple[str, str, str]],
 
 
 @dataclass(frozen=True)
-class Requeue:
-    """Put the run's scheduler job back in the queue (``fleet.requeue``): the nodes its
-    attempt waits for are drained first (``drain``: node, reason), so the next allocation
-    avoids them.  The job's agents register again to the same run, which goes on as a new
-    attempt from the newest checkpoint (the loss was counted when it happened)."""
+class RequeueWanted:
+    """The run's attempt stands by for nodes (``waiting``: node, why) and its agents named
+    their scheduler job: requeue it, once the scheduler confirms the job is the run's
+    (``requeue_checked``)."""
 
-    job: str
+    job: str  # the job the run's agents named: their claim
     attempt: int  # the attempt that waits (a job is requeued once for it)
-    drain: tuple[tuple[str, str], ...]
+    waiting: tuple[tuple[str, str], ...]
     reason: str
 
 
+@dataclass(frozen=True)
+class Requeue:
+    """Put the run's scheduler job back in the queue (``fleet.requeue``), its next allocation
+    off the nodes its attempt waits for (``exclude``, for this job).  ``cordons``: the waiting
+    nodes, cordoned in the shared ledger when their agent was trusted for the host, in this
+    run only otherwise; ``drain``: the trusted ones (node, reason), drained in the scheduler
+    first (for every job).  The job's agents register again to the same run, which goes on as
+    a new attempt from the newest checkpoint (the loss was counted when it happened)."""
+
+    job: str
+    attempt: int
+    drain: tuple[tuple[str, str], ...]
+    reason: str
+    exclude: tuple[str, ...] = ()
+    cordons: tuple[Cordon, ...] = ()
+
+
 def requeue_when_no_spare(*, enabled: bool, attempt: int, waiting: Mapping[str, str],
-                          job: str, requeued_for: int | None) -> Requeue | Note:
+                          job: str, requeued_for: int | None) -> RequeueWanted | Note:
     """A run whose attempt stands by for a node (a member lost or cordoned, no spare free,
     the run may not shrink: ``waiting``, node -> why) is requeued in its scheduler without
     those nodes, when ``fleet.requeue`` is on and its agents named their job (``job``; ""
     when they run outside one).  Once per waiting attempt (``requeued_for``: the attempt the
-    run's last requeue was for)."""
+    run's last requeue was for).  What the agents named is checked against the scheduler
+    before anything is done (``requeue_checked``)."""
     if not waiting:
         return Note(Verdict.IGNORED, "the run waits for no node")
     if not enabled:
@@ -179,7 +196,48 @@ def requeue_when_no_spare(*, enabled: bool, attempt: int, waiting: Mapping[str, 
     nodes = ", ".join(f"{n} ({why})" for n, why in sorted(waiting.items()))
     reason = (f"no spare is free and the run may not shrink: job {job} is requeued without "
               f"{nodes}")
-    return Requeue(job=job, attempt=attempt,
-                   drain=tuple((n, f"{REASON_PREFIX} {why}; the run's job {job} is requeued "
-                                   "without it") for n, why in sorted(waiting.items())),
-                   reason=reason)
+    return RequeueWanted(job=job, attempt=attempt, waiting=tuple(sorted(waiting.items())),
+                         reason=reason)
+
+
+def requeue_checked(want: RequeueWanted, *, run_id: int, scheduled: FleetJob | None,
+                    said: str, members: Set[str], trusted: Mapping[str, bool],
+                    named_by: Sequence[str] = ()) -> Requeue | Note:
+    """The requeue ``want`` asks for, against the scheduler's word about the job
+    (``scheduled``; None: it has no such job or could not say, ``said``: its answer).  The
+    job is the agents' claim: it is requeued only when the scheduler runs it on every node
+    of the run (``members``, the waiting ones among them) and no other active run's agents
+    named it too (``named_by``: those runs).  ``trusted``: node -> whether the run's agent
+    on it is trusted for the host (a token scoped to no run): only such a node is cordoned
+    in the shared ledger and drained in the scheduler; any other is cordoned in this run
+    only.  Every waiting node is excluded from the job's next allocation."""
+    job = want.job
+    if scheduled is None:
+        return Note(Verdict.WAIT, f"job {job} is not requeued: the scheduler has no such job "
+                                  f"or could not say ({said})")
+    if named_by:
+        return Note(Verdict.WAIT, f"job {job} is not requeued: the agents of "
+                                  f"{', '.join(sorted(named_by))} named it too: whose job it "
+                                  "is cannot be told")
+    if not scheduled.running:
+        return Note(Verdict.WAIT, f"job {job} is not requeued: the scheduler has it "
+                                  f"{scheduled.state}, not running")
+    waiting = dict(want.waiting)
+    missing = sorted((set(members) | set(waiting)) - scheduled.nodes)
+    if missing:
+        held = ", ".join(sorted(scheduled.nodes)) or "no node"
+        return Note(Verdict.WAIT, f"job {job} is not requeued: its allocation ({held}) does "
+                                  f"not hold the run's {', '.join(missing)}: it is not the "
+                                  "run's job")
+    drain, cordons = [], []
+    for n, why in want.waiting:
+        said_of = f"{why}; the run's job {job} is requeued without it"
+        if trusted.get(n, False):
+            drain.append((n, f"{REASON_PREFIX} {said_of}"))
+            cordons.append(Cordon(n, f"{REASON_PREFIX} {said_of}", run_id=run_id))
+        else:
+            cordons.append(Cordon(n, f"{REASON_PREFIX} {said_of} (in this run only: its "
+                                     "agent's token is not trusted for the host)",
+                                  run_id=run_id, in_run_only=True))
+    return Requeue(job=job, attempt=want.attempt, drain=tuple(drain), reason=want.reason,
+                   exclude=tuple(n for n, _ in want.waiting), cordons=tuple(cordons))
