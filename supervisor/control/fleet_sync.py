@@ -139,10 +139,11 @@ class FleetSync:
     def requeue_round(self) -> list[policy.Requeue]:
         """Requeue the job of each run whose attempt stands by for a node
         (``policy.requeue_when_no_spare``), once the scheduler confirms the job the agents
-        named is the run's (``policy.requeue_checked``): the waiting nodes are cordoned (in
-        the shared ledger and drained when their agents were trusted for the host, in the run
-        only otherwise), then the job is requeued off them; each command is audited, the
-        requeue is the run's ``requeued`` event, and a refusal its ``requeue_refused``."""
+        named is the run's (``policy.requeue_checked``: it runs on the run's nodes and its
+        comment names the run): the waiting nodes are cordoned (in the shared ledger and
+        drained when their agents were trusted for the host, in the run only otherwise), then
+        the job is requeued off them; each command is audited, the requeue is the run's
+        ``requeued`` event, and a refusal its ``requeue_refused``."""
         wanted: list[tuple[RunRow, policy.RequeueWanted, set[str], dict[str, bool]]] = []
         with self.db.read() as conn:
             active = registry.active_runs(conn)
@@ -169,7 +170,8 @@ class FleetSync:
                 continue
             scheduled, said = self.fleet.job(want.job)
             check = policy.requeue_checked(
-                want, run_id=run_id, scheduled=scheduled, said=said.describe(),
+                want, run_id=run_id, run=str(run["name"]), scheduled=scheduled,
+                said=said.describe(),
                 members=members, trusted=trusted,
                 named_by=[str(r["name"]) for r in active
                           if named[int(r["id"])] == want.job and int(r["id"]) != run_id])

@@ -8,8 +8,9 @@ A backend answers three things, each a command of the scheduler's run with a dea
 * ``cordon``: fence the node off in the scheduler (Slurm: drain it), with a reason that starts
   with ``REASON_PREFIX``;
 * ``uncordon``: put the node back in service, only where the fence is trainwarden's;
-* ``job``: what the scheduler says of a job its agents named (its state and the nodes of its
-  allocation): the agents' word for which job they run in is a claim, checked against it;
+* ``job``: what the scheduler says of a job its agents named (its state, the nodes of its
+  allocation, and its comment, which its owner sets to ``run_comment(run)`` to bind it to the
+  run): the agents' word for which job they run in is a claim, checked against it;
 * ``requeue``: end the job's current allocation and put the job back in the scheduler's queue,
   so it runs again, as the same job, on nodes the scheduler chooses: never a fenced one, nor
   one excluded for that job.
@@ -34,6 +35,14 @@ REASON_PREFIX = "trainwarden:"
 # How the cordon the fleet sets for a node its scheduler says is down begins (the node-lost
 # detector reads it as the scheduler's word that the node is lost).
 DOWN_REASON_PREFIX = "slurm: down"
+# How a scheduler job's comment names the run it belongs to (deploy/slurm/train.sbatch sets it):
+# the job's owner alone may set it, so a job is requeued for a run only when it names that run.
+RUN_COMMENT_PREFIX = "trainwarden-run="
+
+
+def run_comment(run: str) -> str:
+    """The comment that binds a scheduler job to the run ``run`` (its name)."""
+    return f"{RUN_COMMENT_PREFIX}{run}"
 
 
 class FleetNodeState(StrEnum):
@@ -66,6 +75,7 @@ class FleetJob:
     running: bool  # its allocation runs now (the only state a requeue applies to)
     nodes: frozenset[str]  # the nodes of its allocation, by name (none while pending)
     excluded: str = ""  # the nodes it already may not use (Slurm: ExcNodeList), "" for none
+    comment: str = ""  # the comment its owner set (Slurm: Comment), "" for none
 
 
 @dataclass(frozen=True)

@@ -34,17 +34,18 @@ def node_state(raw: str) -> FleetNodeState:
 # A Slurm job id (an array job's task: 123_4), as the agents name it; nothing else reaches
 # a command line.
 _JOB_ID = re.compile(r"[0-9]{1,20}(_[0-9]{1,10})?")
-# squeue's fields for one job (none holds a "|": node names and states cannot)
-_JOB_FORMAT = "%i|%T|%N|%x"
+# squeue's fields for one job: none but the comment (its owner's free text, last) holds a "|"
+_JOB_FORMAT = "%i|%T|%N|%x|%k"
 
 
-def parse_job(text: str) -> tuple[str, str, str, str] | None:
-    """``squeue -h -j JOB -o '%i|%T|%N|%x'``: (id, state, node list, excluded nodes); None
-    when it lists no job."""
+def parse_job(text: str) -> tuple[str, str, str, str, str] | None:
+    """``squeue -h -j JOB -o '%i|%T|%N|%x|%k'``: (id, state, node list, excluded nodes,
+    comment); None when it lists no job.  The comment comes last and whole, whatever it
+    holds."""
     for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4 and parts[0]:
-            return parts[0], parts[1], parts[2], parts[3]
+        parts = line.strip().split("|", 4)
+        if len(parts) == 5 and parts[0]:
+            return parts[0], parts[1], parts[2], parts[3], parts[4]
     return None
 
 
@@ -113,7 +114,7 @@ class SlurmFleet:
         return self._run("scontrol", "update", f"NodeName={node}", "State=RESUME")
 
     def job(self, job: str) -> tuple[FleetJob | None, FleetResult]:
-        """``squeue`` for the job's state and node list, the node list expanded by
+        """``squeue`` for the job's state, node list and comment, the node list expanded by
         ``scontrol show hostnames``; a name that is not a Slurm job id is asked nothing."""
         if not _JOB_ID.fullmatch(job):
             return None, FleetResult(f"squeue -j {shlex.quote(job)}", False,
@@ -124,7 +125,7 @@ class SlurmFleet:
         found = parse_job(r.output)
         if found is None or found[0] != job:
             return None, FleetResult(r.command, True, f"Slurm lists no job {job}")
-        _, state, nodelist, excluded = found
+        _, state, nodelist, excluded, comment = found
         nodes: frozenset[str] = frozenset()
         if nodelist and nodelist != "(null)":
             names = self._run("scontrol", "show", "hostnames", nodelist)
@@ -132,7 +133,8 @@ class SlurmFleet:
                 return None, names
             nodes = frozenset(n.strip() for n in names.output.splitlines() if n.strip())
         return FleetJob(job=job, state=state, running=state == "RUNNING", nodes=nodes,
-                        excluded="" if excluded in ("", "(null)") else excluded), r
+                        excluded="" if excluded in ("", "(null)") else excluded,
+                        comment="" if comment == "(null)" else comment), r
 
     def requeue(self, job: FleetJob, exclude: Sequence[str]) -> list[FleetResult]:
         """``scontrol requeue``: the job must be requeueable (``sbatch --requeue``, or the

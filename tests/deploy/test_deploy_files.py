@@ -24,6 +24,7 @@ import yaml
 from trainwarden.agent import cli as agent_cli
 from trainwarden.supervisor.cli import main as supervisor_cli
 from trainwarden.supervisor.config import flag_values
+from trainwarden.supervisor.fleet import RUN_COMMENT_PREFIX
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -165,6 +166,14 @@ def test_slurm_agent_command_line_parses() -> None:
     assert cfg.command[0] == "torchrun"
     assert "--rdzv-backend=c10d" in cfg.command
     assert "--nnodes=3" in cfg.command and "train.py" in cfg.command
+
+
+def test_slurm_script_names_its_run_in_its_job_s_comment() -> None:
+    # The supervisor requeues a job only for the run its comment names (run_comment).
+    text = SBATCH.read_text()
+    line = f'scontrol update JobId="$SLURM_JOB_ID" Comment="{RUN_COMMENT_PREFIX}$RUN"'
+    assert line in text, "the sbatch script no longer sets its job's comment to name its run"
+    assert text.index('export RUN="') < text.index(line) < text.index("\nsrun ")
 
 
 # --- Docker and compose ----------------------------------------------------------------------

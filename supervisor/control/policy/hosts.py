@@ -3,13 +3,20 @@ fleet (the scheduler that owns the machines)."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from trainwarden.supervisor.control.policy.decisions import Note
 from trainwarden.supervisor.detect import node_health
 from trainwarden.supervisor.enums import Actor, HostState, Verdict
-from trainwarden.supervisor.fleet import REASON_PREFIX, FleetJob, FleetNode, FleetNodeState
+from trainwarden.supervisor.fleet import (
+    REASON_PREFIX,
+    FleetJob,
+    FleetNode,
+    FleetNodeState,
+    run_comment,
+)
 
 
 @dataclass(frozen=True)
@@ -200,17 +207,19 @@ def requeue_when_no_spare(*, enabled: bool, attempt: int, waiting: Mapping[str, 
                          reason=reason)
 
 
-def requeue_checked(want: RequeueWanted, *, run_id: int, scheduled: FleetJob | None,
+def requeue_checked(want: RequeueWanted, *, run_id: int, run: str, scheduled: FleetJob | None,
                     said: str, members: Set[str], trusted: Mapping[str, bool],
                     named_by: Sequence[str] = ()) -> Requeue | Note:
     """The requeue ``want`` asks for, against the scheduler's word about the job
     (``scheduled``; None: it has no such job or could not say, ``said``: its answer).  The
     job is the agents' claim: it is requeued only when the scheduler runs it on every node
-    of the run (``members``, the waiting ones among them) and no other active run's agents
-    named it too (``named_by``: those runs).  ``trusted``: node -> whether the run's agent
-    on it is trusted for the host (a token scoped to no run): only such a node is cordoned
-    in the shared ledger and drained in the scheduler; any other is cordoned in this run
-    only.  Every waiting node is excluded from the job's next allocation."""
+    of the run ``run`` (its name; ``members``, the waiting nodes among them), no other
+    active run's agents named it too (``named_by``: those runs), and the job's comment,
+    which only its owner may set, names exactly this run (``run_comment``).  ``trusted``:
+    node -> whether the run's agent on it is trusted for the host (a token scoped to no
+    run): only such a node is cordoned in the shared ledger and drained in the scheduler;
+    any other is cordoned in this run only.  Every waiting node is excluded from the job's
+    next allocation."""
     job = want.job
     if scheduled is None:
         return Note(Verdict.WAIT, f"job {job} is not requeued: the scheduler has no such job "
@@ -229,6 +238,12 @@ def requeue_checked(want: RequeueWanted, *, run_id: int, scheduled: FleetJob | N
         return Note(Verdict.WAIT, f"job {job} is not requeued: its allocation ({held}) does "
                                   f"not hold the run's {', '.join(missing)}: it is not the "
                                   "run's job")
+    if scheduled.comment != run_comment(run):
+        has = repr(scheduled.comment) if scheduled.comment else "none"
+        return Note(Verdict.WAIT, f"job {job} is not requeued: its comment ({has}) does not "
+                                  f"name run {run}: set it with `scontrol update JobId={job} "
+                                  f"Comment={shlex.quote(run_comment(run))}` in the job "
+                                  "(deploy/slurm/train.sbatch does) or `sbatch --comment`")
     drain, cordons = [], []
     for n, why in want.waiting:
         said_of = f"{why}; the run's job {job} is requeued without it"

@@ -1,7 +1,8 @@
 """A run with no spare left is requeued in its scheduler (``fleet.requeue``): the policy's rule,
 the Slurm commands (a fake ``scontrol`` and ``squeue`` on PATH; the real ones:
 tests/e2e/test_slurm_requeue.py), and the fleet's round over the store and the evaluator: the
-job the agents name is their claim, requeued only when Slurm runs it on the run's nodes; the
+job the agents name is their claim, requeued only when Slurm runs it on the run's nodes and
+its comment (which only the job's owner may set) names the run; the
 waiting node is cordoned (shared and drained when its agent was trusted for the host, in the
 run only otherwise) and excluded from the job's next allocation, once, and that allocation
 goes on as the same run (a new attempt, the loss counted once)."""
@@ -36,7 +37,7 @@ from trainwarden.supervisor.store import hosts
 from trainwarden.supervisor.store.db import Database
 
 WAITING = {"n1": "lost"}
-JOB77 = FleetJob("77", "RUNNING", True, frozenset({"n0", "n1"}))
+JOB77 = FleetJob("77", "RUNNING", True, frozenset({"n0", "n1"}), comment="trainwarden-run=r1")
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def _wanted() -> policy.RequeueWanted:
 
 
 def test_a_trusted_run_s_job_is_requeued_off_its_waiting_node_which_is_drained() -> None:
-    d = policy.requeue_checked(_wanted(), run_id=5, scheduled=JOB77, said="",
+    d = policy.requeue_checked(_wanted(), run_id=5, run="r1", scheduled=JOB77, said="",
                                members={"n0", "n1"}, trusted={"n0": True, "n1": True})
     assert isinstance(d, policy.Requeue)
     assert (d.job, d.attempt, d.exclude) == ("77", 1, ("n1",))
@@ -95,7 +96,7 @@ def test_an_untrusted_node_is_cordoned_in_the_run_only_and_kept_off_this_job_not
         ) -> None:
     # The lost node's agent registered with a run-scoped token: what it said of its host
     # moves neither the shared ledger nor the scheduler's node; the job still avoids it.
-    d = policy.requeue_checked(_wanted(), run_id=5, scheduled=JOB77, said="",
+    d = policy.requeue_checked(_wanted(), run_id=5, run="r1", scheduled=JOB77, said="",
                                members={"n0", "n1"}, trusted={"n0": True, "n1": False})
     assert isinstance(d, policy.Requeue)
     assert d.drain == () and d.exclude == ("n1",)
@@ -120,16 +121,42 @@ def test_an_untrusted_node_is_cordoned_in_the_run_only_and_kept_off_this_job_not
 ])
 def test_a_job_the_scheduler_does_not_run_on_the_run_s_nodes_is_not_requeued(
         scheduled: FleetJob | None, named_by: tuple[str, ...], why: str) -> None:
-    n = policy.requeue_checked(_wanted(), run_id=5, scheduled=scheduled,
+    n = policy.requeue_checked(_wanted(), run_id=5, run="r1", scheduled=scheduled,
                                said="Slurm lists no job 77", members={"n0", "n1"},
                                trusted={"n0": True, "n1": True}, named_by=named_by)
     assert isinstance(n, policy.Note) and n.verdict == Verdict.WAIT
     assert n.why == why
 
 
+@pytest.mark.parametrize(("comment", "has"), [
+    ("", "none"),
+    ("trainwarden-run=r2", "'trainwarden-run=r2'"),
+    ("trainwarden-run=r10", "'trainwarden-run=r10'"),
+    ("trainwarden-run=r1 ", "'trainwarden-run=r1 '"),
+    ("r1", "'r1'"),
+])
+def test_a_job_whose_comment_does_not_name_the_run_is_not_requeued(comment: str,
+                                                                   has: str) -> None:
+    # Slurm runs job 77 on the run's nodes, but only the job's owner sets its comment: a job
+    # is the run's only when the comment names exactly that run.
+    job = FleetJob("77", "RUNNING", True, frozenset({"n0", "n1"}), comment=comment)
+    n = policy.requeue_checked(_wanted(), run_id=5, run="r1", scheduled=job, said="",
+                               members={"n0", "n1"}, trusted={"n0": True, "n1": True})
+    assert isinstance(n, policy.Note) and n.verdict == Verdict.WAIT
+    assert n.why == (f"job 77 is not requeued: its comment ({has}) does not name run r1: set "
+                     "it with `scontrol update JobId=77 Comment=trainwarden-run=r1` in the job "
+                     "(deploy/slurm/train.sbatch does) or `sbatch --comment`")
+    # A run name the shell would split is quoted in the advice.
+    other = policy.requeue_checked(_wanted(), run_id=5, run="my run", scheduled=JOB77, said="",
+                                   members={"n0", "n1"}, trusted={})
+    assert isinstance(other, policy.Note)
+    assert "Comment='trainwarden-run=my run'" in other.why, other.why
+
+
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``squeue`` and ``scontrol`` on PATH, each call written to ``calls``: job 77 runs on
-    n[0-1] (tw9 excluded by its submitter), 78 pends, 79 is not known, and asking for 13
+    n[0-1] (tw9 excluded by its submitter, its comment naming run r1), 78 pends (no
+    comment), 80 runs with a comment that holds "|", 79 is not known, and asking for 13
     fails; scontrol expands n[0-1], anything it is asked of job 13 fails, and so does an
     update of job 66."""
     calls = tmp_path / "calls"
@@ -138,8 +165,9 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (fake / "squeue").write_text(
         f'#!/bin/bash\necho "squeue $*" >> {calls}\n'
         'case "$3" in\n'
-        '  77) echo "77|RUNNING|n[0-1]|tw9";;\n'
-        '  78) echo "78|PENDING||";;\n'
+        '  77) echo "77|RUNNING|n[0-1]|tw9|trainwarden-run=r1";;\n'
+        '  78) echo "78|PENDING|||(null)";;\n'
+        "  80) echo '80|RUNNING|n[0-1]||trainwarden-run=a|b|(null)';;\n"
         '  13) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1;;\n'
         'esac\n')
     (fake / "scontrol").write_text(
@@ -157,10 +185,15 @@ def test_slurm_says_what_a_job_is_its_state_and_its_nodes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = fake_slurm(tmp_path, monkeypatch)
     job, r = SlurmFleet().job("77")
-    assert r.ok and r.command == "squeue -h -j 77 -o '%i|%T|%N|%x'", r
-    assert job == FleetJob("77", "RUNNING", True, frozenset({"n0", "n1"}), excluded="tw9")
+    assert r.ok and r.command == "squeue -h -j 77 -o '%i|%T|%N|%x|%k'", r
+    assert job == FleetJob("77", "RUNNING", True, frozenset({"n0", "n1"}), excluded="tw9",
+                           comment="trainwarden-run=r1")
     pending, _ = SlurmFleet().job("78")
     assert pending == FleetJob("78", "PENDING", False, frozenset())
+    # The comment is its owner's free text, read whole: a "|" in it shifts no other field.
+    piped, _ = SlurmFleet().job("80")
+    assert piped == FleetJob("80", "RUNNING", True, frozenset({"n0", "n1"}),
+                             comment="trainwarden-run=a|b|(null)")
     gone, r = SlurmFleet().job("79")
     assert gone is None and r.ok and r.output == "Slurm lists no job 79", r
     failed, r = SlurmFleet().job("13")
@@ -170,9 +203,10 @@ def test_slurm_says_what_a_job_is_its_state_and_its_nodes(
         nothing, r = SlurmFleet().job(claim)
         assert nothing is None and not r.ok and "not a Slurm job id" in r.output, claim
     assert calls.read_text().splitlines() == [
-        "squeue -h -j 77 -o %i|%T|%N|%x", "scontrol show hostnames n[0-1]",
-        "squeue -h -j 78 -o %i|%T|%N|%x", "squeue -h -j 79 -o %i|%T|%N|%x",
-        "squeue -h -j 13 -o %i|%T|%N|%x"]
+        "squeue -h -j 77 -o %i|%T|%N|%x|%k", "scontrol show hostnames n[0-1]",
+        "squeue -h -j 78 -o %i|%T|%N|%x|%k", "squeue -h -j 80 -o %i|%T|%N|%x|%k",
+        "scontrol show hostnames n[0-1]", "squeue -h -j 79 -o %i|%T|%N|%x|%k",
+        "squeue -h -j 13 -o %i|%T|%N|%x|%k"]
 
 
 def test_the_slurm_requeue_holds_the_job_excludes_the_nodes_for_it_and_releases_it(
@@ -377,7 +411,8 @@ def test_a_run_scoped_runs_lost_node_is_kept_off_its_job_in_the_run_only_never_d
     _waiting_run(client, evaluator, clock, run="team-b-1",
                  headers=scoped_agent_token(client, "team-b-*"))
     run_id = get(client, "/runs/team-b-1")["id"]
-    fleet = FakeFleet(["n0", "n1", "n2"])
+    fleet = FakeFleet(["n0", "n1", "n2"], jobs={"77": FleetJob(
+        "77", "RUNNING", True, frozenset({"n0", "n1"}), comment="trainwarden-run=team-b-1")})
     FleetSync(db, fleet, FleetConfig(backend="slurm", requeue=True), clock=clock).round()
     # Its own job, on its own nodes: requeued off n1 for this job only; Slurm's node is not
     # drained, and the shared ledger does not cordon it (another run may use n1).
@@ -390,3 +425,31 @@ def test_a_run_scoped_runs_lost_node_is_kept_off_its_job_in_the_run_only_never_d
         assert set(hosts.run_cordons(conn, run_id=run_id)) == {"n1"}
     cond = get(client, "/runs/team-b-1")["condition"]
     assert "job 77 was requeued without n1" in cond["summary"], cond
+
+
+def test_a_scoped_run_s_claimed_job_is_requeued_only_when_its_comment_names_the_run(
+        client: TestClient, evaluator: Evaluator, clock: FakeClock, db: Database) -> None:
+    # Run team-b-1's agents (scoped) name job 77 and the node names Slurm runs it on, and no
+    # other run of this supervisor names it: the claims check out, but the job's comment
+    # (set by its owner) names run r1, so the job is not team-b-1's to requeue.
+    _waiting_run(client, evaluator, clock, run="team-b-1",
+                 headers=scoped_agent_token(client, "team-b-*"))
+    fleet = FakeFleet(["n0", "n1", "n2"])
+    sync = FleetSync(db, fleet, FleetConfig(backend="slurm", requeue=True), clock=clock)
+    sync.round()
+    assert fleet.calls == [("job", "77")]
+    (ev,) = _events(client, "team-b-1", "requeue_refused")
+    assert ev["message"].startswith("job 77 is not requeued: its comment "
+                                    "('trainwarden-run=r1') does not name run team-b-1: set "
+                                    "it with `scontrol update JobId=77 "
+                                    "Comment=trainwarden-run=team-b-1`"), ev
+    assert _events(client, "team-b-1", "requeued") == []
+    with db.read() as conn:
+        assert hosts.cordoned_nodes(conn) == set()
+    # The job's owner names the run in its comment: the next check requeues it.
+    fleet.jobs["77"] = FleetJob("77", "RUNNING", True, frozenset({"n0", "n1"}),
+                                comment="trainwarden-run=team-b-1")
+    clock.advance(31)
+    sync.round()
+    assert fleet.calls[-2:] == [("job", "77"), ("requeue", "77", "n1")]
+    assert len(_events(client, "team-b-1", "requeued")) == 1
