@@ -56,8 +56,9 @@ class FleetConfig:
     retry_s: float = bounded(30.0, gt=0)
     # A run whose attempt stands by for a node (a member lost, no spare free, the run may not
     # shrink) is requeued in the scheduler instead, when the scheduler runs the job its agents
-    # named on the run's nodes: the job's next allocation excludes the lost node (drained
-    # first when its agent was trusted for the host) and goes on as the same run
+    # named on the run's nodes and the job's comment names the run (trainwarden-run=RUN): the
+    # job's next allocation excludes the lost node (drained first when its agent was trusted
+    # for the host) and goes on as the same run
     requeue: bool = False
 
     def __post_init__(self) -> None:
