@@ -33,7 +33,8 @@ from trainwarden.supervisor.detect.findings import INCIDENT, Finding, FindingKin
 class NodeLostConfig:
     SECTION: ClassVar[str] = "node_lost"
 
-    # seconds without a heartbeat before a node is lost
+    # seconds without a heartbeat before a node is lost (also how long a rendezvous host's
+    # failure is held for the report of a heard member that did not join)
     deadline_s: float = bounded(30.0, gt=0, hint="try 30")
     # seconds of silence that confirm a node's death at once when its peers' workers failed
     # on their connections to it (heartbeat silence alone waits for deadline_s; never more

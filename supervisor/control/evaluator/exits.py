@@ -111,4 +111,6 @@ class ExitJudge(EvaluatorBase):
             recovery=actions.recovery(conn, run), checkpoint=ckpt["path"] if ckpt else None,
             cfg=self.cfg, now=now, silent_peers=silent,
             may_wait=now - first < lost.confirm_wait_s,
+            # a member heard within the node-lost deadline is alive: its own report is due
+            may_wait_for_member=now - first < lost.deadline_s,
             rendezvous=policy.RendezvousFacts(host=host["node"] if host else None))

@@ -195,6 +195,7 @@ def on_exit(
     silent_peers: Mapping[str, float] | None = None,
     may_wait: bool = False,
     rendezvous: RendezvousFacts | None = None,
+    may_wait_for_member: bool = False,
 ) -> Decision:
     """Decide what one agent's exit report means for the run.
 
@@ -209,7 +210,11 @@ def on_exit(
     ``may_wait``: such an exit is young enough to be held while no peer is silent yet.
 
     ``rendezvous``: where the attempt's rendezvous formed; a member that could not reach it
-    while its host is heard is cut off by a network partition (``network_partition``)."""
+    while its host is heard is cut off by a network partition (``network_partition``).
+    ``may_wait_for_member``: the host's own failure (a member did not join) is young enough
+    to be held for that member's report.  It is held longer than a lost peer's confirmation:
+    the member's torchrun gives up on the same rendezvous timeout counted from its own start,
+    which on a busy machine comes many seconds after the host's."""
     if (ex.attempt == run.attempt - 1 and restart_pending and ex.outcome == ExitOutcome.COMPLETED
             and not ex.exit_code and run.status not in FINAL_STATUSES):
         if agent_ids <= (completed_agent_ids | {ex.agent_id}):
@@ -231,7 +236,7 @@ def on_exit(
     kind, cause = incident.kind, incident.cause
     if incident.kind == IncidentKind.CRASH and rendezvous is not None:
         split = network_partition(run, ex, incident, crash, rendezvous=rendezvous,
-                                  silent=silent_peers or {}, may_wait=may_wait,
+                                  silent=silent_peers or {}, may_wait=may_wait_for_member,
                                   checkpoint=checkpoint, cfg=cfg, now=now, recovery=recovery)
         if split is not None:
             return split
