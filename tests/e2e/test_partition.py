@@ -61,6 +61,18 @@ def _incidents(sup: Supervisor, run: str) -> list[dict[str, Any]]:
     return sorted(sup.get(f"/runs/{run}/incidents")["incidents"], key=lambda i: i["id"])
 
 
+def _story(sup: Supervisor, run: str) -> str:
+    """The run's incidents and actions, one line each (a failed assertion's message: the
+    dicts' own repr is cut short)."""
+    lines = [f"incident {i['id']} {i['kind']} attempt {i['attempt']} {i['node']} {i['status']}"
+             f" consequence_of={(i['details'] or {}).get('consequence_of')}: {i['cause'][:200]}"
+             for i in _incidents(sup, run)]
+    lines += [f"action {a['id']} {a['cause']} attempt {a['attempt']} {a['status']}: "
+              f"{a['reason'][:200]}" for a in sorted(
+                  sup.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])]
+    return "\n".join(lines)
+
+
 def test_a_member_cut_off_from_the_rendezvous_host_is_replaced_once_and_named(
         supervisor: Supervisor, net: Fabric, clean: RunResult, tmp_path: Path) -> None:
     """The cut hangs the gradient all-reduce until the collective timeout; the restart's
@@ -81,8 +93,8 @@ def test_a_member_cut_off_from_the_rendezvous_host_is_replaced_once_and_named(
     assert summary(nodes.work)["weights_sha256"] == clean.summary["weights_sha256"]
     incidents = _incidents(supervisor, run)
     part = [i for i in incidents if i["kind"] == "partition"]
-    assert len(part) == 1, incidents
-    assert part[0]["node"] == victim, part
+    assert len(part) == 1, _story(supervisor, run)
+    assert part[0]["node"] == victim, _story(supervisor, run)
     assert (f"network partition: {victim} cannot reach {host} (the rendezvous host, "
             f"{net.address(host)}:") in part[0]["cause"], part
     assert part[0]["details"]["partition"]["cut_off"] == victim, part
@@ -90,8 +102,9 @@ def test_a_member_cut_off_from_the_rendezvous_host_is_replaced_once_and_named(
     first = [i for i in incidents if i["id"] < part[0]["id"]
              and i["kind"] in ("collective_timeout", "hang", "crash")]
     assert first and all(i["details"].get("consequence_of") == part[0]["id"] for i in first), \
-        incidents
-    assert not [i for i in incidents if i["kind"] in ("crash", "node_lost")], incidents
+        _story(supervisor, run)
+    assert not [i for i in incidents if i["kind"] in ("crash", "node_lost")], \
+        _story(supervisor, run)
     # The timeout's restart (counted once), then the partition's (counted against no budget)
     # that replaces the member: no loop on a rendezvous that cannot form.
     actions = sorted(supervisor.get(f"/runs/{run}/actions")["actions"], key=lambda a: a["id"])
