@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 
@@ -43,6 +43,7 @@ from trainwarden.supervisor.server.ingest_path import IngestPath
 from trainwarden.supervisor.store import lease as lease_store
 from trainwarden.supervisor.store import reads
 from trainwarden.supervisor.store.db import Database, make_database
+from trainwarden.supervisor.store.registry import RunTransitionRefused
 
 log = logging.getLogger("trainwarden.supervisor")
 
@@ -52,6 +53,15 @@ API_PREFIX = "/api/v1"
 async def _validation_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     return validation_error_response(exc.errors())
+
+
+async def _transition_refused(_request: Request, exc: Exception) -> Response:
+    """A route's run status change that another writer's commit (the evaluator, another
+    replica) made impossible between the route's read and its write: its transaction was
+    rolled back, so nothing was done."""
+    assert isinstance(exc, RunTransitionRefused)
+    return SafeJSONResponse(status_code=status.HTTP_409_CONFLICT,
+                            content={"detail": f"nothing done: {exc}"})
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
@@ -177,6 +187,7 @@ def create_app(
     evaluator.on_revoked = creds.forget_agents  # an ended run's, at once in this process
     app.state.stored_tokens = StoredTokens()
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RunTransitionRefused, _transition_refused)
     # (FastAPI's documented way to customise the OpenAPI document)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     app.include_router(agents.router, prefix=API_PREFIX)
