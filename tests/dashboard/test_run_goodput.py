@@ -314,3 +314,23 @@ def test_a_spikes_detection_latency_runs_from_its_first_step_to_the_incident(
     (det,) = [s.value for s in fams["trainwarden_run_badput_seconds"].samples
               if s.labels["run"] == "spiky" and s.labels["cause"] == "detection"]
     assert det == want
+
+
+def test_the_pages_goodput_bar_draws_every_part_the_api_gives() -> None:
+    """The run page's bar and legend name every badput cause ``GET .../goodput`` returns,
+    in the API's order, each with a colour: a part the page leaves out is wall time the
+    user cannot see."""
+    import re
+    from pathlib import Path
+
+    from trainwarden.supervisor.goodput import live
+
+    static = Path(live.__file__).resolve().parents[1] / "dashboard" / "static"
+    js = (static / "dashboard.js").read_text()
+    block = js[js.index("var GOODPUT_PARTS = ["):]
+    block = block[:block.index("]];") + 3]
+    keys = re.findall(r'\["([a-z_]+)", "', block)
+    assert keys == ["productive", *live.CAUSES], keys
+    css = (static / "dashboard.css").read_text()
+    missing = [k for k in keys if not re.search(rf"\.seg-{k} \{{ background: #[0-9a-f]+", css)]
+    assert not missing, missing

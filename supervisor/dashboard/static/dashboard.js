@@ -367,7 +367,8 @@
     ["detection", "detection latency"], ["restart", "restart"],
     ["requeue", "requeue wait"], ["startup", "startup"],
     ["checkpoint", "checkpoint stalls"], ["data_wait", "data wait"],
-    ["straggler", "straggler slowdown"], ["idle", "idle"], ["other", "other"]];
+    ["straggler", "straggler slowdown"], ["capacity", "fewer nodes (shrunk world)"],
+    ["idle", "idle"], ["other", "other"]];
 
   function fmtSecs(s) { return s < 90 ? s.toFixed(1) + " s" : fmtAge(s); }
 
