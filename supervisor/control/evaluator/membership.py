@@ -12,6 +12,7 @@ from trainwarden.supervisor.enums import (
     IN_PROGRESS,
     IncidentKind,
     IncidentStatus,
+    RestartCause,
     RunStatus,
     SupervisorEvent,
 )
@@ -115,7 +116,8 @@ class MembershipJudge(EvaluatorBase):
         pending = protocol.ResumePlan.from_dict({k: v for k, v in (action["plan"] or {}).items()
                                         if k != "membership"})
         decision: policy.Restart | policy.Stop = (
-            policy.on_corrupting_member(actions.facts(run), cordoned=stuck, pending=pending)
+            policy.on_corrupting_member(actions.facts(run), cordoned=stuck, pending=pending,
+                                        sdc_rollback=action["cause"] == RestartCause.SDC)
             if stuck else policy.on_member_cordoned(actions.facts(run), cordoned=bad,
                                                     pending=pending, now=now))
         rep.decisions += 1

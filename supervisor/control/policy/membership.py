@@ -204,18 +204,25 @@ def corrupting(cordon_reason: str) -> bool:
     return cordon_reason.startswith(f"cordon.{node_health.SDC_RULE}: ")
 
 
-def on_corrupting_member(run: RunFacts, *, cordoned: Mapping[str, str], pending: ResumePlan
-                         ) -> Stop:
+def on_corrupting_member(run: RunFacts, *, cordoned: Mapping[str, str], pending: ResumePlan,
+                         sdc_rollback: bool = True) -> Stop:
     """A member of a restart that has not resumed yet was cordoned for silent data
     corruption (the corruption that caused the restart was the second on that node within
     the window) and no free spare takes its node rank: the run is stopped, failed, rather than
     rolled back again onto a machine known to corrupt its state (where a third rollback would
     end as the second did).  The reason names the cordon and the checkpoint to resume from on
-    healthy nodes."""
+    healthy nodes.  ``sdc_rollback``: the pending restart is that corruption's rollback (its
+    checkpoint is the newest the replicas agreed on); else another restart (a crash's, the
+    cordon another run's evidence on a shared host) whose checkpoint is named as such."""
     said = "; ".join(f"{node} is cordoned for silent data corruption ({why})"
                      for node, why in sorted(cordoned.items()))
-    where = (f"resume from {pending.checkpoint}, the newest checkpoint the replicas agreed on"
-             if pending.checkpoint else "no checkpoint the replicas agreed on to resume from")
+    if not sdc_rollback:
+        where = (f"resume from {pending.checkpoint}, the pending restart's checkpoint"
+                 if pending.checkpoint else "the pending restart named no checkpoint")
+    elif pending.checkpoint:
+        where = f"resume from {pending.checkpoint}, the newest checkpoint the replicas agreed on"
+    else:
+        where = "no checkpoint the replicas agreed on to resume from"
     return Stop(status=RunStatus.FAILED,
                 reason=f"{said}, and no free spare can take its node rank: the run is stopped "
                        "rather than rolled back onto a machine that corrupts its state again; "

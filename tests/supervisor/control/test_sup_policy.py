@@ -433,3 +433,26 @@ def test_silent_data_corruption_rolls_back_to_the_newest_agreed_checkpoint() -> 
     assert policy.sdc_message(two, None) == (
         "silent data corruption: the replicas' parameter fingerprints disagree at step 200: "
         "ranks 0, 1 disagree and no majority names the corrupt one")
+
+
+def test_a_member_cordoned_for_corruption_with_no_spare_stops_the_run_naming_the_checkpoint(
+        ) -> None:
+    """The stop's reason names the checkpoint to resume from, and what it is: the newest the
+    replicas agreed on when the pending restart is the corruption's rollback, else only the
+    pending restart's own (a crash's restart, the cordon from another run's evidence)."""
+    from trainwarden.agent.protocol import ResumePlan
+
+    cordoned = {"node1": "silent data corruption twice within 24 h (incidents 3, 5)"}
+    plan = ResumePlan(checkpoint="/ck/step_150")
+    d = policy.on_corrupting_member(RUN, cordoned=cordoned, pending=plan)
+    assert isinstance(d, policy.Stop) and d.status == "failed"
+    assert d.reason.startswith("node1 is cordoned for silent data corruption (silent data "
+                               "corruption twice"), d.reason
+    assert "resume from /ck/step_150, the newest checkpoint the replicas agreed on, on " \
+           "healthy nodes" in d.reason, d.reason
+    d = policy.on_corrupting_member(RUN, cordoned=cordoned, pending=plan, sdc_rollback=False)
+    assert "resume from /ck/step_150, the pending restart's checkpoint, on healthy nodes" \
+        in d.reason and "agreed" not in d.reason, d.reason
+    d = policy.on_corrupting_member(RUN, cordoned=cordoned, pending=ResumePlan(checkpoint=None),
+                                    sdc_rollback=False)
+    assert "the pending restart named no checkpoint" in d.reason, d.reason
