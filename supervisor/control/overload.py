@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.control import policy
 from trainwarden.supervisor.detect.overload import (
     DeliveryReport,
@@ -26,8 +27,13 @@ log = logging.getLogger("trainwarden.evaluator")
 
 
 class OverloadWatch:
-    def __init__(self, cfg: OverloadConfig, delivery: DeliveryMonitor | None) -> None:
+    """``monotonic``: the clock the gap between ticks is measured with (as the delivery
+    monitor's)."""
+
+    def __init__(self, cfg: OverloadConfig, delivery: DeliveryMonitor | None, *,
+                 monotonic: Clock = time.monotonic) -> None:
         self.cfg = cfg
+        self.monotonic = monotonic
         self.delivery = delivery  # how late batches arrive (None: not watched)
         self.verdict: Overload | None = None  # the supervisor is behind (the last tick's)
         self.since: float | None = None
@@ -38,7 +44,7 @@ class OverloadWatch:
     def judge(self, now: float) -> tuple[bool, float | None]:
         """This tick's verdict; returns whether an overload has just started, and the length
         of one that has just ended."""
-        mono = time.monotonic()
+        mono = self.monotonic()
         gap = None if self._last_tick is None else mono - self._last_tick
         self._last_tick = mono
         rep = (self.delivery.report(now, tick_gap_s=gap) if self.delivery is not None

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 
+from trainwarden.supervisor.clock import Clock
 from trainwarden.supervisor.detect.overload import DeliveryReport, OverloadConfig
 
 MAX_AGENTS = 65_536  # clock offsets kept (one per agent); beyond, the oldest go
@@ -21,8 +22,13 @@ LOOP_BEAT_S = 0.25
 
 
 class DeliveryMonitor:
-    def __init__(self, cfg: OverloadConfig | None = None) -> None:
+    """``monotonic``: the clock the event loop's lag is measured with (``time.monotonic`` in
+    production; a world driven by a fake wall clock passes one that stands still)."""
+
+    def __init__(self, cfg: OverloadConfig | None = None, *,
+                 monotonic: Clock = time.monotonic) -> None:
         self.cfg = cfg or OverloadConfig()
+        self.monotonic = monotonic
         self._lock = threading.Lock()
         self._offset: dict[int, float] = {}  # agent id -> smallest receive - send seen
         self._heard: dict[int, float] = {}  # agent id -> its newest batch's receive time
@@ -49,13 +55,13 @@ class DeliveryMonitor:
     def loop_beat(self, lag_s: float, at: float | None = None) -> None:
         """The event loop ran its timer ``lag_s`` late (``at``: monotonic time, for tests)."""
         with self._lock:
-            self._beat_at = time.monotonic() if at is None else at
+            self._beat_at = self.monotonic() if at is None else at
             self._beat_lag = max(0.0, lag_s)
 
     def report(self, now: float, *, tick_gap_s: float | None = None,
                monotonic: float | None = None) -> DeliveryReport:
         """The report at ``now`` (the clock ingest stamps receive times with)."""
-        mono = time.monotonic() if monotonic is None else monotonic
+        mono = self.monotonic() if monotonic is None else monotonic
         cfg = self.cfg
         with self._lock:
             while self._recent and self._recent[0][0] < now - cfg.window_s:
@@ -75,8 +81,7 @@ class DeliveryMonitor:
 
     async def beat_forever(self) -> None:
         """Measure the event loop's timer lateness until cancelled."""
-        loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t = self.monotonic()
             await asyncio.sleep(LOOP_BEAT_S)
-            self.loop_beat(loop.time() - t - LOOP_BEAT_S)
+            self.loop_beat(self.monotonic() - t - LOOP_BEAT_S)

@@ -50,6 +50,11 @@ log = logging.getLogger("trainwarden.supervisor")
 API_PREFIX = "/api/v1"
 
 
+def _still() -> float:
+    """A monotonic clock that does not move (see ``create_app``)."""
+    return 0.0
+
+
 async def _validation_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     return validation_error_response(exc.errors())
@@ -111,10 +116,16 @@ def create_app(
     start_evaluator: bool = True,
 ) -> FastAPI:
     """Build the app.  Start-up (the lifespan) upgrades the schema and starts the evaluator
-    thread when asked; tests pass their own ``db``/``clock`` and drive ``Evaluator.tick``."""
+    thread when asked; tests pass their own ``db``/``clock`` and drive ``Evaluator.tick``.
+
+    The supervisor watches its own timing (its event loop's lag, the gap between ticks) on
+    the real monotonic clock when it runs on the real wall clock.  A caller that drives a
+    clock of its own drives time: the real machine's stalls are not that world's, so its
+    own timing is measured on a clock that stands still (never an overload)."""
     database = db if db is not None else make_database(settings.db.database_url)
     detection = settings.detection_config()
-    delivery = DeliveryMonitor(detection.overload)
+    delivery = DeliveryMonitor(
+        detection.overload, monotonic=time.monotonic if clock is time.time else _still)
     evaluator = Evaluator(database, settings.policy_config(), clock=clock,
                           detection=detection, delivery=delivery,
                           retention=settings.retention, cordon=settings.cordon)
