@@ -27,13 +27,11 @@ log = logging.getLogger("trainwarden.evaluator")
 
 
 class OverloadWatch:
-    """``monotonic``: the clock the gap between ticks is measured with (as the delivery
-    monitor's)."""
-
-    def __init__(self, cfg: OverloadConfig, delivery: DeliveryMonitor | None, *,
-                 monotonic: Clock = time.monotonic) -> None:
+    def __init__(self, cfg: OverloadConfig, delivery: DeliveryMonitor | None) -> None:
         self.cfg = cfg
-        self.monotonic = monotonic
+        # the gap between ticks is timed on the delivery monitor's clock (one clock for the
+        # supervisor's own timing)
+        self.monotonic: Clock = delivery.monotonic if delivery is not None else time.monotonic
         self.delivery = delivery  # how late batches arrive (None: not watched)
         self.verdict: Overload | None = None  # the supervisor is behind (the last tick's)
         self.since: float | None = None

@@ -75,9 +75,7 @@ class EvaluatorBase:
         self.cfg = cfg
         self.clock = clock
         self.detection = detection or DetectionConfig()
-        self.overload_watch = OverloadWatch(
-            self.detection.overload, delivery,
-            monotonic=delivery.monotonic if delivery is not None else time.monotonic)
+        self.overload_watch = OverloadWatch(self.detection.overload, delivery)
         # the detectors, in this thread; the app puts them in a process of their own
         self.observer: Observer | ObserverProcess = Observer(self.detection)
         # Called while the tick waits on the observer process (a leader renews its lease).
